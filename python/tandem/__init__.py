@@ -1,0 +1,32 @@
+"""tandem: active replication for latency-sensitive stream processing.
+
+Every task partition runs as two (or more) replicas that process the same input in the
+same order; downstream keeps the first copy of every event, so a crashed replica is
+masked: no output gap, no loss, no duplicates.
+"""
+
+from tandem import _core
+from tandem.exceptions import (
+    AuthenticationError,
+    ChannelClosed,
+    ConfigError,
+    DeterminismError,
+    ProtocolError,
+    ServiceUnavailable,
+    TandemError,
+)
+
+__version__: str = _core.__version__
+build_profile: str = _core.build_profile
+
+__all__ = [
+    "AuthenticationError",
+    "ChannelClosed",
+    "ConfigError",
+    "DeterminismError",
+    "ProtocolError",
+    "ServiceUnavailable",
+    "TandemError",
+    "__version__",
+    "build_profile",
+]

@@ -1,0 +1,34 @@
+"""The exception tree of tandem. Every error tandem raises derives from `TandemError`.
+
+```
+TandemError
+ +-- ConfigError          a job, operator or knob is configured wrongly
+ +-- ProtocolError        a peer sent bytes that are not a valid tandem frame
+ |    +-- AuthenticationError   a peer failed the handshake (wrong job or secret)
+ +-- ChannelClosed        an input or output channel closed while in use
+ +-- DeterminismError     replicas of one task partition produced different output
+ +-- ServiceUnavailable   ZooKeeper, Kafka or Spark cannot be reached
+```
+
+The classes are defined in the native module so that Rust raises them directly.
+"""
+
+from tandem._core import (
+    AuthenticationError,
+    ChannelClosed,
+    ConfigError,
+    DeterminismError,
+    ProtocolError,
+    ServiceUnavailable,
+    TandemError,
+)
+
+__all__ = [
+    "AuthenticationError",
+    "ChannelClosed",
+    "ConfigError",
+    "DeterminismError",
+    "ProtocolError",
+    "ServiceUnavailable",
+    "TandemError",
+]

@@ -1,0 +1,28 @@
+//! tandem-core: the replication hot path of tandem, in pure Rust (no Python).
+//!
+//! One concept of the paper (Rosinosky et al., SRDS 2021) per module:
+//!
+//! * [`wire`] — frame codec (fixed header + Arrow IPC body) and the authenticated handshake.
+//! * [`dedup`] — duplicate sending, first copy wins: a lock-free per-logical-channel
+//!   high-water mark fed concurrently by the connections of every upstream replica.
+//! * [`liverobin`] — Algorithm 1 of the paper: leaderless deterministic round-robin merge
+//!   driven by heartbeats.
+//! * [`merge`] — the other consumption orders: `none` (first come, first served) and the
+//!   positional order followed by KaZoo replicas ("consume channel c up to seq s").
+//! * [`outbox`] — partitioners, per-output-channel sequence numbers, flush policy.
+//! * [`transport`] — TCP listener/dialers on I/O threads, bounded queues, blocking `next()`.
+//!
+//! Sequence numbers are `u64` and count *every* element of a channel, data rows and
+//! heartbeats alike (DESIGN §2, invariant 1).
+
+pub mod dedup;
+pub mod error;
+pub mod item;
+pub mod liverobin;
+pub mod merge;
+pub mod outbox;
+pub mod transport;
+pub mod wire;
+
+pub use error::{Error, Result};
+pub use item::{Chunk, Delivery, Item};

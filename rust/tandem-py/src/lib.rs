@@ -1,0 +1,29 @@
+//! `tandem._core`: a thin PyO3 layer over tandem-core, one topic per file.
+//!
+//! Arrow crosses the boundary as PyCapsules (pyo3-arrow): a `pyarrow.RecordBatch` goes in
+//! and out without copying. Blocking calls release the GIL through [`gil::wait`], which
+//! still honours Ctrl-C.
+
+use pyo3::prelude::*;
+
+mod dedup;
+mod errors;
+mod gil;
+mod merge;
+mod transport;
+mod wire;
+
+/// Cargo profile this extension was compiled with ("release" or "debug").
+const BUILD_PROFILE: &str = if cfg!(debug_assertions) { "debug" } else { "release" };
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("build_profile", BUILD_PROFILE)?;
+    errors::register(m)?;
+    wire::register(m)?;
+    dedup::register(m)?;
+    merge::register(m)?;
+    transport::register(m)?;
+    Ok(())
+}
