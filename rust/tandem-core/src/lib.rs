@@ -21,6 +21,7 @@ pub mod item;
 pub mod liverobin;
 pub mod merge;
 pub mod outbox;
+pub mod sync;
 pub mod transport;
 pub mod wire;
 
