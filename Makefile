@@ -1,0 +1,55 @@
+# tandem — developer entry points. Every target installs what it needs itself, so each
+# works on a fresh machine (Python 3.10+, a Rust toolchain, and the package registries).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: help venv install demo test test-rust test-python lint fuzz bench clean
+
+help:
+	@echo "make demo    set up, then run the demo on the embedded engine"
+	@echo "make test    set up, then run every check CI runs (lint, Rust, fuzz, Python)"
+	@echo "make bench   release-build microbenchmarks: Rust core vs Python reference"
+
+$(VENV)/.created:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	@touch $@
+
+venv: $(VENV)/.created
+
+# `pip install .` builds the release wheel (pyproject: [tool.maturin] profile = "release").
+install: venv
+	$(PIP) install --quiet ".[dev]"
+	@$(PY) -c "import tandem; print('tandem', tandem.__version__, '(' + tandem.build_profile + ' build)')"
+
+demo: install
+	$(VENV)/bin/tandem demo
+
+lint: venv
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --locked -- -D warnings
+	$(PIP) install --quiet "ruff>=0.6"
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test-rust:
+	cargo test --workspace --locked
+
+fuzz:
+	bash scripts/fuzz.sh
+
+test-python: install
+	$(VENV)/bin/pytest
+
+test: lint test-rust fuzz test-python
+
+bench: install
+	$(VENV)/bin/pytest benches --benchmark-only --benchmark-json=out/bench.json -q
+	$(PY) benches/report.py out/bench.json
+
+clean:
+	rm -rf $(VENV) target out .pytest_cache .benchmarks .hypothesis
