@@ -228,8 +228,87 @@ fn orders_of(seq: &[Ev]) -> Vec<(usize, u64)> {
     orders
 }
 
+/// Proptest cases per property: more in release, where they are cheap.
+const CASES: u32 = if cfg!(debug_assertions) { 200 } else { 2000 };
+
+/// Feed a Positional follower the workload's arrivals in a random interleaving, taking
+/// deliveries at random moments, until every arrival is in and it has nothing more to do.
+fn follow(w: &Workload, follower: &mut Positional<Rows>, arrival: u64) -> Vec<Ev> {
+    let mut got = Vec::new();
+    let mut rng = Rng::new(arrival);
+    let bell = Arc::new(Doorbell::new());
+    let (tx, mut rx): (Vec<DedupSender<Rows>>, Vec<DedupReceiver<Rows>>) = (0..w.streams.len())
+        .map(|_| channel(64, Arc::clone(&bell)))
+        .unzip();
+    let mut pending: Vec<(usize, VecDeque<Item<Rows>>)> = w
+        .streams
+        .iter()
+        .enumerate()
+        .flat_map(|(c, reps)| reps.iter().map(move |s| (c, s.iter().cloned().collect())))
+        .collect();
+    loop {
+        let live: Vec<usize> = (0..pending.len())
+            .filter(|&i| !pending[i].1.is_empty())
+            .collect();
+        if live.is_empty() || rng.chance(40) {
+            match follower.next(&mut rx) {
+                Some(d) => flatten(d, &mut got),
+                None if live.is_empty() => return got,
+                None => {}
+            }
+            continue;
+        }
+        let (c, q) = &mut pending[live[rng.below(live.len())]];
+        let item = q.pop_front().expect("live stream");
+        if let Offer::Full(back) = tx[*c].offer(item) {
+            q.push_front(back)
+        }
+    }
+}
+
+fn rows_only(seq: &[Ev]) -> Vec<Ev> {
+    seq.iter()
+        .filter(|e| matches!(e, Ev::Row { .. }))
+        .copied()
+        .collect()
+}
+
+/// The events of channel `c` in a consumed sequence, heartbeats without their `first` flag.
+fn channel_events(seq: &[Ev], c: usize) -> Vec<Ev> {
+    seq.iter()
+        .filter_map(|e| match *e {
+            Ev::Row { channel, .. } if channel == c => Some(*e),
+            Ev::Heartbeat { channel, epoch, .. } if channel == c => Some(Ev::Heartbeat {
+                channel,
+                epoch,
+                first: false,
+            }),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The events of a channel's content, as [`channel_events`] presents them.
+fn channel_events_of_content(content: &[Elem], c: usize) -> Vec<Ev> {
+    content
+        .iter()
+        .enumerate()
+        .map(|(i, e)| match e {
+            Elem::Row => Ev::Row {
+                channel: c,
+                seq: i as u64,
+            },
+            Elem::Heartbeat(epoch) => Ev::Heartbeat {
+                channel: c,
+                epoch: *epoch,
+                first: false,
+            },
+        })
+        .collect()
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(if cfg!(debug_assertions) { 200 } else { 2000 }))]
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
 
     #[test]
     fn liverobin_consumes_the_reference_sequence_under_any_interleaving(
@@ -269,28 +348,8 @@ proptest! {
         for (c, s) in orders_of(&leader) {
             follower.push_order(c, s).unwrap();
         }
-        let mut got = Vec::new();
-        let mut rng = Rng::new(arrival);
-        let bell = Arc::new(Doorbell::new());
-        let (tx, mut rx): (Vec<_>, Vec<_>) = (0..channels).map(|_| channel(64, Arc::clone(&bell))).unzip();
-        let mut pending: Vec<(usize, VecDeque<Item<Rows>>)> = w.streams.iter().enumerate()
-            .flat_map(|(c, reps)| reps.iter().map(move |s| (c, s.iter().cloned().collect()))).collect();
-        loop {
-            let live: Vec<usize> = (0..pending.len()).filter(|&i| !pending[i].1.is_empty()).collect();
-            if live.is_empty() || rng.chance(40) {
-                match follower.next(&mut rx) {
-                    Some(d) => flatten(d, &mut got),
-                    None if live.is_empty() => break,
-                    None => {}
-                }
-                continue;
-            }
-            let (c, q) = &mut pending[live[rng.below(live.len())]];
-            let item = q.pop_front().unwrap();
-            if let Offer::Full(back) = tx[*c].offer(item) { q.push_front(back) }
-        }
-        let rows = |s: &[Ev]| s.iter().filter(|e| matches!(e, Ev::Row { .. })).copied().collect::<Vec<_>>();
-        prop_assert_eq!(rows(&got), rows(&leader));
+        let got = follow(&w, &mut follower, arrival);
+        prop_assert_eq!(rows_only(&got), rows_only(&leader));
     }
 
     #[test]
@@ -304,19 +363,7 @@ proptest! {
         let w = workload(seed, channels, replicas, crash);
         let got = consume(&w, &mut Fcfs::new(channels), arrival, 4);
         for c in 0..channels {
-            let per_channel: Vec<Ev> = got.iter().copied().filter(|e| match e {
-                Ev::Row { channel, .. } | Ev::Heartbeat { channel, .. } => *channel == c,
-                Ev::End => false,
-            }).collect();
-            let expected: Vec<Ev> = w.contents[c].iter().enumerate().map(|(i, e)| match e {
-                Elem::Row => Ev::Row { channel: c, seq: i as u64 },
-                Elem::Heartbeat(epoch) => Ev::Heartbeat { channel: c, epoch: *epoch, first: false },
-            }).collect();
-            let strip = |v: Vec<Ev>| v.into_iter().map(|e| match e {
-                Ev::Heartbeat { channel, epoch, .. } => Ev::Heartbeat { channel, epoch, first: false },
-                other => other,
-            }).collect::<Vec<_>>();
-            prop_assert_eq!(strip(per_channel), expected);
+            prop_assert_eq!(channel_events(&got, c), channel_events_of_content(&w.contents[c], c));
         }
         prop_assert_eq!(got.last(), Some(&Ev::End));
     }
