@@ -72,9 +72,16 @@ def test_offer_many_counts_new_rows():
     d = _core.Dedup(1)
     a = [(i, batch(list(range(i, i + 10)))) for i in range(0, 100, 10)]
     b = [(i, batch(list(range(i, min(i + 15, 100))))) for i in range(0, 100, 15)]
-    assert d.offer_many(0, a[:3]) == 30
-    assert d.offer_many(0, b[:3]) == 15
-    assert d.offer_many(0, a[3:] + b[3:]) == 55
+
+    def split(pairs):
+        return [s for s, _ in pairs], [x for _, x in pairs]
+
+    assert d.offer_many(0, *split(a[:3])) == 30
+    seqs, batches = split(b[:3])
+    assert d.offer_many(0, seqs, pa.Table.from_batches(batches)) == 15
+    seqs, batches = split(a[3:] + b[3:])
+    reader = pa.RecordBatchReader.from_batches(batches[0].schema, batches)
+    assert d.offer_many(0, seqs, reader) == 55
     assert d.next_seq(0) == 100
 
 
@@ -90,7 +97,8 @@ def test_offer_many_counts_new_rows():
         (lambda: _core.Dedup(2).offer(0, 0, [1, 2]), "batch must be a pyarrow.RecordBatch"),
         (lambda: _core.Dedup(2).offer(0, 2**64 - 1, batch([0, 1])), "past 2\\*\\*64"),
         (lambda: _core.Dedup(2).next_seq(9), "channel 9 does not exist"),
-        (lambda: _core.Dedup(1).offer_many(0, [(0,)]), r"items\[0\] must be a \(first_seq"),
+        (lambda: _core.Dedup(1).offer_many(0, [0, 1], [batch([0])]), "first_seqs has 2 entries"),
+        (lambda: _core.Dedup(1).offer_many(0, [0], 5), "batches must be an Arrow stream"),
     ],
 )
 def test_bad_arguments_raise_config_errors(call, message):

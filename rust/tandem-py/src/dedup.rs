@@ -8,8 +8,7 @@
 use arrow_array::RecordBatch;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
-use pyo3_arrow::PyRecordBatch;
+use pyo3_arrow::{PyRecordBatch, PyRecordBatchReader};
 use std::sync::Arc;
 use tandem_core::dedup::{channel, DedupReceiver, DedupSender, Offer};
 use tandem_core::sync::Doorbell;
@@ -57,6 +56,26 @@ pub(crate) fn arg_batch(value: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
              array), got {ty}: {e}"
             ))
         })
+}
+
+/// Read many record batches: an Arrow stream (`__arrow_c_stream__`: a `pyarrow.Table`,
+/// a `RecordBatchReader`) — one schema import for all — or a sequence of batches.
+pub(crate) fn arg_batches(value: &Bound<'_, PyAny>) -> PyResult<Vec<RecordBatch>> {
+    if value.hasattr("__arrow_c_stream__")? {
+        let reader = value.extract::<PyRecordBatchReader>()?.into_reader()?;
+        return reader.collect::<Result<Vec<_>, _>>().map_err(|e| {
+            ConfigError::new_err(format!(
+                "could not read the batches from the Arrow stream: {e}"
+            ))
+        });
+    }
+    let items = value.try_iter().map_err(|_| {
+        ConfigError::new_err(
+            "batches must be an Arrow stream (pyarrow.Table, RecordBatchReader) or a sequence \
+             of pyarrow.RecordBatch",
+        )
+    })?;
+    items.map(|b| arg_batch(&b?)).collect()
 }
 
 /// Read a count that must be at least 1.
@@ -203,35 +222,41 @@ impl Dedup {
         ))
     }
 
-    /// Offer many `(first_seq, batch)` pairs of one channel in one call, with the GIL
-    /// released; returns how many rows were new. The new rows themselves are not returned
-    /// (no per-batch export): for benchmarks and for counting a replay's new rows.
+    /// Offer many batches of one channel in one call, with the GIL released while
+    /// offering; returns how many rows were new. `batches` is an Arrow stream (a
+    /// `pyarrow.Table` keeps its chunks as the batches, or a `RecordBatchReader`) or a
+    /// sequence of record batches; `first_seqs[i]` is the first seq of batch `i`. The new
+    /// rows themselves are not returned (no per-batch export): for benchmarks and for
+    /// counting a replay's new rows.
     fn offer_many(
         &self,
         py: Python<'_>,
         channel: &Bound<'_, PyAny>,
-        items: &Bound<'_, PyList>,
+        first_seqs: &Bound<'_, PyAny>,
+        batches: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
         let c = arg_channel(channel, self.lanes.len())?;
-        let mut batch_items = Vec::with_capacity(items.len());
-        for (i, pair) in items.iter().enumerate() {
-            let (first_seq, batch): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
-                pair.extract().map_err(|_| {
-                    ConfigError::new_err(format!(
-                        "items[{i}] must be a (first_seq, batch) tuple, got {}",
-                        pair.repr()
-                            .map(|r| r.to_string())
-                            .unwrap_or_else(|_| "?".into())
-                    ))
-                })?;
-            let first_seq = arg_u64(&first_seq, "first_seq")?;
-            let payload = arg_batch(&batch)?;
+        let payloads = arg_batches(batches)?;
+        let seqs: Vec<Bound<'_, PyAny>> = first_seqs
+            .try_iter()
+            .and_then(|it| it.collect::<PyResult<Vec<_>>>())
+            .map_err(|_| ConfigError::new_err("first_seqs must be a sequence of integers"))?;
+        if seqs.len() != payloads.len() {
+            return Err(ConfigError::new_err(format!(
+                "first_seqs has {} entries but there are {} batches: give one first seq per batch",
+                seqs.len(),
+                payloads.len()
+            )));
+        }
+        let mut items = Vec::with_capacity(payloads.len());
+        for (seq, payload) in seqs.iter().zip(payloads) {
+            let first_seq = arg_u64(seq, "first_seq")?;
             check_range(first_seq, payload.num_rows())?;
-            batch_items.push(Item::Data { first_seq, payload });
+            items.push(Item::Data { first_seq, payload });
         }
         py.detach(|| {
             let mut rows = 0u64;
-            for item in batch_items {
+            for item in items {
                 if let Outcome::Accepted(accepted) = self.offer_item(c, item)? {
                     rows += accepted.seq_len();
                 }
