@@ -18,6 +18,7 @@ import tandem
 from tandem import _core
 from tandem.testing import (
     Data,
+    End,
     Heartbeat,
     ReferenceLiveRobin,
     channel_content,
@@ -206,6 +207,25 @@ def test_nothing_follows_an_end_marker():
     lr.push_end(0, 0)
     with pytest.raises(tandem.ConfigError, match="channel 0 has ended"):
         lr.push(0, 1, batch([1]))
+
+
+def test_reference_reproduces_algorithm_1_on_a_hand_example():
+    # Channel 0: rows 0, 1, heartbeat 1, row 3; channel 1: row 0, heartbeat 1, row 2.
+    channels = [
+        [Data(0, [0, 1]), Heartbeat(2, 1), Data(3, [3]), End(4)],
+        [Data(0, [100]), Heartbeat(1, 1), Data(2, [102]), End(3)],
+    ]
+    assert ReferenceLiveRobin(2, 1).run(channels) == [
+        ("row", 0, 0),
+        ("row", 1, 100),
+        ("row", 0, 1),
+        ("heartbeat", 1, 1, True),
+        # The fix: channel 0's heartbeat is not first, yet it closes channel 0's cycle.
+        ("heartbeat", 0, 1, False),
+        ("row", 1, 102),
+        ("row", 0, 3),
+        ("end",),
+    ]
 
 
 def test_reference_rejects_bad_arguments():

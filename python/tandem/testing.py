@@ -174,11 +174,11 @@ class ReferenceLiveRobin:
 
     channels: int
     quantum_rows: int = 1
-    next: int = 0
-    gen: int | None = None
-    active: set[int] = field(default_factory=set)
-    ended: set[int] = field(default_factory=set)
-    taken: int = 0
+    next: int = field(default=0, init=False)
+    gen: int | None = field(default=None, init=False)
+    active: set[int] = field(default_factory=set, init=False)
+    ended: set[int] = field(default_factory=set, init=False)
+    taken: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.channels < 1 or self.quantum_rows < 1:
