@@ -14,7 +14,7 @@ use tandem_core::dedup::{channel, DedupReceiver, DedupSender, Offer};
 use tandem_core::sync::Doorbell;
 use tandem_core::Item;
 
-use crate::errors::{ConfigError, ProtocolError, TandemError};
+use crate::errors::{ConfigError, ProtocolError};
 
 /// Read a non-negative integer argument, naming it in the error.
 pub(crate) fn arg_u64(value: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
@@ -111,30 +111,70 @@ enum Outcome {
 }
 
 impl Dedup {
-    fn offer_item(&self, c: usize, item: Item<RecordBatch>) -> PyResult<Outcome> {
+    /// Offer one element and return what of it was accepted. Holding the receiver, it pops
+    /// up to its own element: anything before it was accepted (and counted) by a
+    /// concurrent [`Dedup::offer_all`], whose elements are only counted, never returned.
+    fn offer_item(&self, c: usize, mut item: Item<RecordBatch>) -> PyResult<Outcome> {
         let lane = &self.lanes[c];
-        // Holding the receiver across offer + pop makes "what I just accepted" exactly the
-        // element popped, even when several Python threads offer.
+        let end = item.first_seq().saturating_add(item.seq_len());
         let mut rx = lane.rx.lock();
-        match lane.tx.offer(item) {
-            Offer::Accepted { .. } => match rx.pop() {
-                Some(accepted) => Ok(Outcome::Accepted(accepted)),
-                None => Err(TandemError::new_err(format!(
-                    "internal error: channel {c} accepted an element but its queue is empty"
-                ))),
-            },
-            Offer::Duplicate => Ok(Outcome::Duplicate),
-            Offer::Gap { expected, item } => Err(ProtocolError::new_err(format!(
-                "gap on channel {c}: the element starts at seq {} but seq {expected} has not \
-                 arrived yet; offer the missing seqs first (or hold this one and offer it \
-                 again once next_seq({c}) has reached {})",
-                item.first_seq(),
-                item.first_seq()
-            ))),
-            Offer::Full(_) => Err(TandemError::new_err(format!(
-                "internal error: channel {c} is full although the facade drains it on every offer"
-            ))),
+        loop {
+            match lane.tx.offer(item) {
+                Offer::Accepted { .. } => loop {
+                    match rx.pop() {
+                        Some(accepted) if accepted.end_seq() == end => {
+                            return Ok(Outcome::Accepted(accepted))
+                        }
+                        Some(_) => {}
+                        // An earlier claim is being queued by another thread right now
+                        // (claimers push at once, without waiting on anything).
+                        None => std::thread::yield_now(),
+                    }
+                },
+                Offer::Duplicate => return Ok(Outcome::Duplicate),
+                Offer::Gap { expected, item } => {
+                    return Err(gap_error(c, expected, item.first_seq()))
+                }
+                // Filled by concurrent offer_all calls: make room (we hold the receiver).
+                Offer::Full(back) => {
+                    while rx.pop().is_some() {}
+                    item = back;
+                }
+            }
         }
+    }
+
+    /// Offer `items` without holding the receiver, so threads calling this concurrently
+    /// race on the lock-free claim like the transport's I/O threads; whoever gets the
+    /// receiver drains what was accepted (the rows are discarded, only counted).
+    fn offer_all(&self, c: usize, items: Vec<Item<RecordBatch>>) -> PyResult<u64> {
+        let lane = &self.lanes[c];
+        let drain = |rx: &mut DedupReceiver<RecordBatch>| while rx.pop().is_some() {};
+        let mut rows = 0u64;
+        for mut item in items {
+            loop {
+                let len = item.seq_len();
+                match lane.tx.offer(item) {
+                    Offer::Accepted { trimmed_rows } => {
+                        rows += len - trimmed_rows;
+                        if let Some(mut rx) = lane.rx.try_lock() {
+                            drain(&mut rx);
+                        }
+                        break;
+                    }
+                    Offer::Duplicate => break,
+                    Offer::Full(back) => {
+                        drain(&mut lane.rx.lock());
+                        item = back;
+                    }
+                    Offer::Gap { expected, item } => {
+                        return Err(gap_error(c, expected, item.first_seq()));
+                    }
+                }
+            }
+        }
+        drain(&mut lane.rx.lock());
+        Ok(rows)
     }
 }
 
@@ -254,15 +294,7 @@ impl Dedup {
             check_range(first_seq, payload.num_rows())?;
             items.push(Item::Data { first_seq, payload });
         }
-        py.detach(|| {
-            let mut rows = 0u64;
-            for item in items {
-                if let Outcome::Accepted(accepted) = self.offer_item(c, item)? {
-                    rows += accepted.seq_len();
-                }
-            }
-            Ok(rows)
-        })
+        py.detach(|| self.offer_all(c, items))
     }
 
     fn __repr__(&self) -> String {
@@ -277,6 +309,14 @@ impl Dedup {
             next.join(", ")
         )
     }
+}
+
+fn gap_error(c: usize, expected: u64, first_seq: u64) -> PyErr {
+    ProtocolError::new_err(format!(
+        "gap on channel {c}: the element starts at seq {first_seq} but seq {expected} has not \
+         arrived yet; offer the missing seqs first (or hold this one and offer it again once \
+         next_seq({c}) has reached {first_seq})"
+    ))
 }
 
 /// Reject an element whose seq range would run past u64::MAX.
