@@ -49,7 +49,9 @@ impl<P> Inputs<P> for Vec<VecDeque<Item<P>>> {
     }
 }
 
-/// A consumption order. See the module documentation.
+/// A consumption order. See the module documentation. The `inputs` passed to `next` must
+/// be the same channels, in the same order, on every call and at every replica (a merge
+/// built for `n` channels waits forever on a channel index the inputs do not have).
 pub trait Merge<P: Chunk>: Send {
     /// Next delivery in this replica's consumption order, or None if it must wait for more input.
     fn next(&mut self, inputs: &mut dyn Inputs<P>) -> Option<Delivery<P>>;

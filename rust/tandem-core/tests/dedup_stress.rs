@@ -121,7 +121,7 @@ fn run_once(seed: u64, replicas: usize, capacity: usize) {
 
 #[test]
 fn r_producers_one_consumer_no_loss_no_duplicate_no_reordering() {
-    let iterations = if cfg!(debug_assertions) { 150 } else { 1500 };
+    let iterations = if cfg!(debug_assertions) { 150 } else { 5000 };
     for i in 0..iterations {
         let replicas = 1 + (i % 3);
         let capacity = [1, 2, 4, 64][i % 4];
