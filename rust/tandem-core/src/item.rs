@@ -35,7 +35,10 @@ impl Chunk for Rows {
     }
     fn slice(&self, offset: usize, len: usize) -> Self {
         assert!(offset + len <= self.len, "slice out of range");
-        Rows { start: self.start + offset as u64, len }
+        Rows {
+            start: self.start + offset as u64,
+            len,
+        }
     }
 }
 
@@ -76,10 +79,18 @@ impl<P: Chunk> Item<P> {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Delivery<P> {
     /// Rows of logical input channel `channel`, starting at `first_seq`.
-    Data { channel: usize, first_seq: u64, payload: P },
+    Data {
+        channel: usize,
+        first_seq: u64,
+        payload: P,
+    },
     /// The heartbeat of cycle `epoch`, dequeued from `channel`. `first` is true the first
     /// time this epoch is seen: the task forwards it on every output channel exactly then.
-    Heartbeat { channel: usize, epoch: u64, first: bool },
+    Heartbeat {
+        channel: usize,
+        epoch: u64,
+        first: bool,
+    },
     /// Every input channel has ended.
     End,
 }

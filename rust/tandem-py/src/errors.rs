@@ -6,13 +6,48 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use tandem_core::Error;
 
-create_exception!(tandem, TandemError, PyException, "Base class of every error tandem raises.");
-create_exception!(tandem, ConfigError, TandemError, "A job, operator or knob is configured wrongly.");
-create_exception!(tandem, ProtocolError, TandemError, "A peer sent bytes that are not a valid tandem frame.");
-create_exception!(tandem, AuthenticationError, ProtocolError, "A peer failed the handshake (wrong job or secret).");
-create_exception!(tandem, ChannelClosed, TandemError, "An input or output channel closed while in use.");
-create_exception!(tandem, DeterminismError, TandemError, "Replicas of one task partition produced different output.");
-create_exception!(tandem, ServiceUnavailable, TandemError, "A required service (ZooKeeper, Kafka, Spark) cannot be reached.");
+create_exception!(
+    tandem,
+    TandemError,
+    PyException,
+    "Base class of every error tandem raises."
+);
+create_exception!(
+    tandem,
+    ConfigError,
+    TandemError,
+    "A job, operator or knob is configured wrongly."
+);
+create_exception!(
+    tandem,
+    ProtocolError,
+    TandemError,
+    "A peer sent bytes that are not a valid tandem frame."
+);
+create_exception!(
+    tandem,
+    AuthenticationError,
+    ProtocolError,
+    "A peer failed the handshake (wrong job or secret)."
+);
+create_exception!(
+    tandem,
+    ChannelClosed,
+    TandemError,
+    "An input or output channel closed while in use."
+);
+create_exception!(
+    tandem,
+    DeterminismError,
+    TandemError,
+    "Replicas of one task partition produced different output."
+);
+create_exception!(
+    tandem,
+    ServiceUnavailable,
+    TandemError,
+    "A required service (ZooKeeper, Kafka, Spark) cannot be reached."
+);
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();

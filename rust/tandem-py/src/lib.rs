@@ -14,7 +14,11 @@ mod transport;
 mod wire;
 
 /// Cargo profile this extension was compiled with ("release" or "debug").
-const BUILD_PROFILE: &str = if cfg!(debug_assertions) { "debug" } else { "release" };
+const BUILD_PROFILE: &str = if cfg!(debug_assertions) {
+    "debug"
+} else {
+    "release"
+};
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
