@@ -17,7 +17,7 @@
 # $TANDEM_SERVICES_STOP_GRACE seconds.
 #
 # Environment: TANDEM_ZK_PORT (21810), TANDEM_KAFKA_PORT (19092),
-# TANDEM_KAFKA_CONTROLLER_PORT (19093), TANDEM_SERVICES_DIR, TANDEM_SERVICES_START_TIMEOUT (60),
+# TANDEM_KAFKA_CONTROLLER_PORT (Kafka's port + 1), TANDEM_SERVICES_DIR, TANDEM_SERVICES_START_TIMEOUT (60),
 # TANDEM_SERVICES_STOP_GRACE (15), TANDEM_JAVA (java from JAVA_HOME or PATH).
 #
 # Exit codes: 0 ok; 1 a server failed (the message says which and why); 2 usage;
@@ -30,7 +30,7 @@ STATE="${TANDEM_SERVICES_DIR:-$ROOT/.services}"
 LIB_ROOT="$ROOT/.services/lib"
 ZK_PORT="${TANDEM_ZK_PORT:-21810}"
 KAFKA_PORT="${TANDEM_KAFKA_PORT:-19092}"
-CONTROLLER_PORT="${TANDEM_KAFKA_CONTROLLER_PORT:-19093}"
+CONTROLLER_PORT="${TANDEM_KAFKA_CONTROLLER_PORT:-}"
 START_TIMEOUT="${TANDEM_SERVICES_START_TIMEOUT:-60}"
 STOP_GRACE="${TANDEM_SERVICES_STOP_GRACE:-15}"
 HOST=127.0.0.1
@@ -296,11 +296,13 @@ kafka_ready() {
 
 ready() { "${1}_ready"; }
 
-wait_ready() { # server started_at_seconds
+wait_ready() { # server
   local name="$1" deadline=$((SECONDS + START_TIMEOUT)) pid
+  # Liveness by PID alone here: the process was just forked by this script, and between
+  # fork and exec its command line is still bash's, which our_pid would not recognise.
+  pid="$(tr -dc '0-9' <"$(pid_file "$name")" 2>/dev/null || true)"
   while ! ready "$name"; do
-    pid="$(our_pid "$name")"
-    if [[ -z "$pid" ]]; then
+    if [[ -z "$pid" ]] || ! kill -0 "$pid" 2>/dev/null; then
       tail -n 40 "$(log_file "$name")" >&2 || true
       rm -f "$(pid_file "$name")"
       die "$name exited during start-up (last log lines above; full log: $(log_file "$name"))"
@@ -405,6 +407,9 @@ main() {
   done
   check_port_number TANDEM_ZK_PORT "$ZK_PORT"
   check_port_number TANDEM_KAFKA_PORT "$KAFKA_PORT"
+  # The controller listens next to the broker unless told otherwise, so moving Kafka with
+  # TANDEM_KAFKA_PORT alone moves both of its ports.
+  [[ -n "$CONTROLLER_PORT" ]] || CONTROLLER_PORT=$((10#$KAFKA_PORT + 1))
   check_port_number TANDEM_KAFKA_CONTROLLER_PORT "$CONTROLLER_PORT"
   local -a servers
   if [[ "$target" == all ]]; then servers=(zookeeper kafka); else servers=("$target"); fi
