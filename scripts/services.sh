@@ -5,6 +5,7 @@
 #   scripts/services.sh stop    [zookeeper|kafka|all]
 #   scripts/services.sh status  [zookeeper|kafka|all]
 #   scripts/services.sh restart [zookeeper|kafka|all]
+#   scripts/services.sh jars    [zookeeper|kafka|all]   (resolve/cache jars only; print folders)
 #
 # Both servers bind 127.0.0.1 only and keep everything under one project-local folder:
 #   .services/lib/<server>-<version>/  jars from Maven Central (scripts/services/pom.xml), kept
@@ -302,7 +303,7 @@ wait_ready() { # server
   # fork and exec its command line is still bash's, which our_pid would not recognise.
   pid="$(tr -dc '0-9' <"$(pid_file "$name")" 2>/dev/null || true)"
   while ! ready "$name"; do
-    if [[ -z "$pid" ]] || ! kill -0 "$pid" 2>/dev/null; then
+    if [[ -z "$pid" ]] || ! alive "$pid"; then
       tail -n 40 "$(log_file "$name")" >&2 || true
       rm -f "$(pid_file "$name")"
       die "$name exited during start-up (last log lines above; full log: $(log_file "$name"))"
@@ -339,6 +340,16 @@ start() { # servers... ; starts what is not running, in parallel, then waits for
   for name in "$@"; do wait_ready "$name"; done
 }
 
+# Alive and not a zombie: a killed server whose parent has not reaped it yet is gone as far
+# as its ports and files are concerned.
+alive() { # pid
+  kill -0 "$1" 2>/dev/null || return 1
+  local stat
+  stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
+  stat="${stat##*) }"
+  [[ "${stat:0:1}" != Z ]]
+}
+
 stop_one() { # server
   local name="$1" file pid
   file="$(pid_file "$name")"
@@ -354,11 +365,15 @@ stop_one() { # server
   fi
   kill -TERM "$pid" 2>/dev/null || true
   local deadline=$((SECONDS + STOP_GRACE))
-  while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
-  if kill -0 "$pid" 2>/dev/null; then
+  while alive "$pid" && ((SECONDS < deadline)); do sleep 0.1; done
+  if alive "$pid"; then
     say "$name (pid $pid) still running ${STOP_GRACE}s after SIGTERM: sending SIGKILL"
     kill -KILL "$pid" 2>/dev/null || true
-    while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+    deadline=$((SECONDS + 10))
+    while alive "$pid"; do
+      ((SECONDS < deadline)) || die "$name (pid $pid) survived SIGKILL for 10 s"
+      sleep 0.05
+    done
   fi
   rm -f "$file"
   say "$name stopped (pid $pid)"
@@ -388,7 +403,7 @@ status() { # servers... ; one line each: NAME up|starting|down ADDRESS [pid=PID]
 }
 
 usage() {
-  sed -n '3,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '3,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -417,6 +432,13 @@ main() {
   start) start "${servers[@]}" ;;
   stop) stop "${servers[@]}" ;;
   status) status "${servers[@]}" ;;
+  jars)
+    local name
+    for name in "${servers[@]}"; do
+      ensure_jars "$name"
+      printf '%s %s\n' "$name" "$(lib_dir "$name")"
+    done
+    ;;
   restart)
     FRESH=0
     stop "${servers[@]}"

@@ -428,3 +428,75 @@ def test_services_rejects_an_empty_selection_and_a_bad_port(monkeypatch):
     monkeypatch.setenv("TANDEM_ZK_PORT", "70000")
     with pytest.raises(ConfigError, match="TANDEM_ZK_PORT='70000'"):
         Services()
+
+
+def test_cached_jars_need_neither_maven_nor_the_network(tmp_path):
+    # A second start must work offline: with the jars cached, Maven is never called (here it
+    # would fail loudly). The first call may resolve them (only on a fresh checkout).
+    assert _script(tmp_path, "jars", "all").returncode == 0
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    fake_mvn = fake_bin / "mvn"
+    fake_mvn.write_text("#!/bin/sh\necho 'mvn must not run once jars are cached' >&2\nexit 99\n")
+    fake_mvn.chmod(0o755)
+    done = _script(tmp_path, "jars", "all", PATH=f"{fake_bin}:{os.environ['PATH']}")
+    assert done.returncode == 0, done
+    folders = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert set(folders) == {"zookeeper", "kafka"}
+    for name, folder in folders.items():
+        jars = {p.name for p in Path(folder).glob("*.jar")}
+        main = "zookeeper-3" if name == "zookeeper" else "kafka_2.13-"
+        assert any(j.startswith(main) for j in jars), (name, sorted(jars))
+    # The run-time extras the ZooKeeper artifact leaves out of its own dependencies.
+    zk_jars = {p.name for p in Path(folders["zookeeper"]).glob("*.jar")}
+    assert any(j.startswith("metrics-core-") for j in zk_jars)
+    assert any(j.startswith("snappy-java-") for j in zk_jars)
+
+
+# Stands in for a server: carries the markers the script puts on the JVM command line, so
+# `stop` recognises it as its own, and optionally ignores SIGTERM like a hung server.
+_FAKE_SERVER = """
+import signal, sys, time
+if sys.argv[1] == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "expected_signal"),
+    [("obey-term", signal.SIGTERM), ("ignore-term", signal.SIGKILL)],
+)
+def test_script_stop_sends_sigterm_then_sigkill_after_the_grace_period(
+    tmp_path, behaviour, expected_signal
+):
+    state = tmp_path / "state"
+    fake = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _FAKE_SERVER,
+            behaviour,
+            "-Dtandem.service=zookeeper",
+            f"-Dtandem.state={state}",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert fake.stdout.readline() == "ready\n"
+        (state / "run").mkdir(parents=True)
+        (state / "run" / "zookeeper.pid").write_text(f"{fake.pid}\n")
+        began = time.monotonic()
+        done = _script(tmp_path, "stop", "zookeeper", TANDEM_SERVICES_STOP_GRACE="1")
+        elapsed = time.monotonic() - began
+        assert done.returncode == 0, done
+        assert fake.wait(5) == -expected_signal
+        assert ("sending SIGKILL" in done.stdout) == (expected_signal == signal.SIGKILL)
+        assert elapsed < 5
+        assert not (state / "run" / "zookeeper.pid").exists()
+    finally:
+        fake.kill()
+        fake.wait(10)
+        fake.stdout.close()
