@@ -62,8 +62,8 @@ class _ServicePool:
             fresh.start(fresh=True)
             self.services = fresh
             print(
-                f"\nservices: {fresh.zk_hosts=} {fresh.kafka_bootstrap=} started "
-                f"{fresh.started or 'nothing (already running)'}"
+                f"\nservices: ZooKeeper {fresh.zk_hosts}, Kafka {fresh.kafka_bootstrap}; started "
+                f"{', '.join(fresh.started) or 'nothing (already running)'}"
                 + (f" in {fresh.start_seconds:.2f} s" if fresh.start_seconds else "")
             )
         return self.services

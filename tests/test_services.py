@@ -500,3 +500,20 @@ def test_script_stop_sends_sigterm_then_sigkill_after_the_grace_period(
         fake.kill()
         fake.wait(10)
         fake.stdout.close()
+
+
+def test_ensure_running_uses_running_services_without_starting_or_owning_them(zookeeper, kafka):
+    began = time.monotonic()
+    services = ensure_running()
+    assert services.started == ()
+    assert (services.zk_hosts, services.kafka_bootstrap) == (kafka.zk_hosts, kafka.kafka_bootstrap)
+    services.stop()  # stops only what it started: nothing
+    assert kafka.status()["zookeeper"].up
+    assert kafka.status()["kafka"].up
+    assert time.monotonic() - began < 10
+
+
+def test_a_wrong_script_override_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_SERVICES_SCRIPT", str(tmp_path / "missing.sh"))
+    with pytest.raises(ServiceUnavailable, match=r"TANDEM_SERVICES_SCRIPT=.*missing\.sh"):
+        find_script()
