@@ -517,3 +517,15 @@ def test_a_wrong_script_override_is_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_SERVICES_SCRIPT", str(tmp_path / "missing.sh"))
     with pytest.raises(ServiceUnavailable, match=r"TANDEM_SERVICES_SCRIPT=.*missing\.sh"):
         find_script()
+
+
+def test_start_failure_raises_service_unavailable_with_the_scripts_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_SERVICES_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("TANDEM_JAVA", str(tmp_path / "no-java"))
+    port = _free_port()
+    services = Services(zookeeper=True, kafka=False, zk_port=port)
+    with pytest.raises(ServiceUnavailable) as raised:
+        services.start()
+    assert f"127.0.0.1:{port}" in str(raised.value)
+    assert "Java not found" in str(raised.value)
+    assert services.started == ()

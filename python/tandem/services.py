@@ -274,6 +274,7 @@ class Services:
             ) from exc
 
     def _target(self, names: tuple[str, ...]) -> str:
+        """The script's argument for `names`: one server, or `all`."""
         return "all" if set(names) == set(SERVICE_NAMES) else names[0]
 
     def start(self, *, fresh: bool = False) -> tuple[str, ...]:
@@ -287,11 +288,14 @@ class Services:
         if missing:
             began = time.monotonic()
             # One script call, so two missing servers boot in parallel.
-            target = self._target(missing) if len(missing) > 1 else missing[0]
+            target = self._target(missing)
             done = self._run("start", target, *(["--fresh"] if fresh else []))
             for line in done.stdout.splitlines():
                 log.info("%s", line)
             if done.returncode != 0:
+                # One server may be up while the other failed: stop what this call started
+                # (the script only signals its own PIDs) so nothing is left running unowned.
+                self._run("stop", target, timeout=60.0)
                 addresses = ", ".join(self.address(n) for n in missing)
                 raise ServiceUnavailable(
                     f"could not start {target} ({addresses}): "
@@ -312,7 +316,7 @@ class Services:
             self._check_name(name)
         if not targets:
             return
-        done = self._run("stop", self._target(targets) if len(targets) > 1 else targets[0])
+        done = self._run("stop", self._target(targets))
         if done.returncode != 0:
             raise ServiceUnavailable(f"could not stop {targets}: {done.stderr.strip()}")
         self.started = tuple(n for n in self.started if n not in targets)
@@ -333,7 +337,7 @@ class Services:
 
     def status(self) -> dict[str, ServiceState]:
         """What the script reports for each selected server."""
-        target = self._target(self.names) if len(self.names) > 1 else self.names[0]
+        target = self._target(self.names)
         done = self._run("status", target, timeout=30.0)
         states: dict[str, ServiceState] = {}
         for line in done.stdout.splitlines():
