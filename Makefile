@@ -13,6 +13,8 @@ help:
 	@echo "make demo    set up, then run the demo on the embedded engine"
 	@echo "make test    set up, then run every check CI runs (lint, Rust, fuzz, Python)"
 	@echo "make bench   release-build microbenchmarks: Rust core vs Python reference"
+	@echo "make services        start ZooKeeper + Kafka on 127.0.0.1 (tests start their own)"
+	@echo "make services-stop   stop the servers scripts/services.sh started"
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +52,19 @@ test: lint test-rust fuzz test-python
 bench: install
 	$(VENV)/bin/pytest benches --benchmark-only --benchmark-json=out/bench.json -q
 	$(PY) benches/report.py out/bench.json
+
+# Real ZooKeeper and Kafka (KRaft) for the KaZoo ordering, from Maven Central jars cached in
+# .services/lib. `make test` needs none of this: its pytest fixtures start the servers they
+# need and stop them afterwards, also when tests fail.
+.PHONY: services services-stop services-status
+services:
+	bash scripts/services.sh start all
+
+services-stop:
+	bash scripts/services.sh stop all
+
+services-status:
+	bash scripts/services.sh status all
 
 clean:
 	rm -rf $(VENV) target out .pytest_cache .benchmarks .hypothesis

@@ -1,0 +1,390 @@
+"""Real ZooKeeper and Kafka for the KaZoo ordering: find them, start them, probe them.
+
+KaZoo needs a ZooKeeper (leader election) and a Kafka broker (the order topic). On a developer
+machine and in CI both come from `scripts/services.sh`, which runs a standalone ZooKeeper and
+a single-node KRaft Kafka from Maven Central jars, bound to 127.0.0.1 and kept under
+`.services/`. This module is the Python face of that script, used by the tests, the demo and
+CI:
+
+```python
+from tandem.services import ensure_running
+
+services = ensure_running()  # starts what is not already reachable
+services.zk_hosts  # "127.0.0.1:21810"
+services.kafka_bootstrap  # "127.0.0.1:19092"
+services.stop()  # only stops the servers this Services started
+```
+
+The script does the process work (jars, configs, PID files, readiness of the server
+itself); this module adds what only a real client can tell — a kazoo session and a Kafka
+metadata request succeed — and turns every failure into `tandem.ServiceUnavailable` naming
+the address and how to start the services. Ports come from `TANDEM_ZK_PORT` (21810) and
+`TANDEM_KAFKA_PORT` (19092), the same variables the script reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.exceptions import ConfigError, ServiceUnavailable
+
+__all__ = [
+    "DEFAULT_KAFKA_PORT",
+    "DEFAULT_ZK_PORT",
+    "SERVICE_NAMES",
+    "ServiceState",
+    "Services",
+    "ensure_running",
+    "find_script",
+    "probe_kafka",
+    "probe_zookeeper",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ZK_PORT = 21810
+DEFAULT_KAFKA_PORT = 19092
+HOST = "127.0.0.1"
+SERVICE_NAMES = ("zookeeper", "kafka")
+_DISPLAY = {"zookeeper": "ZooKeeper", "kafka": "Kafka"}
+_PORT_ENV = {"zookeeper": "TANDEM_ZK_PORT", "kafka": "TANDEM_KAFKA_PORT"}
+_SCRIPT = Path("scripts") / "services.sh"
+
+#: How long `start` waits for the script (jar download on the very first start included).
+START_TIMEOUT_S = 300.0
+
+
+def _start_hint(name: str) -> str:
+    return (
+        f"start it with `scripts/services.sh start {name}` (or `make services`), "
+        f"or point {_PORT_ENV[name]} at a running {_DISPLAY[name]}"
+    )
+
+
+def _port_from_env(var: str, default: int) -> int:
+    raw = os.environ.get(var)
+    if raw is None or raw == "":
+        return default
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{var}={raw!r} is not a TCP port: set it to a number in 1..65535")
+    return port
+
+
+def find_script() -> Path:
+    """Locate `scripts/services.sh`.
+
+    Order: `$TANDEM_SERVICES_SCRIPT`; the checkout this module lives in (an editable
+    install); the current directory and its parents (a wheel installed into a venv inside
+    a checkout, as `make test` does).
+    """
+    override = os.environ.get("TANDEM_SERVICES_SCRIPT")
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise ServiceUnavailable(
+                f"TANDEM_SERVICES_SCRIPT={override} is not a file: point it at "
+                f"scripts/services.sh of a tandem checkout"
+            )
+        return path
+    here = Path(__file__).resolve()
+    cwd = Path.cwd().resolve()
+    for base in [here.parents[2], cwd, *cwd.parents]:
+        candidate = base / _SCRIPT
+        if candidate.is_file():
+            return candidate
+    raise ServiceUnavailable(
+        f"cannot find {_SCRIPT} (looked next to {here} and in {cwd} and its parents): run "
+        f"from a tandem checkout or set TANDEM_SERVICES_SCRIPT to the script's path"
+    )
+
+
+def _listening(address: str, timeout: float = 0.5) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def probe_zookeeper(hosts: str, timeout: float = 5.0) -> None:
+    """Open and close a kazoo session with `hosts`; raise `ServiceUnavailable` if none
+    opens within `timeout` seconds (a refused connection still takes the whole timeout:
+    kazoo retries, as it would for a server that is restarting)."""
+    try:
+        from kazoo.client import KazooClient
+        from kazoo.handlers.threading import KazooTimeoutError
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigError(
+            "kazoo is not installed, and the KaZoo ordering needs it: "
+            "pip install 'tandem-stream[kazoo]'"
+        ) from exc
+    client = KazooClient(hosts=hosts, timeout=max(timeout, 0.5))
+    started = time.monotonic()
+    try:
+        client.start(timeout=timeout)
+    except KazooTimeoutError as exc:
+        raise ServiceUnavailable(
+            f"ZooKeeper is not reachable at {hosts}: no session within {timeout:.1f} s; "
+            + _start_hint("zookeeper")
+        ) from exc
+    try:
+        client.get_children("/")
+    finally:
+        client.stop()
+        client.close()
+    log.debug("ZooKeeper at %s answered in %.3f s", hosts, time.monotonic() - started)
+
+
+def probe_kafka(bootstrap: str, timeout: float = 5.0) -> None:
+    """Ask the broker at `bootstrap` for cluster metadata; raise `ServiceUnavailable` if it
+    does not answer within `timeout` seconds."""
+    try:
+        from confluent_kafka import KafkaException
+        from confluent_kafka.admin import AdminClient
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigError(
+            "confluent-kafka is not installed, and the KaZoo ordering needs it: "
+            "pip install 'tandem-stream[kazoo]'"
+        ) from exc
+    # librdkafka prints every refused connection to stderr; route it to logging instead.
+    admin = AdminClient(
+        {
+            "bootstrap.servers": bootstrap,
+            "socket.connection.setup.timeout.ms": max(int(timeout * 1000), 1000),
+            "logger": logging.getLogger("tandem.services.librdkafka"),
+        }
+    )
+    try:
+        metadata = admin.list_topics(timeout=timeout)
+    except KafkaException as exc:
+        raise ServiceUnavailable(
+            f"Kafka is not reachable at {bootstrap}: no metadata within {timeout:.1f} s "
+            f"({exc.args[0].str() if exc.args else exc}); " + _start_hint("kafka")
+        ) from exc
+    if not metadata.brokers:
+        raise ServiceUnavailable(
+            f"Kafka at {bootstrap} answered but lists no broker yet; "
+            "wait for it to finish starting, or " + _start_hint("kafka")
+        )
+
+
+@dataclass(frozen=True)
+class ServiceState:
+    """One line of `scripts/services.sh status`: the server as the script sees it."""
+
+    name: str
+    #: "up" (running and ready), "starting" (running, not ready yet) or "down"
+    state: str
+    address: str
+    #: PID of the server this script started, or None
+    pid: int | None
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up"
+
+
+class Services:
+    """The ZooKeeper and/or Kafka a process uses, and the servers it started itself.
+
+    Construct it for the servers you need; `start()` starts the selected ones that are not
+    already reachable and remembers them in `started`, and `stop()` stops only those, so a
+    server a developer runs is never stopped by a test session.
+    """
+
+    def __init__(
+        self,
+        zookeeper: bool = True,
+        kafka: bool = True,
+        *,
+        zk_port: int | None = None,
+        kafka_port: int | None = None,
+        script: Path | str | None = None,
+    ) -> None:
+        self.names: tuple[str, ...] = tuple(
+            name for name, wanted in zip(SERVICE_NAMES, (zookeeper, kafka), strict=True) if wanted
+        )
+        if not self.names:
+            raise ConfigError("Services(zookeeper=False, kafka=False) selects no service")
+        self.zk_port = zk_port or _port_from_env("TANDEM_ZK_PORT", DEFAULT_ZK_PORT)
+        self.kafka_port = kafka_port or _port_from_env("TANDEM_KAFKA_PORT", DEFAULT_KAFKA_PORT)
+        self._script = Path(script) if script is not None else None
+        self.started: tuple[str, ...] = ()
+        #: wall-clock seconds of the last `start()` that started something
+        self.start_seconds: float | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Services(names={self.names}, zk_hosts={self.zk_hosts!r}, "
+            f"kafka_bootstrap={self.kafka_bootstrap!r}, started={self.started})"
+        )
+
+    @property
+    def zk_hosts(self) -> str:
+        """The ZooKeeper connect string, e.g. `127.0.0.1:21810`."""
+        return f"{HOST}:{self.zk_port}"
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        """The Kafka `bootstrap.servers` value, e.g. `127.0.0.1:19092`."""
+        return f"{HOST}:{self.kafka_port}"
+
+    def address(self, name: str) -> str:
+        return self.zk_hosts if self._check_name(name) == "zookeeper" else self.kafka_bootstrap
+
+    @property
+    def script(self) -> Path:
+        if self._script is None:
+            self._script = find_script()
+        return self._script
+
+    def _check_name(self, name: str) -> str:
+        if name not in SERVICE_NAMES:
+            raise ConfigError(f"unknown service {name!r}: expected one of {SERVICE_NAMES}")
+        return name
+
+    def _run(self, *args: str, timeout: float = START_TIMEOUT_S) -> subprocess.CompletedProcess:
+        env = dict(os.environ)
+        env["TANDEM_ZK_PORT"] = str(self.zk_port)
+        env["TANDEM_KAFKA_PORT"] = str(self.kafka_port)
+        try:
+            return subprocess.run(
+                ["bash", str(self.script), *args],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ServiceUnavailable(
+                f"`scripts/services.sh {' '.join(args)}` did not finish in {timeout:.0f} s; "
+                f"see the logs under .services/logs/"
+            ) from exc
+
+    def _target(self, names: tuple[str, ...]) -> str:
+        """The script's argument for `names`: one server, or `all`."""
+        return "all" if set(names) == set(SERVICE_NAMES) else names[0]
+
+    def start(self, *, fresh: bool = False) -> tuple[str, ...]:
+        """Start the selected servers that are not reachable yet (both at once when both
+        are missing), wait until real clients get through, and return the names started.
+
+        `fresh=True` wipes the data of the servers it starts (an empty ZooKeeper, a newly
+        formatted Kafka cluster); servers already running are used as they are.
+        """
+        missing = tuple(n for n in self.names if not _listening(self.address(n)))
+        if missing:
+            began = time.monotonic()
+            # One script call, so two missing servers boot in parallel.
+            target = self._target(missing)
+            done = self._run("start", target, *(["--fresh"] if fresh else []))
+            for line in done.stdout.splitlines():
+                log.info("%s", line)
+            if done.returncode != 0:
+                # One server may be up while the other failed: stop what this call started
+                # (the script only signals its own PIDs) so nothing is left running unowned.
+                self._run("stop", target, timeout=60.0)
+                addresses = ", ".join(self.address(n) for n in missing)
+                raise ServiceUnavailable(
+                    f"could not start {target} ({addresses}): "
+                    f"{done.stderr.strip() or done.stdout.strip()}"
+                )
+            self.started = tuple(dict.fromkeys((*self.started, *missing)))
+            self.check()
+            self.start_seconds = time.monotonic() - began
+        else:
+            self.check()
+        return missing
+
+    def stop(self, names: tuple[str, ...] | list[str] | None = None) -> None:
+        """Stop the servers this object started (or `names`, which must be ones the script
+        started: it never signals a process it did not start)."""
+        targets = tuple(self.started if names is None else names)
+        for name in targets:
+            self._check_name(name)
+        if not targets:
+            return
+        done = self._run("stop", self._target(targets))
+        if done.returncode != 0:
+            raise ServiceUnavailable(f"could not stop {targets}: {done.stderr.strip()}")
+        self.started = tuple(n for n in self.started if n not in targets)
+
+    def restart(self, name: str) -> float:
+        """Stop and start one server the script runs, keeping its data, as a crash and
+        recovery would; wait until clients get through again; return the seconds it took."""
+        self._check_name(name)
+        began = time.monotonic()
+        done = self._run("restart", name)
+        if done.returncode != 0:
+            raise ServiceUnavailable(
+                f"could not restart {name} at {self.address(name)}: "
+                f"{done.stderr.strip() or done.stdout.strip()}"
+            )
+        self.check(names=(name,))
+        return time.monotonic() - began
+
+    def status(self) -> dict[str, ServiceState]:
+        """What the script reports for each selected server."""
+        target = self._target(self.names)
+        done = self._run("status", target, timeout=30.0)
+        states: dict[str, ServiceState] = {}
+        for line in done.stdout.splitlines():
+            fields = line.split()
+            if len(fields) < 3 or fields[0] not in SERVICE_NAMES:
+                continue
+            pid = None
+            for field in fields[3:]:
+                if field.startswith("pid="):
+                    pid = int(field.removeprefix("pid="))
+            states[fields[0]] = ServiceState(fields[0], fields[1], fields[2], pid)
+        if set(states) != set(self.names):
+            raise ServiceUnavailable(
+                f"`scripts/services.sh status {target}` printed no line for "
+                f"{sorted(set(self.names) - set(states))}: {done.stdout!r} {done.stderr!r}"
+            )
+        return states
+
+    def check(self, timeout: float = 5.0, names: tuple[str, ...] | None = None) -> None:
+        """Raise `ServiceUnavailable` unless a real client reaches every selected server
+        (a kazoo session; a Kafka metadata request) within `timeout` seconds each."""
+        for name in names or self.names:
+            if name == "zookeeper":
+                probe_zookeeper(self.zk_hosts, timeout)
+            else:
+                probe_kafka(self.kafka_bootstrap, timeout)
+
+
+def ensure_running(
+    zookeeper: bool = True,
+    kafka: bool = True,
+    *,
+    start: bool = True,
+    fresh: bool = False,
+    timeout: float = 5.0,
+    zk_port: int | None = None,
+    kafka_port: int | None = None,
+) -> Services:
+    """Make sure the selected services answer, starting them with `scripts/services.sh`
+    when `start` is true, and return the `Services` describing them.
+
+    With `start=False` nothing is started: a server that does not answer within `timeout`
+    seconds raises `ServiceUnavailable` naming its address and how to start it.
+    """
+    services = Services(zookeeper, kafka, zk_port=zk_port, kafka_port=kafka_port)
+    if start:
+        services.start(fresh=fresh)
+    else:
+        services.check(timeout)
+    return services

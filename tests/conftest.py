@@ -1,0 +1,92 @@
+"""Session fixtures for the real services: `zookeeper` and `kafka`.
+
+A test that takes either fixture is marked `zookeeper` / `kafka` automatically (so
+`-m "not kafka"` deselects it) and gets the `tandem.services.Services` object, with
+`.zk_hosts` and `.kafka_bootstrap`. The servers are the real ones `scripts/services.sh` runs;
+nothing is mocked and nothing is skipped: when a server cannot be started the test errors
+with the script's own message (which port is taken, Java missing, ...).
+
+Every server the session needs is started at the first request, all at once (ZooKeeper and
+Kafka boot in parallel), with fresh data; servers already running (a developer's
+`make services`) are used as they are and left running. At the end of the session the
+fixtures stop exactly the servers they started, also when tests failed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.services import SERVICE_NAMES, Services
+
+_NEEDED = pytest.StashKey[frozenset]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # First, so that `-m zookeeper` / `-m "not kafka"` see the markers added here.
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        for name in SERVICE_NAMES:
+            if name in fixtures:
+                item.add_marker(getattr(pytest.mark, name))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # After deselection: start only what the tests that will run need.
+    needed = {
+        name
+        for item in session.items
+        for name in SERVICE_NAMES
+        if name in getattr(item, "fixturenames", ())
+    }
+    session.config.stash[_NEEDED] = frozenset(needed)
+
+
+class _ServicePool:
+    """Starts the services the collected tests need, once, and stops them at the end."""
+
+    def __init__(self, needed: frozenset[str]) -> None:
+        self.needed = needed
+        self.services: Services | None = None
+
+    def get(self, name: str) -> Services:
+        if self.services is None or name not in self.services.names:
+            # A fixture requested dynamically (getfixturevalue) may not have been counted
+            # at collection time: widen the set and start what is missing.
+            wanted = set(self.needed) | {name}
+            if self.services is not None:
+                wanted |= set(self.services.names)
+            fresh = Services(zookeeper="zookeeper" in wanted, kafka="kafka" in wanted)
+            if self.services is not None:
+                fresh.started = self.services.started
+            fresh.start(fresh=True)
+            self.services = fresh
+            print(
+                f"\nservices: ZooKeeper {fresh.zk_hosts}, Kafka {fresh.kafka_bootstrap}; started "
+                f"{', '.join(fresh.started) or 'nothing (already running)'}"
+                + (f" in {fresh.start_seconds:.2f} s" if fresh.start_seconds else "")
+            )
+        return self.services
+
+    def close(self) -> None:
+        if self.services is not None and self.services.started:
+            self.services.stop()
+
+
+@pytest.fixture(scope="session")
+def _service_pool(request: pytest.FixtureRequest):
+    pool = _ServicePool(request.config.stash.get(_NEEDED, frozenset()))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def zookeeper(_service_pool: _ServicePool) -> Services:
+    """The real ZooKeeper (`.zk_hosts`), started for the session if it was not running."""
+    return _service_pool.get("zookeeper")
+
+
+@pytest.fixture(scope="session")
+def kafka(_service_pool: _ServicePool) -> Services:
+    """The real Kafka broker (`.kafka_bootstrap`), started for the session if needed."""
+    return _service_pool.get("kafka")
