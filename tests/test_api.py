@@ -340,6 +340,20 @@ def test_plan_is_picklable_and_round_trips():
     assert again.task("j").schema == plan.task("j").schema
 
 
+def test_check_picklable_names_the_task_with_a_lambda():
+    pipeline_plan().check_picklable()
+    job = small_job()
+    job.source(src()).map(lambda b: b, name="anon").sink(td.sinks.Collect())
+    with pytest.raises(td.ConfigError, match=r"operator task 'anon' cannot be sent to a worker"):
+        job.plan().check_picklable()
+
+
+def test_plan_describe_lists_tasks_and_edges():
+    text = pipeline_plan().describe()
+    assert "4: operator 'j' x3 partitions x3 replicas <- m[0]:hash(key), r[1]:hash(key)" in text
+    assert "5: sink 'out' x1 partitions x1 replicas <- j[0]:rebalance" in text
+
+
 def test_heartbeat_positions_follow_the_logical_clock():
     job = td.Job("hb", heartbeat_ms=10)
     job.source(td.sources.Synthetic(rate=1000, keys=5, seed=1), parallelism=2).sink(

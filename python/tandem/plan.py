@@ -214,6 +214,41 @@ class Plan:
                 f"{task.describe()} has partitions 0..{task.parallelism - 1}, got {partition}"
             )
 
+    def check_picklable(self, dumps=None) -> None:
+        """Raise ConfigError naming the first task whose source, operator or sink cannot
+        be pickled with ``dumps`` (default ``pickle.dumps``) — an engine that ships the
+        plan to other processes calls this before starting any."""
+        import pickle
+
+        dumps = dumps or pickle.dumps
+        for t in self.tasks:
+            try:
+                dumps((t.source, t.operator, t.sink))
+            except Exception as exc:
+                raise ConfigError(
+                    f"{t.describe()} cannot be sent to a worker process: "
+                    f"{type(exc).__name__}: {exc}; use module-level functions and classes "
+                    "(not lambdas or local functions) in operators"
+                ) from exc
+
+    def describe(self) -> str:
+        """A readable listing of the tasks, their sizes and their inputs."""
+        lines = [
+            f"plan {self.job!r}: ordering={self.ordering}, heartbeat={self.heartbeat_ms} ms, "
+            f"buffer_timeout={self.buffer_timeout_ms} ms, batch_rows={self.batch_rows}"
+        ]
+        for t in self.tasks:
+            ins = ", ".join(
+                f"{self.tasks[e.upstream].name}[{e.input_index}]:{e.partitioner}"
+                + (f"({e.key})" if e.key else "")
+                for e in t.inputs
+            )
+            lines.append(
+                f"  {t.id}: {t.kind} {t.name!r} x{t.parallelism} partitions "
+                f"x{t.replication} replicas" + (f" <- {ins}" if ins else "")
+            )
+        return "\n".join(lines)
+
     # -- heartbeats and sources --------------------------------------------------------
 
     def last_epoch(self, duration_s: float) -> int:

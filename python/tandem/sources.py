@@ -158,7 +158,11 @@ class Synthetic(Source):
 
     ``skew``: 0 draws keys uniformly (integer arithmetic only); ``skew > 0`` draws
     ``key = floor(keys * u ** (1 + skew))`` for a uniform ``u``, a power law where low keys
-    are hot (skew 1: key 0 gets ~sqrt(1/keys) of the rows).
+    are hot (skew 1: key 0 gets ~sqrt(1/keys) of the rows). The power uses libm, so a
+    skewed stream is reproducible on one platform; the uniform one everywhere.
+
+    ``limit``: stop after that many rows in total (None: as many as the run's duration
+    releases).
     """
 
     def __init__(
