@@ -415,6 +415,18 @@ def test_two_reference_runs_are_identical():
     assert sum(windows["n"].to_pylist()) == 400 + 100  # every ev and other row, once
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 5, 333])
+def test_source_batch_boundaries_never_change_any_output(chunk_rows):
+    from tandem import reference
+
+    plan = full_job().plan()
+    base = reference.run(plan, duration=0.1, t0_ns=7)
+    other = reference.run(plan, duration=0.1, t0_ns=7, chunk_rows=chunk_rows)
+    assert base.output.num_rows > 50
+    for name, table in base.outputs.items():
+        assert table.equals(other.outputs[name]), name
+
+
 def test_single_input_results_do_not_depend_on_batch_rows():
     def counts(batch_rows):
         job = td.Job("b", batch_rows=batch_rows)

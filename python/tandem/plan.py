@@ -616,10 +616,11 @@ def hashable_key_type(typ: pa.DataType) -> bool:
     )
 
 
-def hash_channels(keys: pa.Array, n: int) -> np.ndarray:
+def hash_channels(keys: pa.Array, n: int, cache: dict | None = None) -> np.ndarray:
     """The output channel of every row under hash partitioning over ``n`` channels:
     ``xxh3_64(canonical key bytes, HASH_SEED) % n``; integers hash their value as 8
-    little-endian bytes, strings/binaries their bytes, null keys go to channel 0."""
+    little-endian bytes, strings/binaries their bytes, null keys go to channel 0.
+    ``cache`` (key value → channel, for this ``n`` and key type) saves rehashing keys."""
     import pyarrow.compute as pc
 
     if isinstance(keys, pa.ChunkedArray):
@@ -631,10 +632,14 @@ def hash_channels(keys: pa.Array, n: int) -> np.ndarray:
         )
     enc = pc.dictionary_encode(keys)
     uniques = enc.dictionary.to_pylist()
-    table = np.array(
-        [xxh3_64(_key_bytes(u, keys.type), HASH_SEED) % n for u in uniques] + [NULL_KEY_CHANNEL],
-        dtype=np.int64,
-    )
+    cache = {} if cache is None else cache
+    chosen = []
+    for u in uniques:
+        c = cache.get(u)
+        if c is None:
+            c = cache[u] = xxh3_64(_key_bytes(u, keys.type), HASH_SEED) % n
+        chosen.append(c)
+    table = np.array([*chosen, NULL_KEY_CHANNEL], dtype=np.int64)
     codes = enc.indices.fill_null(len(uniques)).to_numpy(zero_copy_only=False)
     return table[codes.astype(np.int64)]
 
@@ -646,6 +651,7 @@ class Router:
     def __init__(self, edge: OutputEdge) -> None:
         self.edge = edge
         self.rows_emitted = 0
+        self._hash_cache: dict = {}
 
     def route(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
         """``(channel, rows)`` pieces of ``batch``, each piece in emit order."""
@@ -663,7 +669,7 @@ class Router:
         if p == "rebalance":
             targets = (start + np.arange(rows, dtype=np.int64)) % n
         else:
-            targets = hash_channels(batch.column(self.edge.key), n)
+            targets = hash_channels(batch.column(self.edge.key), n, self._hash_cache)
         out = []
         for c in range(n):
             idx = np.flatnonzero(targets == c)

@@ -167,8 +167,12 @@ def _queues(plan: Plan, task: Task, partition: int, chans: dict) -> tuple[list, 
     return inputs, queues
 
 
-def run(plan: Plan, duration: float, t0_ns: int = 0) -> Result:
-    """Run ``plan`` for ``duration`` seconds of source time; return its Result."""
+def run(plan: Plan, duration: float, t0_ns: int = 0, chunk_rows: int | None = None) -> Result:
+    """Run ``plan`` for ``duration`` seconds of source time; return its Result.
+
+    ``chunk_rows`` sets how many rows a source hands on at once (default
+    ``plan.batch_rows``). It changes batch boundaries only, never the result: that is
+    the property that lets replicas with different batching agree."""
     chans: dict[ChannelKey, list[Item]] = {}
     events_in = 0
     events_out = 0
@@ -178,7 +182,7 @@ def run(plan: Plan, duration: float, t0_ns: int = 0) -> Result:
         if task.kind == "source":
             for p in range(task.parallelism):
                 out = _Emitter(plan, task, p, chans)
-                for step in plan.source_schedule(task.id, p, duration):
+                for step in plan.source_schedule(task.id, p, duration, chunk_rows):
                     if step.kind == "rows":
                         batch = plan.source_batch(task.id, p, step.j0, step.j1, t0_ns)
                         events_in += batch.num_rows
