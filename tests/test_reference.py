@@ -467,3 +467,68 @@ def test_reference_result_fields():
     )
     assert r.p50_ms is None and r.per_second_p99_ms == []
     assert r.events_in == 200 + 15 + 50
+
+
+class MaxSoFar(td.KeyedProcess):
+    """User-style keyed operator: per key, the largest value seen so far; at the final
+    watermark, one summary row per key (sorted by key)."""
+
+    schema = pa.schema(
+        [("key", pa.int64()), ("event_time_ns", pa.int64()), ("max_so_far", pa.float64())]
+    )
+
+    def process(self, batch, state):
+        out = []
+        for key, value in zip(batch["key"].to_pylist(), batch["value"].to_pylist(), strict=True):
+            state[key] = max(state.get(key, value), value)
+            out.append(state[key])
+        return pa.record_batch(
+            [batch["key"], batch["event_time_ns"], pa.array(out, pa.float64())],
+            schema=self.schema,
+        )
+
+    def on_watermark(self, wm_ns):
+        if wm_ns != WATERMARK_MAX or not self.state:
+            return None
+        keys = sorted(self.state)
+        return pa.record_batch(
+            [
+                pa.array(keys, pa.int64()),
+                pa.array([wm_ns] * len(keys), pa.int64()),
+                pa.array([self.state[k] for k in keys], pa.float64()),
+            ],
+            schema=self.schema,
+        )
+
+
+class WrongShape(MaxSoFar):
+    def process(self, batch, state):
+        return batch  # not the declared schema
+
+
+def test_user_keyed_process_with_declared_schema_and_final_watermark():
+    job = td.Job("user", batch_rows=8)
+    s = job.source(td.sources.Synthetic(rate=2000, keys=4, seed=3))
+    s.key_by("key").process(MaxSoFar(), parallelism=2, name="max").sink(td.sinks.Collect())
+    r = job.run_reference(duration=0.05)
+    out = r.output
+    assert out.schema == MaxSoFar.schema
+    assert out.num_rows == 100 + 4  # one row per input, one summary per key
+    finals = out.filter(pc.equal(out["event_time_ns"], WATERMARK_MAX))
+    src = pa.Table.from_batches(
+        [td.sources.Synthetic(rate=2000, keys=4, seed=3).read(0, 1, 0, 100, 0)]
+    )
+    want = src.group_by("key").aggregate([("value", "max")]).sort_by("key")
+    assert canonical(finals)["max_so_far"].to_pylist() == want["value_max"].to_pylist()
+
+
+def test_keyed_process_returning_the_wrong_schema_names_operator_and_partition():
+    job = td.Job("user")
+    s = job.source(td.sources.Synthetic(rate=2000, keys=4, seed=3))
+    s.key_by("key").process(WrongShape(), parallelism=2, name="bad").sink(td.sinks.Collect())
+    with pytest.raises(
+        td.ConfigError,
+        match=r"operator 'bad' \(task 1, partition \d\) returned a "
+        r"batch with schema \[source_seq: int64",
+    ):
+        job.run_reference(duration=0.01)

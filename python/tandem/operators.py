@@ -633,3 +633,25 @@ def validate_aggregates(agg: Any, schema: pa.Schema, what: str) -> dict[str, tup
     if bad:
         raise ConfigError(f"{what}: output names {bad} are reserved; pick other names")
     return out
+
+
+__all__ = [
+    "AGGREGATES",
+    "EVENT_TIME",
+    "SOURCE_SEQ",
+    "WATERMARK_MAX",
+    "CountPerKey",
+    "Filter",
+    "FlatMap",
+    "Join",
+    "KeyedProcess",
+    "Map",
+    "Operator",
+    "OperatorContext",
+    "Union",
+    "Window",
+    "as_batch",
+    "check_event_time",
+    "empty_batch",
+    "validate_aggregates",
+]
