@@ -579,7 +579,9 @@ JSON_FIELDS = (
 class Result:
     """What a run reports. ``to_json()`` writes exactly :data:`JSON_FIELDS`.
 
-    ``lost``/``duplicates`` are counted against sequence numbers; latency fields are in
+    ``events_in``: rows released by all sources; ``events_out``: rows delivered to all
+    sinks (a row reaching two sinks counts twice). ``lost``/``duplicates`` are counted
+    against sequence numbers; latency fields are in
     ms (None when the run measured no latency, e.g. the reference executor, which has no
     clock); ``faults`` the faults injected (dicts), ``lost_replicas`` the replicas that
     died (dicts with task, partition, replica); ``output`` the rows of the first Collect

@@ -329,11 +329,9 @@ class KeyedProcess(Operator):
 def _group_codes(keys: pa.Array) -> tuple[np.ndarray, list]:
     """Per row, the index of its key in the returned list of distinct keys (first
     appearance order). Null keys get code -1."""
-    enc = (
-        pc.dictionary_encode(keys).combine_chunks()
-        if isinstance(keys, pa.ChunkedArray)
-        else pc.dictionary_encode(keys)
-    )
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks()
+    enc = pc.dictionary_encode(keys)
     codes = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
     return codes, enc.dictionary.to_pylist()
 
