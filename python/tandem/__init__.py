@@ -5,7 +5,8 @@ same order; downstream keeps the first copy of every event, so a crashed replica
 masked: no output gap, no loss, no duplicates.
 """
 
-from tandem import _core
+from tandem import _core, operators, sinks, sources
+from tandem.api import Job, Result, Stream
 from tandem.exceptions import (
     AuthenticationError,
     ChannelClosed,
@@ -15,6 +16,9 @@ from tandem.exceptions import (
     ServiceUnavailable,
     TandemError,
 )
+from tandem.faults import Kill
+from tandem.operators import CountPerKey, KeyedProcess, Operator
+from tandem.plan import Plan
 
 __version__: str = _core.__version__
 build_profile: str = _core.build_profile
@@ -23,10 +27,21 @@ __all__ = [
     "AuthenticationError",
     "ChannelClosed",
     "ConfigError",
+    "CountPerKey",
     "DeterminismError",
+    "Job",
+    "KeyedProcess",
+    "Kill",
+    "Operator",
+    "Plan",
     "ProtocolError",
+    "Result",
     "ServiceUnavailable",
+    "Stream",
     "TandemError",
     "__version__",
     "build_profile",
+    "operators",
+    "sinks",
+    "sources",
 ]

@@ -1,0 +1,620 @@
+"""The user API: a :class:`Job` builds a graph of :class:`Stream` s; :meth:`Job.plan` turns
+it into the physical :class:`tandem.plan.Plan`; :meth:`Job.run` hands that to an engine.
+
+```python
+import tandem as td
+job = td.Job("monitor", replication=2, ordering="liverobin", heartbeat_ms=10)
+ev = job.source(td.sources.Synthetic(rate=5_000, keys=1_000, seed=7), parallelism=1)
+out = ev.map(enrich, parallelism=2).key_by("key").process(td.CountPerKey(), parallelism=2)
+out.sink(td.sinks.Parquet("out/"))
+result = job.run(duration=60, faults=[td.Kill("process", partition=0, replica=0, at=30)])
+```
+
+Everything that can be checked before start is checked while the graph is built (or at
+the latest by :meth:`Job.plan`) and fails with a :class:`tandem.ConfigError` naming the
+operator, the problem and what to do.
+
+Output schemas: a source declares its schema; ``filter`` and ``union`` keep their input
+schema; ``map``/``flat_map`` take ``schema=`` or infer it by calling the function once on a
+zero-row batch of the input schema; a ``KeyedProcess`` declares the class attribute
+``schema`` or has it inferred the same way (on a scratch copy); ``join`` and ``window``
+derive theirs. Every operator output must keep ``event_time_ns``.
+
+Default names are the operator kind (``source``, ``map``, ``filter``, ``flat_map``,
+``process``, ``join``, ``window``, ``sink``), suffixed ``_2``, ``_3``… when taken; explicit
+names must be unique. Default parallelism: the largest parallelism among the operator's
+inputs (an unkeyed window: 1; a sink: 1).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from tandem import operators as ops
+from tandem.exceptions import ConfigError
+from tandem.faults import Fault, validate_faults
+from tandem.plan import ORDERINGS, Edge, Plan, Task, hashable_key_type
+from tandem.sinks import Sink
+from tandem.sources import Source
+
+
+def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{what} must be a finite number, got {value!r}")
+    return value
+
+
+@dataclass(eq=False)
+class _Node:
+    """A vertex of the logical graph (a task once planned)."""
+
+    name: str
+    kind: str  # "source" | "operator" | "sink"
+    parallelism: int
+    schema: pa.Schema
+    inputs: list[tuple[_Node, int, str | None]] = field(default_factory=list)
+    source: Source | None = None
+    operator: ops.Operator | None = None
+    sink: Sink | None = None
+    key: str | None = None
+
+
+class Job:
+    """A stream job: its knobs (DESIGN §5) and its graph.
+
+    ``replication``: replicas per task partition (1 = none); ``ordering``: ``none``,
+    ``liverobin`` or ``kazoo``; ``heartbeat_ms``: heartbeat period (> 0);
+    ``buffer_timeout_ms``: how long an output batch may wait (>= 0); ``batch_rows``:
+    flush when a batch reaches this many rows (also the LiveRobin quantum).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        replication: int = 2,
+        ordering: str = "liverobin",
+        heartbeat_ms: float = 10,
+        buffer_timeout_ms: float = 5,
+        batch_rows: int = 1024,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"Job name must be a non-empty string, got {name!r}")
+        self.name = name
+        self.replication = _positive_int(replication, f"Job {name!r}: replication")
+        if ordering not in ORDERINGS:
+            raise ConfigError(
+                f"Job {name!r}: ordering {ordering!r} is unknown; use one of {list(ORDERINGS)}"
+            )
+        self.ordering = ordering
+        if _number(heartbeat_ms, f"Job {name!r}: heartbeat_ms") <= 0:
+            raise ConfigError(
+                f"Job {name!r}: heartbeat_ms must be > 0 (got {heartbeat_ms}); heartbeats "
+                "bound how long merges and windows wait, 10 ms is the default"
+            )
+        if round(heartbeat_ms * 1_000_000) < 1:
+            raise ConfigError(f"Job {name!r}: heartbeat_ms={heartbeat_ms} is below 1 ns")
+        self.heartbeat_ms = heartbeat_ms
+        if _number(buffer_timeout_ms, f"Job {name!r}: buffer_timeout_ms") < 0:
+            raise ConfigError(
+                f"Job {name!r}: buffer_timeout_ms must be >= 0 (got {buffer_timeout_ms}); "
+                "0 sends every batch at once"
+            )
+        self.buffer_timeout_ms = buffer_timeout_ms
+        self.batch_rows = _positive_int(batch_rows, f"Job {name!r}: batch_rows")
+        self._nodes: list[_Node] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"Job({self.name!r}, replication={self.replication}, ordering={self.ordering!r}, "
+            f"tasks={[n.name for n in self._nodes]})"
+        )
+
+    # -- graph building ----------------------------------------------------------------
+
+    def _name(self, name: str | None, default: str) -> str:
+        taken = {n.name for n in self._nodes}
+        if name is None:
+            candidate, k = default, 2
+            while candidate in taken:
+                candidate, k = f"{default}_{k}", k + 1
+            return candidate
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a task name must be a non-empty string, got {name!r}")
+        if name in taken:
+            raise ConfigError(
+                f"duplicate task name {name!r} in job {self.name!r}; every operator, source "
+                "and sink needs a unique name"
+            )
+        return name
+
+    def _add(self, node: _Node) -> _Node:
+        self._nodes.append(node)
+        return node
+
+    def source(self, source: Source, parallelism: int = 1, name: str | None = None) -> Stream:
+        """Add a source; returns its stream."""
+        if not isinstance(source, Source):
+            raise ConfigError(
+                f"job.source() needs a tandem source (e.g. td.sources.Synthetic(...)), got "
+                f"{type(source).__name__}"
+            )
+        name = self._name(name, "source")
+        par = _positive_int(parallelism, f"source {name!r}: parallelism")
+        schema = source.schema()
+        ops.check_event_time(schema, f"source {name!r}")
+        node = self._add(_Node(name, "source", par, schema, source=copy.deepcopy(source)))
+        return Stream(self, (node,), None, schema)
+
+    # -- planning ----------------------------------------------------------------------
+
+    def plan(self) -> Plan:
+        """Validate the whole graph and expand it into the physical plan."""
+        if not any(n.kind == "source" for n in self._nodes):
+            raise ConfigError(f"job {self.name!r} has no source; add one with job.source(...)")
+        consumers: dict[int, int] = {id(n): 0 for n in self._nodes}
+        for n in self._nodes:
+            for up, _, _ in n.inputs:
+                consumers[id(up)] += 1
+        for n in self._nodes:
+            if n.kind != "sink" and consumers[id(n)] == 0:
+                raise ConfigError(
+                    f"the output of {n.kind} {n.name!r} goes nowhere: the stream has no sink; "
+                    "end it with .sink(td.sinks.Collect()) (or another sink) or remove it"
+                )
+        order = _toposort(self._nodes)
+        ids = {id(n): i for i, n in enumerate(order)}
+        tasks = []
+        for i, n in enumerate(order):
+            edges = []
+            for up, input_index, key in n.inputs:
+                if key is not None:
+                    part = "hash"
+                elif up.parallelism == n.parallelism:
+                    part = "forward"
+                else:
+                    part = "rebalance"
+                edges.append(Edge(ids[id(up)], input_index, part, key))
+            edges.sort(key=lambda e: (e.input_index, e.upstream))
+            in_schemas: list[pa.Schema] = []
+            for e in edges:
+                if e.input_index == len(in_schemas):
+                    in_schemas.append(order[e.upstream].schema)
+            tasks.append(
+                Task(
+                    id=i,
+                    name=n.name,
+                    kind=n.kind,
+                    parallelism=n.parallelism,
+                    replication=1 if n.kind == "sink" else self.replication,
+                    inputs=tuple(edges),
+                    input_schemas=tuple(in_schemas),
+                    schema=n.schema,
+                    source=copy.deepcopy(n.source),
+                    operator=copy.deepcopy(n.operator),
+                    sink=copy.deepcopy(n.sink),
+                    key=n.key,
+                )
+            )
+        return Plan(
+            job=self.name,
+            replication=self.replication,
+            ordering=self.ordering,
+            heartbeat_ms=self.heartbeat_ms,
+            buffer_timeout_ms=self.buffer_timeout_ms,
+            batch_rows=self.batch_rows,
+            tasks=tuple(tasks),
+        )
+
+    def run(
+        self,
+        duration: float,
+        faults: Iterable[Fault] = (),
+        engine: str | Any = "local",
+        **options: Any,
+    ) -> Result:
+        """Run the job for ``duration`` seconds of source time on an engine (``"local"``,
+        the default, or an engine object with ``run(plan, duration=, faults=, ...)``)."""
+        if _number(duration, "duration") <= 0:
+            raise ConfigError(f"duration must be > 0 seconds, got {duration!r}")
+        plan = self.plan()
+        faults = list(faults)
+        validate_faults(faults, plan, duration)
+        if isinstance(engine, str):
+            runner = _engine(engine)
+        elif callable(getattr(engine, "run", None)):
+            runner = engine
+        else:
+            raise ConfigError(
+                f"engine must be a name like 'local' or an object with a run() method, got "
+                f"{type(engine).__name__}"
+            )
+        return runner.run(plan, duration=duration, faults=faults, **options)
+
+    def run_reference(self, duration: float, t0_ns: int = 0) -> Result:
+        """Run the job in this process with the deterministic single-process reference
+        executor (:mod:`tandem.reference`), the oracle replicated runs are compared with."""
+        from tandem import reference
+
+        if _number(duration, "duration") <= 0:
+            raise ConfigError(f"duration must be > 0 seconds, got {duration!r}")
+        return reference.run(self.plan(), duration=duration, t0_ns=t0_ns)
+
+
+def _engine(name: str) -> Any:
+    try:
+        engines = importlib.import_module("tandem.engines")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("tandem.engines",):
+            raise
+        raise ConfigError(
+            f"engine {name!r} is not available: this installation has no tandem.engines "
+            "package; use job.run_reference(duration) for a single-process run"
+        ) from exc
+    get = getattr(engines, "get", None)
+    if get is None:
+        raise ConfigError(f"engine {name!r}: tandem.engines has no get(name) function")
+    return get(name)
+
+
+def _toposort(nodes: list[_Node]) -> list[_Node]:
+    """Kahn's algorithm; ties broken by creation order so task ids are deterministic."""
+    indeg = {id(n): len(n.inputs) for n in nodes}
+    out: dict[int, list[_Node]] = {id(n): [] for n in nodes}
+    for n in nodes:
+        for up, _, _ in n.inputs:
+            out[id(up)].append(n)
+    pos = {id(n): i for i, n in enumerate(nodes)}
+    ready = [n for n in nodes if indeg[id(n)] == 0]
+    order: list[_Node] = []
+    while ready:
+        ready.sort(key=lambda n: pos[id(n)])
+        n = ready.pop(0)
+        order.append(n)
+        for d in out[id(n)]:
+            indeg[id(d)] -= 1
+            if indeg[id(d)] == 0:
+                ready.append(d)
+    if len(order) != len(nodes):
+        stuck = sorted(n.name for n in nodes if indeg[id(n)] > 0)
+        raise ConfigError(f"the job graph has a cycle through {stuck}; streams must form a DAG")
+    return order
+
+
+class Stream:
+    """The output of one or more tasks (several after ``union``), optionally keyed."""
+
+    def __init__(
+        self, job: Job, heads: tuple[_Node, ...], key: str | None, schema: pa.Schema
+    ) -> None:
+        self.job = job
+        self._heads = heads
+        self.key = key
+        self.schema = schema
+
+    def __repr__(self) -> str:
+        key = f", key={self.key!r}" if self.key else ""
+        return f"Stream({[h.name for h in self._heads]}{key})"
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _parallelism(self, parallelism: int | None, name: str, heads=None) -> int:
+        if parallelism is None:
+            return max(h.parallelism for h in (heads or self._heads))
+        return _positive_int(parallelism, f"operator {name!r}: parallelism")
+
+    def _inputs(self, input_index: int, key: str | None) -> list[tuple[_Node, int, str | None]]:
+        return [(h, input_index, key) for h in self._heads]
+
+    def _operator(
+        self,
+        kind: str,
+        op: ops.Operator,
+        parallelism: int | None,
+        name: str | None,
+        schema_of: Callable[[str], pa.Schema] | None = None,
+    ) -> Stream:
+        name = self.job._name(name, kind)
+        par = self._parallelism(parallelism, name)
+        what = f"operator {name!r} ({op.describe()})"
+        try:
+            schema = schema_of(name) if schema_of else op.output_schema([self.schema])
+        except ConfigError as exc:
+            raise ConfigError(f"{what}: {exc}") from exc
+        ops.check_event_time(schema, what)
+        node = _Node(
+            name, "operator", par, schema, self._inputs(0, self.key), operator=op, key=self.key
+        )
+        self.job._add(node)
+        return Stream(self.job, (node,), None, schema)
+
+    def _check_schema(self, schema: Any, what: str) -> pa.Schema | None:
+        if schema is not None and not isinstance(schema, pa.Schema):
+            raise ConfigError(f"{what}: schema must be a pyarrow.Schema, got {schema!r}")
+        return schema
+
+    def _column(self, column: Any, what: str, schema: pa.Schema | None = None) -> pa.Field:
+        schema = schema or self.schema
+        if not isinstance(column, str) or column not in schema.names:
+            raise ConfigError(
+                f"{what}: unknown column {column!r}; the stream's columns are {schema.names}"
+            )
+        return schema.field(column)
+
+    # -- operators ---------------------------------------------------------------------
+
+    def map(
+        self,
+        fn: Callable,
+        parallelism: int | None = None,
+        name: str | None = None,
+        schema: pa.Schema | None = None,
+    ) -> Stream:
+        """``fn(batch) -> batch`` with one output row per input row."""
+        return self._operator(
+            "map", ops.Map(fn, self._check_schema(schema, "map")), parallelism, name
+        )
+
+    def filter(
+        self, fn: Callable, parallelism: int | None = None, name: str | None = None
+    ) -> Stream:
+        """Keep the rows where ``fn(batch)`` (a boolean array) is true."""
+        return self._operator("filter", ops.Filter(fn), parallelism, name)
+
+    def flat_map(
+        self,
+        fn: Callable,
+        parallelism: int | None = None,
+        name: str | None = None,
+        schema: pa.Schema | None = None,
+    ) -> Stream:
+        """``fn(batch) -> batch | None`` with any number of rows."""
+        return self._operator(
+            "flat_map", ops.FlatMap(fn, self._check_schema(schema, "flat_map")), parallelism, name
+        )
+
+    def key_by(self, column: str) -> Stream:
+        """Hash-partition the next operator's input on ``column``."""
+        field_ = self._column(column, f"key_by({column!r}) after {self._head_names()}")
+        if not hashable_key_type(field_.type):
+            raise ConfigError(
+                f"key_by({column!r}): column type {field_.type} cannot be hash-partitioned; "
+                "use an integer, string or binary column (cast it in a map first)"
+            )
+        return Stream(self.job, self._heads, column, self.schema)
+
+    def _head_names(self) -> str:
+        return ", ".join(repr(h.name) for h in self._heads)
+
+    def process(
+        self, op: ops.KeyedProcess, parallelism: int | None = None, name: str | None = None
+    ) -> Stream:
+        """A keyed stateful operator (needs a preceding ``key_by``)."""
+        label = name or "process"
+        if not isinstance(op, ops.KeyedProcess):
+            raise ConfigError(
+                f"process {label!r}: needs an instance of a td.KeyedProcess subclass, got "
+                f"{type(op).__name__}"
+            )
+        if self.key is None:
+            raise ConfigError(
+                f"process {label!r} ({op.describe()}) has no key: keyed state needs a keyed "
+                f"input; call .key_by(column) before .process(...)"
+            )
+
+        def schema_of(final_name: str) -> pa.Schema:
+            probe = copy.deepcopy(op)
+            probe.ctx = ops.OperatorContext(
+                task=final_name, task_id=-1, partition=0, parallelism=1, key=self.key
+            )
+            return probe.output_schema([self.schema])
+
+        return self._operator("process", op, parallelism, name, schema_of)
+
+    def union(self, *others: Stream) -> Stream:
+        """All rows of this stream and ``others`` (same schema), interleaved by the merge."""
+        if not others:
+            raise ConfigError("union() needs at least one other stream")
+        heads = list(self._heads)
+        keys = {self.key}
+        for o in others:
+            if not isinstance(o, Stream) or o.job is not self.job:
+                raise ConfigError(
+                    f"union(): every stream must belong to job {self.job.name!r}, got {o!r}"
+                )
+            if not o.schema.equals(self.schema, check_metadata=False):
+                raise ConfigError(
+                    f"union() of {self._head_names()} and {o._head_names()}: schemas differ "
+                    f"({self.schema.names} vs {o.schema.names}); map them to one schema first"
+                )
+            for h in o._heads:
+                if h in heads:
+                    raise ConfigError(
+                        f"union(): the output of {h.name!r} appears twice; a stream can be "
+                        "unioned with itself only through an operator in between"
+                    )
+                heads.append(h)
+            keys.add(o.key)
+        return Stream(self.job, tuple(heads), keys.pop() if len(keys) == 1 else None, self.schema)
+
+    def join(
+        self,
+        other: Stream,
+        on: str = "key",
+        how: str = "inner",
+        parallelism: int | None = None,
+        name: str | None = None,
+    ) -> Stream:
+        """Enrich this (event) stream with the latest row of ``other`` (the rule stream)
+        per ``on`` key; see :class:`tandem.operators.Join` for the exact semantics."""
+        label = name or "join"
+        if not isinstance(other, Stream) or other.job is not self.job:
+            raise ConfigError(
+                f"join {label!r}: the other stream must belong to job "
+                f"{self.job.name!r}, got {other!r}"
+            )
+        if set(self._heads) & set(other._heads):
+            raise ConfigError(f"join {label!r}: a stream cannot be joined with itself")
+        ev = self._column(on, f"join {label!r} on {on!r} (event side {self._head_names()})")
+        ru = self._column(
+            on, f"join {label!r} on {on!r} (rule side {other._head_names()})", other.schema
+        )
+        if ev.type != ru.type:
+            raise ConfigError(
+                f"join {label!r} on {on!r}: key types differ — events have {ev.type}, rules "
+                f"have {ru.type}; cast one side in a map so both match"
+            )
+        if not hashable_key_type(ev.type):
+            raise ConfigError(
+                f"join {label!r} on {on!r}: key type {ev.type} cannot be hash-partitioned; "
+                "use an integer, string or binary key"
+            )
+        op = ops.Join(on, how)
+        name = self.job._name(name, "join")
+        heads = self._heads + other._heads
+        par = self._parallelism(parallelism, name, heads)
+        try:
+            schema = op.output_schema([self.schema, other.schema])
+        except ConfigError as exc:
+            raise ConfigError(f"join {name!r}: {exc}") from exc
+        node = _Node(
+            name,
+            "operator",
+            par,
+            schema,
+            self._inputs(0, on) + other._inputs(1, on),
+            operator=op,
+            key=on,
+        )
+        self.job._add(node)
+        return Stream(self.job, (node,), None, schema)
+
+    def window(
+        self,
+        size_ms: float,
+        agg: Mapping[str, tuple[str, str]],
+        key: str | None = None,
+        parallelism: int | None = None,
+        name: str | None = None,
+    ) -> Stream:
+        """Tumbling event-time window of ``size_ms`` with aggregates
+        ``{"out": ("col", "sum"|"count"|"min"|"max"|"mean")}`` per ``key`` (default: the
+        ``key_by`` column, if any; no key: one global window, parallelism 1)."""
+        label = name or "window"
+        if _number(size_ms, f"window {label!r}: size_ms") <= 0 or round(size_ms * 1e6) < 1:
+            raise ConfigError(f"window {label!r}: size_ms must be > 0, got {size_ms!r}")
+        if key is None:
+            key = self.key
+        elif self.key is not None and key != self.key:
+            raise ConfigError(
+                f"window {label!r}: key={key!r} conflicts with the preceding "
+                f"key_by({self.key!r}); drop one of them"
+            )
+        if key is not None:
+            f = self._column(key, f"window {label!r}: key")
+            if not hashable_key_type(f.type):
+                raise ConfigError(
+                    f"window {label!r}: key column {key!r} of type {f.type} cannot be "
+                    "hash-partitioned; use an integer, string or binary key"
+                )
+        agg = ops.validate_aggregates(agg, self.schema, f"window {label!r}")
+        if key is not None and key in agg:
+            raise ConfigError(f"window {label!r}: output name {key!r} is the key column")
+        if key is None:
+            if parallelism not in (None, 1):
+                raise ConfigError(
+                    f"window {label!r} has no key, so it is one global window and needs "
+                    f"parallelism 1 (got {parallelism}); add key=... or key_by(...) to scale"
+                )
+            parallelism = 1
+        keyed = Stream(self.job, self._heads, key, self.schema)
+        return keyed._operator("window", ops.Window(size_ms, agg, key), parallelism, name)
+
+    def sink(self, sink: Sink, parallelism: int = 1, name: str | None = None) -> None:
+        """Deliver this stream to ``sink`` (each row exactly once)."""
+        if not isinstance(sink, Sink):
+            raise ConfigError(
+                f"sink() needs a tandem sink (e.g. td.sinks.Collect()), got {type(sink).__name__}"
+            )
+        name = self.job._name(name, "sink")
+        par = _positive_int(parallelism, f"sink {name!r}: parallelism")
+        self.job._add(
+            _Node(
+                name, "sink", par, self.schema, self._inputs(0, self.key), sink=sink, key=self.key
+            )
+        )
+
+
+JSON_FIELDS = (
+    "events_in",
+    "events_out",
+    "lost",
+    "duplicates",
+    "p50_ms",
+    "p99_ms",
+    "max_ms",
+    "max_gap_ms",
+    "per_second_p99_ms",
+    "faults",
+    "digests_match",
+    "lost_replicas",
+    "output",
+)
+
+
+@dataclass
+class Result:
+    """What a run reports. ``to_json()`` writes exactly :data:`JSON_FIELDS`.
+
+    ``events_in``: rows released by all sources; ``events_out``: rows delivered to all
+    sinks (a row reaching two sinks counts twice). ``lost``/``duplicates`` are counted
+    against sequence numbers; latency fields are in
+    ms (None when the run measured no latency, e.g. the reference executor, which has no
+    clock); ``faults`` the faults injected (dicts), ``lost_replicas`` the replicas that
+    died (dicts with task, partition, replica); ``output`` the rows of the first Collect
+    sink (a pyarrow.Table; in JSON: ``{"rows": n, "columns": [...]}``). Not in JSON:
+    ``outputs`` (every sink's combined value by sink name) and ``t0_ns`` (the logical time
+    origin of the run: pass it to ``run_reference`` to reproduce event times).
+    """
+
+    events_in: int = 0
+    events_out: int = 0
+    lost: int = 0
+    duplicates: int = 0
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    max_ms: float | None = None
+    max_gap_ms: float | None = None
+    per_second_p99_ms: list[float] = field(default_factory=list)
+    faults: list[dict] = field(default_factory=list)
+    digests_match: bool = True
+    lost_replicas: list[dict] = field(default_factory=list)
+    output: pa.Table | None = None
+    outputs: dict[str, Any] = field(default_factory=dict, repr=False)
+    t0_ns: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {name: getattr(self, name) for name in JSON_FIELDS}
+        out = self.output
+        d["output"] = None if out is None else {"rows": out.num_rows, "columns": out.schema.names}
+        d["faults"] = [f.to_dict() if hasattr(f, "to_dict") else f for f in self.faults]
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+__all__ = ["JSON_FIELDS", "Job", "Result", "Stream"]

@@ -1,0 +1,125 @@
+"""Fault specifications for experiments: which replica to crash, and when.
+
+A fault is data: the engine injects it (the local engine SIGKILLs the replica's process at
+``t0 + at`` seconds). Faults are validated against the plan before the run starts, so a
+typo in a task name fails at once instead of silently running without the fault.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from tandem.exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from tandem.plan import Plan
+
+ROLES = ("leader", "follower")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Base class of fault specs."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": type(self).__name__.lower(), **asdict(self)}
+
+    def validate(self, plan: Plan, duration: float) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Kill(Fault):
+    """Crash (SIGKILL) one replica of one task partition ``at`` seconds after the start.
+
+    ``replica`` is an index (``0 .. replication-1``) or, with ``ordering="kazoo"``, the
+    role ``"leader"`` / ``"follower"`` of that partition at the time of the kill.
+    """
+
+    task: str
+    partition: int
+    replica: int | str
+    at: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task, str) or not self.task:
+            raise ConfigError(f"Kill: task must be a task name, got {self.task!r}")
+        if (
+            isinstance(self.partition, bool)
+            or not isinstance(self.partition, int)
+            or (self.partition < 0)
+        ):
+            raise ConfigError(
+                f"Kill({self.task!r}): partition must be an int >= 0, got {self.partition!r}"
+            )
+        if isinstance(self.replica, str):
+            if self.replica not in ROLES:
+                raise ConfigError(
+                    f"Kill({self.task!r}): replica must be an index or one of {ROLES}, got "
+                    f"{self.replica!r}"
+                )
+        elif (
+            isinstance(self.replica, bool)
+            or not isinstance(self.replica, int)
+            or (self.replica < 0)
+        ):
+            raise ConfigError(
+                f"Kill({self.task!r}): replica must be an int >= 0 or one of "
+                f"{ROLES}, got {self.replica!r}"
+            )
+        if (
+            isinstance(self.at, bool)
+            or not isinstance(self.at, int | float)
+            or not (math.isfinite(self.at) and self.at >= 0)
+        ):
+            raise ConfigError(f"Kill({self.task!r}): at must be seconds >= 0, got {self.at!r}")
+
+    def validate(self, plan: Plan, duration: float) -> None:
+        """Check the fault against the plan and the run's duration."""
+        names = [t.name for t in plan.tasks]
+        if self.task not in names:
+            raise ConfigError(
+                f"Kill: job {plan.job!r} has no task {self.task!r}; its tasks are {names}"
+            )
+        task = plan.task(self.task)
+        where = f"Kill({self.task!r}, partition={self.partition}, replica={self.replica!r})"
+        if task.kind == "sink":
+            raise ConfigError(
+                f"{where}: {self.task!r} is a sink; sinks are unreplicated, so killing one "
+                "loses output by design — kill a source or operator replica"
+            )
+        if self.partition >= task.parallelism:
+            raise ConfigError(
+                f"{where}: task {self.task!r} has partitions 0..{task.parallelism - 1}"
+            )
+        if isinstance(self.replica, str):
+            if plan.ordering != "kazoo":
+                raise ConfigError(
+                    f"{where}: replica roles exist only with ordering='kazoo' (this job uses "
+                    f"{plan.ordering!r}); give a replica index instead"
+                )
+        elif self.replica >= task.replication:
+            raise ConfigError(f"{where}: task {self.task!r} has replicas 0..{task.replication - 1}")
+        if self.at >= duration:
+            raise ConfigError(
+                f"{where}: at={self.at} s is not before the end of the run (duration={duration} s)"
+            )
+
+
+def validate_faults(faults: list[Any], plan: Plan, duration: float) -> None:
+    """Validate every fault; also reject two kills of the same replica."""
+    seen = set()
+    for f in faults:
+        if not isinstance(f, Fault):
+            raise ConfigError(f"faults must be tandem fault specs like td.Kill(...), got {f!r}")
+        f.validate(plan, duration)
+        if isinstance(f, Kill):
+            target = (f.task, f.partition, f.replica)
+            if target in seen:
+                raise ConfigError(f"Kill{target}: the same replica is killed twice")
+            seen.add(target)
+
+
+__all__ = ["ROLES", "Fault", "Kill", "validate_faults"]

@@ -1,0 +1,703 @@
+"""The physical plan: what an engine runs.
+
+A :class:`Plan` is a plain, picklable tree of dataclasses (user functions inside operators
+must be picklable by whatever the engine uses to ship them, e.g. module-level functions
+for ``pickle``). It expands the job's logical graph into tasks x partitions x replicas and
+the logical channels between them:
+
+* :class:`Task` — ``id`` (its index in ``plan.tasks``, a topological order), ``name``,
+  ``kind`` (``source`` | ``operator`` | ``sink``), ``parallelism``, ``replication``
+  (sinks: 1, they are unreplicated deduplicating consumers), the source / operator / sink
+  prototype, its input :class:`Edge` s and schemas.
+* :class:`Edge` — ``upstream`` task id, ``input_index`` (0, or 1 for a join's rule side),
+  ``partitioner``: ``forward`` (same parallelism, no key: partition p feeds partition p
+  only), ``rebalance`` (row i of an upstream partition's output → downstream partition
+  ``i % n``), ``hash`` on ``key`` (xxh3 of the key, see :func:`hash_channels`).
+* Input channels of a task partition (:meth:`Plan.input_channels`): the logical channels
+  ``(upstream task, upstream partition, input index)`` ordered by (input index, upstream
+  task id, upstream partition). That order is the channel index every replica's merge uses.
+  A stream never feeds one task twice (self-union / self-join are rejected), so
+  ``(upstream task, upstream partition)`` alone identifies a channel at its receiver.
+* Output channels (:meth:`Plan.output_edges`): one :class:`OutputEdge` per downstream edge
+  (one Outbox each), with one channel per downstream partition (``forward``: exactly one).
+
+Heartbeats and watermarks (the heartbeat generator is logical, not a process): source
+partition ``(s, p)`` emits heartbeat epoch ``k = 1, 2, ...`` at logical time
+``t0 + k * heartbeat_ns``, placed after exactly :meth:`Plan.source_rows_before` ``(s, p,
+k * heartbeat_ns)`` rows — every row released strictly before it. Both replicas of a source
+partition therefore put every heartbeat at the same sequence number. Heartbeat ``k``
+carries watermark ``t0 + k * heartbeat_ns`` (:meth:`Plan.watermark_ns`): every row with an
+earlier ``event_time_ns`` precedes it on that channel.
+
+The forwarding contract (what the reference executor does, and what an engine must do for
+its output to equal the reference's): an operator or sink partition tracks, per input
+channel, the last heartbeat epoch delivered (:class:`WatermarkTracker`). When the minimum
+over its channels advances to ``k`` — a deterministic position in the merged input — it
+calls ``on_watermark(watermark_ns(k))``, emits that output, then forwards heartbeat ``k``
+on every output channel. For a single-input task that is "forward each heartbeat as it is
+dequeued"; for LiveRobin it is the end of cycle ``k``. At end of input (every channel
+delivered its end marker) it calls ``on_watermark(WATERMARK_MAX)``, emits, then sends end.
+Merging uses LiveRobin with ``quantum_rows = plan.quantum_rows``.
+"""
+
+from __future__ import annotations
+
+import copy
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from tandem.exceptions import ConfigError
+from tandem.operators import (
+    WATERMARK_MAX,
+    Operator,
+    OperatorContext,
+    as_batch,
+    check_event_time,
+)
+from tandem.sinks import Sink
+from tandem.sources import Source
+
+ORDERINGS = ("none", "liverobin", "kazoo")
+PARTITIONERS = ("forward", "rebalance", "hash", "broadcast")
+KINDS = ("source", "operator", "sink")
+
+
+@dataclass(frozen=True)
+class Edge:
+    """An input of a task: where it comes from and how rows are routed to partitions."""
+
+    upstream: int
+    input_index: int
+    partitioner: str
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class InputChannel:
+    """A logical input channel of a task partition."""
+
+    task: int
+    partition: int
+    input_index: int
+
+
+@dataclass(frozen=True)
+class OutputEdge:
+    """The output of a task partition towards one downstream task: output channel ``c``
+    goes to downstream partition ``partitions[c]`` (every replica of it)."""
+
+    downstream: int
+    input_index: int
+    partitioner: str
+    key: str | None
+    partitions: tuple[int, ...]
+
+
+@dataclass
+class Task:
+    """One task of the plan (see the module documentation)."""
+
+    id: int
+    name: str
+    kind: str
+    parallelism: int
+    replication: int
+    inputs: tuple[Edge, ...] = ()
+    input_schemas: tuple[pa.Schema, ...] = ()
+    schema: pa.Schema | None = None
+    source: Source | None = None
+    operator: Operator | None = None
+    sink: Sink | None = None
+    key: str | None = None
+
+    def describe(self) -> str:
+        return f"{self.kind} task {self.name!r}"
+
+
+@dataclass(frozen=True)
+class SourceStep:
+    """One step of a source partition's logical schedule: rows ``[j0, j1)`` (local
+    indices), heartbeat ``epoch``, or the end. ``at_ns`` is the step's logical time
+    offset from t0 (rows: the release offset of the last row)."""
+
+    kind: str
+    at_ns: int
+    j0: int = 0
+    j1: int = 0
+    epoch: int = 0
+
+
+@dataclass
+class Plan:
+    """The physical plan of a job. Tasks are in topological order (``tasks[i].id == i``)."""
+
+    job: str
+    replication: int
+    ordering: str
+    heartbeat_ms: float
+    buffer_timeout_ms: float
+    batch_rows: int
+    tasks: tuple[Task, ...] = field(default_factory=tuple)
+
+    # -- structure ----------------------------------------------------------------------
+
+    @property
+    def heartbeat_ns(self) -> int:
+        return round(self.heartbeat_ms * 1_000_000)
+
+    @property
+    def quantum_rows(self) -> int:
+        """Rows per LiveRobin turn the merges use (DESIGN §2.3)."""
+        return self.batch_rows
+
+    def task(self, ref: int | str) -> Task:
+        """A task by id or name."""
+        if isinstance(ref, int) and not isinstance(ref, bool):
+            if 0 <= ref < len(self.tasks):
+                return self.tasks[ref]
+        else:
+            for t in self.tasks:
+                if t.name == ref:
+                    return t
+        names = [t.name for t in self.tasks]
+        raise ConfigError(f"job {self.job!r} has no task {ref!r}; its tasks are {names}")
+
+    def sources(self) -> list[Task]:
+        return [t for t in self.tasks if t.kind == "source"]
+
+    def sinks(self) -> list[Task]:
+        return [t for t in self.tasks if t.kind == "sink"]
+
+    def consumers(self, task_id: int) -> list[tuple[Task, Edge]]:
+        """The tasks reading ``task_id``'s output, ordered by (task id, input index)."""
+        out = [(t, e) for t in self.tasks for e in t.inputs if e.upstream == task_id]
+        return sorted(out, key=lambda te: (te[0].id, te[1].input_index))
+
+    def replicas(self) -> list[tuple[int, int, int]]:
+        """Every ``(task id, partition, replica)`` the engine must run."""
+        return [
+            (t.id, p, r)
+            for t in self.tasks
+            for p in range(t.parallelism)
+            for r in range(t.replication)
+        ]
+
+    def input_channels(self, task_id: int, partition: int) -> list[InputChannel]:
+        """The logical input channels of a task partition, in channel-index order."""
+        task = self.task(task_id)
+        self._check_partition(task, partition)
+        chans = []
+        for e in task.inputs:
+            up = self.tasks[e.upstream]
+            parts = [partition] if e.partitioner == "forward" else range(up.parallelism)
+            chans += [InputChannel(up.id, p, e.input_index) for p in parts]
+        return sorted(chans, key=lambda c: (c.input_index, c.task, c.partition))
+
+    def output_edges(self, task_id: int, partition: int) -> list[OutputEdge]:
+        """The outputs of a task partition, one per downstream edge."""
+        task = self.task(task_id)
+        self._check_partition(task, partition)
+        out = []
+        for down, e in self.consumers(task_id):
+            parts = (partition,) if e.partitioner == "forward" else tuple(range(down.parallelism))
+            out.append(OutputEdge(down.id, e.input_index, e.partitioner, e.key, parts))
+        return out
+
+    def _check_partition(self, task: Task, partition: int) -> None:
+        if not 0 <= partition < task.parallelism:
+            raise ConfigError(
+                f"{task.describe()} has partitions 0..{task.parallelism - 1}, got {partition}"
+            )
+
+    def check_picklable(self, dumps=None) -> None:
+        """Raise ConfigError naming the first task whose source, operator or sink cannot
+        be pickled with ``dumps`` (default ``pickle.dumps``) — an engine that ships the
+        plan to other processes calls this before starting any."""
+        import pickle
+
+        dumps = dumps or pickle.dumps
+        for t in self.tasks:
+            try:
+                dumps((t.source, t.operator, t.sink))
+            except Exception as exc:
+                raise ConfigError(
+                    f"{t.describe()} cannot be sent to a worker process: "
+                    f"{type(exc).__name__}: {exc}; use module-level functions and classes "
+                    "(not lambdas or local functions) in operators"
+                ) from exc
+
+    def describe(self) -> str:
+        """A readable listing of the tasks, their sizes and their inputs."""
+        lines = [
+            f"plan {self.job!r}: ordering={self.ordering}, heartbeat={self.heartbeat_ms} ms, "
+            f"buffer_timeout={self.buffer_timeout_ms} ms, batch_rows={self.batch_rows}"
+        ]
+        for t in self.tasks:
+            ins = ", ".join(
+                f"{self.tasks[e.upstream].name}[{e.input_index}]:{e.partitioner}"
+                + (f"({e.key})" if e.key else "")
+                for e in t.inputs
+            )
+            lines.append(
+                f"  {t.id}: {t.kind} {t.name!r} x{t.parallelism} partitions "
+                f"x{t.replication} replicas" + (f" <- {ins}" if ins else "")
+            )
+        return "\n".join(lines)
+
+    # -- heartbeats and sources --------------------------------------------------------
+
+    def last_epoch(self, duration_s: float) -> int:
+        """The last heartbeat epoch of a run of ``duration_s`` (heartbeats at k*hb <= end)."""
+        return round(duration_s * 1e9) // self.heartbeat_ns
+
+    def heartbeat_offset_ns(self, epoch: int) -> int:
+        return epoch * self.heartbeat_ns
+
+    def watermark_ns(self, epoch: int, t0_ns: int) -> int:
+        """The event-time watermark heartbeat ``epoch`` carries."""
+        return t0_ns + epoch * self.heartbeat_ns
+
+    def _source(self, task_id: int) -> tuple[Task, Source]:
+        task = self.task(task_id)
+        if task.kind != "source" or task.source is None:
+            raise ConfigError(f"{task.describe()} is not a source")
+        return task, task.source
+
+    def source_rows(self, task_id: int, partition: int, duration_s: float) -> int:
+        """Rows source partition ``partition`` releases during a run of ``duration_s``."""
+        task, src = self._source(task_id)
+        self._check_partition(task, partition)
+        return src.partition_rows(partition, task.parallelism, round(duration_s * 1e9))
+
+    def source_rows_before(self, task_id: int, partition: int, offset_ns: int) -> int:
+        """Rows of a source partition released strictly before ``t0 + offset_ns``
+        (unclamped: take the min with :meth:`source_rows`)."""
+        task, src = self._source(task_id)
+        return src.partition_rows_before(partition, task.parallelism, offset_ns)
+
+    def source_batch(
+        self, task_id: int, partition: int, j0: int, j1: int, t0_ns: int
+    ) -> pa.RecordBatch:
+        """Local rows ``[j0, j1)`` of a source partition, as one batch."""
+        task, src = self._source(task_id)
+        return src.read(partition, task.parallelism, j0, j1, t0_ns)
+
+    def source_schedule(
+        self, task_id: int, partition: int, duration_s: float, chunk_rows: int | None = None
+    ) -> Iterator[SourceStep]:
+        """The logical schedule of a source partition: rows (in chunks of at most
+        ``chunk_rows``, default ``batch_rows``, never crossing a heartbeat), heartbeats,
+        end. An engine emitting in real time releases rows as they fall due but must put
+        heartbeat ``k`` after exactly the rows this schedule puts before it."""
+        task, src = self._source(task_id)
+        chunk = chunk_rows or self.batch_rows
+        total = self.source_rows(task_id, partition, duration_s)
+        done = 0
+
+        def rows_until(limit: int) -> Iterator[SourceStep]:
+            nonlocal done
+            while done < limit:
+                j1 = min(limit, done + chunk)
+                last = (j1 - 1) * task.parallelism + partition
+                at = int(src.offsets_ns(np.array([last]))[0])
+                yield SourceStep("rows", at, j0=done, j1=j1)
+                done = j1
+
+        for k in range(1, self.last_epoch(duration_s) + 1):
+            at = self.heartbeat_offset_ns(k)
+            yield from rows_until(min(total, self.source_rows_before(task_id, partition, at)))
+            yield SourceStep("heartbeat", at, epoch=k)
+        yield from rows_until(total)
+        yield SourceStep("end", round(duration_s * 1e9))
+
+    # -- running tasks -----------------------------------------------------------------
+
+    def instantiate(
+        self, task_id: int, partition: int, replica: int = 0, t0_ns: int = 0
+    ) -> TaskInstance:
+        """A fresh, opened operator instance for one replica of an operator partition."""
+        task = self.task(task_id)
+        if task.kind != "operator" or task.operator is None:
+            raise ConfigError(f"{task.describe()} has no operator to instantiate")
+        self._check_partition(task, partition)
+        return TaskInstance(task, partition, replica, t0_ns)
+
+    def open_sink(self, task_id: int, partition: int) -> Sink:
+        """A fresh sink instance for one sink partition, opened."""
+        task = self.task(task_id)
+        if task.kind != "sink" or task.sink is None:
+            raise ConfigError(f"{task.describe()} is not a sink")
+        self._check_partition(task, partition)
+        sink = copy.deepcopy(task.sink)
+        sink.open(partition, task.parallelism, task.schema)
+        return sink
+
+
+class TaskInstance:
+    """One replica of one operator partition: the operator plus the checks around it.
+
+    Every output is checked against the task's declared schema (a mismatch is a
+    ConfigError naming the task and partition); user exceptions pass through unchanged
+    with a note naming the task, partition and replica.
+    """
+
+    def __init__(self, task: Task, partition: int, replica: int, t0_ns: int) -> None:
+        self.task = task
+        self.partition = partition
+        self.replica = replica
+        self.op: Operator = copy.deepcopy(task.operator)
+        self.where = f"operator {task.name!r} (task {task.id}, partition {partition})"
+        ctx = OperatorContext(
+            task=task.name,
+            task_id=task.id,
+            partition=partition,
+            parallelism=task.parallelism,
+            replica=replica,
+            key=task.key,
+            t0_ns=t0_ns,
+        )
+        self._guard(lambda: self.op.open(ctx))
+
+    def _guard(self, fn) -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            exc.add_note(f"in {self.where}, replica {self.replica}")
+            raise
+
+    def _check(self, out: Any) -> pa.RecordBatch | None:
+        out = as_batch(out, self.where)
+        if out is None or out.num_rows == 0:
+            return None
+        want = self.task.schema
+        if want is not None and not out.schema.equals(want, check_metadata=False):
+            raise ConfigError(
+                f"{self.where} returned a batch with schema {_schema_str(out.schema)} but its "
+                f"declared output schema is {_schema_str(want)}; return batches of the "
+                "declared schema (or declare the one it really returns)"
+            )
+        return out
+
+    def batch(self, batch: pa.RecordBatch, input_index: int = 0) -> pa.RecordBatch | None:
+        """Feed the next input rows; the output rows, or None."""
+        return self._check(self._guard(lambda: self.op.on_batch(batch, input_index)))
+
+    def watermark(self, wm_ns: int) -> pa.RecordBatch | None:
+        """Every input passed event time ``wm_ns``."""
+        return self._check(self._guard(lambda: self.op.on_watermark(wm_ns)))
+
+    def finish(self) -> pa.RecordBatch | None:
+        """End of input: the watermark that closes everything."""
+        return self.watermark(WATERMARK_MAX)
+
+    def snapshot(self) -> bytes:
+        return self._guard(self.op.snapshot)
+
+    def restore(self, data: bytes) -> None:
+        self._guard(lambda: self.op.restore(data))
+
+
+def _schema_str(schema: pa.Schema) -> str:
+    return "[" + ", ".join(f"{f.name}: {f.type}" for f in schema) + "]"
+
+
+class WatermarkTracker:
+    """Per input channel, the last heartbeat epoch delivered; reports when the minimum
+    over all channels advances (ended channels no longer hold it back)."""
+
+    def __init__(self, channels: int) -> None:
+        self.epochs = [0] * channels
+        self.ended = [False] * channels
+        self.current = 0
+
+    def _advance(self) -> int | None:
+        live = [e for e, done in zip(self.epochs, self.ended, strict=True) if not done]
+        low = min(live) if live else max(self.epochs, default=0)
+        if low > self.current:
+            self.current = low
+            return low
+        return None
+
+    def observe(self, channel: int, epoch: int) -> int | None:
+        """Channel ``channel`` delivered heartbeat ``epoch``; the new minimum epoch if it
+        advanced, else None."""
+        if epoch > self.epochs[channel]:
+            self.epochs[channel] = epoch
+        return self._advance()
+
+    def end(self, channel: int) -> int | None:
+        """Channel ``channel`` ended; the new minimum epoch if that advanced it."""
+        self.ended[channel] = True
+        return self._advance()
+
+    def all_ended(self) -> bool:
+        return all(self.ended)
+
+
+# -- routing: a Python mirror of the Rust outbox partitioners ---------------------------
+
+HASH_SEED = 0x74616E64656D0001
+"""Seed of the hash partitioner (tandem-core ``outbox::HASH_SEED``)."""
+NULL_KEY_CHANNEL = 0
+
+_M64 = (1 << 64) - 1
+_P32_1, _P32_2, _P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
+_P64_1, _P64_2, _P64_3 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
+_P64_4, _P64_5 = 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5
+_SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
+    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
+    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
+    "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
+    "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
+)
+
+
+def _r64(b: bytes, i: int) -> int:
+    return int.from_bytes(b[i : i + 8], "little")
+
+
+def _r32(b: bytes, i: int) -> int:
+    return int.from_bytes(b[i : i + 4], "little")
+
+
+def _avalanche(h: int) -> int:
+    h ^= h >> 37
+    h = (h * 0x165667919E3779F9) & _M64
+    return h ^ (h >> 32)
+
+
+def _xxh64_avalanche(h: int) -> int:
+    h ^= h >> 33
+    h = (h * _P64_2) & _M64
+    h ^= h >> 29
+    h = (h * _P64_3) & _M64
+    return h ^ (h >> 32)
+
+
+def _rotl(v: int, r: int) -> int:
+    return ((v << r) | (v >> (64 - r))) & _M64
+
+
+def _fold(a: int, b: int) -> int:
+    p = a * b
+    return (p & _M64) ^ (p >> 64)
+
+
+def _mix16(data: bytes, i: int, secret: bytes, s: int, seed: int) -> int:
+    lo = _r64(data, i) ^ ((_r64(secret, s) + seed) & _M64)
+    hi = _r64(data, i + 8) ^ ((_r64(secret, s + 8) - seed) & _M64)
+    return _fold(lo, hi)
+
+
+def _bswap64(v: int) -> int:
+    return int.from_bytes(v.to_bytes(8, "little"), "big")
+
+
+def _bswap32(v: int) -> int:
+    return int.from_bytes(v.to_bytes(4, "little"), "big")
+
+
+def xxh3_64(data: bytes, seed: int = 0) -> int:
+    """XXH3-64 with a seed (a port of xxhash-rust's ``xxh3_64_with_seed``): the hash the
+    Rust outbox routes keys with, so the reference executor routes rows identically."""
+    n = len(data)
+    s = _SECRET
+    seed &= _M64
+    if n == 0:
+        return _xxh64_avalanche(seed ^ _r64(s, 56) ^ _r64(s, 64))
+    if n <= 3:
+        combo = (data[0] << 16) | (data[n >> 1] << 24) | data[n - 1] | (n << 8)
+        flip = ((_r32(s, 0) ^ _r32(s, 4)) + seed) & _M64
+        return _xxh64_avalanche(combo ^ flip)
+    if n <= 8:
+        seed2 = seed ^ (_bswap32(seed & 0xFFFFFFFF) << 32)
+        in1, in2 = _r32(data, 0), _r32(data, n - 4)
+        flip = ((_r64(s, 8) ^ _r64(s, 16)) - seed2) & _M64
+        keyed = ((in2 + (in1 << 32)) & _M64) ^ flip
+        v = keyed ^ _rotl(keyed, 49) ^ _rotl(keyed, 24)
+        v = (v * 0x9FB21C651E98DF25) & _M64
+        v ^= ((v >> 35) + n) & _M64
+        v = (v * 0x9FB21C651E98DF25) & _M64
+        return v ^ (v >> 28)
+    if n <= 16:
+        flip1 = ((_r64(s, 24) ^ _r64(s, 32)) + seed) & _M64
+        flip2 = ((_r64(s, 40) ^ _r64(s, 48)) - seed) & _M64
+        lo = _r64(data, 0) ^ flip1
+        hi = _r64(data, n - 8) ^ flip2
+        return _avalanche((n + _bswap64(lo) + hi + _fold(lo, hi)) & _M64)
+    if n <= 128:
+        acc = (n * _P64_1) & _M64
+        if n > 32:
+            if n > 64:
+                if n > 96:
+                    acc += _mix16(data, 48, s, 96, seed) + _mix16(data, n - 64, s, 112, seed)
+                acc += _mix16(data, 32, s, 64, seed) + _mix16(data, n - 48, s, 80, seed)
+            acc += _mix16(data, 16, s, 32, seed) + _mix16(data, n - 32, s, 48, seed)
+        acc += _mix16(data, 0, s, 0, seed) + _mix16(data, n - 16, s, 16, seed)
+        return _avalanche(acc & _M64)
+    if n <= 240:
+        acc = (n * _P64_1) & _M64
+        for i in range(8):
+            acc += _mix16(data, 16 * i, s, 16 * i, seed)
+        acc = _avalanche(acc & _M64)
+        for i in range(8, n // 16):
+            acc += _mix16(data, 16 * i, s, 16 * (i - 8) + 3, seed)
+        acc += _mix16(data, n - 16, s, 136 - 17, seed)
+        return _avalanche(acc & _M64)
+    return _xxh3_long(data, _custom_secret(seed))
+
+
+def _custom_secret(seed: int) -> bytes:
+    if seed == 0:
+        return _SECRET
+    out = bytearray()
+    for i in range(len(_SECRET) // 16):
+        out += ((_r64(_SECRET, 16 * i) + seed) & _M64).to_bytes(8, "little")
+        out += ((_r64(_SECRET, 16 * i + 8) - seed) & _M64).to_bytes(8, "little")
+    return bytes(out)
+
+
+def _accumulate(acc: list[int], data: bytes, i: int, secret: bytes, s: int) -> None:
+    for k in range(8):
+        v = _r64(data, i + 8 * k)
+        key = v ^ _r64(secret, s + 8 * k)
+        acc[k ^ 1] = (acc[k ^ 1] + v) & _M64
+        acc[k] = (acc[k] + (key & 0xFFFFFFFF) * (key >> 32)) & _M64
+
+
+def _xxh3_long(data: bytes, secret: bytes) -> int:
+    n = len(data)
+    acc = [_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1]
+    stripes = (len(secret) - 64) // 8
+    block = 64 * stripes
+    blocks = (n - 1) // block
+    for b in range(blocks):
+        for k in range(stripes):
+            _accumulate(acc, data, b * block + 64 * k, secret, 8 * k)
+        for k in range(8):
+            v = acc[k] ^ (acc[k] >> 47) ^ _r64(secret, len(secret) - 64 + 8 * k)
+            acc[k] = (v * _P32_1) & _M64
+    for k in range(((n - 1) - block * blocks) // 64):
+        _accumulate(acc, data, blocks * block + 64 * k, secret, 8 * k)
+    _accumulate(acc, data, n - 64, secret, len(secret) - 64 - 7)
+    result = (n * _P64_1) & _M64
+    for k in range(4):
+        result += _fold(
+            acc[2 * k] ^ _r64(secret, 11 + 16 * k), acc[2 * k + 1] ^ _r64(secret, 11 + 16 * k + 8)
+        )
+    return _avalanche(result & _M64)
+
+
+def _key_bytes(value: Any, typ: pa.DataType) -> bytes:
+    if pa.types.is_signed_integer(typ):
+        return struct.pack("<q", value)
+    if pa.types.is_unsigned_integer(typ):
+        return struct.pack("<Q", value)
+    if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        return value.encode()
+    return bytes(value)
+
+
+def hashable_key_type(typ: pa.DataType) -> bool:
+    """Whether the hash partitioner accepts key columns of type ``typ``."""
+    return (
+        pa.types.is_integer(typ)
+        or pa.types.is_string(typ)
+        or pa.types.is_large_string(typ)
+        or pa.types.is_binary(typ)
+        or pa.types.is_large_binary(typ)
+    )
+
+
+def hash_channels(keys: pa.Array, n: int, cache: dict | None = None) -> np.ndarray:
+    """The output channel of every row under hash partitioning over ``n`` channels:
+    ``xxh3_64(canonical key bytes, HASH_SEED) % n``; integers hash their value as 8
+    little-endian bytes, strings/binaries their bytes, null keys go to channel 0.
+    ``cache`` (key value → channel, for this ``n`` and key type) saves rehashing keys."""
+    import pyarrow.compute as pc
+
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks()
+    if not hashable_key_type(keys.type):
+        raise ConfigError(
+            f"hash partitioning on a key of type {keys.type} is not supported; use an "
+            "integer, string or binary key column"
+        )
+    enc = pc.dictionary_encode(keys)
+    uniques = enc.dictionary.to_pylist()
+    cache = {} if cache is None else cache
+    chosen = []
+    for u in uniques:
+        c = cache.get(u)
+        if c is None:
+            c = cache[u] = xxh3_64(_key_bytes(u, keys.type), HASH_SEED) % n
+        chosen.append(c)
+    table = np.array([*chosen, NULL_KEY_CHANNEL], dtype=np.int64)
+    codes = enc.indices.fill_null(len(uniques)).to_numpy(zero_copy_only=False)
+    return table[codes.astype(np.int64)]
+
+
+class Router:
+    """Splits an upstream partition's output over the channels of one :class:`OutputEdge`
+    exactly as the Rust outbox does (rebalance counts rows across every emit)."""
+
+    def __init__(self, edge: OutputEdge) -> None:
+        self.edge = edge
+        self.rows_emitted = 0
+        self._hash_cache: dict = {}
+
+    def route(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
+        """``(channel, rows)`` pieces of ``batch``, each piece in emit order."""
+        rows = batch.num_rows
+        n = len(self.edge.partitions)
+        if rows == 0:
+            return []
+        start = self.rows_emitted
+        self.rows_emitted += rows
+        p = self.edge.partitioner
+        if p == "broadcast":
+            return [(c, batch) for c in range(n)]
+        if p == "forward" or n == 1:
+            return [(0, batch)]
+        if p == "rebalance":
+            targets = (start + np.arange(rows, dtype=np.int64)) % n
+        else:
+            targets = hash_channels(batch.column(self.edge.key), n, self._hash_cache)
+        out = []
+        for c in range(n):
+            idx = np.flatnonzero(targets == c)
+            if len(idx):
+                out.append((c, batch.take(pa.array(idx))))
+        return out
+
+
+def check_output_schema(task: Task) -> None:
+    """Plan-time checks of an operator's declared output schema."""
+    if task.schema is None:
+        raise ConfigError(f"{task.describe()} has no output schema")
+    check_event_time(task.schema, f"operator {task.name!r}")
+
+
+__all__ = [
+    "KINDS",
+    "ORDERINGS",
+    "PARTITIONERS",
+    "Edge",
+    "InputChannel",
+    "OutputEdge",
+    "Plan",
+    "Router",
+    "SourceStep",
+    "Task",
+    "TaskInstance",
+    "WatermarkTracker",
+    "hash_channels",
+    "xxh3_64",
+]
