@@ -587,7 +587,9 @@ class Result:
     died (dicts with task, partition, replica); ``output`` the rows of the first Collect
     sink (a pyarrow.Table; in JSON: ``{"rows": n, "columns": [...]}``). Not in JSON:
     ``outputs`` (every sink's combined value by sink name) and ``t0_ns`` (the logical time
-    origin of the run: pass it to ``run_reference`` to reproduce event times).
+    origin of the run: pass it to ``run_reference`` to reproduce event times);
+    ``determinism_errors``, one message per task partition whose replicas' output digests
+    differed (each is also logged as a DeterminismError; ``digests_match`` is then false).
     """
 
     events_in: int = 0
@@ -603,6 +605,7 @@ class Result:
     digests_match: bool = True
     lost_replicas: list[dict] = field(default_factory=list)
     output: pa.Table | None = None
+    determinism_errors: list[str] = field(default_factory=list)
     outputs: dict[str, Any] = field(default_factory=dict, repr=False)
     t0_ns: int = 0
 

@@ -1,0 +1,313 @@
+"""The replica worker: what one replica of one task partition runs, on any engine.
+
+An engine (``tandem.engines.local`` runs one OS process per replica; the Spark engine runs
+each replica as a long-running Spark task) drives a replica through three steps:
+
+1. :meth:`Replica.bind` — create the replica's inbox (operators and sinks) and return the
+   port its upstream replicas must dial;
+2. :meth:`Replica.run` — given every inbox address of the job and the logical time origin
+   ``t0_ns``, dial the downstream replicas and run to the end of input;
+3. the returned :class:`ReplicaReport` goes back to the engine.
+
+The loop follows the forwarding contract of :mod:`tandem.plan`, the same one the reference
+executor follows, so that with LiveRobin every operator replica consumes the reference's
+row sequence: heartbeats move a per-channel watermark; when the minimum over the channels
+advances to ``k``, the operator's ``on_watermark`` output is emitted, then heartbeat ``k``
+is forwarded on every output channel. Every replica keeps a digest of its output per
+output edge and heartbeat cycle (invariant 4); the engine compares them across replicas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from tandem import _core
+from tandem.plan import OutputEdge, Plan, Task, WatermarkTracker
+
+ReplicaId = tuple[int, int, int]  # task id, partition, replica
+Addresses = dict[ReplicaId, tuple[str, int]]
+
+IDLE_WAIT_S = 0.05
+"""How long a worker waits for input before checking again (buffer timeouts are enforced
+by flushing whenever the input runs dry)."""
+
+
+@dataclass
+class ReplicaReport:
+    """What one replica reports to its engine when it finishes."""
+
+    task: int
+    partition: int
+    replica: int
+    kind: str
+    rows_in: int = 0
+    rows_out: int = 0
+    digests: dict[tuple[int, int], str] = field(default_factory=dict)
+    sink_part: object = None
+    receive_ns: np.ndarray | None = None
+    latency_ms: np.ndarray | None = None
+    inbox_stats: dict | None = None
+    error: str | None = None
+
+
+class CycleDigest:
+    """Digest of one output edge's rows per heartbeat cycle, independent of how the rows
+    were cut into batches (replicas of a task see different batch boundaries)."""
+
+    def __init__(self) -> None:
+        self.pending: list[pa.RecordBatch] = []
+        self.done: dict[int, str] = {}
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows:
+            self.pending.append(batch)
+
+    def close(self, epoch: int) -> None:
+        h = hashlib.blake2b(digest_size=16)
+        if self.pending:
+            table = pa.Table.from_batches(self.pending)
+            for column in table.columns:
+                h.update(_canonical_bytes(column.combine_chunks()))
+        self.done[epoch] = h.hexdigest()
+        self.pending = []
+
+
+def _canonical_bytes(arr: pa.Array) -> bytes:
+    """The logical content of ``arr`` as bytes: equal arrays give equal bytes whatever
+    their buffer layout (offsets, slicing, present-but-all-valid bitmaps)."""
+    nulls = arr.is_null().to_numpy(zero_copy_only=False).tobytes()
+    t = arr.type
+    if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t):
+        arr = arr.cast(pa.large_binary())
+        t = arr.type
+    if pa.types.is_large_binary(t) or pa.types.is_large_string(t):
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[
+            arr.offset : arr.offset + len(arr) + 1
+        ]
+        data = arr.buffers()[2]
+        body = b"" if data is None else data.to_pybytes()[offsets[0] : offsets[-1]]
+        return nulls + (offsets - offsets[0]).tobytes() + body
+    if pa.types.is_primitive(t) or pa.types.is_boolean(t):
+        values = arr.to_numpy(zero_copy_only=False)
+        if arr.null_count:
+            values = np.where(arr.is_null().to_numpy(zero_copy_only=False), 0, values)
+        return nulls + np.ascontiguousarray(values).tobytes()
+    return nulls + repr(arr.to_pylist()).encode()
+
+
+class _Output:
+    """One output edge of a replica: an outbox towards every replica of the downstream
+    partitions, plus the edge's cycle digest."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        me: ReplicaId,
+        edge: OutputEdge,
+        addresses: Addresses,
+        secret: bytes,
+    ) -> None:
+        down = plan.tasks[edge.downstream]
+        targets = [
+            [addresses[(down.id, p, r)] for r in range(down.replication)]
+            for p in edge.partitions
+        ]
+        partitioner = "forward" if len(edge.partitions) == 1 else edge.partitioner
+        self.outbox = _core.Outbox(
+            plan.job,
+            secret,
+            me,
+            targets,
+            partitioner=partitioner,
+            key=edge.key,
+            batch_rows=plan.batch_rows,
+            buffer_timeout_ms=plan.buffer_timeout_ms,
+        )
+        self.digest = CycleDigest()
+
+    def emit(self, batch: pa.RecordBatch | None) -> int:
+        if batch is None or batch.num_rows == 0:
+            return 0
+        self.digest.add(batch)
+        self.outbox.emit(batch)
+        return batch.num_rows
+
+    def heartbeat(self, epoch: int) -> None:
+        self.digest.close(epoch)
+        self.outbox.heartbeat(epoch)
+
+
+class Replica:
+    """One replica of one task partition (see the module documentation)."""
+
+    def __init__(self, plan: Plan, task_id: int, partition: int, replica: int, secret: bytes):
+        self.plan = plan
+        self.task: Task = plan.tasks[task_id]
+        self.me: ReplicaId = (task_id, partition, replica)
+        self.secret = secret
+        self.inbox = None
+        self.inputs = []
+        self.outputs: list[_Output] = []
+
+    @property
+    def name(self) -> str:
+        t, p, r = self.me
+        return f"{self.task.kind} task {self.task.name!r} partition {p} replica {r}"
+
+    def bind(self, host: str = "127.0.0.1") -> int | None:
+        """Listen for upstream replicas; the port, or None for a source."""
+        if self.task.kind == "source":
+            return None
+        self.inputs = self.plan.input_channels(self.task.id, self.me[1])
+        ordering = "none" if self.task.kind == "sink" else self.plan.ordering
+        self.inbox = _core.Inbox(
+            self.plan.job,
+            self.secret,
+            [(c.task, c.partition) for c in self.inputs],
+            ordering=ordering,
+            quantum_rows=self.plan.quantum_rows,
+            host=host,
+        )
+        return self.inbox.port
+
+    def run(self, addresses: Addresses, t0_ns: int, duration: float) -> ReplicaReport:
+        """Run to the end of input; never raises (errors are reported)."""
+        t, p, r = self.me
+        report = ReplicaReport(t, p, r, self.task.kind)
+        outputs = self.outputs
+        try:
+            outputs += [
+                _Output(self.plan, self.me, e, addresses, self.secret)
+                for e in self.plan.output_edges(t, p)
+            ]
+            if self.task.kind == "source":
+                self._run_source(outputs, report, t0_ns, duration)
+            elif self.task.kind == "operator":
+                self._run_operator(outputs, report, t0_ns)
+            else:
+                self._run_sink(report)
+        except Exception as exc:
+            report.error = (
+                f"{self.name} failed: {type(exc).__name__}: {exc}\n"
+                + "".join(traceback.format_exception(exc))
+            )
+        finally:
+            for o in outputs:
+                o.outbox.close()
+            if self.inbox is not None:
+                report.inbox_stats = self.inbox.stats()
+                self.inbox.close()
+        report.digests = {
+            (i, epoch): d for i, o in enumerate(outputs) for epoch, d in o.digest.done.items()
+        }
+        return report
+
+    # -- sources -------------------------------------------------------------------------
+
+    def _run_source(self, outputs, report, t0_ns: int, duration: float) -> None:
+        """Release rows on the logical clock; heartbeat k after every row released before
+        ``t0 + k * heartbeat`` (so both replicas put it at the same sequence number)."""
+        plan, t, p = self.plan, self.task.id, self.me[1]
+        total = plan.source_rows(t, p, duration)
+        last_epoch = plan.last_epoch(duration)
+        emitted, epoch = 0, 1
+
+        def emit_until(limit: int) -> None:
+            nonlocal emitted
+            while emitted < limit:
+                j1 = min(limit, emitted + plan.batch_rows)
+                batch = plan.source_batch(t, p, emitted, j1, t0_ns)
+                for o in outputs:
+                    report.rows_out += o.emit(batch)
+                report.rows_in += batch.num_rows
+                emitted = j1
+
+        while True:
+            offset = time.time_ns() - t0_ns
+            while epoch <= last_epoch and plan.heartbeat_offset_ns(epoch) <= offset:
+                hb = plan.heartbeat_offset_ns(epoch)
+                emit_until(min(total, plan.source_rows_before(t, p, hb)))
+                for o in outputs:
+                    o.heartbeat(epoch)
+                epoch += 1
+            emit_until(min(total, plan.source_rows_before(t, p, offset + 1)))
+            for o in outputs:
+                o.outbox.flush()
+            if emitted >= total and epoch > last_epoch:
+                break
+            time.sleep(0.0005)
+        for o in outputs:
+            o.outbox.end()
+
+    # -- operators -----------------------------------------------------------------------
+
+    def _run_operator(self, outputs, report, t0_ns: int) -> None:
+        plan, t, p, r = self.plan, self.task.id, self.me[1], self.me[2]
+        inst = plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
+        tracker = WatermarkTracker(len(self.inputs))
+
+        def emit(batch) -> None:
+            for o in outputs:
+                report.rows_out += o.emit(batch)
+
+        while True:
+            d = self._next()
+            if d.kind == "data":
+                report.rows_in += d.batch.num_rows
+                emit(inst.batch(d.batch, self.inputs[d.channel].input_index))
+            elif d.kind == "heartbeat":
+                before = tracker.current
+                now = tracker.observe(d.channel, d.epoch)
+                if now is not None:
+                    for k in range(before + 1, now + 1):
+                        emit(inst.watermark(plan.watermark_ns(k, t0_ns)))
+                        for o in outputs:
+                            o.heartbeat(k)
+            else:
+                emit(inst.finish())
+                for o in outputs:
+                    o.outbox.end()
+                return
+
+    # -- sinks ---------------------------------------------------------------------------
+
+    def _run_sink(self, report) -> None:
+        sink = self.plan.open_sink(self.task.id, self.me[1])
+        receive: list[np.ndarray] = []
+        latency: list[np.ndarray] = []
+        track_latency = "event_time_ns" in self.task.schema.names if self.task.schema else False
+        while True:
+            d = self._next()
+            if d.kind == "end":
+                break
+            if d.kind != "data":
+                continue
+            now = time.time_ns()
+            batch = d.batch
+            report.rows_in += batch.num_rows
+            sink.write(batch)
+            if track_latency:
+                ev = batch.column("event_time_ns").to_numpy(zero_copy_only=False)
+                receive.append(np.full(len(ev), now, dtype=np.int64))
+                latency.append((now - ev) / 1e6)
+        report.sink_part = sink.close()
+        if receive:
+            report.receive_ns = np.concatenate(receive)
+            report.latency_ms = np.concatenate(latency)
+
+    def _next(self):
+        """The next delivery. When the input has run dry, every output is flushed first
+        (the "no more input ready" rule of the flush policy), then it waits."""
+        d = self.inbox.next(timeout=0)
+        if d is None:
+            for o in self.outputs:
+                o.outbox.flush()
+        while d is None:
+            d = self.inbox.next(timeout=IDLE_WAIT_S)
+        return d
