@@ -1,96 +1,197 @@
-"""The ``tandem`` command line."""
+"""The ``tandem`` command line: ``tandem demo`` and ``tandem run path/to/job.py``."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
+import logging
+import re
 import sys
 from pathlib import Path
 
 import tandem
 
+KILL_RE = re.compile(
+    r"^(?P<task>[^:@]+):(?P<partition>\d+):(?P<replica>\d+|leader|follower)"
+    r"@(?P<at>\d+(\.\d*)?)$"
+)
+
+
+def parse_kill(spec: str) -> tandem.Kill:
+    """``TASK:PARTITION:REPLICA@SECONDS`` → ``td.Kill``."""
+    m = KILL_RE.match(spec)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"--kill {spec!r}: expected TASK:PARTITION:REPLICA@SECONDS, e.g. count:0:1@10, "
+            "or 'none'"
+        )
+    replica = m["replica"]
+    return tandem.Kill(
+        m["task"],
+        partition=int(m["partition"]),
+        replica=replica if replica in ("leader", "follower") else int(replica),
+        at=float(m["at"]),
+    )
+
+
+def _add_run_flags(p: argparse.ArgumentParser, demo: bool) -> None:
+    p.add_argument("--engine", choices=["local"], default="local")
+    p.add_argument("--duration", type=float, default=20.0 if demo else None, metavar="S")
+    p.add_argument(
+        "--kill",
+        action="append",
+        metavar="TASK:PARTITION:REPLICA@SECONDS",
+        help="SIGKILL a replica (repeatable); 'none' for a fault-free run",
+    )
+    p.add_argument("--warmup", type=float, default=0.0, metavar="S")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write per-second p99 latency as a PNG")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _faults(args, default: list) -> list:
+    if not args.kill:
+        return default
+    if args.kill == ["none"]:
+        return []
+    return [parse_kill(k) for k in args.kill]
+
 
 def _demo(args: argparse.Namespace) -> int:
-    from tandem import showcase
+    from tandem import demo
 
-    cfg = showcase.ShowcaseConfig(
+    job = demo.build(
         rate=args.rate,
-        duration=args.duration,
+        replication=args.replication,
+        ordering=args.ordering,
         heartbeat_ms=args.heartbeat_ms,
         buffer_timeout_ms=args.buffer_timeout_ms,
-        ordering=args.ordering,
-        kill=not args.no_kill,
-        replicas=args.replication,
     )
+    default = [tandem.Kill("count", partition=0, replica=0, at=args.duration / 2)]
+    faults = _faults(args, default if args.replication > 1 else [])
     print(
-        f"tandem {tandem.__version__} ({tandem.build_profile} build): "
-        f"{cfg.partitions} source partitions x {cfg.replicas} replicas -> "
-        f"{cfg.replicas} {cfg.ordering} replicas, {cfg.rate} ev/s for {cfg.duration:g} s"
-        + (", killing source p0/r0 halfway" if cfg.kill and cfg.replicas > 1 else "")
+        f"tandem {tandem.__version__} ({tandem.build_profile} build) demo: "
+        f"source → enrich → count (keyed, stateful) → alert → sink, 2 partitions each, "
+        f"replication {args.replication}, {args.ordering}, {args.rate} ev/s for "
+        f"{args.duration:g} s"
     )
-    result = showcase.run(cfg)
-    _print_summary(result)
+    for f in faults:
+        print(f"  fault: SIGKILL {f.task}[{f.partition}] replica {f.replica} at {f.at:g} s")
+    return _run_and_report(job, args, faults, plot_path=args.plot or "out/demo_p99.png")
+
+
+def _run_file(args: argparse.Namespace) -> int:
+    path = Path(args.path).resolve()
+    if not path.is_file():
+        raise tandem.ConfigError(f"tandem run: no such file {str(path)!r}")
+    # Import the file as a top-level module from its own folder, so that the replica
+    # processes can import the user's functions by the same name.
+    sys.path.insert(0, str(path.parent))
+    module = importlib.import_module(path.stem)
+    job = getattr(module, "job", None)
+    if not isinstance(job, tandem.Job):
+        raise tandem.ConfigError(
+            f"tandem run: {path.name} must define a module-level `job = td.Job(...)` "
+            f"(found {type(job).__name__})"
+        )
+    if args.duration is None:
+        args.duration = float(getattr(module, "duration", 10.0))
+    faults = _faults(args, list(getattr(module, "faults", [])))
+    return _run_and_report(job, args, faults, plot_path=args.plot)
+
+
+def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) -> int:
+    if args.duration <= 0:
+        raise tandem.ConfigError(f"--duration must be > 0 seconds, got {args.duration}")
+    result = job.run(
+        duration=args.duration,
+        faults=faults,
+        engine=args.engine,
+        warmup=args.warmup,
+        progress=not args.no_progress,
+    )
+    print_summary(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(result.to_json())
         print(f"wrote {args.json}")
-    masked = result["lost"] == 0 and result["duplicates"] == 0
-    ok = masked and (result["digests_match"] or cfg.ordering == "none")
+    if plot_path and result.per_second_p99_ms:
+        from tandem import demo
+
+        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            demo.plot(result, plot_path, title=job.name)
+            print(f"wrote {plot_path}")
+        except ImportError:
+            print("(no plot: matplotlib is not installed; pip install matplotlib)")
+    ok = result.lost == 0 and result.duplicates == 0 and result.digests_match
     return 0 if ok else 1
 
 
-def _print_summary(result: dict) -> None:
-    rows = result["replicas"]
-    head = (
-        f"{'replica':>7} {'rows':>8} {'lost':>5} {'dups':>5} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'max ms':>8} {'max gap ms':>10}  order digest"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
-            f"{r['replica']:>7} {r['rows']:>8} {r['missing']:>5} {r['duplicates']:>5} "
-            f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['max_ms']:>8.2f} "
-            f"{r['max_gap_ms']:>10.2f}  {r['order_digest'][:16]}"
-        )
-    fault = result["fault"]
-    print("fault: " + (f"SIGKILL source p0/r0 at {fault['at_s']:.1f} s" if fault else "none"))
-    verdict = "identical" if result["digests_match"] else "DIFFERENT"
-    print(
-        f"lost {result['lost']}, duplicates {result['duplicates']}, "
-        f"replica consumption orders {verdict}"
-    )
+def _fmt(v, unit: str = "") -> str:
+    return "-" if v is None else (f"{v:.1f}{unit}" if isinstance(v, float) else f"{v}{unit}")
+
+
+def print_summary(r: tandem.Result) -> None:
+    rows = [
+        ("events in / out", f"{r.events_in} / {r.events_out}"),
+        ("lost", _fmt(r.lost)),
+        ("duplicates", _fmt(r.duplicates)),
+        ("latency p50 / p99 / max", f"{_fmt(r.p50_ms)} / {_fmt(r.p99_ms)} / {_fmt(r.max_ms)} ms"),
+        ("max gap between outputs", _fmt(r.max_gap_ms, " ms")),
+        ("replica digests", "match" if r.digests_match else "DIFFER"),
+        (
+            "lost replicas",
+            ", ".join(
+                f"{x['task']}[{x['partition']}] r{x['replica']} ({x['cause']})"
+                for x in r.lost_replicas
+            )
+            or "none",
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print()
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    for e in r.determinism_errors:
+        print(f"  DeterminismError: {e}")
+    masked = r.lost == 0 and r.duplicates == 0 and r.digests_match
+    if r.faults:
+        print("\n  " + ("fault masked." if masked else "fault NOT masked."))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem", description=tandem.__doc__)
+    parser = argparse.ArgumentParser(prog="tandem", description=tandem.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tandem {tandem.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="replicated sources -> replicated merge, one crash masked")
+    demo = sub.add_parser("demo", help="run the replicated demo pipeline and kill a replica")
     demo.add_argument("--ordering", choices=["liverobin", "none"], default="liverobin")
     demo.add_argument("--replication", type=int, default=2, metavar="N")
     demo.add_argument("--rate", type=int, default=5_000, metavar="EV_PER_S")
-    demo.add_argument("--duration", type=float, default=10.0, metavar="S")
     demo.add_argument("--heartbeat-ms", type=float, default=10.0)
     demo.add_argument("--buffer-timeout-ms", type=float, default=5.0)
-    demo.add_argument("--no-kill", action="store_true", help="run without the fault")
-    demo.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    _add_run_flags(demo, demo=True)
     demo.set_defaults(func=_demo)
 
+    run = sub.add_parser("run", help="run a job file (it defines `job = td.Job(...)`)")
+    run.add_argument("path")
+    _add_run_flags(run, demo=False)
+    run.set_defaults(func=_run_file)
+
     args = parser.parse_args(argv)
-    for name in ("rate", "duration", "heartbeat_ms", "buffer_timeout_ms", "replication"):
-        value = getattr(args, name, None)
-        if value is not None and value <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0 (got {value})")
+    logging.basicConfig(level=logging.WARNING, format="tandem: %(levelname)s %(message)s")
     try:
         return args.func(args)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     except tandem.TandemError as exc:
-        print(f"tandem: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"\ntandem: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ntandem: interrupted", file=sys.stderr)
+        print("\ntandem: interrupted; every replica process was stopped", file=sys.stderr)
         return 130
+    return 0
 
 
 if __name__ == "__main__":

@@ -115,8 +115,7 @@ class _Output:
     ) -> None:
         down = plan.tasks[edge.downstream]
         targets = [
-            [addresses[(down.id, p, r)] for r in range(down.replication)]
-            for p in edge.partitions
+            [addresses[(down.id, p, r)] for r in range(down.replication)] for p in edge.partitions
         ]
         partitioner = "forward" if len(edge.partitions) == 1 else edge.partitioner
         self.outbox = _core.Outbox(
@@ -157,7 +156,7 @@ class Replica:
 
     @property
     def name(self) -> str:
-        t, p, r = self.me
+        _, p, r = self.me
         return f"{self.task.kind} task {self.task.name!r} partition {p} replica {r}"
 
     def bind(self, host: str = "127.0.0.1") -> int | None:
@@ -193,9 +192,8 @@ class Replica:
             else:
                 self._run_sink(report)
         except Exception as exc:
-            report.error = (
-                f"{self.name} failed: {type(exc).__name__}: {exc}\n"
-                + "".join(traceback.format_exception(exc))
+            report.error = f"{self.name} failed: {type(exc).__name__}: {exc}\n" + "".join(
+                traceback.format_exception(exc)
             )
         finally:
             for o in outputs:

@@ -13,6 +13,7 @@ each task partition compared with each other (the determinism check).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -45,10 +46,8 @@ class TaskFailed(TandemError):
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no orphans, ever)."""
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError):  # libc without prctl: nothing to do
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:  # pragma: no cover - libc without prctl
-            pass
 
 
 def _child(plan: Plan, rid: ReplicaId, secret: bytes, conn) -> None:
