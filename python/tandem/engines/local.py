@@ -38,6 +38,9 @@ log = logging.getLogger("tandem")
 STARTUP_S = 1.0
 """Time between the go signal and t0: every replica dials its downstream peers meanwhile."""
 
+ON_READY = None
+"""Test hook: called with every inbox address once all replicas listen, before they start."""
+
 
 class TaskFailed(TandemError):
     """A replica's operator raised; the message names task, partition and replica."""
@@ -161,6 +164,8 @@ class _Run:
                 if value is not None:
                     addresses[rid] = (self.host, value)
                 pending.discard(rid)
+        if ON_READY is not None:
+            ON_READY(addresses)
         self.t0_ns = time.time_ns() + int(STARTUP_S * 1e9)
         for conn in self.conns.values():
             conn.send(("go", addresses, self.t0_ns, self.duration))
