@@ -589,7 +589,8 @@ class Result:
     ``outputs`` (every sink's combined value by sink name) and ``t0_ns`` (the logical time
     origin of the run: pass it to ``run_reference`` to reproduce event times);
     ``determinism_errors``, one message per task partition whose replicas' output digests
-    differed (each is also logged as a DeterminismError; ``digests_match`` is then false).
+    differed (each is also logged as a DeterminismError; ``digests_match`` is then false);
+    ``rss_mb``, the peak resident memory of each replica process (engines that measure it).
     """
 
     events_in: int = 0
@@ -606,6 +607,7 @@ class Result:
     lost_replicas: list[dict] = field(default_factory=list)
     output: pa.Table | None = None
     determinism_errors: list[str] = field(default_factory=list)
+    rss_mb: dict[str, float] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict, repr=False)
     t0_ns: int = 0
 

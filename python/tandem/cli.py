@@ -160,6 +160,30 @@ def print_summary(r: tandem.Result) -> None:
         print("\n  " + ("fault masked." if masked else "fault NOT masked."))
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from tandem import bench
+
+    if args.experiment == "mib1":
+        lengths = [int(x) for x in args.lengths.split(",")]
+        rows = bench.mib1(lengths=lengths, rate=args.rate, warmup=args.warmup,
+                          measure=args.measure)
+        out = {"experiment": "mib1", "rows": [vars(r) for r in rows],
+               "paper_liverobin_ms": bench.PAPER_LIVEROBIN}
+    else:
+        best, rows = bench.throughput(duration=args.measure)
+        out = {"experiment": "throughput", "max_sustained_ev_per_s": best,
+               "rows": [vars(r) for r in rows]}
+        print(f"highest sustained rate (r=2, liverobin, length 1): {best} ev/s")
+    print(bench.table(rows))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=tandem.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tandem {tandem.__version__}")
@@ -178,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("path")
     _add_run_flags(run, demo=False)
     run.set_defaults(func=_run_file)
+
+    bench = sub.add_parser("bench", help="end-to-end experiments of the paper (§VII)")
+    bench.add_argument("experiment", choices=["mib1", "throughput"])
+    bench.add_argument("--lengths", default="1,2,3,4", help="mib1 pipeline lengths")
+    bench.add_argument("--rate", type=int, default=5_000, metavar="EV_PER_S")
+    bench.add_argument("--warmup", type=float, default=30.0, metavar="S")
+    bench.add_argument("--measure", type=float, default=30.0, metavar="S")
+    bench.add_argument("--json", metavar="PATH")
+    bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="tandem: %(levelname)s %(message)s")

@@ -130,6 +130,8 @@ class _Run:
         self.crashed: list[ReplicaId] = []
         self.injected: list[dict] = []
         self.t0_ns = 0
+        self.rss_mb: dict[str, float] = {}
+        self._rss_at = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -180,6 +182,7 @@ class _Run:
                 self._inject(faults.pop(0), now_s)
                 running -= set(self.killed)
             self._draw(now_s)
+            self._sample_rss(running)
             waitables = {self.conns[r]: r for r in running}
             waitables.update({self.procs[r].sentinel: r for r in running})
             next_fault = (faults[0].at - now_s) if faults else 0.2
@@ -217,6 +220,20 @@ class _Run:
             proc.join(timeout=10)
         for conn in self.conns.values():
             conn.close()
+
+    def _sample_rss(self, running) -> None:
+        """Peak resident memory per replica process, sampled about once a second."""
+        if time.monotonic() - self._rss_at < 1.0:
+            return
+        self._rss_at = time.monotonic()
+        for rid in running:
+            try:
+                with open(f"/proc/{self.procs[rid].pid}/status") as f:
+                    kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+            except (OSError, StopIteration):
+                continue
+            name = self._name(rid)
+            self.rss_mb[name] = max(self.rss_mb.get(name, 0.0), kb / 1024)
 
     # -- faults ---------------------------------------------------------------------------
 
@@ -269,7 +286,7 @@ class _Run:
 
     def result(self, warmup: float, check: bool) -> Result:
         plan = self.plan
-        res = Result(t0_ns=self.t0_ns, faults=self.injected)
+        res = Result(t0_ns=self.t0_ns, faults=self.injected, rss_mb=self.rss_mb)
         res.lost_replicas = [
             {"task": plan.tasks[t].name, "partition": p, "replica": r, "cause": cause}
             for cause, rids in (("killed", list(self.killed)), ("crashed", self.crashed))
