@@ -1,11 +1,11 @@
 """End-to-end experiments of the paper's evaluation (§VII), on the local engine.
 
-* ``mib1`` — MiB1: a pipeline of 1–4 identity map tasks of 2 partitions each at 5,000 ev/s,
+* ``mib1`` — MiB1: a pipeline of 1 to 4 identity map tasks of 2 partitions each at 5,000 ev/s,
   heartbeat 10 ms, buffer timeout 5 ms; latency measured after a warm-up; configurations
   side by side in the same run: no replication, ``none``, ``liverobin``.
 * ``throughput`` — the highest rate a replicated length-1 pipeline sustains without its
   latency growing: rates are tried in increasing order until the p99 of the last third of
-  the run exceeds ``max(10 × the first rate's p99, 250 ms)`` or the run falls behind.
+  the run exceeds ``max(10 x the first rate's p99, 250 ms)`` or the run falls behind.
 
 Each writes rows of JSON; the CLI (``tandem bench ...``) prints them as a table.
 """
