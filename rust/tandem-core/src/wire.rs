@@ -569,6 +569,13 @@ const IPC_CONTINUATION: u32 = 0xFFFF_FFFF;
 fn decode_ipc(body: Buffer, header: &FrameHeader) -> Result<RecordBatch, ProtocolError> {
     let channel = header.channel;
     let bad = |what: String| inconsistent(format!("Data frame on channel {channel}: {what}"));
+    // Buffers inside the body are 8-byte aligned relative to its start; make the start
+    // aligned too (a no-op for bodies read by FrameReader or copied by decode_frame).
+    let body = if body.as_ptr().align_offset(8) == 0 {
+        body
+    } else {
+        Buffer::from_slice_ref(body.as_slice())
+    };
     let bytes = body.as_slice();
     let mut pos = 0usize;
     let mut schema: Option<SchemaRef> = None;
@@ -594,6 +601,12 @@ fn decode_ipc(body: Buffer, header: &FrameHeader) -> Result<RecordBatch, Protoco
         pos += 8;
         if meta_len == 0 {
             break;
+        }
+        if meta_len % 8 != 0 {
+            return Err(bad(format!(
+                "Arrow IPC message metadata length {meta_len} at byte {pos} is not a multiple \
+                 of 8"
+            )));
         }
         if meta_len > bytes.len() - pos {
             return Err(bad(format!(
@@ -989,6 +1002,11 @@ impl BatchWalk<'_> {
             .ok_or("fewer buffers than the schema needs")?;
         self.buffers_left -= 1;
         let (offset, len) = (buf.offset(), buf.length());
+        if offset % 8 != 0 {
+            // The IPC format pads every buffer to 8 bytes; arrow-ipc reinterprets some
+            // buffers (union offsets) in place and panics on a misaligned one.
+            return Err(format!("buffer offset {offset} is not a multiple of 8"));
+        }
         let end = offset.checked_add(len);
         match (
             usize::try_from(offset),
@@ -1010,16 +1028,49 @@ impl BatchWalk<'_> {
         Ok(())
     }
 
+    /// Next buffer of fixed-width elements: arrow views such a buffer as a typed slice and
+    /// panics if its length is not a whole number of elements.
+    fn typed_buffer(&mut self, width: usize) -> Result<usize, String> {
+        let len = self.buffer()?;
+        if len % width != 0 {
+            return Err(format!(
+                "buffer of {len} bytes is not a whole number of {width}-byte elements"
+            ));
+        }
+        Ok(len)
+    }
+
+    /// Next field node and its validity buffer: arrow builds the validity bitmap of an array
+    /// with nulls before validating anything, and panics if the bitmap is shorter than the
+    /// array. Returns the array length.
+    fn node_with_validity(&mut self) -> Result<usize, String> {
+        let (len, nulls) = self.node()?;
+        let validity = self.buffer()?;
+        if nulls > 0 && validity.saturating_mul(8) < len {
+            return Err(format!(
+                "validity bitmap of {validity} bytes is too short for {len} rows"
+            ));
+        }
+        Ok(len)
+    }
+
     fn array(&mut self, data_type: &DataType, depth: usize) -> Result<(), String> {
         if depth > MAX_FIELD_DEPTH {
             return Err(format!("type nested deeper than {MAX_FIELD_DEPTH} levels"));
         }
         match data_type {
-            DataType::Utf8 | DataType::Binary | DataType::LargeBinary | DataType::LargeUtf8 => {
-                self.node()?;
-                self.buffers_n(3)
+            DataType::Utf8 | DataType::Binary => {
+                self.node_with_validity()?;
+                self.typed_buffer(4)?;
+                self.buffer().map(|_| ())
+            }
+            DataType::LargeBinary | DataType::LargeUtf8 => {
+                self.node_with_validity()?;
+                self.typed_buffer(8)?;
+                self.buffer().map(|_| ())
             }
             DataType::BinaryView | DataType::Utf8View => {
+                // arrow-ipc reads the buffers (validity, views, data...) before the node.
                 let count = *self
                     .variadic
                     .get(self.variadic_used)
@@ -1029,33 +1080,45 @@ impl BatchWalk<'_> {
                     .ok()
                     .filter(|c| *c <= self.buffers_left)
                     .ok_or_else(|| format!("variadic buffer count {count} is out of range"))?;
-                self.buffers_n(count + 2)?;
-                self.node()?;
+                let validity = self.buffer()?;
+                self.typed_buffer(16)?;
+                self.buffers_n(count)?;
+                let (len, nulls) = self.node()?;
+                if nulls > 0 && validity.saturating_mul(8) < len {
+                    return Err(format!(
+                        "validity bitmap of {validity} bytes is too short for {len} rows"
+                    ));
+                }
                 Ok(())
             }
-            DataType::List(child) | DataType::LargeList(child) | DataType::Map(child, _) => {
-                self.node()?;
-                self.buffers_n(2)?;
+            DataType::List(child) | DataType::Map(child, _) => {
+                self.node_with_validity()?;
+                self.typed_buffer(4)?;
                 self.array(child.data_type(), depth + 1)
             }
-            DataType::ListView(child) | DataType::LargeListView(child) => {
-                self.node()?;
-                self.buffers_n(3)?;
+            DataType::LargeList(child) => {
+                self.node_with_validity()?;
+                self.typed_buffer(8)?;
+                self.array(child.data_type(), depth + 1)
+            }
+            DataType::ListView(child) => {
+                self.node_with_validity()?;
+                self.typed_buffer(4)?;
+                self.typed_buffer(4)?;
+                self.array(child.data_type(), depth + 1)
+            }
+            DataType::LargeListView(child) => {
+                self.node_with_validity()?;
+                self.typed_buffer(8)?;
+                self.typed_buffer(8)?;
                 self.array(child.data_type(), depth + 1)
             }
             DataType::FixedSizeList(child, _) => {
-                self.node()?;
-                self.buffers_n(1)?;
+                self.node_with_validity()?;
                 self.array(child.data_type(), depth + 1)
             }
             DataType::Struct(fields) => {
-                let (len, nulls) = self.node()?;
-                let validity = self.buffer()?;
-                if nulls > 0 && validity.saturating_mul(8) < len {
-                    return Err(format!(
-                        "struct validity bitmap of {validity} bytes is too short for {len} rows"
-                    ));
-                }
+                self.node_with_validity()?;
                 for f in fields.iter() {
                     self.array(f.data_type(), depth + 1)?;
                 }
@@ -1066,9 +1129,10 @@ impl BatchWalk<'_> {
                 self.array(run_ends.data_type(), depth + 1)?;
                 self.array(values.data_type(), depth + 1)
             }
-            DataType::Dictionary(_, _) => {
-                self.node()?;
-                self.buffers_n(2)
+            DataType::Dictionary(key, _) => {
+                self.node_with_validity()?;
+                self.typed_buffer(key.primitive_width().unwrap_or(1))
+                    .map(|_| ())
             }
             DataType::Union(fields, mode) => {
                 let (len, _) = self.node()?;
@@ -1082,7 +1146,7 @@ impl BatchWalk<'_> {
                     ));
                 }
                 if *mode == UnionMode::Dense {
-                    let offsets = self.buffer()?;
+                    let offsets = self.typed_buffer(4)?;
                     if offsets / 4 < len {
                         return Err(format!(
                             "union offset buffer of {offsets} bytes is too short for {len} rows"
@@ -1098,8 +1162,9 @@ impl BatchWalk<'_> {
             t if t.is_primitive()
                 || matches!(t, DataType::Boolean | DataType::FixedSizeBinary(_)) =>
             {
-                self.node()?;
-                self.buffers_n(2)
+                self.node_with_validity()?;
+                self.typed_buffer(t.primitive_width().unwrap_or(1))
+                    .map(|_| ())
             }
             other => Err(format!("data type {other} is not supported on the wire")),
         }
@@ -1913,6 +1978,37 @@ mod tests {
         let mut bytes = header.to_bytes().to_vec();
         bytes.extend(body);
         expect_inconsistent(&bytes, "more than one record batch");
+    }
+
+    /// Inputs on which arrow-ipc panicked before the validation learnt to reject them
+    /// (found by the fuzz target in `fuzz/`).
+    #[test]
+    fn fuzz_regressions_are_rejected_without_panicking() {
+        let cases: [(&str, &[u8], &str); 3] = [
+            (
+                "short validity bitmap",
+                include_bytes!("../fuzz/regressions/short-validity-bitmap"),
+                "validity bitmap",
+            ),
+            (
+                "offsets not whole elements",
+                include_bytes!("../fuzz/regressions/offsets-not-whole-elements"),
+                "",
+            ),
+            (
+                "misaligned union offsets",
+                include_bytes!("../fuzz/regressions/misaligned-union-offsets"),
+                "",
+            ),
+        ];
+        for (name, bytes, needle) in cases {
+            match decode_frame(bytes, MAX) {
+                Err(ProtocolError::Inconsistent(msg)) => {
+                    assert!(msg.contains(needle), "{name}: {msg}")
+                }
+                other => panic!("{name}: expected Inconsistent, got {other:?}"),
+            }
+        }
     }
 
     /// Hands out the bytes of `data` in the chunk sizes of `pattern` (cycled).
