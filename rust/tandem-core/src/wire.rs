@@ -759,6 +759,10 @@ fn check_field(field: &ipc::Field, depth: usize) -> Result<(), String> {
             "field {name:?} is nested deeper than {MAX_FIELD_DEPTH} levels"
         ));
     }
+    // The batch leaves Rust through the Arrow C Data Interface, where names are C strings.
+    if name.contains('\0') {
+        return Err(format!("field name {name:?} contains a NUL byte"));
+    }
     if let Some(dictionary) = field.dictionary() {
         let index = dictionary
             .indexType()
@@ -854,6 +858,11 @@ fn check_field(field: &ipc::Field, depth: usize) -> Result<(), String> {
                 .type_as_timestamp()
                 .ok_or_else(|| missing("Timestamp"))?;
             check_time_unit(ts.unit(), name)?;
+            if ts.timezone().is_some_and(|tz| tz.contains('\0')) {
+                return Err(format!(
+                    "field {name:?} has a time zone containing a NUL byte"
+                ));
+            }
         }
         ipc::Type::Duration => {
             let d = field
@@ -1113,8 +1122,14 @@ impl BatchWalk<'_> {
                 self.typed_buffer(8)?;
                 self.array(child.data_type(), depth + 1)
             }
-            DataType::FixedSizeList(child, _) => {
-                self.node_with_validity()?;
+            DataType::FixedSizeList(child, size) => {
+                let len = self.node_with_validity()?;
+                // arrow computes len × size with an `expect` on overflow.
+                if len.checked_mul(*size as usize).is_none() {
+                    return Err(format!(
+                        "fixed-size list of {len} lists of {size} values overflows"
+                    ));
+                }
                 self.array(child.data_type(), depth + 1)
             }
             DataType::Struct(fields) => {
@@ -1159,9 +1174,16 @@ impl BatchWalk<'_> {
                 Ok(())
             }
             DataType::Null => self.node().map(|_| ()),
-            t if t.is_primitive()
-                || matches!(t, DataType::Boolean | DataType::FixedSizeBinary(_)) =>
-            {
+            DataType::FixedSizeBinary(width) => {
+                let len = self.node_with_validity()?;
+                if len.checked_mul(*width as usize).is_none() {
+                    return Err(format!(
+                        "fixed-size binary of {len} values of {width} bytes overflows"
+                    ));
+                }
+                self.buffer().map(|_| ())
+            }
+            t if t.is_primitive() || matches!(t, DataType::Boolean) => {
                 self.node_with_validity()?;
                 self.typed_buffer(t.primitive_width().unwrap_or(1))
                     .map(|_| ())
@@ -1959,6 +1981,17 @@ mod tests {
     }
 
     #[test]
+    fn names_the_c_data_interface_cannot_carry_are_refused() {
+        let field = arrow_schema::Field::new("a\0b", DataType::Int64, false);
+        let b = RecordBatch::try_new(
+            Arc::new(Schema::new(vec![field])),
+            vec![Arc::new(Int64Array::from(vec![1, 2])) as ArrayRef],
+        )
+        .unwrap();
+        expect_inconsistent(&encode_data(0, 0, &b).unwrap(), "NUL byte");
+    }
+
+    #[test]
     fn two_batches_in_one_frame_are_refused() {
         let b = batch(2);
         let mut body = Vec::new();
@@ -1984,7 +2017,7 @@ mod tests {
     /// (found by the fuzz target in `fuzz/`).
     #[test]
     fn fuzz_regressions_are_rejected_without_panicking() {
-        let cases: [(&str, &[u8], &str); 3] = [
+        let cases: [(&str, &[u8], &str); 4] = [
             (
                 "short validity bitmap",
                 include_bytes!("../fuzz/regressions/short-validity-bitmap"),
@@ -1999,6 +2032,11 @@ mod tests {
                 "misaligned union offsets",
                 include_bytes!("../fuzz/regressions/misaligned-union-offsets"),
                 "",
+            ),
+            (
+                "fixed-size list length overflow",
+                include_bytes!("../fuzz/regressions/fixed-size-list-overflow"),
+                "overflows",
             ),
         ];
         for (name, bytes, needle) in cases {

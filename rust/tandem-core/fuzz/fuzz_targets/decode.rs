@@ -1,7 +1,9 @@
-//! `decode_frame` must return a frame or a `ProtocolError` for any input, never panic, and a
-//! decoded frame must survive a re-encode/decode round trip.
+//! `decode_frame` must return a frame or a `ProtocolError` for any input, never panic; a
+//! decoded frame must survive a re-encode/decode round trip, and a decoded batch must be
+//! exportable through the Arrow C Data Interface (how it reaches Python).
 #![no_main]
 
+use arrow_array::{Array, StructArray};
 use libfuzzer_sys::fuzz_target;
 use tandem_core::wire::{self, Frame};
 
@@ -15,6 +17,12 @@ fuzz_target!(|data: &[u8]| {
             "consumed {used} bytes of {}",
             data.len()
         );
+        if let Frame::Data { batch, .. } = &frame {
+            let data = StructArray::from(batch.clone()).into_data();
+            if let Err(e) = arrow_array::ffi::to_ffi(&data) {
+                panic!("decoded batch cannot cross the C Data Interface: {e}");
+            }
+        }
         let again = match &frame {
             Frame::Data {
                 channel,
