@@ -512,8 +512,8 @@ fn decode_control(header: &FrameHeader, body: &[u8]) -> Result<Frame, ProtocolEr
 }
 
 fn decode_order(header: &FrameHeader, body: &[u8]) -> Result<Frame, ProtocolError> {
-    // decode_header guarantees body.len() == 16 + 12 * count.
-    if body.len() as u64 != ORDER_FIXED_LEN + ORDER_ENTRY_LEN * header.count {
+    // decode_header checked body_len == 16 + 12 * count; the callers pass body_len bytes.
+    if body.len() != header.body_len as usize || body.len() < ORDER_FIXED_LEN as usize {
         return Err(ProtocolError::Truncated {
             needed: HEADER_LEN + header.body_len as usize,
             got: HEADER_LEN + body.len(),
@@ -2316,6 +2316,23 @@ mod tests {
             matches!(cr, Err(Error::Handshake(ref m)) if m.contains("job-a")),
             "{cr:?}"
         );
+
+        // A client that answers the hello with garbage is refused with a reason.
+        let (mut c, mut s) = pair();
+        let garbage = std::thread::spawn(move || {
+            let mut hello = [0u8; 6 + NONCE_LEN];
+            c.read_exact(&mut hello).unwrap();
+            c.write_all(&[0x5A; 200]).unwrap();
+            let mut status = [0u8; 1];
+            c.read_exact(&mut status).unwrap();
+            status[0]
+        });
+        let err = server_handshake(&mut s, "job-a", b"s3cret").unwrap_err();
+        assert!(
+            matches!(err, Error::Handshake(ref m) if m.contains("magic")),
+            "{err}"
+        );
+        assert_eq!(garbage.join().unwrap(), STATUS_REJECT);
     }
 
     #[test]
