@@ -858,10 +858,20 @@ fn check_field(field: &ipc::Field, depth: usize) -> Result<(), String> {
                 .type_as_timestamp()
                 .ok_or_else(|| missing("Timestamp"))?;
             check_time_unit(ts.unit(), name)?;
-            if ts.timezone().is_some_and(|tz| tz.contains('\0')) {
-                return Err(format!(
-                    "field {name:?} has a time zone containing a NUL byte"
-                ));
+            match ts.timezone() {
+                Some(tz) if tz.contains('\0') => {
+                    return Err(format!(
+                        "field {name:?} has a time zone containing a NUL byte"
+                    ));
+                }
+                // Arrow writers omit the time zone of a naive timestamp instead; accepting ""
+                // would decode to a type that re-encodes differently.
+                Some("") => {
+                    return Err(format!(
+                        "field {name:?} has an empty time zone (omit it for a naive timestamp)"
+                    ));
+                }
+                _ => {}
             }
         }
         ipc::Type::Duration => {
@@ -2017,7 +2027,7 @@ mod tests {
     /// (found by the fuzz target in `fuzz/`).
     #[test]
     fn fuzz_regressions_are_rejected_without_panicking() {
-        let cases: [(&str, &[u8], &str); 4] = [
+        let cases: [(&str, &[u8], &str); 5] = [
             (
                 "short validity bitmap",
                 include_bytes!("../fuzz/regressions/short-validity-bitmap"),
@@ -2037,6 +2047,11 @@ mod tests {
                 "fixed-size list length overflow",
                 include_bytes!("../fuzz/regressions/fixed-size-list-overflow"),
                 "overflows",
+            ),
+            (
+                "empty time zone",
+                include_bytes!("../fuzz/regressions/empty-time-zone"),
+                "empty time zone",
             ),
         ];
         for (name, bytes, needle) in cases {
