@@ -93,6 +93,10 @@ pub trait Link: Send {
         Ok(())
     }
 
+    /// Cut the connection now, dropping whatever is still queued: to the peer this looks
+    /// like a crash of this replica. Called by [`Outbox::abort`]; the default does nothing.
+    fn abort(&mut self) {}
+
     /// A short description of the peer for log lines and errors.
     fn describe(&self) -> String {
         "link".to_owned()
@@ -328,6 +332,21 @@ impl Outbox {
         }
         self.ended = true;
         res
+    }
+
+    /// Drop every connection at once without sending what is buffered or queued — a crash
+    /// of this replica as the receivers see it (fault injection; the other replicas of this
+    /// partition mask it).
+    pub fn abort(&mut self) {
+        for ch in &mut self.channels {
+            ch.pending.clear();
+            ch.buffered_rows = 0;
+            ch.oldest = None;
+            for mut link in ch.links.drain(..) {
+                link.abort();
+            }
+        }
+        self.ended = true;
     }
 
     fn check_open(&self, what: &str) -> Result<()> {
