@@ -1,1 +1,2572 @@
-//! (in progress)
+//! The wire codec: how elements of a channel travel between workers, and the handshake that
+//! opens every connection.
+//!
+//! A frame is a fixed 32-byte little-endian header followed by a body:
+//!
+//! ```text
+//! offset  size  field
+//!      0     4  magic      0x544E444D ("TNDM" read as a little-endian u32)
+//!      4     2  version    VERSION
+//!      6     1  kind       1 = Data, 2 = Heartbeat, 3 = Order, 4 = End
+//!      7     1  flags      must be 0 (reserved; a non-zero value is rejected, not ignored)
+//!      8     4  channel    logical channel id
+//!     12     8  first_seq  Data: seq of the first row; Heartbeat/End: their seq; Order: 0
+//!     20     8  count      Data: rows; Heartbeat: epoch; Order: entries; End: 0
+//!     28     4  body_len   bytes following the header
+//! ```
+//!
+//! Bodies:
+//!
+//! * **Data** — an Arrow IPC *stream*: one schema message, optional dictionary batches, exactly
+//!   one record batch, the end-of-stream marker. The header repeats the row count so a
+//!   receiver can deduplicate (DESIGN §2, invariant 2) without trusting the body, and the
+//!   decoder checks the two agree.
+//! * **Heartbeat**, **End** — empty.
+//! * **Order** — `epoch u64 | version u64 | count × (channel u32 | up_to_seq u64)`, so
+//!   `body_len == 16 + 12 · count`. The epoch is the KaZoo leader's fencing token.
+//!
+//! Decoding never panics. Every field is checked before it is used, and the Arrow body is
+//! validated structurally (message framing, schema, buffer bounds) *before* arrow-ipc sees it,
+//! because arrow-ipc's own decoder trusts parts of its input and panics on some malformed
+//! schemas and buffer layouts. The body is decoded zero-copy: columns of the returned batch
+//! are slices of the buffer the frame was read into.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::sync::Arc;
+
+use arrow_array::{ArrayRef, RecordBatch};
+use arrow_buffer::{Buffer, MutableBuffer};
+use arrow_ipc as ipc;
+use arrow_ipc::writer::StreamWriter;
+use arrow_schema::{DataType, SchemaRef, UnionMode};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::error::{Error, ProtocolError, Result};
+use crate::item::Item;
+
+/// First four bytes of every frame: "TNDM" read as a little-endian `u32`.
+pub const MAGIC: u32 = 0x544E_444D;
+/// Wire version spoken by this build. Bumped on any incompatible change of the header,
+/// a body layout or the handshake.
+pub const VERSION: u16 = 1;
+/// Size of the fixed frame header in bytes.
+pub const HEADER_LEN: usize = 32;
+/// Default limit on a frame's body (64 MiB): a corrupt or hostile length cannot make a
+/// receiver allocate more than this.
+pub const DEFAULT_MAX_FRAME_BYTES: u64 = 64 << 20;
+
+/// Bytes of an Order body before its entries (epoch and version).
+const ORDER_FIXED_LEN: u64 = 16;
+/// Bytes of one Order entry (channel u32, up_to_seq u64).
+const ORDER_ENTRY_LEN: u64 = 12;
+
+/// What a frame carries.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FrameKind {
+    /// Rows of a channel, as an Arrow IPC stream.
+    Data = 1,
+    /// A heartbeat marker of one epoch.
+    Heartbeat = 2,
+    /// A KaZoo consumption order published by a leader.
+    Order = 3,
+    /// The channel has ended.
+    End = 4,
+}
+
+impl FrameKind {
+    fn from_u8(value: u8) -> Option<Self> {
+        match value {
+            1 => Some(FrameKind::Data),
+            2 => Some(FrameKind::Heartbeat),
+            3 => Some(FrameKind::Order),
+            4 => Some(FrameKind::End),
+            _ => None,
+        }
+    }
+}
+
+/// The decoded fixed header of a frame (magic, version and flags are checked, not kept).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub kind: FrameKind,
+    pub channel: u32,
+    pub first_seq: u64,
+    /// Rows for Data, epoch for Heartbeat, entries for Order, 0 for End.
+    pub count: u64,
+    pub body_len: u32,
+}
+
+impl FrameHeader {
+    /// The header as it goes on the wire.
+    pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        out[6] = self.kind as u8;
+        out[7] = 0;
+        out[8..12].copy_from_slice(&self.channel.to_le_bytes());
+        out[12..20].copy_from_slice(&self.first_seq.to_le_bytes());
+        out[20..28].copy_from_slice(&self.count.to_le_bytes());
+        out[28..32].copy_from_slice(&self.body_len.to_le_bytes());
+        out
+    }
+
+    /// Header plus body length in bytes.
+    pub fn frame_len(&self) -> usize {
+        HEADER_LEN + self.body_len as usize
+    }
+}
+
+/// "Consume channel `channel` up to (excluding) seq `up_to_seq`": one positional entry of a
+/// KaZoo order. Entries are idempotent, so replaying an order log is harmless.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct OrderEntry {
+    pub channel: u32,
+    pub up_to_seq: u64,
+}
+
+/// One decoded frame.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Frame {
+    /// Rows `[first_seq, first_seq + batch.num_rows())` of `channel`.
+    Data {
+        channel: u32,
+        first_seq: u64,
+        batch: RecordBatch,
+    },
+    /// The heartbeat of cycle `epoch` at seq `seq` of `channel`.
+    Heartbeat { channel: u32, seq: u64, epoch: u64 },
+    /// A consumption order; `epoch` is the publishing leader's fencing token.
+    Order {
+        channel: u32,
+        epoch: u64,
+        version: u64,
+        entries: Vec<OrderEntry>,
+    },
+    /// `channel` has ended; `seq` is its last seq.
+    End { channel: u32, seq: u64 },
+}
+
+impl Frame {
+    /// The channel id in the frame header.
+    pub fn channel(&self) -> u32 {
+        match self {
+            Frame::Data { channel, .. }
+            | Frame::Heartbeat { channel, .. }
+            | Frame::Order { channel, .. }
+            | Frame::End { channel, .. } => *channel,
+        }
+    }
+
+    /// The channel element this frame carries, with its channel id; `None` for an Order,
+    /// which is a control message of the KaZoo follower, not a channel element.
+    pub fn into_item(self) -> Option<(u32, Item<RecordBatch>)> {
+        match self {
+            Frame::Data {
+                channel,
+                first_seq,
+                batch,
+            } => Some((
+                channel,
+                Item::Data {
+                    first_seq,
+                    payload: batch,
+                },
+            )),
+            Frame::Heartbeat {
+                channel,
+                seq,
+                epoch,
+            } => Some((channel, Item::Heartbeat { seq, epoch })),
+            Frame::End { channel, seq } => Some((channel, Item::End { seq })),
+            Frame::Order { .. } => None,
+        }
+    }
+}
+
+fn inconsistent(msg: impl Into<String>) -> ProtocolError {
+    ProtocolError::Inconsistent(msg.into())
+}
+
+// ---------------------------------------------------------------------------------------
+// Encoding
+// ---------------------------------------------------------------------------------------
+
+/// Encode a Data frame (header and Arrow IPC body) for rows
+/// `[first_seq, first_seq + batch.num_rows())` of `channel`.
+///
+/// Fails if the batch has no rows (a Data frame always advances its channel), if the seqs
+/// would overflow `u64`, if the body exceeds the header's `u32` length, or if Arrow cannot
+/// encode the batch.
+pub fn encode_data(channel: u32, first_seq: u64, batch: &RecordBatch) -> Result<Vec<u8>> {
+    let rows = batch.num_rows() as u64;
+    if rows == 0 {
+        return Err(inconsistent(format!(
+            "refusing to encode a Data frame of 0 rows on channel {channel}: every Data frame must \
+             carry at least one row; skip empty batches instead"
+        ))
+        .into());
+    }
+    if first_seq.checked_add(rows).is_none() {
+        return Err(inconsistent(format!(
+            "Data frame of {rows} rows at first_seq {first_seq} on channel {channel} overflows \
+             the u64 sequence space"
+        ))
+        .into());
+    }
+    let mut out = vec![0u8; HEADER_LEN];
+    {
+        let mut writer = StreamWriter::try_new(&mut out, batch.schema_ref())?;
+        writer.write(batch)?;
+        writer.finish()?;
+    }
+    let body_len = out.len() - HEADER_LEN;
+    let body_len = u32::try_from(body_len).map_err(|_| ProtocolError::Oversized {
+        len: body_len as u64,
+        limit: u64::from(u32::MAX),
+    })?;
+    let header = FrameHeader {
+        kind: FrameKind::Data,
+        channel,
+        first_seq,
+        count: rows,
+        body_len,
+    };
+    out[..HEADER_LEN].copy_from_slice(&header.to_bytes());
+    Ok(out)
+}
+
+/// Encode a Heartbeat frame: the heartbeat of cycle `epoch` at seq `seq` of `channel`.
+pub fn encode_heartbeat(channel: u32, seq: u64, epoch: u64) -> Vec<u8> {
+    FrameHeader {
+        kind: FrameKind::Heartbeat,
+        channel,
+        first_seq: seq,
+        count: epoch,
+        body_len: 0,
+    }
+    .to_bytes()
+    .to_vec()
+}
+
+/// Encode an End frame: `channel` ends with seq `seq`.
+pub fn encode_end(channel: u32, seq: u64) -> Vec<u8> {
+    FrameHeader {
+        kind: FrameKind::End,
+        channel,
+        first_seq: seq,
+        count: 0,
+        body_len: 0,
+    }
+    .to_bytes()
+    .to_vec()
+}
+
+/// Encode an Order frame published by the leader of `epoch`.
+///
+/// # Panics
+/// If `entries` has more than `(u32::MAX - 16) / 12` (≈ 357 million) elements, which do not
+/// fit one frame; the KaZoo publisher batches orders far below that (`kazoo.batch`).
+pub fn encode_order(channel: u32, epoch: u64, version: u64, entries: &[OrderEntry]) -> Vec<u8> {
+    let body_len = ORDER_FIXED_LEN + ORDER_ENTRY_LEN * entries.len() as u64;
+    let body_len = u32::try_from(body_len).unwrap_or_else(|_| {
+        panic!(
+            "an order of {} entries does not fit one frame; split it",
+            entries.len()
+        )
+    });
+    let header = FrameHeader {
+        kind: FrameKind::Order,
+        channel,
+        first_seq: 0,
+        count: entries.len() as u64,
+        body_len,
+    };
+    let mut out = Vec::with_capacity(header.frame_len());
+    out.extend_from_slice(&header.to_bytes());
+    out.extend_from_slice(&epoch.to_le_bytes());
+    out.extend_from_slice(&version.to_le_bytes());
+    for entry in entries {
+        out.extend_from_slice(&entry.channel.to_le_bytes());
+        out.extend_from_slice(&entry.up_to_seq.to_le_bytes());
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// Decoding
+// ---------------------------------------------------------------------------------------
+
+fn le_u16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+fn le_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+/// Decode and check the fixed header at the front of `buf` (which may hold more bytes).
+///
+/// Magic and version are checked as soon as their bytes are present, so a peer that does
+/// not speak this protocol is named as such even when it sent fewer than 32 bytes. Checks:
+/// flags == 0; known kind; `body_len <= max_body`; Heartbeat/End have no body; End has
+/// count 0; Data has count ≥ 1, a body, and `first_seq + count` fits `u64`; an Order body is
+/// exactly `16 + 12 · count` bytes and its `first_seq` is 0; a Heartbeat/End seq is below
+/// `u64::MAX` (the element covers `[seq, seq + 1)`).
+pub fn decode_header(buf: &[u8], max_body: u64) -> Result<FrameHeader, ProtocolError> {
+    if buf.len() >= 4 {
+        let magic = le_u32(buf, 0);
+        if magic != MAGIC {
+            return Err(ProtocolError::BadMagic {
+                found: magic,
+                expected: MAGIC,
+            });
+        }
+    }
+    if buf.len() >= 6 {
+        let version = le_u16(buf, 4);
+        if version != VERSION {
+            return Err(ProtocolError::BadVersion {
+                found: version,
+                supported: VERSION,
+            });
+        }
+    }
+    if buf.len() < HEADER_LEN {
+        return Err(ProtocolError::Truncated {
+            needed: HEADER_LEN,
+            got: buf.len(),
+        });
+    }
+    let kind = FrameKind::from_u8(buf[6]).ok_or_else(|| {
+        inconsistent(format!(
+            "unknown frame kind {} (expected 1=data, 2=heartbeat, 3=order or 4=end)",
+            buf[6]
+        ))
+    })?;
+    let flags = buf[7];
+    if flags != 0 {
+        return Err(inconsistent(format!(
+            "flags byte is {flags:#04x}, must be 0 in wire version {VERSION}"
+        )));
+    }
+    let header = FrameHeader {
+        kind,
+        channel: le_u32(buf, 8),
+        first_seq: le_u64(buf, 12),
+        count: le_u64(buf, 20),
+        body_len: le_u32(buf, 28),
+    };
+    let body_len = u64::from(header.body_len);
+    if body_len > max_body {
+        return Err(ProtocolError::Oversized {
+            len: body_len,
+            limit: max_body,
+        });
+    }
+    let FrameHeader {
+        channel,
+        first_seq,
+        count,
+        ..
+    } = header;
+    match kind {
+        FrameKind::Data => {
+            if count == 0 {
+                return Err(inconsistent(format!(
+                    "Data frame on channel {channel} announces 0 rows; a Data frame carries at \
+                     least one row"
+                )));
+            }
+            if body_len == 0 {
+                return Err(inconsistent(format!(
+                    "Data frame on channel {channel} announces {count} rows but has an empty body"
+                )));
+            }
+            if first_seq.checked_add(count).is_none() {
+                return Err(inconsistent(format!(
+                    "Data frame on channel {channel}: first_seq {first_seq} + {count} rows \
+                     overflows the u64 sequence space"
+                )));
+            }
+        }
+        FrameKind::Heartbeat | FrameKind::End => {
+            let name = if kind == FrameKind::End {
+                "End"
+            } else {
+                "Heartbeat"
+            };
+            if body_len != 0 {
+                return Err(inconsistent(format!(
+                    "{name} frame on channel {channel} has a body of {body_len} bytes, must be empty"
+                )));
+            }
+            if kind == FrameKind::End && count != 0 {
+                return Err(inconsistent(format!(
+                    "End frame on channel {channel} has count {count}, must be 0"
+                )));
+            }
+            if first_seq == u64::MAX {
+                return Err(inconsistent(format!(
+                    "{name} frame on channel {channel} at seq u64::MAX leaves no room for its \
+                     own seq"
+                )));
+            }
+        }
+        FrameKind::Order => {
+            if first_seq != 0 {
+                return Err(inconsistent(format!(
+                    "Order frame on channel {channel} has first_seq {first_seq}, must be 0"
+                )));
+            }
+            let expected = count
+                .checked_mul(ORDER_ENTRY_LEN)
+                .and_then(|n| n.checked_add(ORDER_FIXED_LEN));
+            if expected != Some(body_len) {
+                return Err(inconsistent(format!(
+                    "Order frame on channel {channel} announces {count} entries, which take \
+                     16 + 12 x {count} bytes, but its body is {body_len} bytes"
+                )));
+            }
+        }
+    }
+    Ok(header)
+}
+
+/// Decode one frame from the front of `buf`; returns the frame and the bytes consumed.
+///
+/// The Data body is copied once into an aligned Arrow buffer (a borrowed slice cannot be
+/// kept alive by the batch); use [`decode_frame_buffer`] to decode without any copy.
+pub fn decode_frame(buf: &[u8], max_body: u64) -> Result<(Frame, usize), ProtocolError> {
+    let header = decode_header(buf, max_body)?;
+    let total = header.frame_len();
+    if buf.len() < total {
+        return Err(ProtocolError::Truncated {
+            needed: total,
+            got: buf.len(),
+        });
+    }
+    let body = &buf[HEADER_LEN..total];
+    let frame = match header.kind {
+        FrameKind::Data => decode_body(&header, Buffer::from_slice_ref(body))?,
+        _ => decode_control(&header, body)?,
+    };
+    Ok((frame, total))
+}
+
+/// Zero-copy variant of [`decode_frame`]: the batch of a Data frame references `buf`.
+pub fn decode_frame_buffer(buf: &Buffer, max_body: u64) -> Result<(Frame, usize), ProtocolError> {
+    let header = decode_header(buf.as_slice(), max_body)?;
+    let total = header.frame_len();
+    if buf.len() < total {
+        return Err(ProtocolError::Truncated {
+            needed: total,
+            got: buf.len(),
+        });
+    }
+    let body = buf.slice_with_length(HEADER_LEN, total - HEADER_LEN);
+    Ok((decode_body(&header, body)?, total))
+}
+
+/// Decode the body of a frame whose header has been checked; `body` holds exactly
+/// `header.body_len` bytes.
+fn decode_body(header: &FrameHeader, body: Buffer) -> Result<Frame, ProtocolError> {
+    match header.kind {
+        FrameKind::Data => {
+            let batch = decode_ipc_guarded(body, header)?;
+            Ok(Frame::Data {
+                channel: header.channel,
+                first_seq: header.first_seq,
+                batch,
+            })
+        }
+        _ => decode_control(header, body.as_slice()),
+    }
+}
+
+/// Decode a Heartbeat, End or Order frame from its checked header and its body bytes.
+fn decode_control(header: &FrameHeader, body: &[u8]) -> Result<Frame, ProtocolError> {
+    let channel = header.channel;
+    match header.kind {
+        FrameKind::Heartbeat => Ok(Frame::Heartbeat {
+            channel,
+            seq: header.first_seq,
+            epoch: header.count,
+        }),
+        FrameKind::End => Ok(Frame::End {
+            channel,
+            seq: header.first_seq,
+        }),
+        FrameKind::Order => decode_order(header, body),
+        FrameKind::Data => Err(inconsistent(format!(
+            "Data frame on channel {channel} reached the control-frame decoder"
+        ))),
+    }
+}
+
+fn decode_order(header: &FrameHeader, body: &[u8]) -> Result<Frame, ProtocolError> {
+    // decode_header checked body_len == 16 + 12 * count; the callers pass body_len bytes.
+    if body.len() != header.body_len as usize || body.len() < ORDER_FIXED_LEN as usize {
+        return Err(ProtocolError::Truncated {
+            needed: HEADER_LEN + header.body_len as usize,
+            got: HEADER_LEN + body.len(),
+        });
+    }
+    let epoch = le_u64(body, 0);
+    let version = le_u64(body, 8);
+    let entries = body[ORDER_FIXED_LEN as usize..]
+        .chunks_exact(ORDER_ENTRY_LEN as usize)
+        .map(|e| OrderEntry {
+            channel: le_u32(e, 0),
+            up_to_seq: le_u64(e, 4),
+        })
+        .collect();
+    Ok(Frame::Order {
+        channel: header.channel,
+        epoch,
+        version,
+        entries,
+    })
+}
+
+/// Decode an Arrow IPC body. The structural validation in [`decode_ipc`] is the defence
+/// against malformed input; the unwind guard below is a second line for a panic in arrow
+/// that the validation did not foresee, so one bad frame closes one connection instead of
+/// killing the worker. Fuzzing builds (`cfg(fuzzing)`) and unit tests leave the guard out so
+/// the fuzzer and the property tests report any such panic as a bug in the validation.
+fn decode_ipc_guarded(body: Buffer, header: &FrameHeader) -> Result<RecordBatch, ProtocolError> {
+    #[cfg(any(fuzzing, test))]
+    {
+        decode_ipc(body, header)
+    }
+    #[cfg(not(any(fuzzing, test)))]
+    {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decode_ipc(body, header)))
+            .unwrap_or_else(|_| {
+                Err(inconsistent(format!(
+                    "Data frame on channel {}: the Arrow IPC body is malformed (the arrow \
+                     decoder rejected it)",
+                    header.channel
+                )))
+            })
+    }
+}
+
+/// The IPC continuation marker that precedes every message of a (non-legacy) stream.
+const IPC_CONTINUATION: u32 = 0xFFFF_FFFF;
+
+/// Walk the messages of the IPC stream in `body`, validate each before arrow-ipc decodes
+/// it, and return the single record batch. Framing accepted: `(0xFFFFFFFF, len, metadata,
+/// body)*` then `(0xFFFFFFFF, 0)`; messages: one Schema, any DictionaryBatches, one
+/// RecordBatch; nothing after the end-of-stream marker.
+fn decode_ipc(body: Buffer, header: &FrameHeader) -> Result<RecordBatch, ProtocolError> {
+    let channel = header.channel;
+    let bad = |what: String| inconsistent(format!("Data frame on channel {channel}: {what}"));
+    // Buffers inside the body are 8-byte aligned relative to its start; make the start
+    // aligned too (a no-op for bodies read by FrameReader or copied by decode_frame).
+    let body = if body.as_ptr().align_offset(8) == 0 {
+        body
+    } else {
+        Buffer::from_slice_ref(body.as_slice())
+    };
+    let bytes = body.as_slice();
+    let mut pos = 0usize;
+    let mut schema: Option<SchemaRef> = None;
+    // Dictionary ids are looked up, never iterated, so HashMap order never matters here.
+    let mut dictionaries: HashMap<i64, ArrayRef> = HashMap::new();
+    let mut batch: Option<RecordBatch> = None;
+    loop {
+        if bytes.len() - pos < 8 {
+            return Err(bad(format!(
+                "Arrow IPC body ends at byte {pos} of {} inside a message prefix (no \
+                 end-of-stream marker)",
+                bytes.len()
+            )));
+        }
+        let marker = le_u32(bytes, pos);
+        if marker != IPC_CONTINUATION {
+            return Err(bad(format!(
+                "Arrow IPC message at byte {pos} starts with {marker:#010x}, expected the \
+                 continuation marker 0xffffffff"
+            )));
+        }
+        let meta_len = le_u32(bytes, pos + 4) as usize;
+        pos += 8;
+        if meta_len == 0 {
+            break;
+        }
+        if meta_len % 8 != 0 {
+            return Err(bad(format!(
+                "Arrow IPC message metadata length {meta_len} at byte {pos} is not a multiple \
+                 of 8"
+            )));
+        }
+        if meta_len > bytes.len() - pos {
+            return Err(bad(format!(
+                "Arrow IPC message metadata of {meta_len} bytes at byte {pos} overruns the \
+                 {}-byte body",
+                bytes.len()
+            )));
+        }
+        let message = ipc::root_as_message(&bytes[pos..pos + meta_len])
+            .map_err(|e| bad(format!("Arrow IPC message at byte {pos} is not valid: {e}")))?;
+        pos += meta_len;
+        let version = message.version();
+        if version != ipc::MetadataVersion::V4 && version != ipc::MetadataVersion::V5 {
+            return Err(bad(format!(
+                "Arrow IPC metadata version {version:?} is not supported (V4 or V5)"
+            )));
+        }
+        let msg_body_len = message.bodyLength();
+        let msg_body_len = usize::try_from(msg_body_len)
+            .ok()
+            .filter(|n| *n <= bytes.len() - pos)
+            .ok_or_else(|| {
+                bad(format!(
+                    "Arrow IPC message body length {msg_body_len} at byte {pos} is negative or \
+                     overruns the {}-byte body",
+                    bytes.len()
+                ))
+            })?;
+        let msg_body = body.slice_with_length(pos, msg_body_len);
+        pos += msg_body_len;
+        if batch.is_some() {
+            return Err(bad(
+                "Arrow IPC body holds more than one record batch (exactly one per Data frame)"
+                    .into(),
+            ));
+        }
+        match message.header_type() {
+            ipc::MessageHeader::Schema => {
+                if schema.is_some() {
+                    return Err(bad("Arrow IPC body holds two schema messages".into()));
+                }
+                let fb = message
+                    .header_as_schema()
+                    .ok_or_else(|| bad("Arrow IPC schema message has no schema".into()))?;
+                check_schema(&fb).map_err(|e| bad(format!("Arrow IPC schema: {e}")))?;
+                schema = Some(Arc::new(ipc::convert::fb_to_schema(fb)));
+            }
+            ipc::MessageHeader::DictionaryBatch => {
+                let schema = schema.as_ref().ok_or_else(|| {
+                    bad("Arrow IPC dictionary batch arrives before the schema".into())
+                })?;
+                let dict = message.header_as_dictionary_batch().ok_or_else(|| {
+                    bad("Arrow IPC dictionary message has no dictionary batch".into())
+                })?;
+                let data = dict.data().ok_or_else(|| {
+                    bad(format!(
+                        "Arrow IPC dictionary batch {} has no data",
+                        dict.id()
+                    ))
+                })?;
+                #[allow(deprecated)] // arrow-ipc 59 still resolves dictionaries by id
+                let fields = schema.fields_with_dict_id(dict.id());
+                let value_type = match fields.first().map(|f| f.data_type()) {
+                    Some(DataType::Dictionary(_, value_type)) => value_type.as_ref().clone(),
+                    _ => {
+                        return Err(bad(format!(
+                            "Arrow IPC dictionary batch has id {} which no dictionary field \
+                             of the schema uses",
+                            dict.id()
+                        )))
+                    }
+                };
+                check_batch(&data, &[value_type], msg_body_len, version)
+                    .map_err(|e| bad(format!("Arrow IPC dictionary batch {}: {e}", dict.id())))?;
+                ipc::reader::read_dictionary(&msg_body, dict, schema, &mut dictionaries, &version)
+                    .map_err(|e| bad(format!("Arrow IPC dictionary batch: {e}")))?;
+            }
+            ipc::MessageHeader::RecordBatch => {
+                let schema = schema.as_ref().ok_or_else(|| {
+                    bad("Arrow IPC record batch arrives before the schema".into())
+                })?;
+                let fb = message.header_as_record_batch().ok_or_else(|| {
+                    bad("Arrow IPC record batch message has no record batch".into())
+                })?;
+                let types: Vec<DataType> = schema
+                    .fields()
+                    .iter()
+                    .map(|f| f.data_type().clone())
+                    .collect();
+                check_batch(&fb, &types, msg_body_len, version)
+                    .map_err(|e| bad(format!("Arrow IPC record batch: {e}")))?;
+                let decoded = ipc::reader::read_record_batch(
+                    &msg_body,
+                    fb,
+                    Arc::clone(schema),
+                    &dictionaries,
+                    None,
+                    &version,
+                )
+                .map_err(|e| bad(format!("Arrow IPC record batch: {e}")))?;
+                batch = Some(decoded);
+            }
+            other => {
+                return Err(bad(format!(
+                    "Arrow IPC message of type {other:?} is not allowed in a Data frame"
+                )))
+            }
+        }
+    }
+    if pos != bytes.len() {
+        return Err(bad(format!(
+            "{} bytes follow the Arrow IPC end-of-stream marker",
+            bytes.len() - pos
+        )));
+    }
+    let batch = batch.ok_or_else(|| bad("Arrow IPC body holds no record batch".into()))?;
+    if batch.num_rows() as u64 != header.count {
+        return Err(bad(format!(
+            "header announces {} rows but the Arrow batch has {}",
+            header.count,
+            batch.num_rows()
+        )));
+    }
+    Ok(batch)
+}
+
+/// Deepest nesting of fields accepted in a schema (the flatbuffer verifier stops at 64).
+const MAX_FIELD_DEPTH: usize = 64;
+
+/// Check an IPC schema for every condition under which arrow-ipc's `fb_to_schema` would
+/// panic instead of returning an error (mirrors `get_data_type` of arrow-ipc 59).
+fn check_schema(schema: &ipc::Schema) -> Result<(), String> {
+    if schema.endianness() != ipc::Endianness::Little {
+        return Err(format!(
+            "endianness {:?} is not supported (tandem speaks little-endian only)",
+            schema.endianness()
+        ));
+    }
+    let fields = schema.fields().ok_or("the schema has no field list")?;
+    for field in fields.iter() {
+        check_field(&field, 0)?;
+    }
+    Ok(())
+}
+
+fn check_field(field: &ipc::Field, depth: usize) -> Result<(), String> {
+    let name = field.name().unwrap_or_default();
+    if depth > MAX_FIELD_DEPTH {
+        return Err(format!(
+            "field {name:?} is nested deeper than {MAX_FIELD_DEPTH} levels"
+        ));
+    }
+    // The batch leaves Rust through the Arrow C Data Interface, where names are C strings.
+    if name.contains('\0') {
+        return Err(format!("field name {name:?} contains a NUL byte"));
+    }
+    if let Some(dictionary) = field.dictionary() {
+        let index = dictionary
+            .indexType()
+            .ok_or_else(|| format!("dictionary field {name:?} has no index type"))?;
+        if !matches!(index.bitWidth(), 8 | 16 | 32 | 64) {
+            return Err(format!(
+                "dictionary field {name:?} has an index bit width of {}",
+                index.bitWidth()
+            ));
+        }
+    }
+    let missing = |what: &str| format!("field {name:?} of type {what} has no type parameters");
+    let children = field.children();
+    let n_children = children.map_or(0, |c| c.len());
+    let want_children = |n: usize, what: &str| {
+        if children.is_none() || n_children != n {
+            Err(format!(
+                "field {name:?} of type {what} has {n_children} children, expected {n}"
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    match field.type_type() {
+        ipc::Type::Null
+        | ipc::Type::Bool
+        | ipc::Type::Binary
+        | ipc::Type::BinaryView
+        | ipc::Type::LargeBinary
+        | ipc::Type::Utf8
+        | ipc::Type::Utf8View
+        | ipc::Type::LargeUtf8
+        | ipc::Type::Struct_ => {}
+        ipc::Type::Int => {
+            let int = field.type_as_int().ok_or_else(|| missing("Int"))?;
+            if !matches!(int.bitWidth(), 8 | 16 | 32 | 64) {
+                return Err(format!(
+                    "field {name:?} is an Int of bit width {}",
+                    int.bitWidth()
+                ));
+            }
+        }
+        ipc::Type::FixedSizeBinary => {
+            let fsb = field
+                .type_as_fixed_size_binary()
+                .ok_or_else(|| missing("FixedSizeBinary"))?;
+            if fsb.byteWidth() < 0 {
+                return Err(format!(
+                    "field {name:?} is a FixedSizeBinary of negative width {}",
+                    fsb.byteWidth()
+                ));
+            }
+        }
+        ipc::Type::FloatingPoint => {
+            let float = field
+                .type_as_floating_point()
+                .ok_or_else(|| missing("FloatingPoint"))?;
+            if !matches!(
+                float.precision(),
+                ipc::Precision::HALF | ipc::Precision::SINGLE | ipc::Precision::DOUBLE
+            ) {
+                return Err(format!(
+                    "field {name:?} has float precision {:?}",
+                    float.precision()
+                ));
+            }
+        }
+        ipc::Type::Date => {
+            let date = field.type_as_date().ok_or_else(|| missing("Date"))?;
+            if !matches!(date.unit(), ipc::DateUnit::DAY | ipc::DateUnit::MILLISECOND) {
+                return Err(format!("field {name:?} has date unit {:?}", date.unit()));
+            }
+        }
+        ipc::Type::Time => {
+            let time = field.type_as_time().ok_or_else(|| missing("Time"))?;
+            let ok = matches!(
+                (time.bitWidth(), time.unit()),
+                (32, ipc::TimeUnit::SECOND)
+                    | (32, ipc::TimeUnit::MILLISECOND)
+                    | (64, ipc::TimeUnit::MICROSECOND)
+                    | (64, ipc::TimeUnit::NANOSECOND)
+            );
+            if !ok {
+                return Err(format!(
+                    "field {name:?} is a Time of bit width {} and unit {:?}",
+                    time.bitWidth(),
+                    time.unit()
+                ));
+            }
+        }
+        ipc::Type::Timestamp => {
+            let ts = field
+                .type_as_timestamp()
+                .ok_or_else(|| missing("Timestamp"))?;
+            check_time_unit(ts.unit(), name)?;
+            match ts.timezone() {
+                Some(tz) if tz.contains('\0') => {
+                    return Err(format!(
+                        "field {name:?} has a time zone containing a NUL byte"
+                    ));
+                }
+                // Arrow writers omit the time zone of a naive timestamp instead; accepting ""
+                // would decode to a type that re-encodes differently.
+                Some("") => {
+                    return Err(format!(
+                        "field {name:?} has an empty time zone (omit it for a naive timestamp)"
+                    ));
+                }
+                _ => {}
+            }
+        }
+        ipc::Type::Duration => {
+            let d = field
+                .type_as_duration()
+                .ok_or_else(|| missing("Duration"))?;
+            check_time_unit(d.unit(), name)?;
+        }
+        ipc::Type::Interval => {
+            let iv = field
+                .type_as_interval()
+                .ok_or_else(|| missing("Interval"))?;
+            if !matches!(
+                iv.unit(),
+                ipc::IntervalUnit::YEAR_MONTH
+                    | ipc::IntervalUnit::DAY_TIME
+                    | ipc::IntervalUnit::MONTH_DAY_NANO
+            ) {
+                return Err(format!("field {name:?} has interval unit {:?}", iv.unit()));
+            }
+        }
+        ipc::Type::List => want_children(1, "List")?,
+        ipc::Type::LargeList => want_children(1, "LargeList")?,
+        ipc::Type::ListView => want_children(1, "ListView")?,
+        ipc::Type::LargeListView => want_children(1, "LargeListView")?,
+        ipc::Type::FixedSizeList => {
+            want_children(1, "FixedSizeList")?;
+            let fsl = field
+                .type_as_fixed_size_list()
+                .ok_or_else(|| missing("FixedSizeList"))?;
+            if fsl.listSize() < 0 {
+                return Err(format!(
+                    "field {name:?} is a FixedSizeList of negative size {}",
+                    fsl.listSize()
+                ));
+            }
+        }
+        ipc::Type::RunEndEncoded => want_children(2, "RunEndEncoded")?,
+        ipc::Type::Map => {
+            want_children(1, "Map")?;
+            field.type_as_map().ok_or_else(|| missing("Map"))?;
+        }
+        ipc::Type::Decimal => {
+            let dec = field.type_as_decimal().ok_or_else(|| missing("Decimal"))?;
+            if u8::try_from(dec.precision()).is_err() || i8::try_from(dec.scale()).is_err() {
+                return Err(format!(
+                    "field {name:?} is a Decimal of precision {} and scale {}",
+                    dec.precision(),
+                    dec.scale()
+                ));
+            }
+            if !matches!(dec.bitWidth(), 32 | 64 | 128 | 256) {
+                return Err(format!(
+                    "field {name:?} is a Decimal of bit width {}",
+                    dec.bitWidth()
+                ));
+            }
+        }
+        ipc::Type::Union => {
+            let union = field.type_as_union().ok_or_else(|| missing("Union"))?;
+            if !matches!(union.mode(), ipc::UnionMode::Dense | ipc::UnionMode::Sparse) {
+                return Err(format!("field {name:?} has union mode {:?}", union.mode()));
+            }
+            match union.typeIds() {
+                None if n_children > 128 => {
+                    return Err(format!(
+                        "union field {name:?} has {n_children} children (max 128)"
+                    ))
+                }
+                None => {}
+                Some(ids) => {
+                    if ids.len() != n_children {
+                        return Err(format!(
+                            "union field {name:?} has {} type ids for {n_children} children",
+                            ids.len()
+                        ));
+                    }
+                    let mut seen = [false; 128];
+                    for id in ids.iter() {
+                        let slot = usize::try_from(id)
+                            .ok()
+                            .filter(|s| *s < 128)
+                            .ok_or_else(|| format!("union field {name:?} has type id {id}"))?;
+                        if std::mem::replace(&mut seen[slot], true) {
+                            return Err(format!("union field {name:?} repeats type id {id}"));
+                        }
+                    }
+                }
+            }
+        }
+        other => return Err(format!("field {name:?} has unsupported type {other:?}")),
+    }
+    if let Some(children) = children {
+        for child in children.iter() {
+            check_field(&child, depth + 1)?;
+        }
+    }
+    Ok(())
+}
+
+fn check_time_unit(unit: ipc::TimeUnit, name: &str) -> Result<(), String> {
+    match unit {
+        ipc::TimeUnit::SECOND
+        | ipc::TimeUnit::MILLISECOND
+        | ipc::TimeUnit::MICROSECOND
+        | ipc::TimeUnit::NANOSECOND => Ok(()),
+        other => Err(format!("field {name:?} has time unit {other:?}")),
+    }
+}
+
+/// Walks the field nodes and buffers of an IPC record batch in the order arrow-ipc's
+/// `RecordBatchDecoder::create_array` consumes them, checking the conditions under which
+/// that decoder would panic: a buffer outside the message body, negative lengths, union
+/// type-id/offset buffers shorter than the array, a struct validity bitmap shorter than the
+/// array, and variadic buffer counts that do not match the view columns.
+struct BatchWalk<'a> {
+    nodes: std::slice::Iter<'a, ipc::FieldNode>,
+    buffers: std::slice::Iter<'a, ipc::Buffer>,
+    buffers_left: usize,
+    variadic: Vec<i64>,
+    variadic_used: usize,
+    body_len: usize,
+    version: ipc::MetadataVersion,
+}
+
+impl BatchWalk<'_> {
+    /// Next field node as (length, null_count).
+    fn node(&mut self) -> Result<(usize, usize), String> {
+        let node = self
+            .nodes
+            .next()
+            .ok_or("fewer field nodes than the schema needs")?;
+        let (len, nulls) = (node.length(), node.null_count());
+        if len < 0 || nulls < 0 || nulls > len {
+            return Err(format!(
+                "field node has length {len} and null count {nulls}"
+            ));
+        }
+        Ok((len as usize, nulls as usize))
+    }
+
+    /// Next buffer; returns its length in bytes.
+    fn buffer(&mut self) -> Result<usize, String> {
+        let buf = self
+            .buffers
+            .next()
+            .ok_or("fewer buffers than the schema needs")?;
+        self.buffers_left -= 1;
+        let (offset, len) = (buf.offset(), buf.length());
+        if offset % 8 != 0 {
+            // The IPC format pads every buffer to 8 bytes; arrow-ipc reinterprets some
+            // buffers (union offsets) in place and panics on a misaligned one.
+            return Err(format!("buffer offset {offset} is not a multiple of 8"));
+        }
+        let end = offset.checked_add(len);
+        match (
+            usize::try_from(offset),
+            usize::try_from(len),
+            end.map(usize::try_from),
+        ) {
+            (Ok(_), Ok(len), Some(Ok(end))) if end <= self.body_len => Ok(len),
+            _ => Err(format!(
+                "buffer at offset {offset} of length {len} lies outside the {}-byte message body",
+                self.body_len
+            )),
+        }
+    }
+
+    fn buffers_n(&mut self, n: usize) -> Result<(), String> {
+        for _ in 0..n {
+            self.buffer()?;
+        }
+        Ok(())
+    }
+
+    /// Next buffer of fixed-width elements: arrow views such a buffer as a typed slice and
+    /// panics if its length is not a whole number of elements.
+    fn typed_buffer(&mut self, width: usize) -> Result<usize, String> {
+        let len = self.buffer()?;
+        if len % width != 0 {
+            return Err(format!(
+                "buffer of {len} bytes is not a whole number of {width}-byte elements"
+            ));
+        }
+        Ok(len)
+    }
+
+    /// Next field node and its validity buffer: arrow builds the validity bitmap of an array
+    /// with nulls before validating anything, and panics if the bitmap is shorter than the
+    /// array. Returns the array length.
+    fn node_with_validity(&mut self) -> Result<usize, String> {
+        let (len, nulls) = self.node()?;
+        let validity = self.buffer()?;
+        if nulls > 0 && validity.saturating_mul(8) < len {
+            return Err(format!(
+                "validity bitmap of {validity} bytes is too short for {len} rows"
+            ));
+        }
+        Ok(len)
+    }
+
+    fn array(&mut self, data_type: &DataType, depth: usize) -> Result<(), String> {
+        if depth > MAX_FIELD_DEPTH {
+            return Err(format!("type nested deeper than {MAX_FIELD_DEPTH} levels"));
+        }
+        match data_type {
+            DataType::Utf8 | DataType::Binary => {
+                self.node_with_validity()?;
+                self.typed_buffer(4)?;
+                self.buffer().map(|_| ())
+            }
+            DataType::LargeBinary | DataType::LargeUtf8 => {
+                self.node_with_validity()?;
+                self.typed_buffer(8)?;
+                self.buffer().map(|_| ())
+            }
+            DataType::BinaryView | DataType::Utf8View => {
+                // arrow-ipc reads the buffers (validity, views, data...) before the node.
+                let count = *self
+                    .variadic
+                    .get(self.variadic_used)
+                    .ok_or("a view column has no variadic buffer count")?;
+                self.variadic_used += 1;
+                let count = usize::try_from(count)
+                    .ok()
+                    .filter(|c| *c <= self.buffers_left)
+                    .ok_or_else(|| format!("variadic buffer count {count} is out of range"))?;
+                let validity = self.buffer()?;
+                self.typed_buffer(16)?;
+                self.buffers_n(count)?;
+                let (len, nulls) = self.node()?;
+                if nulls > 0 && validity.saturating_mul(8) < len {
+                    return Err(format!(
+                        "validity bitmap of {validity} bytes is too short for {len} rows"
+                    ));
+                }
+                Ok(())
+            }
+            DataType::List(child) | DataType::Map(child, _) => {
+                self.node_with_validity()?;
+                self.typed_buffer(4)?;
+                self.array(child.data_type(), depth + 1)
+            }
+            DataType::LargeList(child) => {
+                self.node_with_validity()?;
+                self.typed_buffer(8)?;
+                self.array(child.data_type(), depth + 1)
+            }
+            DataType::ListView(child) => {
+                self.node_with_validity()?;
+                self.typed_buffer(4)?;
+                self.typed_buffer(4)?;
+                self.array(child.data_type(), depth + 1)
+            }
+            DataType::LargeListView(child) => {
+                self.node_with_validity()?;
+                self.typed_buffer(8)?;
+                self.typed_buffer(8)?;
+                self.array(child.data_type(), depth + 1)
+            }
+            DataType::FixedSizeList(child, size) => {
+                let len = self.node_with_validity()?;
+                // arrow computes len × size with an `expect` on overflow.
+                if len.checked_mul(*size as usize).is_none() {
+                    return Err(format!(
+                        "fixed-size list of {len} lists of {size} values overflows"
+                    ));
+                }
+                self.array(child.data_type(), depth + 1)
+            }
+            DataType::Struct(fields) => {
+                self.node_with_validity()?;
+                for f in fields.iter() {
+                    self.array(f.data_type(), depth + 1)?;
+                }
+                Ok(())
+            }
+            DataType::RunEndEncoded(run_ends, values) => {
+                self.node()?;
+                self.array(run_ends.data_type(), depth + 1)?;
+                self.array(values.data_type(), depth + 1)
+            }
+            DataType::Dictionary(key, _) => {
+                self.node_with_validity()?;
+                self.typed_buffer(key.primitive_width().unwrap_or(1))
+                    .map(|_| ())
+            }
+            DataType::Union(fields, mode) => {
+                let (len, _) = self.node()?;
+                if self.version < ipc::MetadataVersion::V5 {
+                    self.buffer()?;
+                }
+                let type_ids = self.buffer()?;
+                if type_ids < len {
+                    return Err(format!(
+                        "union type id buffer of {type_ids} bytes is too short for {len} rows"
+                    ));
+                }
+                if *mode == UnionMode::Dense {
+                    let offsets = self.typed_buffer(4)?;
+                    if offsets / 4 < len {
+                        return Err(format!(
+                            "union offset buffer of {offsets} bytes is too short for {len} rows"
+                        ));
+                    }
+                }
+                for (_, f) in fields.iter() {
+                    self.array(f.data_type(), depth + 1)?;
+                }
+                Ok(())
+            }
+            DataType::Null => self.node().map(|_| ()),
+            DataType::FixedSizeBinary(width) => {
+                let len = self.node_with_validity()?;
+                if len.checked_mul(*width as usize).is_none() {
+                    return Err(format!(
+                        "fixed-size binary of {len} values of {width} bytes overflows"
+                    ));
+                }
+                self.buffer().map(|_| ())
+            }
+            t if t.is_primitive() || matches!(t, DataType::Boolean) => {
+                self.node_with_validity()?;
+                self.typed_buffer(t.primitive_width().unwrap_or(1))
+                    .map(|_| ())
+            }
+            other => Err(format!("data type {other} is not supported on the wire")),
+        }
+    }
+}
+
+fn check_batch(
+    batch: &ipc::RecordBatch,
+    types: &[DataType],
+    body_len: usize,
+    version: ipc::MetadataVersion,
+) -> Result<(), String> {
+    if batch.length() < 0 {
+        return Err(format!("negative row count {}", batch.length()));
+    }
+    if batch.compression().is_some() {
+        return Err("compressed IPC bodies are not supported; send uncompressed batches".into());
+    }
+    let nodes = batch.nodes().ok_or("the batch has no field nodes")?;
+    let buffers = batch.buffers().ok_or("the batch has no buffer list")?;
+    // Copied out of the flatbuffer (16 bytes each) so the walk holds plain slices.
+    let nodes: Vec<ipc::FieldNode> = nodes.iter().copied().collect();
+    let buffers: Vec<ipc::Buffer> = buffers.iter().copied().collect();
+    let mut walk = BatchWalk {
+        nodes: nodes.iter(),
+        buffers_left: buffers.len(),
+        buffers: buffers.iter(),
+        variadic: batch
+            .variadicBufferCounts()
+            .map(|v| v.iter().collect())
+            .unwrap_or_default(),
+        variadic_used: 0,
+        body_len,
+        version,
+    };
+    for t in types {
+        walk.array(t, 0)?;
+    }
+    if walk.variadic_used != walk.variadic.len() {
+        return Err(format!(
+            "{} variadic buffer counts for {} view columns",
+            walk.variadic.len(),
+            walk.variadic_used
+        ));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Reading frames off a stream
+// ---------------------------------------------------------------------------------------
+
+/// Reads frames off a byte stream (a `TcpStream`). `Ok(None)` on clean EOF at a frame
+/// boundary; EOF inside a frame is [`ProtocolError::Truncated`].
+///
+/// The body is read straight into a 64-byte-aligned Arrow buffer, and the batch of a Data
+/// frame is decoded zero-copy from it.
+///
+/// A read that fails with `WouldBlock`, `TimedOut` or `Interrupted` loses nothing: the
+/// bytes read so far are kept and the next call to [`FrameReader::next_frame`] resumes the
+/// same frame, so a socket read timeout can be used to poll. After a protocol error the
+/// stream is out of step and the connection must be dropped.
+pub struct FrameReader<R: Read> {
+    inner: R,
+    max_frame_bytes: u64,
+    header: [u8; HEADER_LEN],
+    header_got: usize,
+    /// The frame whose body is being read, its body buffer and the body bytes read so far.
+    body: Option<(FrameHeader, MutableBuffer, usize)>,
+}
+
+impl<R: Read> FrameReader<R> {
+    /// `max_frame_bytes` bounds a frame's body (the header's 32 bytes do not count): a
+    /// larger announced body is rejected as [`ProtocolError::Oversized`] before anything is
+    /// allocated.
+    pub fn new(inner: R, max_frame_bytes: u64) -> Self {
+        FrameReader {
+            inner,
+            max_frame_bytes,
+            header: [0u8; HEADER_LEN],
+            header_got: 0,
+            body: None,
+        }
+    }
+
+    /// The wrapped stream.
+    pub fn get_ref(&self) -> &R {
+        &self.inner
+    }
+
+    /// The wrapped stream, mutably (e.g. to change its timeouts).
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.inner
+    }
+
+    /// Read the next frame; `Ok(None)` when the stream ends cleanly between frames.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>> {
+        if self.body.is_none() {
+            while self.header_got < HEADER_LEN {
+                let n = match self.inner.read(&mut self.header[self.header_got..]) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e.into()),
+                };
+                if n == 0 {
+                    let got = std::mem::take(&mut self.header_got);
+                    if got == 0 {
+                        return Ok(None);
+                    }
+                    return Err(ProtocolError::Truncated {
+                        needed: HEADER_LEN,
+                        got,
+                    }
+                    .into());
+                }
+                self.header_got += n;
+                if self.header_got < HEADER_LEN {
+                    // Fail fast on a peer that does not speak the protocol.
+                    if let Err(
+                        e @ (ProtocolError::BadMagic { .. } | ProtocolError::BadVersion { .. }),
+                    ) = decode_header(&self.header[..self.header_got], self.max_frame_bytes)
+                    {
+                        self.header_got = 0;
+                        return Err(e.into());
+                    }
+                }
+            }
+            self.header_got = 0;
+            let header = decode_header(&self.header, self.max_frame_bytes)?;
+            let body = MutableBuffer::from_len_zeroed(header.body_len as usize);
+            self.body = Some((header, body, 0));
+        }
+        if let Some((header, body, got)) = self.body.as_mut() {
+            while *got < body.len() {
+                let n = match self.inner.read(&mut body.as_slice_mut()[*got..]) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e.into()),
+                };
+                if n == 0 {
+                    let (needed, got) = (header.frame_len(), HEADER_LEN + *got);
+                    self.body = None;
+                    return Err(ProtocolError::Truncated { needed, got }.into());
+                }
+                *got += n;
+            }
+        }
+        let Some((header, body, _)) = self.body.take() else {
+            return Ok(None);
+        };
+        let frame = decode_body(&header, body.into())?;
+        Ok(Some(frame))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Handshake
+// ---------------------------------------------------------------------------------------
+
+/// Who is on the other end of a connection.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Identity {
+    pub job: String,
+    pub task: u32,
+    pub partition: u32,
+    pub replica: u32,
+}
+
+/// Longest job id accepted in a handshake, in bytes of UTF-8.
+pub const MAX_JOB_ID_LEN: usize = 256;
+/// Bytes of each side's random nonce.
+const NONCE_LEN: usize = 32;
+/// Bytes of an HMAC-SHA256 tag.
+const MAC_LEN: usize = 32;
+/// Longest reject reason sent to a refused client.
+const MAX_REASON_LEN: usize = 256;
+/// Status byte the server sends after checking the client's proof.
+const STATUS_ACCEPT: u8 = 0;
+const STATUS_REJECT: u8 = 1;
+/// Domain-separation labels so a client proof can never be replayed as a server proof.
+const CLIENT_LABEL: &[u8] = b"tandem-handshake-client-v1";
+const SERVER_LABEL: &[u8] = b"tandem-handshake-server-v1";
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// The canonical bytes of an identity inside the MAC: job length (u16), job, task,
+/// partition, replica (u32 each, little-endian).
+fn identity_bytes(id: &Identity) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 + id.job.len() + 12);
+    out.extend_from_slice(&(id.job.len() as u16).to_le_bytes());
+    out.extend_from_slice(id.job.as_bytes());
+    out.extend_from_slice(&id.task.to_le_bytes());
+    out.extend_from_slice(&id.partition.to_le_bytes());
+    out.extend_from_slice(&id.replica.to_le_bytes());
+    out
+}
+
+fn proof(secret: &[u8], label: &[u8], first: &[u8], second: &[u8], id: &[u8]) -> HmacSha256 {
+    let mut mac = HmacSha256::new_from_slice(secret).expect("HMAC accepts keys of any length");
+    mac.update(label);
+    mac.update(first);
+    mac.update(second);
+    mac.update(id);
+    mac
+}
+
+fn check_secret(secret: &[u8]) -> Result<()> {
+    if secret.is_empty() {
+        return Err(Error::Config(
+            "the job secret is empty; give every worker of the job the same non-empty secret"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+fn nonce() -> Result<[u8; NONCE_LEN]> {
+    let mut n = [0u8; NONCE_LEN];
+    getrandom::fill(&mut n).map_err(|e| {
+        Error::Io(io::Error::other(format!(
+            "no randomness for a handshake nonce: {e}"
+        )))
+    })?;
+    Ok(n)
+}
+
+/// Read exactly `buf.len()` bytes of the handshake step `what`, naming the step on failure.
+/// I/O errors keep their kind (a `TimedOut`/`WouldBlock` from a socket timeout stays one) so
+/// the caller can tell a silent peer from a refused one.
+fn read_step<S: Read>(stream: &mut S, buf: &mut [u8], what: &str) -> Result<()> {
+    stream.read_exact(buf).map_err(|e| match e.kind() {
+        io::ErrorKind::UnexpectedEof => Error::Handshake(format!(
+            "the peer closed the connection while sending {what}"
+        )),
+        kind => Error::Io(io::Error::new(
+            kind,
+            format!("handshake: reading {what}: {e}"),
+        )),
+    })
+}
+
+fn write_step<S: Write>(stream: &mut S, bytes: &[u8], what: &str) -> Result<()> {
+    stream
+        .write_all(bytes)
+        .and_then(|()| stream.flush())
+        .map_err(|e| {
+            Error::Io(io::Error::new(
+                e.kind(),
+                format!("handshake: sending {what}: {e}"),
+            ))
+        })
+}
+
+fn check_preamble(buf: &[u8], who: &str) -> Result<()> {
+    let magic = le_u32(buf, 0);
+    if magic != MAGIC {
+        return Err(Error::Handshake(format!(
+            "the {who} sent {magic:#010x} instead of tandem's magic {MAGIC:#010x}: it does not \
+             speak tandem's wire protocol"
+        )));
+    }
+    let version = le_u16(buf, 4);
+    if version != VERSION {
+        return Err(Error::Handshake(format!(
+            "the {who} speaks wire version {version}, this build speaks {VERSION}; run the same \
+             tandem version on every worker"
+        )));
+    }
+    Ok(())
+}
+
+/// Client side: proves knowledge of the per-job secret (challenge-response, HMAC-SHA256 over
+/// the server's nonce, job and identity; constant-time compare). Err(Error::Handshake) if
+/// refused. The server proves knowledge of the secret back, so a client never streams data
+/// into an impostor.
+///
+/// Exchange (all integers little-endian):
+/// 1. server → client: `magic u32 | version u16 | server_nonce [32]`
+/// 2. client → server: `magic u32 | version u16 | job_len u16 | job | task u32 |
+///    partition u32 | replica u32 | client_nonce [32] |
+///    HMAC(secret, client label | server_nonce | client_nonce | identity)`
+/// 3. server → client: `0 | HMAC(secret, server label | client_nonce | server_nonce |
+///    identity)` to accept, or `1 | reason_len u16 | reason` to refuse.
+pub fn client_handshake<S: Read + Write>(
+    stream: &mut S,
+    me: &Identity,
+    secret: &[u8],
+) -> Result<()> {
+    check_secret(secret)?;
+    if me.job.len() > MAX_JOB_ID_LEN {
+        return Err(Error::Config(format!(
+            "job id of {} bytes is longer than the {MAX_JOB_ID_LEN} bytes the handshake allows",
+            me.job.len()
+        )));
+    }
+    let mut hello = [0u8; 6 + NONCE_LEN];
+    read_step(stream, &mut hello, "its hello")?;
+    check_preamble(&hello, "server")?;
+    let server_nonce = &hello[6..];
+    let client_nonce = nonce()?;
+    let id = identity_bytes(me);
+    let tag = proof(secret, CLIENT_LABEL, server_nonce, &client_nonce, &id)
+        .finalize()
+        .into_bytes();
+    let mut msg = Vec::with_capacity(6 + id.len() + NONCE_LEN + MAC_LEN);
+    msg.extend_from_slice(&MAGIC.to_le_bytes());
+    msg.extend_from_slice(&VERSION.to_le_bytes());
+    msg.extend_from_slice(&id);
+    msg.extend_from_slice(&client_nonce);
+    msg.extend_from_slice(&tag);
+    write_step(stream, &msg, "the client proof")?;
+
+    let mut status = [0u8; 1];
+    read_step(stream, &mut status, "the handshake verdict")?;
+    match status[0] {
+        STATUS_ACCEPT => {
+            let mut server_tag = [0u8; MAC_LEN];
+            read_step(stream, &mut server_tag, "the server proof")?;
+            proof(secret, SERVER_LABEL, &client_nonce, server_nonce, &id)
+                .verify_slice(&server_tag)
+                .map_err(|_| {
+                    Error::Handshake(format!(
+                        "the server accepted job {:?} but could not prove it knows the job \
+                         secret: it is not a worker of this job",
+                        me.job
+                    ))
+                })
+        }
+        STATUS_REJECT => {
+            let mut len = [0u8; 2];
+            read_step(stream, &mut len, "the reject reason")?;
+            let len = usize::from(u16::from_le_bytes(len));
+            if len > MAX_REASON_LEN {
+                return Err(Error::Handshake(format!(
+                    "the server refused the connection with an over-long reason ({len} bytes)"
+                )));
+            }
+            let mut reason = vec![0u8; len];
+            read_step(stream, &mut reason, "the reject reason")?;
+            Err(Error::Handshake(format!(
+                "the server refused the connection: {}",
+                String::from_utf8_lossy(&reason)
+            )))
+        }
+        other => Err(Error::Handshake(format!(
+            "the server answered with status byte {other:#04x} (expected 0 = accept, 1 = reject)"
+        ))),
+    }
+}
+
+/// Server side: sends a fresh nonce, checks the client's proof and job id; on failure tells
+/// the client why (one short reject message) and returns Err(Error::Handshake(..)). Does not
+/// hang forever on a silent peer when the caller has set socket timeouts: a read that times
+/// out (`WouldBlock`/`TimedOut`) is returned as [`Error::Io`] with that kind.
+pub fn server_handshake<S: Read + Write>(
+    stream: &mut S,
+    job: &str,
+    secret: &[u8],
+) -> Result<Identity> {
+    check_secret(secret)?;
+    let server_nonce = nonce()?;
+    let mut hello = Vec::with_capacity(6 + NONCE_LEN);
+    hello.extend_from_slice(&MAGIC.to_le_bytes());
+    hello.extend_from_slice(&VERSION.to_le_bytes());
+    hello.extend_from_slice(&server_nonce);
+    write_step(stream, &hello, "the server hello")?;
+
+    let mut pre = [0u8; 8];
+    read_step(stream, &mut pre, "the client preamble")?;
+    if let Err(e) = check_preamble(&pre, "client") {
+        return Err(reject(stream, e));
+    }
+    let job_len = usize::from(le_u16(&pre, 6));
+    if job_len > MAX_JOB_ID_LEN {
+        let msg = format!("job id of {job_len} bytes exceeds {MAX_JOB_ID_LEN}");
+        return Err(reject(stream, Error::Handshake(msg)));
+    }
+    let mut rest = vec![0u8; job_len + 12 + NONCE_LEN + MAC_LEN];
+    read_step(stream, &mut rest, "the client identity")?;
+    let Ok(peer_job) = std::str::from_utf8(&rest[..job_len]) else {
+        return Err(reject(
+            stream,
+            Error::Handshake("job id is not valid UTF-8".into()),
+        ));
+    };
+    let ids = &rest[job_len..job_len + 12];
+    let peer = Identity {
+        job: peer_job.to_owned(),
+        task: le_u32(ids, 0),
+        partition: le_u32(ids, 4),
+        replica: le_u32(ids, 8),
+    };
+    let client_nonce = &rest[job_len + 12..job_len + 12 + NONCE_LEN];
+    let tag = &rest[job_len + 12 + NONCE_LEN..];
+    if peer.job != job {
+        let msg = format!("peer belongs to job {:?}, this is job {job:?}", peer.job);
+        return Err(reject(stream, Error::Handshake(msg)));
+    }
+    let id = identity_bytes(&peer);
+    if proof(secret, CLIENT_LABEL, &server_nonce, client_nonce, &id)
+        .verify_slice(tag)
+        .is_err()
+    {
+        let msg = format!(
+            "peer (task {}, partition {}, replica {}) failed to prove the secret of job {job:?}",
+            peer.task, peer.partition, peer.replica
+        );
+        return Err(reject(stream, Error::Handshake(msg)));
+    }
+    let server_tag = proof(secret, SERVER_LABEL, client_nonce, &server_nonce, &id)
+        .finalize()
+        .into_bytes();
+    let mut accept = Vec::with_capacity(1 + MAC_LEN);
+    accept.push(STATUS_ACCEPT);
+    accept.extend_from_slice(&server_tag);
+    write_step(stream, &accept, "the handshake acceptance")?;
+    Ok(peer)
+}
+
+/// Tell the client why it is refused (best effort: it may already be gone), and return the
+/// error for the server's caller.
+fn reject<S: Write>(stream: &mut S, err: Error) -> Error {
+    let reason = match &err {
+        Error::Handshake(msg) => msg.as_str(),
+        _ => "handshake failed",
+    };
+    let mut end = reason.len().min(MAX_REASON_LEN);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let reason = &reason.as_bytes()[..end];
+    let mut msg = Vec::with_capacity(3 + reason.len());
+    msg.push(STATUS_REJECT);
+    msg.extend_from_slice(&(reason.len() as u16).to_le_bytes());
+    msg.extend_from_slice(reason);
+    let _ = stream.write_all(&msg).and_then(|()| stream.flush());
+    err
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::{DictionaryArray, Int64Array, RecordBatchOptions, StringArray};
+    use arrow_schema::Schema;
+    use proptest::prelude::*;
+    use std::io::Cursor;
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+
+    const MAX: u64 = DEFAULT_MAX_FRAME_BYTES;
+
+    fn batch(rows: usize) -> RecordBatch {
+        let ids = Int64Array::from_iter_values((0..rows as i64).map(|i| i * 7));
+        let names =
+            StringArray::from_iter((0..rows).map(|i| (i % 3 != 0).then(|| format!("n{i}"))));
+        let keys: DictionaryArray<arrow_array::types::Int32Type> =
+            (0..rows).map(|i| ["red", "green", "blue"][i % 3]).collect();
+        RecordBatch::try_from_iter([
+            ("id", Arc::new(ids) as ArrayRef),
+            ("name", Arc::new(names) as ArrayRef),
+            ("colour", Arc::new(keys) as ArrayRef),
+        ])
+        .unwrap()
+    }
+
+    fn decode_one(bytes: &[u8]) -> Frame {
+        let (frame, used) = decode_frame(bytes, MAX).unwrap();
+        assert_eq!(used, bytes.len());
+        frame
+    }
+
+    fn expect_inconsistent(bytes: &[u8], needle: &str) {
+        match decode_frame(bytes, MAX) {
+            Err(ProtocolError::Inconsistent(msg)) => {
+                assert!(
+                    msg.contains(needle),
+                    "message {msg:?} does not mention {needle:?}"
+                )
+            }
+            other => panic!("expected Inconsistent({needle}), got {other:?}"),
+        }
+    }
+
+    fn set_u64(bytes: &mut [u8], at: usize, v: u64) {
+        bytes[at..at + 8].copy_from_slice(&v.to_le_bytes());
+    }
+
+    #[test]
+    fn data_round_trip() {
+        let b = batch(10);
+        let bytes = encode_data(3, 100, &b).unwrap();
+        let header = decode_header(&bytes, MAX).unwrap();
+        assert_eq!(header.kind, FrameKind::Data);
+        assert_eq!(
+            (header.channel, header.first_seq, header.count),
+            (3, 100, 10)
+        );
+        assert_eq!(header.frame_len(), bytes.len());
+        let frame = decode_one(&bytes);
+        assert_eq!(
+            frame,
+            Frame::Data {
+                channel: 3,
+                first_seq: 100,
+                batch: b.clone()
+            }
+        );
+        assert_eq!(frame.channel(), 3);
+        match frame.into_item() {
+            Some((
+                3,
+                Item::Data {
+                    first_seq: 100,
+                    payload,
+                },
+            )) => assert_eq!(payload, b),
+            other => panic!("unexpected item {other:?}"),
+        }
+    }
+
+    #[test]
+    fn sliced_batch_round_trips_as_the_slice() {
+        let b = batch(50).slice(17, 9);
+        let frame = decode_one(&encode_data(0, 17, &b).unwrap());
+        assert_eq!(
+            frame,
+            Frame::Data {
+                channel: 0,
+                first_seq: 17,
+                batch: b
+            }
+        );
+    }
+
+    #[test]
+    fn zero_column_batch_with_rows_round_trips() {
+        let schema = Arc::new(Schema::empty());
+        let opts = RecordBatchOptions::new().with_row_count(Some(4));
+        let b = RecordBatch::try_new_with_options(schema, vec![], &opts).unwrap();
+        let frame = decode_one(&encode_data(1, 0, &b).unwrap());
+        match frame {
+            Frame::Data { batch, .. } => {
+                assert_eq!((batch.num_rows(), batch.num_columns()), (4, 0))
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn empty_batch_is_refused_by_the_encoder() {
+        let err = encode_data(1, 0, &batch(0)).unwrap_err();
+        assert!(err.to_string().contains("0 rows"), "{err}");
+        let err = encode_data(1, u64::MAX - 2, &batch(5)).unwrap_err();
+        assert!(err.to_string().contains("overflows"), "{err}");
+    }
+
+    #[test]
+    fn control_frames_round_trip() {
+        let hb = encode_heartbeat(7, 41, 9);
+        assert_eq!(hb.len(), HEADER_LEN);
+        assert_eq!(
+            decode_one(&hb),
+            Frame::Heartbeat {
+                channel: 7,
+                seq: 41,
+                epoch: 9
+            }
+        );
+        assert_eq!(
+            decode_one(&hb).into_item(),
+            Some((7, Item::Heartbeat { seq: 41, epoch: 9 }))
+        );
+        let end = encode_end(2, 1000);
+        assert_eq!(
+            decode_one(&end),
+            Frame::End {
+                channel: 2,
+                seq: 1000
+            }
+        );
+        assert_eq!(
+            decode_one(&end).into_item(),
+            Some((2, Item::End { seq: 1000 }))
+        );
+        let entries = [
+            OrderEntry {
+                channel: 0,
+                up_to_seq: 10,
+            },
+            OrderEntry {
+                channel: 1,
+                up_to_seq: u64::MAX,
+            },
+        ];
+        let order = encode_order(5, 3, 77, &entries);
+        assert_eq!(order.len(), HEADER_LEN + 16 + 24);
+        let frame = decode_one(&order);
+        assert_eq!(
+            frame,
+            Frame::Order {
+                channel: 5,
+                epoch: 3,
+                version: 77,
+                entries: entries.to_vec()
+            }
+        );
+        assert_eq!(frame.into_item(), None);
+        let empty = encode_order(5, 3, 78, &[]);
+        assert_eq!(
+            decode_one(&empty),
+            Frame::Order {
+                channel: 5,
+                epoch: 3,
+                version: 78,
+                entries: vec![]
+            }
+        );
+    }
+
+    #[test]
+    fn decode_consumes_one_frame_of_many() {
+        let mut bytes = encode_heartbeat(1, 2, 3);
+        bytes.extend(encode_end(1, 3));
+        let (frame, used) = decode_frame(&bytes, MAX).unwrap();
+        assert_eq!(
+            (frame, used),
+            (
+                Frame::Heartbeat {
+                    channel: 1,
+                    seq: 2,
+                    epoch: 3
+                },
+                HEADER_LEN
+            )
+        );
+        assert_eq!(
+            decode_one(&bytes[used..]),
+            Frame::End { channel: 1, seq: 3 }
+        );
+    }
+
+    #[test]
+    fn zero_copy_decode_references_the_input_buffer() {
+        let bytes = Buffer::from_vec(encode_data(0, 0, &batch(64)).unwrap());
+        let (frame, _) = decode_frame_buffer(&bytes, MAX).unwrap();
+        let Frame::Data { batch, .. } = frame else {
+            panic!("not data")
+        };
+        let values = batch.column(0).to_data().buffers()[0].as_ptr() as usize;
+        let range = bytes.as_ptr() as usize..bytes.as_ptr() as usize + bytes.len();
+        assert!(
+            range.contains(&values),
+            "column 0 was copied out of the frame buffer"
+        );
+    }
+
+    #[test]
+    fn truncated() {
+        let bytes = encode_data(0, 0, &batch(3)).unwrap();
+        assert_eq!(
+            decode_frame(&bytes[..10], MAX).unwrap_err(),
+            ProtocolError::Truncated {
+                needed: HEADER_LEN,
+                got: 10
+            }
+        );
+        assert_eq!(
+            decode_frame(&bytes[..bytes.len() - 1], MAX).unwrap_err(),
+            ProtocolError::Truncated {
+                needed: bytes.len(),
+                got: bytes.len() - 1
+            }
+        );
+        assert_eq!(
+            decode_frame(&[], MAX).unwrap_err(),
+            ProtocolError::Truncated { needed: 32, got: 0 }
+        );
+    }
+
+    #[test]
+    fn bad_magic_and_version() {
+        let mut bytes = encode_heartbeat(0, 0, 0);
+        bytes[0] = b'G';
+        assert!(matches!(
+            decode_frame(&bytes, MAX),
+            Err(ProtocolError::BadMagic {
+                expected: MAGIC,
+                ..
+            })
+        ));
+        // Detected from the first four bytes alone.
+        assert!(matches!(
+            decode_frame(b"GET / HTTP/1.1", MAX),
+            Err(ProtocolError::BadMagic { .. })
+        ));
+        let mut bytes = encode_heartbeat(0, 0, 0);
+        bytes[4] = 9;
+        assert_eq!(
+            decode_frame(&bytes, MAX).unwrap_err(),
+            ProtocolError::BadVersion {
+                found: 9,
+                supported: VERSION
+            }
+        );
+    }
+
+    #[test]
+    fn oversized() {
+        let bytes = encode_data(0, 0, &batch(100)).unwrap();
+        let len = (bytes.len() - HEADER_LEN) as u64;
+        assert_eq!(
+            decode_frame(&bytes, 100).unwrap_err(),
+            ProtocolError::Oversized { len, limit: 100 }
+        );
+        assert!(decode_frame(&bytes, len).is_ok());
+    }
+
+    #[test]
+    fn inconsistent_headers() {
+        let mut b = encode_heartbeat(0, 0, 0);
+        b[6] = 9;
+        expect_inconsistent(&b, "unknown frame kind 9");
+        let mut b = encode_heartbeat(0, 0, 0);
+        b[7] = 1;
+        expect_inconsistent(&b, "flags");
+        let mut b = encode_heartbeat(0, 0, 0);
+        b[28] = 4;
+        b.extend([0u8; 4]);
+        expect_inconsistent(&b, "must be empty");
+        let mut b = encode_end(0, 0);
+        set_u64(&mut b, 20, 3);
+        expect_inconsistent(&b, "count 3");
+        expect_inconsistent(&encode_end(0, u64::MAX), "u64::MAX");
+        let mut b = encode_order(
+            0,
+            1,
+            1,
+            &[OrderEntry {
+                channel: 0,
+                up_to_seq: 1,
+            }],
+        );
+        set_u64(&mut b, 20, 2);
+        expect_inconsistent(&b, "announces 2 entries");
+        let mut b = encode_order(0, 1, 1, &[]);
+        set_u64(&mut b, 12, 5);
+        expect_inconsistent(&b, "first_seq 5");
+        let mut b = encode_order(0, 1, 1, &[]);
+        set_u64(&mut b, 20, u64::MAX);
+        expect_inconsistent(&b, "announces");
+    }
+
+    #[test]
+    fn inconsistent_data_frames() {
+        let good = encode_data(4, 10, &batch(5)).unwrap();
+        let mut b = good.clone();
+        set_u64(&mut b, 20, 6);
+        expect_inconsistent(&b, "header announces 6 rows but the Arrow batch has 5");
+        let mut b = good.clone();
+        set_u64(&mut b, 20, 0);
+        expect_inconsistent(&b, "0 rows");
+        let mut b = good.clone();
+        set_u64(&mut b, 12, u64::MAX - 1);
+        expect_inconsistent(&b, "overflows");
+        let mut b = FrameHeader {
+            kind: FrameKind::Data,
+            channel: 0,
+            first_seq: 0,
+            count: 1,
+            body_len: 0,
+        }
+        .to_bytes()
+        .to_vec();
+        expect_inconsistent(&b, "empty body");
+        // Garbage body under a well-formed header.
+        b[28] = 16;
+        b.extend([0xAB; 16]);
+        expect_inconsistent(&b, "continuation marker");
+        // Trailing bytes after the end-of-stream marker.
+        let mut b = good.clone();
+        b.extend([0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0]);
+        let body_len = (b.len() - HEADER_LEN) as u32;
+        b[28..32].copy_from_slice(&body_len.to_le_bytes());
+        expect_inconsistent(&b, "follow the Arrow IPC end-of-stream marker");
+        // No end-of-stream marker.
+        let mut b = good.clone();
+        b.truncate(b.len() - 8);
+        let body_len = (b.len() - HEADER_LEN) as u32;
+        b[28..32].copy_from_slice(&body_len.to_le_bytes());
+        expect_inconsistent(&b, "end-of-stream");
+    }
+
+    #[test]
+    fn names_the_c_data_interface_cannot_carry_are_refused() {
+        let field = arrow_schema::Field::new("a\0b", DataType::Int64, false);
+        let b = RecordBatch::try_new(
+            Arc::new(Schema::new(vec![field])),
+            vec![Arc::new(Int64Array::from(vec![1, 2])) as ArrayRef],
+        )
+        .unwrap();
+        expect_inconsistent(&encode_data(0, 0, &b).unwrap(), "NUL byte");
+    }
+
+    #[test]
+    fn two_batches_in_one_frame_are_refused() {
+        let b = batch(2);
+        let mut body = Vec::new();
+        {
+            let mut w = StreamWriter::try_new(&mut body, b.schema_ref()).unwrap();
+            w.write(&b).unwrap();
+            w.write(&b).unwrap();
+            w.finish().unwrap();
+        }
+        let header = FrameHeader {
+            kind: FrameKind::Data,
+            channel: 0,
+            first_seq: 0,
+            count: 2,
+            body_len: body.len() as u32,
+        };
+        let mut bytes = header.to_bytes().to_vec();
+        bytes.extend(body);
+        expect_inconsistent(&bytes, "more than one record batch");
+    }
+
+    /// Inputs on which arrow-ipc panicked before the validation learnt to reject them
+    /// (found by the fuzz target in `fuzz/`).
+    #[test]
+    fn fuzz_regressions_are_rejected_without_panicking() {
+        let cases: [(&str, &[u8], &str); 5] = [
+            (
+                "short validity bitmap",
+                include_bytes!("../fuzz/regressions/short-validity-bitmap"),
+                "validity bitmap",
+            ),
+            (
+                "offsets not whole elements",
+                include_bytes!("../fuzz/regressions/offsets-not-whole-elements"),
+                "",
+            ),
+            (
+                "misaligned union offsets",
+                include_bytes!("../fuzz/regressions/misaligned-union-offsets"),
+                "",
+            ),
+            (
+                "fixed-size list length overflow",
+                include_bytes!("../fuzz/regressions/fixed-size-list-overflow"),
+                "overflows",
+            ),
+            (
+                "empty time zone",
+                include_bytes!("../fuzz/regressions/empty-time-zone"),
+                "empty time zone",
+            ),
+        ];
+        for (name, bytes, needle) in cases {
+            match decode_frame(bytes, MAX) {
+                Err(ProtocolError::Inconsistent(msg)) => {
+                    assert!(msg.contains(needle), "{name}: {msg}")
+                }
+                other => panic!("{name}: expected Inconsistent, got {other:?}"),
+            }
+        }
+    }
+
+    /// Hands out the bytes of `data` in the chunk sizes of `pattern` (cycled).
+    struct Chunked {
+        data: Vec<u8>,
+        pos: usize,
+        pattern: Vec<usize>,
+        step: usize,
+        would_block_every: Option<usize>,
+    }
+
+    impl Read for Chunked {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.step += 1;
+            if let Some(k) = self.would_block_every {
+                if self.step % k == 0 {
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+            }
+            let want = self.pattern[self.step % self.pattern.len()];
+            let n = want.min(buf.len()).min(self.data.len() - self.pos);
+            buf[..n].copy_from_slice(&self.data[self.pos..self.pos + n]);
+            self.pos += n;
+            Ok(n)
+        }
+    }
+
+    fn stream_of_frames() -> (Vec<u8>, Vec<Frame>) {
+        let b = batch(6);
+        let entries = [OrderEntry {
+            channel: 1,
+            up_to_seq: 9,
+        }];
+        let parts = [
+            encode_heartbeat(0, 0, 1),
+            encode_data(0, 1, &b).unwrap(),
+            encode_order(0, 2, 1, &entries),
+            encode_end(0, 7),
+        ];
+        let frames = vec![
+            Frame::Heartbeat {
+                channel: 0,
+                seq: 0,
+                epoch: 1,
+            },
+            Frame::Data {
+                channel: 0,
+                first_seq: 1,
+                batch: b,
+            },
+            Frame::Order {
+                channel: 0,
+                epoch: 2,
+                version: 1,
+                entries: entries.to_vec(),
+            },
+            Frame::End { channel: 0, seq: 7 },
+        ];
+        (parts.concat(), frames)
+    }
+
+    fn read_all<R: Read>(mut reader: FrameReader<R>) -> Result<Vec<Frame>> {
+        let mut out = Vec::new();
+        loop {
+            match reader.next_frame() {
+                Ok(Some(f)) => out.push(f),
+                Ok(None) => return Ok(out),
+                Err(Error::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    #[test]
+    fn frame_reader_split_at_every_byte_boundary() {
+        let (bytes, frames) = stream_of_frames();
+        for split in 0..=bytes.len() {
+            let first = split.max(1);
+            let r = Chunked {
+                data: bytes.clone(),
+                pos: 0,
+                pattern: vec![usize::MAX, first],
+                step: 0,
+                would_block_every: None,
+            };
+            assert_eq!(
+                read_all(FrameReader::new(r, MAX)).unwrap(),
+                frames,
+                "split at {split}"
+            );
+        }
+        let r = Chunked {
+            data: bytes.clone(),
+            pos: 0,
+            pattern: vec![1],
+            step: 0,
+            would_block_every: Some(3),
+        };
+        assert_eq!(
+            read_all(FrameReader::new(r, MAX)).unwrap(),
+            frames,
+            "byte by byte, with WouldBlock"
+        );
+    }
+
+    #[test]
+    fn frame_reader_eof_inside_a_frame_is_truncated() {
+        let (bytes, _) = stream_of_frames();
+        for cut in 1..bytes.len() {
+            let mut reader = FrameReader::new(Cursor::new(bytes[..cut].to_vec()), MAX);
+            let result = loop {
+                match reader.next_frame() {
+                    Ok(Some(_)) => continue,
+                    other => break other,
+                }
+            };
+            let boundaries = [32, 32 + encode_data(0, 1, &batch(6)).unwrap().len()];
+            if boundaries.contains(&cut) || cut == bytes.len() - 32 {
+                assert!(
+                    matches!(result, Ok(None)),
+                    "cut at frame boundary {cut}: {result:?}"
+                );
+            } else {
+                assert!(
+                    matches!(
+                        result,
+                        Err(Error::Protocol(ProtocolError::Truncated { .. }))
+                    ),
+                    "cut at {cut}: {result:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn frame_reader_rejects_garbage_and_oversized() {
+        let mut r = FrameReader::new(Cursor::new(b"HTTP/1.1 200 OK\r\n".to_vec()), MAX);
+        assert!(matches!(
+            r.next_frame(),
+            Err(Error::Protocol(ProtocolError::BadMagic { .. }))
+        ));
+        let bytes = encode_data(0, 0, &batch(100)).unwrap();
+        let mut r = FrameReader::new(Cursor::new(bytes), 64);
+        assert!(matches!(
+            r.next_frame(),
+            Err(Error::Protocol(ProtocolError::Oversized { limit: 64, .. }))
+        ));
+    }
+
+    // ----- handshake -----
+
+    fn ident(job: &str) -> Identity {
+        Identity {
+            job: job.into(),
+            task: 3,
+            partition: 1,
+            replica: 2,
+        }
+    }
+
+    /// One end of an in-memory duplex pipe.
+    struct Pipe {
+        rx: mpsc::Receiver<Vec<u8>>,
+        tx: mpsc::Sender<Vec<u8>>,
+        pending: Vec<u8>,
+        timeout: Duration,
+    }
+
+    fn pipe_pair() -> (Pipe, Pipe) {
+        let (atx, brx) = mpsc::channel();
+        let (btx, arx) = mpsc::channel();
+        let t = Duration::from_secs(5);
+        (
+            Pipe {
+                rx: arx,
+                tx: atx,
+                pending: Vec::new(),
+                timeout: t,
+            },
+            Pipe {
+                rx: brx,
+                tx: btx,
+                pending: Vec::new(),
+                timeout: t,
+            },
+        )
+    }
+
+    impl Read for Pipe {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if self.pending.is_empty() {
+                match self.rx.recv_timeout(self.timeout) {
+                    Ok(bytes) => self.pending = bytes,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        return Err(io::ErrorKind::TimedOut.into())
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(0),
+                }
+            }
+            let n = buf.len().min(self.pending.len());
+            buf[..n].copy_from_slice(&self.pending[..n]);
+            self.pending.drain(..n);
+            Ok(n)
+        }
+    }
+
+    impl Write for Pipe {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.tx
+                .send(buf.to_vec())
+                .map_err(|_| io::Error::from(io::ErrorKind::BrokenPipe))?;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn tcp_pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        for s in [&client, &server] {
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        }
+        (client, server)
+    }
+
+    /// Run both sides; returns (client result, server result).
+    fn run<S: Read + Write + Send + 'static>(
+        mut client: S,
+        mut server: S,
+        client_job: &str,
+        client_secret: &'static [u8],
+        server_secret: &'static [u8],
+    ) -> (Result<()>, Result<Identity>) {
+        let me = ident(client_job);
+        let c = std::thread::spawn(move || client_handshake(&mut client, &me, client_secret));
+        let s = server_handshake(&mut server, "job-a", server_secret);
+        drop(server);
+        (c.join().unwrap(), s)
+    }
+
+    fn check_outcomes<S: Read + Write + Send + 'static>(pair: impl Fn() -> (S, S)) {
+        let (c, s) = pair();
+        let (cr, sr) = run(c, s, "job-a", b"s3cret", b"s3cret");
+        cr.unwrap();
+        assert_eq!(sr.unwrap(), ident("job-a"));
+
+        let (c, s) = pair();
+        let (cr, sr) = run(c, s, "job-a", b"wrong", b"s3cret");
+        let msg = sr.unwrap_err().to_string();
+        assert!(msg.contains("failed to prove the secret"), "{msg}");
+        let msg = cr.unwrap_err().to_string();
+        assert!(
+            msg.contains("refused") && msg.contains("failed to prove"),
+            "{msg}"
+        );
+
+        let (c, s) = pair();
+        let (cr, sr) = run(c, s, "job-b", b"s3cret", b"s3cret");
+        assert!(
+            matches!(sr, Err(Error::Handshake(ref m)) if m.contains("\"job-b\"")),
+            "{sr:?}"
+        );
+        assert!(
+            matches!(cr, Err(Error::Handshake(ref m)) if m.contains("job-a")),
+            "{cr:?}"
+        );
+
+        // A client that answers the hello with garbage is refused with a reason.
+        let (mut c, mut s) = pair();
+        let garbage = std::thread::spawn(move || {
+            let mut hello = [0u8; 6 + NONCE_LEN];
+            c.read_exact(&mut hello).unwrap();
+            c.write_all(&[0x5A; 200]).unwrap();
+            let mut status = [0u8; 1];
+            c.read_exact(&mut status).unwrap();
+            status[0]
+        });
+        let err = server_handshake(&mut s, "job-a", b"s3cret").unwrap_err();
+        assert!(
+            matches!(err, Error::Handshake(ref m) if m.contains("magic")),
+            "{err}"
+        );
+        assert_eq!(garbage.join().unwrap(), STATUS_REJECT);
+    }
+
+    #[test]
+    fn handshake_over_pipes() {
+        check_outcomes(pipe_pair);
+    }
+
+    #[test]
+    fn handshake_over_tcp() {
+        check_outcomes(tcp_pair);
+    }
+
+    #[test]
+    fn server_rejects_garbage_and_client_rejects_impostor() {
+        let (mut c, mut s) = tcp_pair();
+        let garbage = std::thread::spawn(move || {
+            let mut hello = [0u8; 38];
+            c.read_exact(&mut hello).unwrap();
+            c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut reply = Vec::new();
+            let _ = c.read_to_end(&mut reply);
+            reply
+        });
+        let err = server_handshake(&mut s, "job-a", b"k").unwrap_err();
+        assert!(err.to_string().contains("does not speak tandem"), "{err}");
+        drop(s);
+        let reply = garbage.join().unwrap();
+        assert_eq!(reply[0], STATUS_REJECT);
+
+        // A server that does not know the secret cannot fake acceptance.
+        let (mut c, mut s) = tcp_pair();
+        let impostor = std::thread::spawn(move || {
+            let mut hello = vec![];
+            hello.extend_from_slice(&MAGIC.to_le_bytes());
+            hello.extend_from_slice(&VERSION.to_le_bytes());
+            hello.extend_from_slice(&[7u8; 32]);
+            s.write_all(&hello).unwrap();
+            let mut proof = vec![0u8; 8 + 5 + 12 + 64];
+            s.read_exact(&mut proof).unwrap();
+            s.write_all(&[STATUS_ACCEPT]).unwrap();
+            s.write_all(&[0u8; 32]).unwrap();
+        });
+        let err = client_handshake(&mut c, &ident("job-a"), b"k").unwrap_err();
+        assert!(err.to_string().contains("could not prove"), "{err}");
+        impostor.join().unwrap();
+
+        // A non-tandem server.
+        let (mut c, mut s) = tcp_pair();
+        s.write_all(&[0x42; 64]).unwrap();
+        let err = client_handshake(&mut c, &ident("job-a"), b"k").unwrap_err();
+        assert!(
+            matches!(err, Error::Handshake(ref m) if m.contains("magic")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn handshake_field_limits() {
+        let (mut c, _s) = tcp_pair();
+        let long = ident(&"j".repeat(MAX_JOB_ID_LEN + 1));
+        assert!(matches!(
+            client_handshake(&mut c, &long, b"k"),
+            Err(Error::Config(_))
+        ));
+        assert!(matches!(
+            client_handshake(&mut c, &ident("a"), b""),
+            Err(Error::Config(_))
+        ));
+
+        let (mut c, mut s) = tcp_pair();
+        let liar = std::thread::spawn(move || {
+            let mut hello = [0u8; 38];
+            c.read_exact(&mut hello).unwrap();
+            let mut msg = MAGIC.to_le_bytes().to_vec();
+            msg.extend_from_slice(&VERSION.to_le_bytes());
+            msg.extend_from_slice(&u16::MAX.to_le_bytes());
+            c.write_all(&msg).unwrap();
+            let mut reply = Vec::new();
+            let _ = c.read_to_end(&mut reply);
+            reply
+        });
+        let err = server_handshake(&mut s, "job-a", b"k").unwrap_err();
+        assert!(err.to_string().contains("65535 bytes exceeds 256"), "{err}");
+        drop(s);
+        assert_eq!(liar.join().unwrap()[0], STATUS_REJECT);
+    }
+
+    #[test]
+    fn silent_peer_times_out() {
+        let (_c, mut s) = tcp_pair();
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let start = Instant::now();
+        match server_handshake(&mut s, "job-a", b"k") {
+            Err(Error::Io(e)) => assert!(
+                matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ),
+                "{e}"
+            ),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(start.elapsed() < Duration::from_secs(3));
+
+        let (mut c, _s) = pipe_pair();
+        c.timeout = Duration::from_millis(100);
+        assert!(matches!(
+            client_handshake(&mut c, &ident("job-a"), b"k"),
+            Err(Error::Io(ref e)) if e.kind() == io::ErrorKind::TimedOut
+        ));
+    }
+
+    // ----- properties -----
+
+    fn arb_frame() -> impl Strategy<Value = (Vec<u8>, Frame)> {
+        prop_oneof![
+            (any::<u32>(), 0..u64::MAX, any::<u64>()).prop_map(|(c, s, e)| (
+                encode_heartbeat(c, s, e),
+                Frame::Heartbeat {
+                    channel: c,
+                    seq: s,
+                    epoch: e
+                }
+            )),
+            (any::<u32>(), 0..u64::MAX)
+                .prop_map(|(c, s)| (encode_end(c, s), Frame::End { channel: c, seq: s })),
+            (
+                any::<u32>(),
+                any::<u64>(),
+                any::<u64>(),
+                prop::collection::vec((any::<u32>(), any::<u64>()), 0..20)
+            )
+                .prop_map(|(c, e, v, es)| {
+                    let entries: Vec<OrderEntry> = es
+                        .into_iter()
+                        .map(|(channel, up_to_seq)| OrderEntry { channel, up_to_seq })
+                        .collect();
+                    (
+                        encode_order(c, e, v, &entries),
+                        Frame::Order {
+                            channel: c,
+                            epoch: e,
+                            version: v,
+                            entries,
+                        },
+                    )
+                }),
+            (any::<u32>(), 0..1u64 << 60, 1..40usize, 0..5usize).prop_map(|(c, s, rows, off)| {
+                let b = batch(rows + off).slice(off, rows);
+                (
+                    encode_data(c, s, &b).unwrap(),
+                    Frame::Data {
+                        channel: c,
+                        first_seq: s,
+                        batch: b,
+                    },
+                )
+            }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode_frame(&bytes, MAX);
+            let _ = read_all(FrameReader::new(Cursor::new(bytes), MAX));
+        }
+
+        #[test]
+        fn random_bytes_behind_a_valid_header_never_panic(
+            kind in 1u8..=4,
+            count in 0u64..64,
+            body in prop::collection::vec(any::<u8>(), 0..512),
+        ) {
+            let h = FrameHeader { kind: FrameKind::from_u8(kind).unwrap(), channel: 0, first_seq: 0, count, body_len: body.len() as u32 };
+            let mut bytes = h.to_bytes().to_vec();
+            bytes.extend(body);
+            let _ = decode_frame(&bytes, MAX);
+        }
+
+        #[test]
+        fn mutated_data_frames_never_panic(
+            rows in 1usize..20,
+            flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+        ) {
+            let mut bytes = encode_data(0, 0, &batch(rows)).unwrap();
+            for (at, v) in flips {
+                let i = HEADER_LEN + at.index(bytes.len() - HEADER_LEN);
+                bytes[i] = v;
+            }
+            let _ = decode_frame(&bytes, MAX);
+        }
+
+        #[test]
+        fn valid_frames_round_trip((bytes, frame) in arb_frame()) {
+            let (decoded, used) = decode_frame(&bytes, MAX).unwrap();
+            prop_assert_eq!(used, bytes.len());
+            prop_assert_eq!(decoded, frame.clone());
+            let mut reader = FrameReader::new(Cursor::new(bytes), MAX);
+            prop_assert_eq!(reader.next_frame().unwrap(), Some(frame));
+            prop_assert!(reader.next_frame().unwrap().is_none());
+        }
+
+        #[test]
+        fn any_truncation_is_truncated((bytes, _) in arb_frame(), cut in any::<prop::sample::Index>()) {
+            let cut = cut.index(bytes.len());
+            let truncated = matches!(decode_frame(&bytes[..cut], MAX), Err(ProtocolError::Truncated { .. }));
+            prop_assert!(truncated);
+            let mut reader = FrameReader::new(Cursor::new(bytes[..cut].to_vec()), MAX);
+            let result = reader.next_frame();
+            if cut == 0 {
+                prop_assert!(matches!(result, Ok(None)));
+            } else {
+                let truncated = matches!(result, Err(Error::Protocol(ProtocolError::Truncated { .. })));
+                prop_assert!(truncated);
+            }
+        }
+    }
+}
