@@ -1,1 +1,527 @@
-//! (in progress)
+//! Consumption orders over deduplicated logical channels (DESIGN §2, invariant 3).
+//!
+//! A [`Merge`] decides which input channel a replica consumes next. Replicas of one task
+//! partition must consume in the same order, so the order may depend only on the
+//! *contents* of the channels (identical at every replica), never on arrival timing:
+//!
+//! * [`crate::liverobin::LiveRobin`] — Algorithm 1 of the paper, leaderless;
+//! * [`Positional`] — follows an order decided elsewhere ("consume channel `c` up to seq
+//!   `s`"), the follower side of KaZoo;
+//! * [`Fcfs`] — the `none` baseline: whatever arrived first. Not deterministic across
+//!   replicas, which is exactly what the baseline is there to show.
+//!
+//! A merge pops only the channel it needs and keeps at most one split remainder per
+//! channel, so input memory stays bounded by the dedup queues (invariant 5).
+
+use std::collections::VecDeque;
+
+use crate::dedup::DedupReceiver;
+use crate::error::{Error, Result};
+use crate::item::{Chunk, Delivery, Item};
+use crate::liverobin::LiveRobin;
+
+/// The input channels a merge reads, in a fixed order (channel `i` is logical upstream
+/// channel `i` at every replica).
+pub trait Inputs<P> {
+    /// Number of channels.
+    fn channels(&self) -> usize;
+    /// The next element of `channel` in sequence order, or `None` if none is available
+    /// yet (or `channel` is out of range).
+    fn pop(&mut self, channel: usize) -> Option<Item<P>>;
+}
+
+impl<P: Chunk + Send> Inputs<P> for Vec<DedupReceiver<P>> {
+    fn channels(&self) -> usize {
+        self.len()
+    }
+    fn pop(&mut self, channel: usize) -> Option<Item<P>> {
+        self.get_mut(channel)?.pop()
+    }
+}
+
+/// Pre-filled channels: tests, benchmarks and the Python bindings feed these directly.
+impl<P> Inputs<P> for Vec<VecDeque<Item<P>>> {
+    fn channels(&self) -> usize {
+        self.len()
+    }
+    fn pop(&mut self, channel: usize) -> Option<Item<P>> {
+        self.get_mut(channel)?.pop_front()
+    }
+}
+
+/// A consumption order. See the module documentation. The `inputs` passed to `next` must
+/// be the same channels, in the same order, on every call and at every replica (a merge
+/// built for `n` channels waits forever on a channel index the inputs do not have).
+pub trait Merge<P: Chunk>: Send {
+    /// Next delivery in this replica's consumption order, or None if it must wait for more input.
+    fn next(&mut self, inputs: &mut dyn Inputs<P>) -> Option<Delivery<P>>;
+    /// The channel it is blocked on (None = any channel would do).
+    fn waiting_on(&self) -> Option<usize>;
+}
+
+/// The ordering knob (`ordering` in DESIGN §5; `kazoo` replicas use [`Positional`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OrderingMode {
+    /// First come, first served ([`Fcfs`]).
+    None,
+    /// [`LiveRobin`], taking at most `quantum_rows` rows per turn (1 = the paper's
+    /// per-event algorithm; 0 is treated as 1).
+    LiveRobin { quantum_rows: usize },
+    /// Follow orders pushed with [`Positional::push_order`].
+    Positional,
+}
+
+/// Build the merge for `mode` over `channels` inputs. A [`Positional`] built here has no
+/// way to receive orders through the trait object; construct it with [`Positional::new`]
+/// where orders must be pushed.
+pub fn build<P: Chunk + Send + 'static>(mode: &OrderingMode, channels: usize) -> Box<dyn Merge<P>> {
+    match mode {
+        OrderingMode::None => Box::new(Fcfs::new(channels)),
+        OrderingMode::LiveRobin { quantum_rows } => {
+            Box::new(LiveRobin::new(channels, *quantum_rows))
+        }
+        OrderingMode::Positional => Box::new(Positional::new(channels)),
+    }
+}
+
+/// Heartbeat bookkeeping shared by every order: an epoch is forwarded (`first: true`) only
+/// the first time it is seen, on whichever channel that is.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct HeartbeatGate {
+    /// Highest epoch seen so far (`gen` in Algorithm 1).
+    gen: Option<u64>,
+}
+
+impl HeartbeatGate {
+    /// Record a heartbeat of `epoch`; true if it is the first time this epoch is seen.
+    pub(crate) fn see(&mut self, epoch: u64) -> bool {
+        let first = self.gen.is_none_or(|g| epoch > g);
+        if first {
+            self.gen = Some(epoch);
+        }
+        first
+    }
+}
+
+/// Which channels have ended; [`Delivery::End`] once all of them have.
+#[derive(Debug, Clone)]
+pub(crate) struct Ended {
+    ended: Vec<bool>,
+    count: usize,
+}
+
+impl Ended {
+    pub(crate) fn new(channels: usize) -> Self {
+        Self {
+            ended: vec![false; channels],
+            count: 0,
+        }
+    }
+    pub(crate) fn mark(&mut self, channel: usize) {
+        if !self.ended[channel] {
+            self.ended[channel] = true;
+            self.count += 1;
+        }
+    }
+    pub(crate) fn is_ended(&self, channel: usize) -> bool {
+        self.ended[channel]
+    }
+    pub(crate) fn all(&self) -> bool {
+        self.count == self.ended.len()
+    }
+}
+
+/// Take the held remainder of `channel` if any, else pop the channel.
+pub(crate) fn take<P>(
+    remainder: &mut [Option<Item<P>>],
+    inputs: &mut dyn Inputs<P>,
+    channel: usize,
+) -> Option<Item<P>> {
+    remainder[channel].take().or_else(|| inputs.pop(channel))
+}
+
+/// `none`: deliver whatever is available, rotating fairly over the channels that have
+/// something ready. Heartbeats are forwarded the first time their epoch is seen.
+#[derive(Debug, Clone)]
+pub struct Fcfs {
+    cursor: usize,
+    gate: HeartbeatGate,
+    ended: Ended,
+}
+
+impl Fcfs {
+    pub fn new(channels: usize) -> Self {
+        Self {
+            cursor: 0,
+            gate: HeartbeatGate::default(),
+            ended: Ended::new(channels),
+        }
+    }
+}
+
+impl<P: Chunk> Merge<P> for Fcfs {
+    fn next(&mut self, inputs: &mut dyn Inputs<P>) -> Option<Delivery<P>> {
+        let n = self.ended.ended.len();
+        let mut tried = 0;
+        while tried < n {
+            if self.ended.all() {
+                return Some(Delivery::End);
+            }
+            let c = self.cursor;
+            self.cursor = (self.cursor + 1) % n;
+            tried += 1;
+            if self.ended.is_ended(c) {
+                continue;
+            }
+            match inputs.pop(c) {
+                None => {}
+                Some(Item::Data { first_seq, payload }) => {
+                    if payload.rows() > 0 {
+                        return Some(Delivery::Data {
+                            channel: c,
+                            first_seq,
+                            payload,
+                        });
+                    }
+                    // An empty chunk carries nothing; look again (it was consumed, so
+                    // this terminates).
+                    tried = 0;
+                }
+                Some(Item::Heartbeat { epoch, .. }) => {
+                    let first = self.gate.see(epoch);
+                    return Some(Delivery::Heartbeat {
+                        channel: c,
+                        epoch,
+                        first,
+                    });
+                }
+                Some(Item::End { .. }) => {
+                    self.ended.mark(c);
+                    // Something happened: give every channel another chance this call.
+                    tried = 0;
+                }
+            }
+        }
+        self.ended.all().then_some(Delivery::End)
+    }
+
+    fn waiting_on(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// The follower side of KaZoo: consume the channels in the order given by
+/// [`Positional::push_order`] entries, each "consume channel `c` until its next sequence
+/// number is `up_to_seq`". A chunk straddling the bound is sliced and its remainder waits
+/// for the next order on that channel. Orders are idempotent: one whose bound is at or
+/// before the channel's position is a no-op, so a replayed order log is harmless.
+#[derive(Debug)]
+pub struct Positional<P> {
+    orders: VecDeque<(usize, u64)>,
+    /// Per channel: first sequence number not yet delivered.
+    position: Vec<u64>,
+    remainder: Vec<Option<Item<P>>>,
+    gate: HeartbeatGate,
+    ended: Ended,
+    waiting: Option<usize>,
+}
+
+impl<P: Chunk> Positional<P> {
+    pub fn new(channels: usize) -> Self {
+        Self {
+            orders: VecDeque::new(),
+            position: vec![0; channels],
+            remainder: (0..channels).map(|_| None).collect(),
+            gate: HeartbeatGate::default(),
+            ended: Ended::new(channels),
+            waiting: None,
+        }
+    }
+
+    /// Append the order "consume `channel` until its next sequence number is `up_to_seq`".
+    /// Fails (and changes nothing) if `channel` does not exist.
+    pub fn push_order(&mut self, channel: usize, up_to_seq: u64) -> Result<()> {
+        if channel >= self.position.len() {
+            return Err(Error::Config(format!(
+                "order names input channel {channel}, but this merge has {} channels \
+                 (0..{}); the order log and the task's inputs disagree",
+                self.position.len(),
+                self.position.len()
+            )));
+        }
+        self.orders.push_back((channel, up_to_seq));
+        Ok(())
+    }
+
+    /// Orders pushed but not yet fully consumed.
+    pub fn pending_orders(&self) -> usize {
+        self.orders.len()
+    }
+
+    /// First sequence number of `channel` not yet delivered (None if out of range).
+    pub fn position(&self, channel: usize) -> Option<u64> {
+        self.position.get(channel).copied()
+    }
+}
+
+impl<P: Chunk + Send> Merge<P> for Positional<P> {
+    fn next(&mut self, inputs: &mut dyn Inputs<P>) -> Option<Delivery<P>> {
+        loop {
+            if self.ended.all() {
+                self.waiting = None;
+                return Some(Delivery::End);
+            }
+            let Some(&(c, bound)) = self.orders.front() else {
+                // Waiting for an order, not for a channel.
+                self.waiting = None;
+                return None;
+            };
+            if self.position[c] >= bound || self.ended.is_ended(c) {
+                self.orders.pop_front();
+                continue;
+            }
+            let Some(item) = take(&mut self.remainder, inputs, c) else {
+                self.waiting = Some(c);
+                return None;
+            };
+            self.waiting = None;
+            match item {
+                Item::Data { first_seq, payload } => {
+                    let rows = payload.rows() as u64;
+                    let end = first_seq.saturating_add(rows);
+                    if rows == 0 {
+                        continue;
+                    }
+                    if end > bound && first_seq < bound {
+                        let head = (bound - first_seq) as usize;
+                        let tail = payload.rows() - head;
+                        self.remainder[c] = Some(Item::Data {
+                            first_seq: bound,
+                            payload: payload.slice(head, tail),
+                        });
+                        self.position[c] = bound;
+                        let payload = payload.slice(0, head);
+                        return Some(Delivery::Data {
+                            channel: c,
+                            first_seq,
+                            payload,
+                        });
+                    }
+                    self.position[c] = end;
+                    return Some(Delivery::Data {
+                        channel: c,
+                        first_seq,
+                        payload,
+                    });
+                }
+                Item::Heartbeat { seq, epoch } => {
+                    self.position[c] = seq.saturating_add(1);
+                    let first = self.gate.see(epoch);
+                    return Some(Delivery::Heartbeat {
+                        channel: c,
+                        epoch,
+                        first,
+                    });
+                }
+                Item::End { seq } => {
+                    self.position[c] = seq.saturating_add(1);
+                    self.ended.mark(c);
+                }
+            }
+        }
+    }
+
+    fn waiting_on(&self) -> Option<usize> {
+        self.waiting
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::item::Rows;
+
+    fn data(first_seq: u64, len: usize) -> Item<Rows> {
+        Item::Data {
+            first_seq,
+            payload: Rows {
+                start: first_seq,
+                len,
+            },
+        }
+    }
+
+    fn inputs(channels: Vec<Vec<Item<Rows>>>) -> Vec<VecDeque<Item<Rows>>> {
+        channels.into_iter().map(VecDeque::from).collect()
+    }
+
+    #[test]
+    fn heartbeat_gate_forwards_each_epoch_once() {
+        let mut g = HeartbeatGate::default();
+        assert!(g.see(0), "epoch 0 is new to a fresh gate");
+        assert!(!g.see(0));
+        assert!(g.see(2));
+        assert!(!g.see(1), "an older epoch is not first");
+    }
+
+    #[test]
+    fn fcfs_rotates_over_ready_channels_and_ends() {
+        let mut inp = inputs(vec![
+            vec![data(0, 1), data(1, 1), Item::End { seq: 2 }],
+            vec![Item::Heartbeat { seq: 0, epoch: 1 }, Item::End { seq: 1 }],
+        ]);
+        let mut m = Fcfs::new(2);
+        let mut out = Vec::new();
+        while let Some(d) = Merge::<Rows>::next(&mut m, &mut inp) {
+            let end = d == Delivery::End;
+            out.push(d);
+            if end {
+                break;
+            }
+        }
+        assert_eq!(
+            out,
+            vec![
+                Delivery::Data {
+                    channel: 0,
+                    first_seq: 0,
+                    payload: Rows { start: 0, len: 1 }
+                },
+                Delivery::Heartbeat {
+                    channel: 1,
+                    epoch: 1,
+                    first: true
+                },
+                Delivery::Data {
+                    channel: 0,
+                    first_seq: 1,
+                    payload: Rows { start: 1, len: 1 }
+                },
+                Delivery::End,
+            ]
+        );
+        assert_eq!(Merge::<Rows>::next(&mut m, &mut inp), Some(Delivery::End));
+    }
+
+    #[test]
+    fn fcfs_waits_when_nothing_is_ready() {
+        let mut inp = inputs(vec![vec![], vec![]]);
+        let mut m = Fcfs::new(2);
+        assert_eq!(Merge::<Rows>::next(&mut m, &mut inp), None);
+        assert_eq!(Merge::<Rows>::waiting_on(&m), None);
+    }
+
+    #[test]
+    fn positional_follows_orders_slices_and_is_idempotent() {
+        let mut inp = inputs(vec![
+            vec![data(0, 10), Item::Heartbeat { seq: 10, epoch: 1 }],
+            vec![data(0, 4), Item::Heartbeat { seq: 4, epoch: 1 }],
+        ]);
+        let mut m = Positional::new(2);
+        m.push_order(0, 6).unwrap();
+        m.push_order(1, 5).unwrap();
+        m.push_order(0, 3).unwrap(); // stale: already past seq 3
+        m.push_order(0, 11).unwrap();
+        let mut out = Vec::new();
+        while let Some(d) = m.next(&mut inp) {
+            out.push(d);
+        }
+        assert_eq!(
+            out,
+            vec![
+                Delivery::Data {
+                    channel: 0,
+                    first_seq: 0,
+                    payload: Rows { start: 0, len: 6 }
+                },
+                Delivery::Data {
+                    channel: 1,
+                    first_seq: 0,
+                    payload: Rows { start: 0, len: 4 }
+                },
+                Delivery::Heartbeat {
+                    channel: 1,
+                    epoch: 1,
+                    first: true
+                },
+                Delivery::Data {
+                    channel: 0,
+                    first_seq: 6,
+                    payload: Rows { start: 6, len: 4 }
+                },
+                Delivery::Heartbeat {
+                    channel: 0,
+                    epoch: 1,
+                    first: false
+                },
+            ]
+        );
+        assert_eq!(m.pending_orders(), 0);
+        assert_eq!(m.position(0), Some(11));
+        // Replaying the whole log changes nothing.
+        for (c, s) in [(0, 6), (1, 5), (0, 11)] {
+            m.push_order(c, s).unwrap();
+        }
+        assert_eq!(m.next(&mut inp), None);
+    }
+
+    #[test]
+    fn positional_waits_on_the_ordered_channel() {
+        let mut inp = inputs(vec![vec![], vec![data(0, 3)]]);
+        let mut m = Positional::new(2);
+        m.push_order(0, 2).unwrap();
+        m.push_order(1, 3).unwrap();
+        assert_eq!(m.next(&mut inp), None);
+        assert_eq!(m.waiting_on(), Some(0), "must not skip ahead to channel 1");
+        inp[0].push_back(data(0, 1));
+        assert!(matches!(
+            m.next(&mut inp),
+            Some(Delivery::Data { channel: 0, .. })
+        ));
+        assert_eq!(m.next(&mut inp), None);
+        assert_eq!(m.waiting_on(), Some(0));
+        inp[0].push_back(data(1, 5));
+        assert_eq!(
+            m.next(&mut inp),
+            Some(Delivery::Data {
+                channel: 0,
+                first_seq: 1,
+                payload: Rows { start: 1, len: 1 }
+            })
+        );
+        assert!(matches!(
+            m.next(&mut inp),
+            Some(Delivery::Data { channel: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn positional_rejects_unknown_channel_and_ends() {
+        let mut m = Positional::<Rows>::new(1);
+        let err = m.push_order(3, 1).unwrap_err().to_string();
+        assert!(
+            err.contains("channel 3") && err.contains("1 channels"),
+            "{err}"
+        );
+        let mut inp = inputs(vec![vec![data(0, 1), Item::End { seq: 1 }]]);
+        m.push_order(0, 100).unwrap();
+        assert!(matches!(m.next(&mut inp), Some(Delivery::Data { .. })));
+        assert_eq!(m.next(&mut inp), Some(Delivery::End));
+        assert_eq!(m.next(&mut inp), Some(Delivery::End));
+    }
+
+    #[test]
+    fn build_returns_each_mode() {
+        let mut inp = inputs(vec![vec![data(0, 5)]]);
+        let mut m = build::<Rows>(&OrderingMode::LiveRobin { quantum_rows: 2 }, 1);
+        assert!(matches!(m.next(&mut inp), Some(Delivery::Data { .. })));
+        let mut f = build::<Rows>(&OrderingMode::None, 1);
+        assert_eq!(f.next(&mut inputs(vec![vec![]])), None);
+        let mut p = build::<Rows>(&OrderingMode::Positional, 1);
+        assert_eq!(
+            p.next(&mut inputs(vec![vec![data(0, 1)]])),
+            None,
+            "no orders yet"
+        );
+    }
+}

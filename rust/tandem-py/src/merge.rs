@@ -1,6 +1,304 @@
-//! (in progress)
-use pyo3::prelude::*;
+//! `tandem._core.LiveRobin`, `Fcfs` and `Positional`: the consumption orders of
+//! [`tandem_core::merge`] over pyarrow record batches.
+//!
+//! Each object owns its input channels (deduplicated, contiguous element sequences). Push
+//! elements with `push` / `push_heartbeat` / `push_end` (and, for `Positional`, orders with
+//! `push_order`), then take deliveries with `next()` or `drain()`. A delivery is a tuple:
+//!
+//! * `("data", channel, first_seq, batch)` — rows of `channel` from seq `first_seq`;
+//! * `("heartbeat", channel, epoch, first)` — `first` is True the first time the epoch is
+//!   seen (the task forwards the heartbeat then);
+//! * `("end",)` — every channel has ended.
 
-pub(crate) fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+use std::collections::VecDeque;
+
+use arrow_array::RecordBatch;
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use pyo3_arrow::PyRecordBatch;
+use tandem_core::liverobin::LiveRobin as CoreLiveRobin;
+use tandem_core::merge::{Fcfs as CoreFcfs, Merge, Positional as CorePositional};
+use tandem_core::{Delivery, Item};
+
+use crate::dedup::{arg_batch, arg_channel, arg_positive, arg_u64, check_range};
+use crate::errors::{ConfigError, IntoPyResult};
+
+/// Rows per LiveRobin turn when none is given (the `batch_rows` default of DESIGN §5).
+const DEFAULT_QUANTUM_ROWS: usize = 1024;
+
+/// A merge and the channels it reads.
+struct State<M> {
+    merge: M,
+    inputs: Vec<VecDeque<Item<RecordBatch>>>,
+    /// Per channel: the seq the next pushed element must start at, or None once ended.
+    next_seq: Vec<Option<u64>>,
+}
+
+impl<M: Merge<RecordBatch>> State<M> {
+    fn new(merge: M, channels: usize) -> Self {
+        Self {
+            merge,
+            inputs: (0..channels).map(|_| VecDeque::new()).collect(),
+            next_seq: vec![Some(0); channels],
+        }
+    }
+
+    /// Append an element to a channel, checking it continues the channel's sequence.
+    fn push(&mut self, c: usize, item: Item<RecordBatch>) -> PyResult<()> {
+        let Some(expected) = self.next_seq[c] else {
+            return Err(ConfigError::new_err(format!(
+                "channel {c} has ended: nothing can follow its end marker"
+            )));
+        };
+        if item.first_seq() != expected {
+            return Err(ConfigError::new_err(format!(
+                "channel {c} expects seq {expected} next, got an element starting at seq {}: \
+                 merge inputs must be deduplicated and contiguous (pass them through Dedup)",
+                item.first_seq()
+            )));
+        }
+        self.next_seq[c] = match item {
+            Item::End { .. } => None,
+            ref other => Some(other.end_seq()),
+        };
+        self.inputs[c].push_back(item);
+        Ok(())
+    }
+}
+
+fn delivery_to_py<'py>(py: Python<'py>, d: Delivery<RecordBatch>) -> PyResult<Bound<'py, PyTuple>> {
+    match d {
+        Delivery::Data {
+            channel,
+            first_seq,
+            payload,
+        } => {
+            let batch = PyRecordBatch::new(payload).into_pyarrow(py)?;
+            PyTuple::new(
+                py,
+                [
+                    "data".into_pyobject(py)?.into_any(),
+                    channel.into_pyobject(py)?.into_any(),
+                    first_seq.into_pyobject(py)?.into_any(),
+                    batch,
+                ],
+            )
+        }
+        Delivery::Heartbeat {
+            channel,
+            epoch,
+            first,
+        } => PyTuple::new(
+            py,
+            [
+                "heartbeat".into_pyobject(py)?.into_any(),
+                channel.into_pyobject(py)?.into_any(),
+                epoch.into_pyobject(py)?.into_any(),
+                pyo3::types::PyBool::new(py, first).to_owned().into_any(),
+            ],
+        ),
+        Delivery::End => PyTuple::new(py, ["end"]),
+    }
+}
+
+/// The methods every merge class shares; `$extra` adds class-specific ones.
+macro_rules! merge_class {
+    ($name:ident, { $($extra:tt)* }) => {
+        #[pymethods]
+        impl $name {
+            /// Number of input channels.
+            #[getter]
+            fn channels(&self) -> usize {
+                self.state.lock().inputs.len()
+            }
+
+            /// Append rows `[first_seq, first_seq + batch.num_rows)` to `channel`.
+            fn push(
+                &self,
+                channel: &Bound<'_, PyAny>,
+                first_seq: &Bound<'_, PyAny>,
+                batch: &Bound<'_, PyAny>,
+            ) -> PyResult<()> {
+                let mut st = self.state.lock();
+                let c = arg_channel(channel, st.inputs.len())?;
+                let first_seq = arg_u64(first_seq, "first_seq")?;
+                let payload = arg_batch(batch)?;
+                check_range(first_seq, payload.num_rows())?;
+                st.push(c, Item::Data { first_seq, payload })
+            }
+
+            /// Append the heartbeat of cycle `epoch`, at seq `seq`, to `channel`.
+            fn push_heartbeat(
+                &self,
+                channel: &Bound<'_, PyAny>,
+                seq: &Bound<'_, PyAny>,
+                epoch: &Bound<'_, PyAny>,
+            ) -> PyResult<()> {
+                let mut st = self.state.lock();
+                let c = arg_channel(channel, st.inputs.len())?;
+                let seq = arg_u64(seq, "seq")?;
+                let epoch = arg_u64(epoch, "epoch")?;
+                check_range(seq, 1)?;
+                st.push(c, Item::Heartbeat { seq, epoch })
+            }
+
+            /// Append the end marker, at seq `seq`, to `channel`.
+            fn push_end(&self, channel: &Bound<'_, PyAny>, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+                let mut st = self.state.lock();
+                let c = arg_channel(channel, st.inputs.len())?;
+                let seq = arg_u64(seq, "seq")?;
+                check_range(seq, 1)?;
+                st.push(c, Item::End { seq })
+            }
+
+            /// The next delivery, or None if the merge must wait for more input.
+            fn next<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
+                let d = {
+                    let mut st = self.state.lock();
+                    let State { merge, inputs, .. } = &mut *st;
+                    merge.next(inputs)
+                };
+                d.map(|d| delivery_to_py(py, d)).transpose()
+            }
+
+            /// Every delivery available now, in order (up to and including the end).
+            fn drain<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+                let out = {
+                    let mut st = self.state.lock();
+                    let State { merge, inputs, .. } = &mut *st;
+                    let mut out = Vec::new();
+                    while let Some(d) = merge.next(inputs) {
+                        let end = d == Delivery::End;
+                        out.push(d);
+                        if end {
+                            break;
+                        }
+                    }
+                    out
+                };
+                let list = PyList::empty(py);
+                for d in out {
+                    list.append(delivery_to_py(py, d)?)?;
+                }
+                Ok(list)
+            }
+
+            /// The channel the merge is blocked on, or None if any channel would do (or it
+            /// waits for something else: an order, or nothing after the end).
+            #[getter]
+            fn waiting_on(&self) -> Option<usize> {
+                Merge::<RecordBatch>::waiting_on(&self.state.lock().merge)
+            }
+
+            /// Elements pushed but not yet delivered, per channel.
+            fn pending(&self) -> Vec<usize> {
+                self.state.lock().inputs.iter().map(VecDeque::len).collect()
+            }
+
+            $($extra)*
+        }
+    };
+}
+
+/// LiveRobin (Algorithm 1 of the paper): deterministic round-robin over the channels still
+/// active in the current heartbeat cycle.
+#[pyclass(frozen, module = "tandem._core")]
+pub(crate) struct LiveRobin {
+    state: Mutex<State<CoreLiveRobin<RecordBatch>>>,
+}
+
+merge_class!(LiveRobin, {
+    #[new]
+    #[pyo3(signature = (channels, quantum_rows = None))]
+    fn new(channels: &Bound<'_, PyAny>, quantum_rows: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let channels = arg_positive(channels, "channels")?;
+        let quantum_rows = match quantum_rows {
+            Some(q) => arg_positive(q, "quantum_rows")?,
+            None => DEFAULT_QUANTUM_ROWS,
+        };
+        Ok(Self {
+            state: Mutex::new(State::new(
+                CoreLiveRobin::new(channels, quantum_rows),
+                channels,
+            )),
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        let st = self.state.lock();
+        format!(
+            "LiveRobin(channels={}, active={:?})",
+            st.inputs.len(),
+            st.merge.active_channels()
+        )
+    }
+});
+
+/// First come, first served (`ordering="none"`): not deterministic across replicas.
+#[pyclass(frozen, module = "tandem._core")]
+pub(crate) struct Fcfs {
+    state: Mutex<State<CoreFcfs>>,
+}
+
+merge_class!(Fcfs, {
+    #[new]
+    fn new(channels: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let channels = arg_positive(channels, "channels")?;
+        Ok(Self {
+            state: Mutex::new(State::new(CoreFcfs::new(channels), channels)),
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Fcfs(channels={})", self.state.lock().inputs.len())
+    }
+});
+
+/// Follows orders "consume channel c until its next seq is up_to_seq" (KaZoo follower).
+#[pyclass(frozen, module = "tandem._core")]
+pub(crate) struct Positional {
+    state: Mutex<State<CorePositional<RecordBatch>>>,
+}
+
+merge_class!(Positional, {
+    #[new]
+    fn new(channels: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let channels = arg_positive(channels, "channels")?;
+        Ok(Self {
+            state: Mutex::new(State::new(CorePositional::new(channels), channels)),
+        })
+    }
+
+    /// Append the order "consume `channel` until its next seq is `up_to_seq`". Orders at
+    /// or before the channel's position are no-ops (a replayed log is harmless).
+    fn push_order(&self, channel: &Bound<'_, PyAny>, up_to_seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut st = self.state.lock();
+        let c = arg_channel(channel, st.inputs.len())?;
+        let up_to_seq = arg_u64(up_to_seq, "up_to_seq")?;
+        st.merge.push_order(c, up_to_seq).py()
+    }
+
+    /// First seq of `channel` not yet delivered.
+    fn position(&self, channel: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let st = self.state.lock();
+        let c = arg_channel(channel, st.inputs.len())?;
+        Ok(st.merge.position(c).unwrap_or(0))
+    }
+
+    fn __repr__(&self) -> String {
+        let st = self.state.lock();
+        format!(
+            "Positional(channels={}, pending_orders={})",
+            st.inputs.len(),
+            st.merge.pending_orders()
+        )
+    }
+});
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<LiveRobin>()?;
+    m.add_class::<Fcfs>()?;
+    m.add_class::<Positional>()?;
     Ok(())
 }
