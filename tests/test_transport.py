@@ -359,3 +359,55 @@ def test_outbox_fails_fast_when_no_downstream_replica_listens():
     with pytest.raises(tandem.ChannelClosed, match="reachable"):
         _core.Outbox(JOB, SECRET, (TASK, 0, 0), [[(HOST, port)]], connect_timeout=0.2)
     assert time.monotonic() - t < 5
+
+
+def test_ordering_none_delivers_every_channel_completely():
+    """The ``none`` baseline: per-channel order and completeness hold; the interleaving of
+    channels is whatever arrived first (not compared across replicas)."""
+    with _core.Inbox(JOB, SECRET, [(TASK, 0), (TASK, 1)], ordering="none") as ib:
+        senders = Threads()
+        for p in (0, 1):
+            for r in (0, 1):
+                senders.start(
+                    run_upstream,
+                    [ib.port],
+                    p,
+                    r,
+                    total=4_000,
+                    hb_every=500,
+                    emit_rows=33 + 10 * r,
+                    batch_rows=40 + 7 * r,
+                )
+        events = consume(ib)
+        senders.join()
+        for c in (0, 1):
+            assert rows_of(events, c) == [base(c) + i for i in range(4_000)]
+        assert [e[2] for e in events if e[0] == "hb" and e[3]] == list(range(1, 9))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="Linux only")
+def test_close_joins_every_io_thread():
+    import os
+
+    def native_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = native_threads()
+    ib = _core.Inbox(JOB, SECRET, [(TASK, 0)])
+    outs = [_core.Outbox(JOB, SECRET, (TASK, 0, r), [[(HOST, ib.port)]]) for r in range(2)]
+    silent = socket.create_connection((HOST, ib.port), timeout=5)  # stuck in the handshake
+    for out in outs:
+        out.emit(rows(0, 10))
+        out.flush()
+    assert ib.next(timeout=10) is not None
+    deadline = time.monotonic() + 5
+    while len(ib.stats()["connections"]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert native_threads() >= before + 1 + 3 + 2, "accept + 3 readers + 2 writers"
+    for out in outs:
+        out.close()
+    t = time.monotonic()
+    ib.close()
+    assert time.monotonic() - t < 2, "close must not wait for the silent peer's timeout"
+    silent.close()
+    assert native_threads() == before
