@@ -19,7 +19,7 @@ use arrow_array::cast::AsArray;
 use arrow_array::types::{
     Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type, UInt64Type, UInt8Type,
 };
-use arrow_array::{Array, ArrowPrimitiveType, RecordBatch, UInt32Array};
+use arrow_array::{Array, ArrayRef, ArrowPrimitiveType, RecordBatch, UInt32Array};
 use arrow_schema::{DataType, SchemaRef};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -238,7 +238,13 @@ impl Outbox {
                     self.buffer(c, batch.clone(), now);
                 }
             }
-            _ if n == 1 => self.buffer(0, batch.clone(), now),
+            Partitioner::Hash { column } if n == 1 => {
+                // Nothing to route, but a bad key is still a configuration error, whatever
+                // the downstream parallelism.
+                key_column(batch, column)?;
+                self.buffer(0, batch.clone(), now);
+            }
+            Partitioner::Rebalance if n == 1 => self.buffer(0, batch.clone(), now),
             Partitioner::Rebalance => {
                 let start = self.rows_emitted;
                 let targets = (0..rows).map(|i| ((start + i as u64) % n as u64) as usize);
@@ -509,18 +515,7 @@ fn closed_channel(c: usize) -> Error {
 
 /// The output channel of every row of `batch` under hash partitioning on `column`.
 fn hash_channels(batch: &RecordBatch, column: &str, n: usize) -> Result<Vec<u32>> {
-    let Some(array) = batch.column_by_name(column) else {
-        let have: Vec<String> = batch
-            .schema()
-            .fields()
-            .iter()
-            .map(|f| format!("{} ({})", f.name(), f.data_type()))
-            .collect();
-        return Err(Error::Config(format!(
-            "hash partitioner key column {column:?} is not in the batch; its columns are [{}]",
-            have.join(", ")
-        )));
-    };
+    let array = key_column(batch, column)?;
     let n = n as u64;
     let pick = |h: u64| (h % n) as u32;
     let mut out = Vec::with_capacity(array.len());
@@ -576,14 +571,38 @@ fn hash_channels(batch: &RecordBatch, column: &str, n: usize) -> Result<Vec<u32>
         ),
         DataType::Binary => bytes(a.as_binary::<i32>().iter(), &mut out, pick),
         DataType::LargeBinary => bytes(a.as_binary::<i64>().iter(), &mut out, pick),
-        other => {
-            return Err(Error::Config(format!(
-                "hash partitioner key column {column:?} has type {other}, which cannot be hashed; \
-                 supported types: {HASHABLE_TYPES}"
-            )))
-        }
+        other => return Err(unhashable(column, other)),
     }
     Ok(out)
+}
+
+/// The key column of `batch`, checked to exist and to have a hashable type.
+fn key_column<'a>(batch: &'a RecordBatch, column: &str) -> Result<&'a ArrayRef> {
+    let Some(array) = batch.column_by_name(column) else {
+        let have: Vec<String> = batch
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| format!("{} ({})", f.name(), f.data_type()))
+            .collect();
+        return Err(Error::Config(format!(
+            "hash partitioner key column {column:?} is not in the batch; its columns are [{}]",
+            have.join(", ")
+        )));
+    };
+    use DataType::*;
+    match array.data_type() {
+        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | UInt64 | Utf8 | LargeUtf8
+        | Binary | LargeBinary => Ok(array),
+        other => Err(unhashable(column, other)),
+    }
+}
+
+fn unhashable(column: &str, found: &DataType) -> Error {
+    Error::Config(format!(
+        "hash partitioner key column {column:?} has type {found}, which cannot be hashed; \
+         supported types: {HASHABLE_TYPES}"
+    ))
 }
 
 #[cfg(test)]
@@ -923,6 +942,17 @@ mod tests {
             msg.contains("\"f\"") && msg.contains("Float64") && msg.contains("Utf8"),
             "{msg}"
         );
+        // One channel: nothing to route, the key is still checked.
+        let one = mem(1, 1);
+        let mut ob = outbox(
+            Partitioner::Hash {
+                column: "f".to_owned(),
+            },
+            &one,
+            8,
+        );
+        assert!(matches!(ob.emit(&floats), Err(Error::Config(m)) if m.contains("Float64")));
+        assert_eq!(ob.next_seqs(), &[0], "rejected rows take no seq");
     }
 
     #[test]

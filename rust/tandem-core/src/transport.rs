@@ -1289,6 +1289,56 @@ mod tests {
     }
 
     #[test]
+    fn a_sender_on_another_wire_channel_is_cut_off() {
+        let mut ib = inbox(1, OrderingMode::LiveRobin { quantum_rows: 8 }, 8);
+        let addr = ib.local_addr();
+        let dial = |replica| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            wire::client_handshake(&mut s, &identity(0, replica), SECRET).unwrap();
+            s
+        };
+        let mut good = dial(0);
+        good.write_all(&wire::encode_heartbeat(0, 0, 1)).unwrap();
+        assert!(matches!(
+            ib.next(Duration::from_secs(5)).unwrap(),
+            Some(Delivery::Heartbeat {
+                channel: 0,
+                epoch: 1,
+                first: true
+            })
+        ));
+        // Same upstream partition, but frames of wire channel 3: mis-wired, dropped.
+        let mut bad = dial(1);
+        bad.write_all(&wire::encode_heartbeat(3, 1, 2)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let err = loop {
+            let stats = ib.stats();
+            if let Some(e) = stats.connections.iter().find_map(|c| c.error.clone()) {
+                break e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the mis-wired connection stayed open"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(
+            err.contains("wire channel 3") && err.contains("wire channel 0"),
+            "{err}"
+        );
+        assert_eq!(
+            ib.next(Duration::from_millis(50)).unwrap(),
+            None,
+            "heartbeat 2 never got in"
+        );
+        good.write_all(&wire::encode_end(0, 1)).unwrap();
+        assert_eq!(
+            ib.next(Duration::from_secs(5)).unwrap(),
+            Some(Delivery::End)
+        );
+    }
+
+    #[test]
     fn close_does_not_hang_on_silent_or_blocked_peers() {
         let mut ib = inbox(1, OrderingMode::LiveRobin { quantum_rows: 8 }, 1);
         let addr = ib.local_addr();
