@@ -260,10 +260,11 @@ impl Inbox {
     /// Counters: per channel accepted/duplicate rows, dedup position and backlog; per
     /// connection peer, identity, frames, bytes, state; rejected connections.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = {
-            let guard = self.inner.lock();
-            guard.as_ref().ok_or_else(|| closed("stats"))?.stats()
-        };
+        // Locks are taken with the GIL released: another thread may hold this one for a
+        // moment inside `next()` and must not then wait for a GIL we would be holding.
+        let stats = py
+            .detach(|| self.inner.lock().as_ref().map(CoreInbox::stats))
+            .ok_or_else(|| closed("stats"))?;
         let out = PyDict::new(py);
         let channels = PyList::empty(py);
         for c in stats.channels {
@@ -305,8 +306,7 @@ impl Inbox {
 
     /// Stop listening, close every connection and join the I/O threads. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let inbox = self.inner.lock().take();
-        py.detach(move || drop(inbox));
+        py.detach(|| drop(self.inner.lock().take()));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -340,7 +340,9 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    /// Run `f` on the outbox with the GIL released.
+    /// Run `f` on the outbox with the GIL released — the lock too: `emit` may hold it as
+    /// long as a downstream applies back-pressure, and a thread waiting for it must not hold
+    /// the GIL meanwhile.
     fn with<T: Send>(
         &self,
         py: Python<'_>,
@@ -453,12 +455,12 @@ impl Outbox {
 
     /// Seconds until the oldest buffered row is due (None if nothing is buffered): the
     /// longest a worker loop may wait for input before calling `flush_due()`.
-    fn deadline(&self) -> PyResult<Option<f64>> {
-        let guard = self.inner.lock();
-        let ob = guard.as_ref().ok_or_else(|| closed("deadline"))?;
-        Ok(ob
-            .deadline()
-            .map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64()))
+    fn deadline(&self, py: Python<'_>) -> PyResult<Option<f64>> {
+        self.with(py, "deadline", |ob| {
+            Ok(ob
+                .deadline()
+                .map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64()))
+        })
     }
 
     /// Send buffered rows, then the end marker on every channel.
@@ -469,8 +471,7 @@ impl Outbox {
     /// Send what is buffered and close the connections (each delivers what it queued).
     /// Without a prior `end()`, receivers see this replica stop mid-stream. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let ob = self.inner.lock().take();
-        py.detach(move || match ob {
+        py.detach(|| match self.inner.lock().take() {
             Some(mut ob) => ob.close(),
             None => Ok(()),
         })
@@ -480,9 +481,8 @@ impl Outbox {
     /// Cut every connection now, dropping buffered and queued frames: a crash of this
     /// replica as the receivers see it (fault injection). Idempotent.
     fn abort(&self, py: Python<'_>) {
-        let ob = self.inner.lock().take();
-        py.detach(move || {
-            if let Some(mut ob) = ob {
+        py.detach(|| {
+            if let Some(mut ob) = self.inner.lock().take() {
                 ob.abort();
             }
         });
@@ -490,13 +490,8 @@ impl Outbox {
 
     /// The seq the next element of each channel takes (buffered rows already count).
     #[getter]
-    fn next_seqs(&self) -> PyResult<Vec<u64>> {
-        let guard = self.inner.lock();
-        Ok(guard
-            .as_ref()
-            .ok_or_else(|| closed("next_seqs"))?
-            .next_seqs()
-            .to_vec())
+    fn next_seqs(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.with(py, "next_seqs", |ob| Ok(ob.next_seqs().to_vec()))
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
