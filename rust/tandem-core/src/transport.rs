@@ -1,1 +1,1421 @@
-//! (in progress)
+//! TCP transport: the receiving [`Inbox`] (listener, one reader thread per connection,
+//! dedup, merge) and the sending [`TcpLink`] (dialer, one writer thread, bounded queue).
+//!
+//! Receive path, per connection (DESIGN §2 invariants 2 and 5):
+//!
+//! ```text
+//! socket → handshake (who is this?) → FrameReader → dedup sender of that logical channel
+//!                                                     │ Full: wait for space  (back-pressure:
+//!                                                     │       the socket is not read, TCP's
+//!                                                     │       window closes, the sender blocks)
+//!                                                     │ Gap:  hold, retry when `next` moves
+//! Inbox::next() ← merge (none | liverobin) ← dedup receivers ◄┘
+//! ```
+//!
+//! A logical input channel is one upstream partition `(task, partition)`; its position in
+//! [`InboxConfig::upstreams`] is its channel index at every replica (the merge relies on
+//! every replica numbering channels identically). Every replica of that upstream partition
+//! connects and sends the same sequence; dedup keeps the first copy. A connection that
+//! misbehaves (bad handshake, unknown sender, malformed frame) is closed on its own: the
+//! other connections, and therefore the other replicas, are unaffected.
+
+use std::io::{self, BufWriter, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use arrow_array::RecordBatch;
+use parking_lot::Mutex;
+
+use crate::dedup::{self, DedupReceiver, DedupSender, Offer};
+use crate::merge::{self, Merge, OrderingMode};
+use crate::outbox::Link;
+use crate::sync::Doorbell;
+use crate::wire::{self, Frame, FrameReader, Identity};
+use crate::{Chunk, Delivery, Error, Item, Result};
+
+/// How long a blocked reader or writer goes without re-checking for shutdown.
+const POLL: Duration = Duration::from_millis(50);
+/// How often the accept loop looks for new connections.
+const ACCEPT_POLL: Duration = Duration::from_millis(5);
+/// Closed connections kept for [`Inbox::stats`]; older ones are forgotten so a stream of
+/// bad connections cannot grow memory.
+const CLOSED_CONNECTIONS_KEPT: usize = 64;
+
+// ───────────────────────────── receiving side ─────────────────────────────
+
+/// Settings of an [`Inbox`].
+#[derive(Debug, Clone)]
+pub struct InboxConfig {
+    /// Job id every peer must present in the handshake.
+    pub job: String,
+    /// Per-job secret peers prove knowledge of.
+    pub secret: Vec<u8>,
+    /// The upstream partitions `(task, partition)` this inbox reads, in the fixed order
+    /// that defines logical channel indices.
+    pub upstreams: Vec<(u32, u32)>,
+    /// Consumption order over the logical channels.
+    pub ordering: OrderingMode,
+    /// Elements (frames) queued per logical channel before readers stop reading.
+    pub queue_capacity: usize,
+    /// Largest frame body accepted.
+    pub max_frame_bytes: u64,
+    /// Address to bind.
+    pub host: IpAddr,
+    /// Port to bind (0 = let the OS pick; see [`Inbox::local_addr`]).
+    pub port: u16,
+    /// Read/write timeout during the handshake: a silent peer is dropped after this.
+    pub handshake_timeout: Duration,
+}
+
+impl InboxConfig {
+    /// Defaults: LiveRobin with 1,024-row quanta, 1,024 queued frames per channel, the wire's
+    /// default frame limit, 127.0.0.1, any port, 2 s handshake timeout.
+    pub fn new(
+        job: impl Into<String>,
+        secret: impl Into<Vec<u8>>,
+        upstreams: Vec<(u32, u32)>,
+    ) -> Self {
+        InboxConfig {
+            job: job.into(),
+            secret: secret.into(),
+            upstreams,
+            ordering: OrderingMode::LiveRobin { quantum_rows: 1024 },
+            queue_capacity: 1024,
+            max_frame_bytes: wire::DEFAULT_MAX_FRAME_BYTES,
+            host: IpAddr::from([127, 0, 0, 1]),
+            port: 0,
+            handshake_timeout: Duration::from_secs(2),
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.upstreams.is_empty() {
+            return Err(Error::Config(
+                "upstreams is empty; an inbox needs at least one upstream (task, partition)"
+                    .to_owned(),
+            ));
+        }
+        let mut seen = self.upstreams.clone();
+        seen.sort_unstable();
+        if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::Config(format!(
+                "upstreams lists (task, partition) {:?} twice; each upstream partition is one \
+                 logical channel",
+                w[0]
+            )));
+        }
+        if self.queue_capacity == 0 {
+            return Err(Error::Config(
+                "queue_capacity must be ≥ 1 (got 0)".to_owned(),
+            ));
+        }
+        if self.max_frame_bytes == 0 {
+            return Err(Error::Config(
+                "max_frame_bytes must be ≥ 1 (got 0)".to_owned(),
+            ));
+        }
+        if self.handshake_timeout.is_zero() {
+            return Err(Error::Config("handshake_timeout must be > 0".to_owned()));
+        }
+        if matches!(self.ordering, OrderingMode::Positional) {
+            return Err(Error::Config(
+                "ordering 'positional' (kazoo) is not served by the TCP inbox yet; use 'none' or \
+                 'liverobin'"
+                    .to_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Counters of one logical input channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChannelStats {
+    /// The upstream partition `(task, partition)` this channel reads.
+    pub upstream: (u32, u32),
+    /// Rows kept (first copies).
+    pub accepted_rows: u64,
+    /// Rows dropped because another replica's copy arrived first.
+    pub duplicate_rows: u64,
+    /// First seq not yet accepted (dedup's high-water mark).
+    pub next_seq: u64,
+    /// Seqs accepted but not yet taken by the merge: the queue's backlog, bounded by
+    /// `queue_capacity` frames.
+    pub queued_seqs: u64,
+}
+
+/// Counters of one connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectionStats {
+    pub peer: SocketAddr,
+    /// Who the peer proved to be (None if the handshake did not complete).
+    pub identity: Option<Identity>,
+    /// Frames read after the handshake.
+    pub frames: u64,
+    /// Bytes read, handshake included.
+    pub bytes: u64,
+    /// Still being served.
+    pub open: bool,
+    /// Why it was closed, if not by a clean end of stream.
+    pub error: Option<String>,
+}
+
+/// Snapshot of an inbox's counters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxStats {
+    pub channels: Vec<ChannelStats>,
+    pub connections: Vec<ConnectionStats>,
+    /// Connections refused: failed handshake, unknown sender, or a protocol error
+    /// before the first valid frame.
+    pub rejected_connections: u64,
+}
+
+#[derive(Default)]
+struct ChannelCounters {
+    accepted_rows: AtomicU64,
+    duplicate_rows: AtomicU64,
+    /// Wire channel number the upstream uses for this logical channel (`u64::MAX` until
+    /// the first frame): every connection of one upstream partition must agree.
+    wire_channel: AtomicU64,
+}
+
+struct ConnCounters {
+    peer: SocketAddr,
+    identity: Mutex<Option<Identity>>,
+    frames: AtomicU64,
+    bytes: AtomicU64,
+    open: AtomicBool,
+    error: Mutex<Option<String>>,
+    /// A second handle on the socket so `close()` can shut it down under a blocked reader.
+    /// The reader drops it when it exits, so the socket really closes then (the peer sees
+    /// it at once) rather than when the inbox goes away.
+    handle: Mutex<Option<TcpStream>>,
+}
+
+struct Conn {
+    counters: Arc<ConnCounters>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// State shared by the accept thread, the reader threads and the consumer.
+struct Shared {
+    job: String,
+    secret: Vec<u8>,
+    upstreams: Vec<(u32, u32)>,
+    senders: Vec<DedupSender<RecordBatch>>,
+    channels: Vec<ChannelCounters>,
+    max_frame_bytes: u64,
+    handshake_timeout: Duration,
+    stop: AtomicBool,
+    conns: Mutex<Vec<Conn>>,
+    rejected: AtomicU64,
+    order_frames_logged: AtomicBool,
+}
+
+/// The receiving side of one task partition replica. See the module documentation.
+pub struct Inbox {
+    shared: Arc<Shared>,
+    receivers: Vec<DedupReceiver<RecordBatch>>,
+    merge: Box<dyn Merge<RecordBatch>>,
+    bell: Arc<Doorbell>,
+    local_addr: SocketAddr,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl Inbox {
+    /// Bind the listener and start accepting connections.
+    pub fn bind(cfg: InboxConfig) -> Result<Self> {
+        cfg.validate()?;
+        let addr = SocketAddr::new(cfg.host, cfg.port);
+        let listener = TcpListener::bind(addr).map_err(|e| {
+            Error::Io(io::Error::new(
+                e.kind(),
+                format!("cannot listen on {addr}: {e}"),
+            ))
+        })?;
+        let local_addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let bell = Arc::new(Doorbell::new());
+        let n = cfg.upstreams.len();
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..n)
+            .map(|_| dedup::channel(cfg.queue_capacity, Arc::clone(&bell)))
+            .unzip();
+        let shared = Arc::new(Shared {
+            job: cfg.job,
+            secret: cfg.secret,
+            upstreams: cfg.upstreams,
+            senders,
+            channels: (0..n)
+                .map(|_| ChannelCounters {
+                    wire_channel: AtomicU64::new(u64::MAX),
+                    ..Default::default()
+                })
+                .collect(),
+            max_frame_bytes: cfg.max_frame_bytes,
+            handshake_timeout: cfg.handshake_timeout,
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(Vec::new()),
+            rejected: AtomicU64::new(0),
+            order_frames_logged: AtomicBool::new(false),
+        });
+        let accept = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name(format!("tandem-accept-{}", local_addr.port()))
+                .spawn(move || accept_loop(&shared, &listener))?
+        };
+        Ok(Inbox {
+            shared,
+            receivers,
+            merge: merge::build(&cfg.ordering, n),
+            bell,
+            local_addr,
+            accept: Some(accept),
+        })
+    }
+
+    /// The address peers dial (the actual port when bound with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The next delivery in this replica's consumption order, waiting up to `timeout` for
+    /// input. `Ok(None)` on timeout. After every upstream ended, returns `Delivery::End`.
+    pub fn next(&mut self, timeout: Duration) -> Result<Option<Delivery<RecordBatch>>> {
+        let deadline = Instant::now().checked_add(timeout);
+        loop {
+            // Read the generation before looking, so an arrival between the look and the
+            // sleep still wakes us.
+            let seen = self.bell.generation();
+            if let Some(d) = self.merge.next(&mut self.receivers) {
+                return Ok(Some(d));
+            }
+            if self.accept.is_none() {
+                return Err(Error::Closed("inbox.next() after close()".to_owned()));
+            }
+            let now = Instant::now();
+            let left = match deadline {
+                Some(d) if d <= now => return Ok(None),
+                Some(d) => d - now,
+                None => Duration::from_secs(3600),
+            };
+            self.bell.wait(seen, left);
+        }
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> InboxStats {
+        let channels = self
+            .shared
+            .channels
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let next_seq = self.shared.senders[i].next_seq();
+                ChannelStats {
+                    upstream: self.shared.upstreams[i],
+                    accepted_rows: c.accepted_rows.load(Ordering::Relaxed),
+                    duplicate_rows: c.duplicate_rows.load(Ordering::Relaxed),
+                    next_seq,
+                    queued_seqs: next_seq.saturating_sub(self.receivers[i].next_seq()),
+                }
+            })
+            .collect();
+        let connections = self
+            .shared
+            .conns
+            .lock()
+            .iter()
+            .map(|c| {
+                let k = &c.counters;
+                ConnectionStats {
+                    peer: k.peer,
+                    identity: k.identity.lock().clone(),
+                    frames: k.frames.load(Ordering::Relaxed),
+                    bytes: k.bytes.load(Ordering::Relaxed),
+                    open: k.open.load(Ordering::Relaxed),
+                    error: k.error.lock().clone(),
+                }
+            })
+            .collect();
+        InboxStats {
+            channels,
+            connections,
+            rejected_connections: self.shared.rejected.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Stop accepting, close every connection and join every thread. Idempotent; also done
+    /// on drop. Later calls to [`Inbox::next`] fail with [`Error::Closed`] once the
+    /// already-queued input is consumed.
+    pub fn close(&mut self) {
+        let Some(accept) = self.accept.take() else {
+            return;
+        };
+        self.shared.stop.store(true, Ordering::SeqCst);
+        let _ = accept.join();
+        // The accept thread has exited: no connection can be registered any more.
+        let threads: Vec<JoinHandle<()>> = {
+            let mut conns = self.shared.conns.lock();
+            conns
+                .iter_mut()
+                .filter_map(|c| {
+                    if let Some(s) = c.counters.handle.lock().as_ref() {
+                        let _ = s.shutdown(Shutdown::Both);
+                    }
+                    c.thread.take()
+                })
+                .collect()
+        };
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
+    while !shared.stop.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                if let Err(e) = start_connection(shared, stream, peer) {
+                    eprintln!("tandem inbox: cannot serve connection from {peer}: {e}");
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(ACCEPT_POLL),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                // E.g. out of file descriptors: back off instead of spinning.
+                eprintln!("tandem inbox: accept failed: {e}");
+                std::thread::sleep(POLL);
+            }
+        }
+    }
+}
+
+fn start_connection(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) -> Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(shared.handshake_timeout))?;
+    stream.set_write_timeout(Some(shared.handshake_timeout))?;
+    let handle = stream.try_clone()?;
+    let counters = Arc::new(ConnCounters {
+        peer,
+        identity: Mutex::new(None),
+        frames: AtomicU64::new(0),
+        bytes: AtomicU64::new(0),
+        open: AtomicBool::new(true),
+        error: Mutex::new(None),
+        handle: Mutex::new(Some(handle)),
+    });
+    let mut conns = shared.conns.lock();
+    prune_closed(&mut conns);
+    let thread = {
+        let shared = Arc::clone(shared);
+        let counters = Arc::clone(&counters);
+        std::thread::Builder::new()
+            .name(format!("tandem-read-{peer}"))
+            .spawn(move || serve(&shared, stream, &counters))?
+    };
+    conns.push(Conn {
+        counters,
+        thread: Some(thread),
+    });
+    Ok(())
+}
+
+/// Forget the oldest closed connections beyond [`CLOSED_CONNECTIONS_KEPT`] (joining their
+/// finished threads).
+fn prune_closed(conns: &mut Vec<Conn>) {
+    let closed = conns
+        .iter()
+        .filter(|c| !c.counters.open.load(Ordering::SeqCst))
+        .count();
+    let mut excess = closed.saturating_sub(CLOSED_CONNECTIONS_KEPT);
+    conns.retain_mut(|c| {
+        let done = !c.counters.open.load(Ordering::SeqCst);
+        if excess > 0 && done && c.thread.as_ref().is_none_or(JoinHandle::is_finished) {
+            if let Some(t) = c.thread.take() {
+                let _ = t.join();
+            }
+            excess -= 1;
+            false
+        } else {
+            true
+        }
+    });
+}
+
+/// Why a connection stopped being served.
+enum ConnEnd {
+    /// Clean end of stream at a frame boundary.
+    Eof,
+    /// The inbox is closing.
+    Stopped,
+    /// Refused before any frame was accepted (counted as rejected).
+    Rejected(String),
+    /// A failure after the handshake.
+    Failed(String),
+}
+
+/// One connection's reader thread.
+fn serve(shared: &Shared, stream: TcpStream, counters: &ConnCounters) {
+    let end = serve_inner(shared, stream, counters);
+    let peer = counters.peer;
+    match &end {
+        ConnEnd::Eof | ConnEnd::Stopped => {}
+        ConnEnd::Rejected(why) => {
+            shared.rejected.fetch_add(1, Ordering::Relaxed);
+            eprintln!("tandem inbox: rejected connection from {peer}: {why}");
+        }
+        ConnEnd::Failed(why) => {
+            eprintln!("tandem inbox: closed connection from {peer}: {why}");
+        }
+    }
+    if let ConnEnd::Rejected(why) | ConnEnd::Failed(why) = end {
+        *counters.error.lock() = Some(why);
+    }
+    drop(counters.handle.lock().take());
+    counters.open.store(false, Ordering::SeqCst);
+}
+
+fn serve_inner(shared: &Shared, stream: TcpStream, counters: &ConnCounters) -> ConnEnd {
+    let mut stream = Counting {
+        inner: stream,
+        bytes: &counters.bytes,
+    };
+    let identity = match wire::server_handshake(&mut stream, &shared.job, &shared.secret) {
+        Ok(id) => id,
+        Err(_) if shared.stop.load(Ordering::SeqCst) => return ConnEnd::Stopped,
+        Err(e) => return ConnEnd::Rejected(format!("handshake failed: {e}")),
+    };
+    let Some(idx) = shared
+        .upstreams
+        .iter()
+        .position(|&(t, p)| t == identity.task && p == identity.partition)
+    else {
+        return ConnEnd::Rejected(format!(
+            "sender (task {}, partition {}) replica {} is not an upstream of this inbox (upstreams: \
+             {:?})",
+            identity.task, identity.partition, identity.replica, shared.upstreams
+        ));
+    };
+    *counters.identity.lock() = Some(identity);
+    // From here on, reads block until data, EOF or close() shuts the socket down; a read
+    // timeout inside a frame would corrupt the stream position.
+    if let Err(e) = stream.inner.set_read_timeout(None) {
+        return ConnEnd::Failed(format!("cannot clear the read timeout: {e}"));
+    }
+    let mut reader = FrameReader::new(stream, shared.max_frame_bytes);
+    loop {
+        let frame = match reader.next_frame() {
+            Ok(Some(f)) => f,
+            Ok(None) => return ConnEnd::Eof,
+            Err(_) if shared.stop.load(Ordering::SeqCst) => return ConnEnd::Stopped,
+            Err(e) => return ConnEnd::Failed(e.to_string()),
+        };
+        counters.frames.fetch_add(1, Ordering::Relaxed);
+        if let Frame::Order { .. } = frame {
+            if !shared.order_frames_logged.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "tandem inbox: ignoring order frames from {}: positional (kazoo) ordering is \
+                     not served by the TCP inbox (logged once)",
+                    counters.peer
+                );
+            }
+            continue;
+        }
+        let Some((wire_channel, item)) = frame.into_item() else {
+            continue;
+        };
+        if let Err(why) = check_wire_channel(&shared.channels[idx], wire_channel) {
+            return ConnEnd::Failed(why);
+        }
+        if !deliver(shared, idx, item) {
+            return ConnEnd::Stopped;
+        }
+    }
+}
+
+/// Every connection of one upstream partition must use one wire channel number: a second
+/// number means a mis-wired sender (frames meant for another downstream partition).
+fn check_wire_channel(c: &ChannelCounters, wire_channel: u32) -> std::result::Result<(), String> {
+    let want = u64::from(wire_channel);
+    match c
+        .wire_channel
+        .compare_exchange(u64::MAX, want, Ordering::SeqCst, Ordering::SeqCst)
+    {
+        Ok(_) => Ok(()),
+        Err(seen) if seen == want => Ok(()),
+        Err(seen) => Err(format!(
+            "frame on wire channel {wire_channel}, but this upstream partition sends on wire \
+             channel {seen}: the sender is wired to the wrong downstream partition"
+        )),
+    }
+}
+
+/// Offer `item` to the dedup channel until it is accepted or found duplicate. Full →
+/// wait for space; Gap → wait for `next` to move. Returns false if the inbox is closing.
+fn deliver(shared: &Shared, idx: usize, mut item: Item<RecordBatch>) -> bool {
+    let sender = &shared.senders[idx];
+    let counters = &shared.channels[idx];
+    let rows = match &item {
+        Item::Data { payload, .. } => payload.rows() as u64,
+        Item::Heartbeat { .. } | Item::End { .. } => 0,
+    };
+    loop {
+        let seen = sender.producer_bell().generation();
+        match sender.offer(item) {
+            Offer::Accepted { trimmed_rows } => {
+                counters
+                    .accepted_rows
+                    .fetch_add(rows.saturating_sub(trimmed_rows), Ordering::Relaxed);
+                counters
+                    .duplicate_rows
+                    .fetch_add(trimmed_rows.min(rows), Ordering::Relaxed);
+                return true;
+            }
+            Offer::Duplicate => {
+                counters.duplicate_rows.fetch_add(rows, Ordering::Relaxed);
+                return true;
+            }
+            Offer::Gap { item: back, .. } | Offer::Full(back) => item = back,
+        }
+        if shared.stop.load(Ordering::SeqCst) {
+            return false;
+        }
+        sender.producer_bell().wait(seen, POLL);
+    }
+}
+
+/// Counts the bytes read through it.
+struct Counting<'a> {
+    inner: TcpStream,
+    bytes: &'a AtomicU64,
+}
+
+impl Read for Counting<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+impl Write for Counting<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.inner.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+// ───────────────────────────── sending side ─────────────────────────────
+
+/// Settings of a [`TcpLink`].
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// Frames queued for the writer thread before [`Link::send`] blocks.
+    pub queue_frames: usize,
+    /// How long to keep retrying to reach the peer (it may not be listening yet).
+    pub connect_timeout: Duration,
+    /// Read/write timeout during the handshake.
+    pub handshake_timeout: Duration,
+    /// How long [`Link::close`] waits for queued frames to be written before cutting the
+    /// connection.
+    pub close_timeout: Duration,
+}
+
+impl Default for LinkConfig {
+    fn default() -> Self {
+        LinkConfig {
+            queue_frames: 256,
+            connect_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(2),
+            close_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A connection to one downstream replica, written by its own thread through a bounded
+/// queue. Implements [`Link`] for the [`crate::outbox::Outbox`].
+pub struct TcpLink {
+    peer: String,
+    tx: Option<SyncSender<Arc<[u8]>>>,
+    /// Why the writer stopped, once it did.
+    failure: Arc<Mutex<Option<String>>>,
+    /// Receives one message when the writer thread is about to exit.
+    done: Receiver<()>,
+    socket: TcpStream,
+    writer: Option<JoinHandle<()>>,
+    close_timeout: Duration,
+}
+
+impl TcpLink {
+    /// Dial `addr` (retrying with backoff until `cfg.connect_timeout`), authenticate as `me`
+    /// and start the writer thread. A rejected handshake is not retried.
+    pub fn connect(addr: &str, me: &Identity, secret: &[u8], cfg: &LinkConfig) -> Result<Self> {
+        if cfg.queue_frames == 0 {
+            return Err(Error::Config("queue_frames must be ≥ 1 (got 0)".to_owned()));
+        }
+        let targets: Vec<SocketAddr> = addr
+            .to_socket_addrs()
+            .map_err(|e| Error::Config(format!("cannot resolve downstream address {addr:?}: {e}")))?
+            .collect();
+        let Some(&target) = targets.first() else {
+            return Err(Error::Config(format!(
+                "downstream address {addr:?} resolves to nothing"
+            )));
+        };
+        let deadline = Instant::now() + cfg.connect_timeout;
+        let mut backoff = Duration::from_millis(5);
+        let stream = loop {
+            let attempt =
+                TcpStream::connect_timeout(&target, cfg.handshake_timeout).and_then(|s| {
+                    s.set_nodelay(true)?;
+                    s.set_read_timeout(Some(cfg.handshake_timeout))?;
+                    s.set_write_timeout(Some(cfg.handshake_timeout))?;
+                    Ok(s)
+                });
+            let err = match attempt
+                .map_err(Error::from)
+                .and_then(|mut s| wire::client_handshake(&mut s, me, secret).map(|()| s))
+            {
+                Ok(s) => break s,
+                Err(e @ Error::Handshake(_)) => return Err(e),
+                Err(e) => e,
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Closed(format!(
+                    "cannot reach downstream replica at {addr} within {:?}: {err}",
+                    cfg.connect_timeout
+                )));
+            }
+            std::thread::sleep(backoff.min(deadline - now));
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        };
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        let socket = stream.try_clone()?;
+        let (tx, rx) = mpsc::sync_channel::<Arc<[u8]>>(cfg.queue_frames);
+        let (done_tx, done) = mpsc::channel();
+        let failure = Arc::new(Mutex::new(None));
+        let writer = {
+            let failure = Arc::clone(&failure);
+            let close_timeout = cfg.close_timeout;
+            std::thread::Builder::new()
+                .name(format!("tandem-write-{addr}"))
+                .spawn(move || {
+                    if let Err(e) = write_loop(stream, &rx, close_timeout) {
+                        *failure.lock() = Some(e.to_string());
+                    }
+                    drop(rx); // senders blocked on a full queue fail now
+                    let _ = done_tx.send(());
+                })?
+        };
+        Ok(TcpLink {
+            peer: addr.to_owned(),
+            tx: Some(tx),
+            failure,
+            done,
+            socket,
+            writer: Some(writer),
+            close_timeout: cfg.close_timeout,
+        })
+    }
+
+    fn dead(&self) -> Error {
+        let why = self
+            .failure
+            .lock()
+            .clone()
+            .unwrap_or_else(|| "the link was closed".to_owned());
+        Error::Closed(format!(
+            "connection to downstream replica {} is gone: {why}",
+            self.peer
+        ))
+    }
+}
+
+/// The writer thread: write frames as they come, flushing whenever the queue runs dry (so
+/// a burst becomes few large writes and a lone frame leaves at once). On a clean close,
+/// half-close and wait for the peer to finish reading, so nothing queued is lost.
+fn write_loop(
+    stream: TcpStream,
+    rx: &Receiver<Arc<[u8]>>,
+    close_timeout: Duration,
+) -> io::Result<()> {
+    let mut out = BufWriter::with_capacity(64 << 10, &stream);
+    while let Ok(frame) = rx.recv() {
+        out.write_all(&frame)?;
+        while let Ok(frame) = rx.try_recv() {
+            out.write_all(&frame)?;
+        }
+        out.flush()?;
+    }
+    out.flush()?;
+    drop(out);
+    stream.shutdown(Shutdown::Write)?;
+    // Drain until the peer closes (it sends nothing after the handshake), so closing our
+    // end cannot reset the connection before the peer read the tail.
+    stream.set_read_timeout(Some(close_timeout))?;
+    let mut sink = [0u8; 256];
+    let mut reader = &stream;
+    loop {
+        match reader.read(&mut sink) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return Ok(()),
+        }
+    }
+}
+
+impl Link for TcpLink {
+    fn send(&mut self, frame: Arc<[u8]>) -> Result<()> {
+        let Some(tx) = &self.tx else {
+            return Err(self.dead());
+        };
+        match tx.try_send(frame) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(frame)) => tx.send(frame).map_err(|_| self.dead()),
+            Err(TrySendError::Disconnected(_)) => Err(self.dead()),
+        }
+    }
+
+    fn close(&mut self) -> Result<()> {
+        let Some(tx) = self.tx.take() else {
+            return Ok(());
+        };
+        drop(tx);
+        if self.done.recv_timeout(self.close_timeout).is_err() {
+            // The peer stopped reading: give up on the tail rather than hang.
+            let _ = self.socket.shutdown(Shutdown::Both);
+        }
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+        let failed = self.failure.lock().is_some();
+        if failed {
+            Err(self.dead())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Cut the connection now, dropping whatever is still queued.
+    fn abort(&mut self) {
+        let _ = self.socket.shutdown(Shutdown::Both);
+        self.tx = None;
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!("downstream replica at {}", self.peer)
+    }
+}
+
+impl Drop for TcpLink {
+    fn drop(&mut self) {
+        let _ = Link::close(self);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+    use std::sync::atomic::AtomicUsize;
+
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::Int64Type;
+    use arrow_array::{BinaryArray, Int64Array};
+    use arrow_schema::{DataType, Field, Schema};
+
+    use crate::outbox::{Outbox, OutboxConfig, Partitioner};
+
+    const JOB: &str = "job-7";
+    const SECRET: &[u8] = b"s3cret";
+    const TASK: u32 = 1;
+
+    fn rows(values: std::ops::Range<i64>) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![Field::new("v", DataType::Int64, false)]));
+        RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(values))]).unwrap()
+    }
+
+    /// Rows carrying a 1 KiB payload each, to fill socket buffers quickly.
+    fn fat_rows(values: std::ops::Range<i64>) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("v", DataType::Int64, false),
+            Field::new("pad", DataType::Binary, false),
+        ]));
+        let pad = vec![7u8; 1024];
+        let n = (values.end - values.start) as usize;
+        let pads = BinaryArray::from_iter_values(std::iter::repeat_n(&pad[..], n));
+        RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int64Array::from_iter_values(values)),
+                Arc::new(pads),
+            ],
+        )
+        .unwrap()
+    }
+
+    fn identity(partition: u32, replica: u32) -> Identity {
+        Identity {
+            job: JOB.to_owned(),
+            task: TASK,
+            partition,
+            replica,
+        }
+    }
+
+    fn inbox(upstreams: usize, ordering: OrderingMode, capacity: usize) -> Inbox {
+        let mut cfg = InboxConfig::new(
+            JOB,
+            SECRET,
+            (0..upstreams as u32).map(|p| (TASK, p)).collect(),
+        );
+        cfg.ordering = ordering;
+        cfg.queue_capacity = capacity;
+        cfg.handshake_timeout = Duration::from_millis(500);
+        Inbox::bind(cfg).unwrap()
+    }
+
+    fn link(addr: SocketAddr, me: &Identity) -> Box<dyn Link> {
+        let cfg = LinkConfig {
+            connect_timeout: Duration::from_secs(5),
+            ..LinkConfig::default()
+        };
+        Box::new(TcpLink::connect(&addr.to_string(), me, SECRET, &cfg).unwrap())
+    }
+
+    /// What one upstream replica sends: `total` rows `base + i` in emits of `emit_rows`, a
+    /// heartbeat of epoch `k` after row `k * hb_every`, then end.
+    #[derive(Clone, Copy)]
+    struct Plan {
+        total: i64,
+        emit_rows: i64,
+        hb_every: i64,
+        batch_rows: usize,
+        /// Abort (crash) after this many rows instead of finishing.
+        crash_after: Option<i64>,
+    }
+
+    fn base(partition: u32) -> i64 {
+        i64::from(partition) * 1_000_000
+    }
+
+    fn upstream(addr: SocketAddr, partition: u32, replica: u32, plan: Plan) -> JoinHandle<()> {
+        std::thread::spawn(move || {
+            let me = identity(partition, replica);
+            let cfg = OutboxConfig {
+                batch_rows: plan.batch_rows,
+                buffer_timeout: Duration::from_millis(5),
+            };
+            let mut ob =
+                Outbox::new(Partitioner::Forward, vec![vec![link(addr, &me)]], cfg).unwrap();
+            let b = base(partition);
+            let mut i = 0;
+            while i < plan.total {
+                if plan.crash_after.is_some_and(|c| i >= c) {
+                    ob.abort();
+                    return;
+                }
+                let n = plan.emit_rows.min(plan.total - i);
+                // Cut the emit at the next heartbeat position.
+                let to_hb = plan.hb_every - i % plan.hb_every;
+                let n = n.min(to_hb);
+                ob.emit(&rows(b + i..b + i + n)).unwrap();
+                i += n;
+                if i % plan.hb_every == 0 {
+                    ob.heartbeat((i / plan.hb_every) as u64).unwrap();
+                    // Let the writers run, so a crash happens with data really in flight.
+                    std::thread::sleep(Duration::from_millis(3));
+                }
+            }
+            ob.end().unwrap();
+            ob.close().unwrap();
+        })
+    }
+
+    /// One element of a consumption, independent of batch boundaries.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    enum Ev {
+        Row(usize, i64),
+        Hb(usize, u64, bool),
+        End,
+    }
+
+    fn flatten(d: Delivery<RecordBatch>, out: &mut Vec<Ev>) {
+        match d {
+            Delivery::Data {
+                channel, payload, ..
+            } => {
+                let v = payload.column(0).as_primitive::<Int64Type>();
+                out.extend(v.values().iter().map(|&x| Ev::Row(channel, x)));
+            }
+            Delivery::Heartbeat {
+                channel,
+                epoch,
+                first,
+            } => out.push(Ev::Hb(channel, epoch, first)),
+            Delivery::End => out.push(Ev::End),
+        }
+    }
+
+    /// Consume until End (or fail after `limit`).
+    fn drain(inbox: &mut Inbox, limit: Duration) -> Vec<Ev> {
+        let deadline = Instant::now() + limit;
+        let mut out = Vec::new();
+        while Instant::now() < deadline {
+            match inbox.next(Duration::from_millis(200)).unwrap() {
+                Some(Delivery::End) => {
+                    out.push(Ev::End);
+                    return out;
+                }
+                Some(d) => flatten(d, &mut out),
+                None => {}
+            }
+        }
+        panic!(
+            "no End within {limit:?}; got {} events; stats {:#?}",
+            out.len(),
+            inbox.stats()
+        );
+    }
+
+    /// The consumption a merge in `mode` produces from the complete streams, fed in one go.
+    fn reference(mode: &OrderingMode, partitions: u32, plan: Plan) -> Vec<Ev> {
+        let mut inputs: Vec<VecDeque<Item<RecordBatch>>> = (0..partitions)
+            .map(|p| {
+                let mut q = VecDeque::new();
+                let mut seq = 0u64;
+                let b = base(p);
+                let mut i = 0;
+                while i < plan.total {
+                    let n = plan.hb_every.min(plan.total - i);
+                    q.push_back(Item::Data {
+                        first_seq: seq,
+                        payload: rows(b + i..b + i + n),
+                    });
+                    seq += n as u64;
+                    i += n;
+                    if i % plan.hb_every == 0 {
+                        q.push_back(Item::Heartbeat {
+                            seq,
+                            epoch: (i / plan.hb_every) as u64,
+                        });
+                        seq += 1;
+                    }
+                }
+                q.push_back(Item::End { seq });
+                q
+            })
+            .collect();
+        let mut m = merge::build::<RecordBatch>(mode, partitions as usize);
+        let mut out = Vec::new();
+        loop {
+            match m.next(&mut inputs) {
+                Some(Delivery::End) => {
+                    out.push(Ev::End);
+                    return out;
+                }
+                Some(d) => flatten(d, &mut out),
+                None => panic!("reference merge stalled with complete inputs"),
+            }
+        }
+    }
+
+    fn rows_of(events: &[Ev], channel: usize) -> Vec<i64> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Ev::Row(c, v) if *c == channel => Some(*v),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn liverobin_over_two_replicated_partitions_masks_an_abrupt_crash() {
+        let mode = OrderingMode::LiveRobin { quantum_rows: 64 };
+        let mut ib = inbox(2, mode.clone(), 64);
+        let addr = ib.local_addr();
+        let plan = Plan {
+            total: 6000,
+            emit_rows: 37,
+            hb_every: 500,
+            batch_rows: 50,
+            crash_after: None,
+        };
+        let threads = vec![
+            upstream(addr, 0, 0, plan),
+            // Replica 1 of partition 0 dies mid-stream: its sockets are cut, queued frames lost.
+            upstream(
+                addr,
+                0,
+                1,
+                Plan {
+                    batch_rows: 23,
+                    crash_after: Some(2500),
+                    ..plan
+                },
+            ),
+            upstream(
+                addr,
+                1,
+                0,
+                Plan {
+                    emit_rows: 101,
+                    batch_rows: 64,
+                    ..plan
+                },
+            ),
+            upstream(
+                addr,
+                1,
+                1,
+                Plan {
+                    emit_rows: 13,
+                    batch_rows: 17,
+                    ..plan
+                },
+            ),
+        ];
+        let got = drain(&mut ib, Duration::from_secs(60));
+        for t in threads {
+            t.join().unwrap();
+        }
+        for c in 0..2 {
+            let want: Vec<i64> = (0..plan.total).map(|i| base(c as u32) + i).collect();
+            assert_eq!(
+                rows_of(&got, c),
+                want,
+                "channel {c}: complete, in order, no duplicates"
+            );
+        }
+        assert_eq!(
+            got,
+            reference(&mode, 2, plan),
+            "LiveRobin order is a function of the content"
+        );
+        let stats = ib.stats();
+        for (c, s) in stats.channels.iter().enumerate() {
+            assert_eq!(s.accepted_rows, plan.total as u64, "channel {c}");
+            assert!(
+                s.duplicate_rows > 0,
+                "channel {c}: the second replica's copies were dropped: {stats:#?}"
+            );
+        }
+        assert_eq!(stats.rejected_connections, 0);
+        assert_eq!(stats.connections.len(), 4);
+        assert!(stats
+            .connections
+            .iter()
+            .all(|c| c.identity.is_some() && c.frames > 0 && c.bytes > 0));
+        let crashed = stats
+            .connections
+            .iter()
+            .find(|c| {
+                c.identity
+                    .as_ref()
+                    .is_some_and(|i| i.partition == 0 && i.replica == 1)
+            })
+            .unwrap();
+        assert!(
+            crashed.frames > 10,
+            "the crashed replica did send before it died: {crashed:?}"
+        );
+    }
+
+    #[test]
+    fn a_slow_consumer_back_pressures_without_growing_the_queue_or_losing_rows() {
+        const CAPACITY: usize = 4;
+        const BATCH: usize = 16;
+        const TOTAL: i64 = 8000; // ≈ 8 MiB of payload: more than the socket buffers hold
+        let mut ib = inbox(
+            1,
+            OrderingMode::LiveRobin {
+                quantum_rows: BATCH,
+            },
+            CAPACITY,
+        );
+        let addr = ib.local_addr();
+        let sent = Arc::new(AtomicUsize::new(0));
+        let producer = {
+            let sent = Arc::clone(&sent);
+            std::thread::spawn(move || {
+                let cfg = OutboxConfig {
+                    batch_rows: BATCH,
+                    buffer_timeout: Duration::from_millis(5),
+                };
+                let links = vec![vec![link(addr, &identity(0, 0))]];
+                let mut ob = Outbox::new(Partitioner::Forward, links, cfg).unwrap();
+                for i in (0..TOTAL).step_by(BATCH) {
+                    ob.emit(&fat_rows(i..i + BATCH as i64)).unwrap();
+                    sent.store((i as usize) + BATCH, Ordering::SeqCst);
+                }
+                ob.end().unwrap();
+                ob.close().unwrap();
+            })
+        };
+        // Consume nothing for a while: the producer must stall, the queue must stay bounded.
+        let bound = (CAPACITY * BATCH) as u64;
+        let mut stalled_at = 0;
+        for _ in 0..10 {
+            std::thread::sleep(Duration::from_millis(30));
+            let q = ib.stats().channels[0].queued_seqs;
+            assert!(q <= bound, "queue holds {q} seqs, bound {bound}");
+            stalled_at = sent.load(Ordering::SeqCst);
+        }
+        assert!(
+            stalled_at < TOTAL as usize,
+            "the producer sent everything ({stalled_at} rows) to a consumer that read nothing"
+        );
+        // Now consume slowly at first, checking the bound all along, then drain.
+        let mut got = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut n = 0;
+        loop {
+            assert!(Instant::now() < deadline, "no End; got {} rows", got.len());
+            let q = ib.stats().channels[0].queued_seqs;
+            assert!(q <= bound, "queue holds {q} seqs, bound {bound}");
+            match ib.next(Duration::from_millis(200)).unwrap() {
+                Some(Delivery::End) => break,
+                Some(Delivery::Data { payload, .. }) => {
+                    got.extend_from_slice(payload.column(0).as_primitive::<Int64Type>().values());
+                    n += 1;
+                    if n < 20 {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+                Some(Delivery::Heartbeat { .. }) | None => {}
+            }
+        }
+        producer.join().unwrap();
+        assert_eq!(got, (0..TOTAL).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn bad_connections_are_rejected_while_a_good_one_flows() {
+        let mut ib = inbox(1, OrderingMode::LiveRobin { quantum_rows: 1024 }, 16);
+        let addr = ib.local_addr();
+        let plan = Plan {
+            total: 3000,
+            emit_rows: 10,
+            hb_every: 300,
+            batch_rows: 32,
+            crash_after: None,
+        };
+        let good = upstream(addr, 0, 0, plan);
+
+        let mut garbage = TcpStream::connect(addr).unwrap();
+        let junk: Vec<u8> = (0..4096u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        let _ = garbage.write_all(&junk);
+
+        let cfg = LinkConfig {
+            connect_timeout: Duration::from_secs(5),
+            ..LinkConfig::default()
+        };
+        let wrong_secret = TcpLink::connect(&addr.to_string(), &identity(0, 1), b"guess", &cfg);
+        assert!(
+            matches!(wrong_secret, Err(Error::Handshake(_))),
+            "{:?}",
+            wrong_secret.err()
+        );
+        let wrong_job = Identity {
+            job: "other-job".to_owned(),
+            ..identity(0, 1)
+        };
+        let r = TcpLink::connect(&addr.to_string(), &wrong_job, SECRET, &cfg);
+        assert!(matches!(r, Err(Error::Handshake(_))), "{:?}", r.err());
+        // Authenticated, but not an upstream of this inbox: accepted handshake, then dropped.
+        let mut stranger = TcpLink::connect(
+            &addr.to_string(),
+            &Identity {
+                partition: 9,
+                ..identity(0, 2)
+            },
+            SECRET,
+            &cfg,
+        )
+        .unwrap();
+        let _ = stranger.send(wire::encode_heartbeat(0, 0, 99).into());
+
+        let got = drain(&mut ib, Duration::from_secs(30));
+        good.join().unwrap();
+        assert_eq!(rows_of(&got, 0), (0..plan.total).collect::<Vec<_>>());
+        let hbs = got.iter().filter(|e| matches!(e, Ev::Hb(..))).count();
+        assert_eq!(hbs, 10, "the stranger's heartbeat 99 never got in");
+        // The garbage connection is rejected once its handshake fails (at once, or after the
+        // handshake timeout): wait for it.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while ib.stats().rejected_connections < 4 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let stats = ib.stats();
+        assert_eq!(stats.rejected_connections, 4, "{stats:#?}");
+        let errors: Vec<&str> = stats
+            .connections
+            .iter()
+            .filter_map(|c| c.error.as_deref())
+            .collect();
+        assert!(
+            errors.iter().any(|e| e.contains("not an upstream")),
+            "{errors:?}"
+        );
+        assert!(
+            errors.iter().filter(|e| e.contains("handshake")).count() >= 3,
+            "{errors:?}"
+        );
+        drop(garbage);
+    }
+
+    #[test]
+    fn a_sender_on_another_wire_channel_is_cut_off() {
+        let mut ib = inbox(1, OrderingMode::LiveRobin { quantum_rows: 8 }, 8);
+        let addr = ib.local_addr();
+        let dial = |replica| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            wire::client_handshake(&mut s, &identity(0, replica), SECRET).unwrap();
+            s
+        };
+        let mut good = dial(0);
+        good.write_all(&wire::encode_heartbeat(0, 0, 1)).unwrap();
+        assert!(matches!(
+            ib.next(Duration::from_secs(5)).unwrap(),
+            Some(Delivery::Heartbeat {
+                channel: 0,
+                epoch: 1,
+                first: true
+            })
+        ));
+        // Same upstream partition, but frames of wire channel 3: mis-wired, dropped.
+        let mut bad = dial(1);
+        bad.write_all(&wire::encode_heartbeat(3, 1, 2)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let err = loop {
+            let stats = ib.stats();
+            if let Some(e) = stats.connections.iter().find_map(|c| c.error.clone()) {
+                break e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the mis-wired connection stayed open"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(
+            err.contains("wire channel 3") && err.contains("wire channel 0"),
+            "{err}"
+        );
+        assert_eq!(
+            ib.next(Duration::from_millis(50)).unwrap(),
+            None,
+            "heartbeat 2 never got in"
+        );
+        good.write_all(&wire::encode_end(0, 1)).unwrap();
+        assert_eq!(
+            ib.next(Duration::from_secs(5)).unwrap(),
+            Some(Delivery::End)
+        );
+    }
+
+    #[test]
+    fn close_does_not_hang_on_silent_or_blocked_peers() {
+        let mut ib = inbox(1, OrderingMode::LiveRobin { quantum_rows: 8 }, 1);
+        let addr = ib.local_addr();
+        // A peer that connects and says nothing (stuck in the handshake).
+        let _silent = TcpStream::connect(addr).unwrap();
+        // A peer whose frames fill the queue: its reader waits for space forever.
+        let mut ob = Outbox::new(
+            Partitioner::Forward,
+            vec![vec![link(addr, &identity(0, 0))]],
+            OutboxConfig {
+                batch_rows: 1,
+                buffer_timeout: Duration::from_millis(5),
+            },
+        )
+        .unwrap();
+        for i in 0..20 {
+            ob.emit(&rows(i..i + 1)).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        ib.close();
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "close took {:?}",
+            t.elapsed()
+        );
+        assert!(
+            matches!(ib.next(Duration::from_millis(10)), Ok(Some(_))),
+            "queued input remains"
+        );
+        // The sender notices the peer is gone (possibly only after a few more frames).
+        let t = Instant::now();
+        let mut failed = false;
+        for i in 20..10_000 {
+            if ob.emit(&rows(i..i + 1)).is_err() {
+                failed = true;
+                break;
+            }
+        }
+        assert!(failed, "sending to a closed inbox never failed");
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn link_connect_times_out_when_nobody_listens() {
+        let port = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let cfg = LinkConfig {
+            connect_timeout: Duration::from_millis(200),
+            ..LinkConfig::default()
+        };
+        let t = Instant::now();
+        let r = TcpLink::connect(&format!("127.0.0.1:{port}"), &identity(0, 0), SECRET, &cfg);
+        assert!(
+            matches!(&r, Err(Error::Closed(m)) if m.contains("cannot reach")),
+            "{:?}",
+            r.err()
+        );
+        assert!(t.elapsed() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn bad_inbox_configurations_are_rejected() {
+        let ok = InboxConfig::new(JOB, SECRET, vec![(1, 0)]);
+        let mut c = ok.clone();
+        c.upstreams.clear();
+        assert!(matches!(Inbox::bind(c), Err(Error::Config(m)) if m.contains("upstreams")));
+        let mut c = ok.clone();
+        c.upstreams = vec![(1, 0), (2, 0), (1, 0)];
+        assert!(matches!(Inbox::bind(c), Err(Error::Config(m)) if m.contains("(1, 0)")));
+        let mut c = ok.clone();
+        c.queue_capacity = 0;
+        assert!(matches!(Inbox::bind(c), Err(Error::Config(m)) if m.contains("queue_capacity")));
+        let mut c = ok;
+        c.ordering = OrderingMode::Positional;
+        assert!(matches!(Inbox::bind(c), Err(Error::Config(m)) if m.contains("positional")));
+    }
+}

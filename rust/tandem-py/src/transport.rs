@@ -1,6 +1,572 @@
-//! (in progress)
-use pyo3::prelude::*;
+//! `tandem._core.Inbox`, `Outbox` and `Delivery`: the TCP transport of
+//! [`tandem_core::transport`] and the [`tandem_core::outbox`] over pyarrow record batches.
+//!
+//! Every blocking call runs with the GIL released: `Inbox.next` through [`gil::wait`]
+//! (it still honours Ctrl-C), `Outbox.emit` and friends through `py.detach` (they block
+//! only while a downstream queue is full, which is the back-pressure).
 
-pub(crate) fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use pyo3_arrow::PyRecordBatch;
+use tandem_core::merge::OrderingMode;
+use tandem_core::outbox::{Link, Outbox as CoreOutbox, OutboxConfig, Partitioner};
+use tandem_core::transport::{Inbox as CoreInbox, InboxConfig, LinkConfig, TcpLink};
+use tandem_core::wire::{Identity, DEFAULT_MAX_FRAME_BYTES};
+use tandem_core::{Delivery as CoreDelivery, Error};
+
+use crate::errors::{ConfigError, IntoPyResult};
+use crate::gil;
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Inbox>()?;
+    m.add_class::<Outbox>()?;
+    m.add_class::<Delivery>()?;
     Ok(())
+}
+
+fn config_err(msg: String) -> PyErr {
+    ConfigError::new_err(msg)
+}
+
+fn arg_u32(name: &str, v: i64) -> PyResult<u32> {
+    u32::try_from(v).map_err(|_| config_err(format!("{name} must be in 0..=4294967295, got {v}")))
+}
+
+fn arg_at_least_1(name: &str, v: i64) -> PyResult<usize> {
+    if v < 1 {
+        return Err(config_err(format!("{name} must be ≥ 1, got {v}")));
+    }
+    usize::try_from(v).map_err(|_| config_err(format!("{name} is too large: {v}")))
+}
+
+fn arg_seconds(name: &str, v: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(v).map_err(|_| {
+        config_err(format!(
+            "{name} must be a finite number of seconds ≥ 0, got {v}"
+        ))
+    })
+}
+
+fn closed(what: &str) -> PyErr {
+    crate::errors::to_py(Error::Closed(format!("{what}() on a closed object")))
+}
+
+// ───────────────────────────── Delivery ─────────────────────────────
+
+/// One step of the consumption order: `kind` is `"data"`, `"heartbeat"` or `"end"`.
+///
+/// * data: `channel`, `first_seq`, `batch` (a `pyarrow.RecordBatch`);
+/// * heartbeat: `channel`, `epoch`, `first` (True the first time this epoch is seen: the
+///   task forwards it on every output channel exactly then);
+/// * end: every upstream has ended; the other fields are None.
+#[pyclass(frozen, module = "tandem._core")]
+pub struct Delivery {
+    #[pyo3(get)]
+    kind: &'static str,
+    #[pyo3(get)]
+    channel: Option<usize>,
+    #[pyo3(get)]
+    first_seq: Option<u64>,
+    #[pyo3(get)]
+    epoch: Option<u64>,
+    #[pyo3(get)]
+    first: Option<bool>,
+    #[pyo3(get)]
+    batch: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl Delivery {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match self.kind {
+            "data" => {
+                let rows = self
+                    .batch
+                    .as_ref()
+                    .and_then(|b| b.bind(py).getattr("num_rows").ok())
+                    .map_or_else(|| "?".to_owned(), |n| n.to_string());
+                format!(
+                    "Delivery(kind='data', channel={}, first_seq={}, rows={rows})",
+                    self.channel.unwrap_or_default(),
+                    self.first_seq.unwrap_or_default()
+                )
+            }
+            "heartbeat" => format!(
+                "Delivery(kind='heartbeat', channel={}, epoch={}, first={})",
+                self.channel.unwrap_or_default(),
+                self.epoch.unwrap_or_default(),
+                if self.first == Some(true) {
+                    "True"
+                } else {
+                    "False"
+                }
+            ),
+            _ => "Delivery(kind='end')".to_owned(),
+        }
+    }
+}
+
+fn delivery_to_py(py: Python<'_>, d: CoreDelivery<arrow_array::RecordBatch>) -> PyResult<Delivery> {
+    let none = Delivery {
+        kind: "end",
+        channel: None,
+        first_seq: None,
+        epoch: None,
+        first: None,
+        batch: None,
+    };
+    Ok(match d {
+        CoreDelivery::Data {
+            channel,
+            first_seq,
+            payload,
+        } => Delivery {
+            kind: "data",
+            channel: Some(channel),
+            first_seq: Some(first_seq),
+            batch: Some(PyRecordBatch::new(payload).into_pyarrow(py)?.unbind()),
+            ..none
+        },
+        CoreDelivery::Heartbeat {
+            channel,
+            epoch,
+            first,
+        } => Delivery {
+            kind: "heartbeat",
+            channel: Some(channel),
+            epoch: Some(epoch),
+            first: Some(first),
+            ..none
+        },
+        CoreDelivery::End => none,
+    })
+}
+
+// ───────────────────────────── Inbox ─────────────────────────────
+
+/// Listens on TCP for the upstream replicas of this task partition, authenticates them,
+/// deduplicates their copies (first copy wins) and merges the logical channels in the
+/// consumption order every replica agrees on.
+///
+/// `upstreams` lists the upstream partitions `(task, partition)`; the position in the
+/// list is the channel index deliveries report (identical at every replica).
+#[pyclass(frozen, module = "tandem._core")]
+pub struct Inbox {
+    inner: Mutex<Option<CoreInbox>>,
+    port: u16,
+}
+
+#[pymethods]
+impl Inbox {
+    #[new]
+    #[pyo3(signature = (job, secret, upstreams, ordering = "liverobin", quantum_rows = 1024,
+                        queue_capacity = 1024, max_frame_bytes = DEFAULT_MAX_FRAME_BYTES as i64,
+                        host = "127.0.0.1", port = 0, handshake_timeout = 2.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        job: &str,
+        secret: &[u8],
+        upstreams: Vec<(i64, i64)>,
+        ordering: &str,
+        quantum_rows: i64,
+        queue_capacity: i64,
+        max_frame_bytes: i64,
+        host: &str,
+        port: i64,
+        handshake_timeout: f64,
+    ) -> PyResult<Self> {
+        let quantum_rows = arg_at_least_1("quantum_rows", quantum_rows)?;
+        let ordering = match ordering {
+            "liverobin" => OrderingMode::LiveRobin { quantum_rows },
+            "none" => OrderingMode::None,
+            other => {
+                return Err(config_err(format!(
+                    "ordering must be 'liverobin' or 'none' for an Inbox, got {other:?}"
+                )))
+            }
+        };
+        let upstreams = upstreams
+            .into_iter()
+            .map(|(t, p)| {
+                Ok((
+                    arg_u32("upstream task", t)?,
+                    arg_u32("upstream partition", p)?,
+                ))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let host: IpAddr = host.parse().map_err(|_| {
+            config_err(format!(
+                "host must be an IP address such as '127.0.0.1', got {host:?}"
+            ))
+        })?;
+        let port = u16::try_from(port)
+            .map_err(|_| config_err(format!("port must be in 0..=65535 (0 = any), got {port}")))?;
+        if max_frame_bytes < 1 {
+            return Err(config_err(format!(
+                "max_frame_bytes must be ≥ 1, got {max_frame_bytes}"
+            )));
+        }
+        let mut cfg = InboxConfig::new(job, secret, upstreams);
+        cfg.ordering = ordering;
+        cfg.queue_capacity = arg_at_least_1("queue_capacity", queue_capacity)?;
+        cfg.max_frame_bytes = max_frame_bytes as u64;
+        cfg.host = host;
+        cfg.port = port;
+        cfg.handshake_timeout = arg_seconds("handshake_timeout", handshake_timeout)?;
+        let inbox = py.detach(|| CoreInbox::bind(cfg)).py()?;
+        let port = inbox.local_addr().port();
+        Ok(Inbox {
+            inner: Mutex::new(Some(inbox)),
+            port,
+        })
+    }
+
+    /// The TCP port the inbox listens on.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The next delivery, waiting at most `timeout` seconds (None = until one arrives).
+    /// Returns None on timeout. The GIL is released while waiting; Ctrl-C interrupts.
+    #[pyo3(signature = (timeout = None))]
+    fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Delivery>> {
+        let deadline = match timeout {
+            None => None,
+            Some(t) => Some(Instant::now() + arg_seconds("timeout", t)?),
+        };
+        let got = gil::wait(py, |budget| {
+            let mut guard = self.inner.lock();
+            let Some(inbox) = guard.as_mut() else {
+                return Some(Err(closed("next")));
+            };
+            let now = Instant::now();
+            let wait = deadline.map_or(budget, |d| budget.min(d.saturating_duration_since(now)));
+            match inbox.next(wait) {
+                Ok(Some(d)) => Some(Ok(Some(d))),
+                Ok(None) if deadline.is_some_and(|d| Instant::now() >= d) => Some(Ok(None)),
+                Ok(None) => None,
+                Err(e) => Some(Err(crate::errors::to_py(e))),
+            }
+        })??;
+        got.map(|d| delivery_to_py(py, d)).transpose()
+    }
+
+    /// Counters: per channel accepted/duplicate rows, dedup position and backlog; per
+    /// connection peer, identity, frames, bytes, state; rejected connections.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        // Locks are taken with the GIL released: another thread may hold this one for a
+        // moment inside `next()` and must not then wait for a GIL we would be holding.
+        let stats = py
+            .detach(|| self.inner.lock().as_ref().map(CoreInbox::stats))
+            .ok_or_else(|| closed("stats"))?;
+        let out = PyDict::new(py);
+        let channels = PyList::empty(py);
+        for c in stats.channels {
+            let d = PyDict::new(py);
+            d.set_item("upstream", c.upstream)?;
+            d.set_item("accepted_rows", c.accepted_rows)?;
+            d.set_item("duplicate_rows", c.duplicate_rows)?;
+            d.set_item("next_seq", c.next_seq)?;
+            d.set_item("queued_seqs", c.queued_seqs)?;
+            channels.append(d)?;
+        }
+        let conns = PyList::empty(py);
+        for c in stats.connections {
+            let d = PyDict::new(py);
+            d.set_item("peer", c.peer.to_string())?;
+            let identity = match c.identity {
+                Some(i) => {
+                    let id = PyDict::new(py);
+                    id.set_item("job", i.job)?;
+                    id.set_item("task", i.task)?;
+                    id.set_item("partition", i.partition)?;
+                    id.set_item("replica", i.replica)?;
+                    Some(id)
+                }
+                None => None,
+            };
+            d.set_item("identity", identity)?;
+            d.set_item("frames", c.frames)?;
+            d.set_item("bytes", c.bytes)?;
+            d.set_item("open", c.open)?;
+            d.set_item("error", c.error)?;
+            conns.append(d)?;
+        }
+        out.set_item("channels", channels)?;
+        out.set_item("connections", conns)?;
+        out.set_item("rejected_connections", stats.rejected_connections)?;
+        Ok(out)
+    }
+
+    /// Stop listening, close every connection and join the I/O threads. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| drop(self.inner.lock().take()));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) {
+        self.close(py);
+    }
+}
+
+// ───────────────────────────── Outbox ─────────────────────────────
+
+/// The output of one task partition replica: partitions emitted rows over the downstream
+/// partitions (channels), numbers every row and marker, and sends each frame to every
+/// replica of the channel's downstream partition.
+///
+/// `me` is `(task, partition, replica)`; `downstream[c]` lists the `(host, port)` of the
+/// replicas of downstream partition `c`. Construction dials them all (in parallel, retrying
+/// until `connect_timeout`); an unreachable replica is logged and skipped, a channel with no
+/// reachable replica is an error.
+#[pyclass(frozen, module = "tandem._core")]
+pub struct Outbox {
+    inner: Mutex<Option<CoreOutbox>>,
+}
+
+impl Outbox {
+    /// Run `f` on the outbox with the GIL released — the lock too: `emit` may hold it as
+    /// long as a downstream applies back-pressure, and a thread waiting for it must not hold
+    /// the GIL meanwhile.
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        f: impl FnOnce(&mut CoreOutbox) -> tandem_core::Result<T> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| {
+            let mut guard = self.inner.lock();
+            let ob = guard.as_mut().ok_or_else(|| closed(what))?;
+            f(ob).py()
+        })
+    }
+}
+
+#[pymethods]
+impl Outbox {
+    #[new]
+    #[pyo3(signature = (job, secret, me, downstream, partitioner = "forward", key = None,
+                        batch_rows = 1024, buffer_timeout_ms = 5.0, connect_timeout = 10.0,
+                        queue_frames = 256))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        job: &str,
+        secret: &[u8],
+        me: (i64, i64, i64),
+        downstream: Vec<Vec<(String, i64)>>,
+        partitioner: &str,
+        key: Option<&str>,
+        batch_rows: i64,
+        buffer_timeout_ms: f64,
+        connect_timeout: f64,
+        queue_frames: i64,
+    ) -> PyResult<Self> {
+        let partitioner = Partitioner::parse(partitioner, key).py()?;
+        let me = Identity {
+            job: job.to_owned(),
+            task: arg_u32("me task", me.0)?,
+            partition: arg_u32("me partition", me.1)?,
+            replica: arg_u32("me replica", me.2)?,
+        };
+        let cfg = OutboxConfig {
+            batch_rows: arg_at_least_1("batch_rows", batch_rows)?,
+            buffer_timeout: arg_seconds("buffer_timeout_ms", buffer_timeout_ms / 1000.0)?,
+        };
+        let link_cfg = LinkConfig {
+            queue_frames: arg_at_least_1("queue_frames", queue_frames)?,
+            connect_timeout: arg_seconds("connect_timeout", connect_timeout)?,
+            ..LinkConfig::default()
+        };
+        if downstream.is_empty() {
+            return Err(config_err(
+                "downstream is empty; give at least one channel of (host, port) replicas"
+                    .to_owned(),
+            ));
+        }
+        let mut addrs = Vec::with_capacity(downstream.len());
+        for (c, replicas) in downstream.into_iter().enumerate() {
+            if replicas.is_empty() {
+                return Err(config_err(format!(
+                    "downstream[{c}] is empty; every channel needs at least one (host, port)"
+                )));
+            }
+            let mut ch = Vec::with_capacity(replicas.len());
+            for (host, port) in replicas {
+                let port = u16::try_from(port)
+                    .ok()
+                    .filter(|&p| p != 0)
+                    .ok_or_else(|| {
+                        config_err(format!(
+                            "downstream[{c}] port must be in 1..=65535, got {port}"
+                        ))
+                    })?;
+                ch.push(format!("{host}:{port}"));
+            }
+            addrs.push(ch);
+        }
+        let secret = secret.to_vec();
+        let outbox = py.detach(move || -> tandem_core::Result<CoreOutbox> {
+            let links = dial_all(&addrs, &me, &secret, &link_cfg)?;
+            CoreOutbox::new(partitioner, links, cfg)
+        });
+        Ok(Outbox {
+            inner: Mutex::new(Some(outbox.py()?)),
+        })
+    }
+
+    /// Partition and buffer the rows of `batch` (a pyarrow.RecordBatch or anything with
+    /// `__arrow_c_array__`); sends every channel whose buffer reached `batch_rows`. Blocks
+    /// (GIL released) while a downstream queue is full.
+    fn emit(&self, py: Python<'_>, batch: PyRecordBatch) -> PyResult<()> {
+        let batch = batch.into_inner();
+        self.with(py, "emit", move |ob| ob.emit(&batch))
+    }
+
+    /// Send buffered rows, then a heartbeat of cycle `epoch` on every channel.
+    fn heartbeat(&self, py: Python<'_>, epoch: u64) -> PyResult<()> {
+        self.with(py, "heartbeat", move |ob| ob.heartbeat(epoch))
+    }
+
+    /// Send every buffered row now.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, "flush", CoreOutbox::flush)
+    }
+
+    /// Send the buffers whose oldest row has waited `buffer_timeout_ms`.
+    fn flush_due(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, "flush_due", |ob| ob.flush_due(Instant::now()))
+    }
+
+    /// Seconds until the oldest buffered row is due (None if nothing is buffered): the
+    /// longest a worker loop may wait for input before calling `flush_due()`.
+    fn deadline(&self, py: Python<'_>) -> PyResult<Option<f64>> {
+        self.with(py, "deadline", |ob| {
+            Ok(ob
+                .deadline()
+                .map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64()))
+        })
+    }
+
+    /// Send buffered rows, then the end marker on every channel.
+    fn end(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, "end", CoreOutbox::end)
+    }
+
+    /// Send what is buffered and close the connections (each delivers what it queued).
+    /// Without a prior `end()`, receivers see this replica stop mid-stream. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| match self.inner.lock().take() {
+            Some(mut ob) => ob.close(),
+            None => Ok(()),
+        })
+        .py()
+    }
+
+    /// Cut every connection now, dropping buffered and queued frames: a crash of this
+    /// replica as the receivers see it (fault injection). Idempotent.
+    fn abort(&self, py: Python<'_>) {
+        py.detach(|| {
+            if let Some(mut ob) = self.inner.lock().take() {
+                ob.abort();
+            }
+        });
+    }
+
+    /// The seq the next element of each channel takes (buffered rows already count).
+    #[getter]
+    fn next_seqs(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.with(py, "next_seqs", |ob| Ok(ob.next_seqs().to_vec()))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        self.close(py)
+    }
+}
+
+/// Dial every downstream replica in parallel. A replica that cannot be reached is logged
+/// and left out; a channel none of whose replicas can be reached fails with the last error
+/// (so a wrong secret surfaces as an authentication error).
+fn dial_all(
+    addrs: &[Vec<String>],
+    me: &Identity,
+    secret: &[u8],
+    cfg: &LinkConfig,
+) -> tandem_core::Result<Vec<Vec<Box<dyn Link>>>> {
+    let results: Vec<Vec<tandem_core::Result<TcpLink>>> = std::thread::scope(|s| {
+        let handles: Vec<Vec<_>> = addrs
+            .iter()
+            .map(|ch| {
+                ch.iter()
+                    .map(|a| s.spawn(move || TcpLink::connect(a, me, secret, cfg)))
+                    .collect()
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|ch| {
+                ch.into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(Error::Closed("the dialing thread panicked".to_owned()))
+                        })
+                    })
+                    .collect()
+            })
+            .collect()
+    });
+    let mut links = Vec::with_capacity(results.len());
+    for (c, ch) in results.into_iter().enumerate() {
+        let mut live: Vec<Box<dyn Link>> = Vec::new();
+        let mut last_err = None;
+        for (r, res) in ch.into_iter().enumerate() {
+            match res {
+                Ok(link) => live.push(Box::new(link)),
+                Err(e) => {
+                    eprintln!(
+                        "tandem outbox: skipping downstream replica {} of channel {c}: {e}",
+                        addrs[c][r]
+                    );
+                    last_err = Some(e);
+                }
+            }
+        }
+        if live.is_empty() {
+            return Err(match last_err {
+                Some(Error::Handshake(m)) => Error::Handshake(m),
+                Some(e) => Error::Closed(format!(
+                    "no replica of downstream channel {c} ({}) is reachable: {e}",
+                    addrs[c].join(", ")
+                )),
+                None => Error::Config(format!("downstream channel {c} has no replica")),
+            });
+        }
+        links.push(live);
+    }
+    Ok(links)
 }
