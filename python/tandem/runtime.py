@@ -117,14 +117,16 @@ class _Output:
         targets = [
             [addresses[(down.id, p, r)] for r in range(down.replication)] for p in edge.partitions
         ]
-        partitioner = "forward" if len(edge.partitions) == 1 else edge.partitioner
+        # One downstream partition: every row goes to it, whatever the edge's partitioner.
+        single = len(edge.partitions) == 1
+        partitioner = "forward" if single else edge.partitioner
         self.outbox = _core.Outbox(
             plan.job,
             secret,
             me,
             targets,
             partitioner=partitioner,
-            key=edge.key,
+            key=None if single else edge.key,
             batch_rows=plan.batch_rows,
             buffer_timeout_ms=plan.buffer_timeout_ms,
         )
