@@ -1,0 +1,295 @@
+"""Typed stubs of the native module ``tandem._core`` (rust/tandem-py)."""
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Literal, TypeAlias
+
+import pyarrow
+import pyarrow as pa
+
+__version__: str
+build_profile: Literal["release", "debug"]
+
+class TandemError(Exception): ...
+class ConfigError(TandemError): ...
+class ProtocolError(TandemError): ...
+class AuthenticationError(ProtocolError): ...
+class ChannelClosed(TandemError): ...
+class DeterminismError(TandemError): ...
+class ServiceUnavailable(TandemError): ...
+
+# --- wire (rust/tandem-py/src/wire.rs) ---
+
+HEADER_LEN: int
+"""Size of the fixed frame header in bytes (32)."""
+DEFAULT_MAX_FRAME_BYTES: int
+"""Default limit on a frame's body in bytes (64 MiB)."""
+WIRE_VERSION: int
+"""Wire version spoken by this build."""
+
+def encode_data_frame(channel: int, first_seq: int, batch: pyarrow.RecordBatch) -> bytes:
+    """Encode rows ``[first_seq, first_seq + batch.num_rows)`` of ``channel`` as a Data frame.
+
+    Raises ``tandem.ProtocolError`` for an empty batch or a sequence-number overflow.
+    """
+
+def encode_heartbeat_frame(channel: int, seq: int, epoch: int) -> bytes:
+    """Encode the heartbeat of cycle ``epoch`` at seq ``seq`` of ``channel``."""
+
+def encode_end_frame(channel: int, seq: int) -> bytes:
+    """Encode the end marker of ``channel`` at seq ``seq``."""
+
+def encode_order_frame(
+    channel: int, epoch: int, version: int, entries: list[tuple[int, int]]
+) -> bytes:
+    """Encode a KaZoo order of leader ``epoch``; entries are ``(channel, up_to_seq)`` pairs."""
+
+def decode_frame(
+    data: bytes, max_frame_bytes: int = ...
+) -> (
+    tuple[Literal["data"], int, int, pyarrow.RecordBatch]
+    | tuple[Literal["heartbeat"], int, int, int]
+    | tuple[Literal["end"], int, int]
+    | tuple[Literal["order"], int, int, int, list[tuple[int, int]]]
+):
+    """Decode exactly one frame.
+
+    Returns ``("data", channel, first_seq, batch)``, ``("heartbeat", channel, seq, epoch)``,
+    ``("end", channel, seq)`` or ``("order", channel, epoch, version, [(channel, up_to_seq)])``.
+    Raises ``tandem.ProtocolError`` naming the problem for malformed, truncated, oversized or
+    trailing bytes.
+    """
+
+# --- dedup and consumption orders (rust/tandem-py/src/{dedup,merge}.rs) ---------------
+
+DataDelivery: TypeAlias = tuple[Literal["data"], int, int, pa.RecordBatch]
+"""``("data", channel, first_seq, batch)``: rows of ``channel`` from seq ``first_seq``."""
+HeartbeatDelivery: TypeAlias = tuple[Literal["heartbeat"], int, int, bool]
+"""``("heartbeat", channel, epoch, first)``: ``first`` is True the first time the epoch is
+seen; the task forwards the heartbeat on every output channel exactly then."""
+EndDelivery: TypeAlias = tuple[Literal["end"]]
+"""``("end",)``: every input channel has ended (repeated on every later call)."""
+MergeDelivery: TypeAlias = DataDelivery | HeartbeatDelivery | EndDelivery
+
+class Dedup:
+    """Duplicate sending, first copy wins: one high-water mark per logical channel.
+
+    Every upstream replica sends every element, so each seq arrives several times; only
+    the first copy is kept. Runs the lock-free core (the transport feeds the same code from
+    its I/O threads). Channels are numbered ``0..channels``; seqs start at 0 and count
+    rows and markers alike.
+
+    Raises ``tandem.ConfigError`` for bad arguments and ``tandem.ProtocolError`` for a gap
+    (an element starting after the first missing seq): gaps are never skipped; offer the
+    missing seqs first, or hold the element and offer it again once ``next_seq`` reached it.
+    """
+
+    def __init__(self, channels: int, capacity: int | None = None) -> None:
+        """``capacity``: queued elements per channel (default 1024)."""
+    @property
+    def channels(self) -> int: ...
+    def next_seq(self, channel: int) -> int:
+        """First seq of ``channel`` not yet accepted."""
+    def offer(self, channel: int, first_seq: int, batch: pa.RecordBatch) -> pa.RecordBatch | None:
+        """Offer rows ``[first_seq, first_seq + batch.num_rows)``. Returns the rows not seen
+        before — a zero-copy slice of ``batch`` — or None if every row was a duplicate."""
+    def offer_heartbeat(self, channel: int, seq: int, epoch: int) -> bool:
+        """Offer a heartbeat at ``seq``; True if this copy was the first."""
+    def offer_end(self, channel: int, seq: int) -> bool:
+        """Offer the end marker at ``seq``; True if this copy was the first."""
+    def offer_many(
+        self,
+        channel: int,
+        first_seqs: Sequence[int],
+        batches: pa.Table | pa.RecordBatchReader | Sequence[pa.RecordBatch],
+    ) -> int:
+        """Offer many batches (``first_seqs[i]`` is the first seq of batch ``i``; a Table's
+        chunks are its batches) with the GIL released; returns the number of new rows (the
+        rows themselves are not returned). Concurrent calls from several threads race on
+        the lock-free claim, like the transport's I/O threads."""
+
+class _MergeBase:
+    """Shared interface of LiveRobin, Fcfs and Positional (not a runtime class).
+
+    The object owns its input channels: push each channel's deduplicated, contiguous
+    elements (``tandem.ConfigError`` if an element does not start where the previous one
+    ended, or follows the end marker), then take deliveries.
+    """
+
+    @property
+    def channels(self) -> int: ...
+    @property
+    def waiting_on(self) -> int | None:
+        """The channel the merge is blocked on; None if any channel would do (or it waits
+        for an order, or has ended)."""
+    def push(self, channel: int, first_seq: int, batch: pa.RecordBatch) -> None: ...
+    def push_heartbeat(self, channel: int, seq: int, epoch: int) -> None: ...
+    def push_end(self, channel: int, seq: int) -> None: ...
+    def next(self) -> MergeDelivery | None:
+        """The next delivery in this replica's consumption order, or None: wait for input."""
+    def drain(self) -> list[MergeDelivery]:
+        """Every delivery available now, in order (stops after ``("end",)``)."""
+    def pending(self) -> list[int]:
+        """Elements pushed but not yet delivered, per channel."""
+
+class LiveRobin(_MergeBase):
+    """LiveRobin (Algorithm 1 of the paper): deterministic round-robin over the channels
+    still active in the current heartbeat cycle; a channel leaves the cycle when its
+    heartbeat is dequeued (first of its epoch or not). A turn takes up to ``quantum_rows``
+    rows (default 1024; 1 = the paper's per-event algorithm) and never crosses a heartbeat.
+    The row order depends only on the channels' contents, never on arrival timing."""
+
+    def __init__(self, channels: int, quantum_rows: int | None = None) -> None: ...
+
+class Fcfs(_MergeBase):
+    """``ordering="none"``: whatever is available, rotating over ready channels. Not
+    deterministic across replicas (the baseline)."""
+
+    def __init__(self, channels: int) -> None: ...
+
+class Positional(_MergeBase):
+    """The KaZoo follower: consumes channels in the order given by ``push_order``."""
+
+    def __init__(self, channels: int) -> None: ...
+    def push_order(self, channel: int, up_to_seq: int) -> None:
+        """Append "consume ``channel`` until its next seq is ``up_to_seq``" (a chunk
+        straddling the bound is sliced). Orders at or before the channel's position are
+        no-ops, so replaying an order log is harmless."""
+    def position(self, channel: int) -> int:
+        """First seq of ``channel`` not yet delivered."""
+
+# --- transport (rust/tandem-py/src/transport.rs) ---------------------------------------
+
+class Delivery:
+    """One step of an Inbox's consumption order (immutable).
+
+    * ``kind == "data"``: ``channel``, ``first_seq`` and ``batch`` are set;
+    * ``kind == "heartbeat"``: ``channel``, ``epoch`` and ``first`` are set (``first`` is
+      True the first time the epoch is seen: forward the heartbeat on every output then);
+    * ``kind == "end"``: every upstream has ended; every other field is None.
+    """
+
+    @property
+    def kind(self) -> Literal["data", "heartbeat", "end"]: ...
+    @property
+    def channel(self) -> int | None:
+        """Logical input channel: the index of the upstream in ``Inbox(upstreams=...)``."""
+    @property
+    def first_seq(self) -> int | None: ...
+    @property
+    def epoch(self) -> int | None: ...
+    @property
+    def first(self) -> bool | None: ...
+    @property
+    def batch(self) -> pa.RecordBatch | None: ...
+
+class Inbox:
+    """Receives the upstream replicas of one task partition replica over TCP.
+
+    Authenticates every connection (job id + per-job secret), deduplicates the copies sent
+    by the replicas of each upstream partition (first copy wins), and merges the logical
+    channels in the order every replica agrees on (``"liverobin"``) or first come, first
+    served (``"none"``). Bad connections (garbage, failed handshake, unknown sender,
+    malformed frames) are closed on their own and counted in ``stats()``.
+
+    Raises ``tandem.ConfigError`` for bad arguments, ``OSError`` if the port cannot be bound.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        secret: bytes,
+        upstreams: list[tuple[int, int]],
+        ordering: Literal["liverobin", "none"] = "liverobin",
+        quantum_rows: int = 1024,
+        queue_capacity: int = 1024,
+        max_frame_bytes: int = 67108864,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        handshake_timeout: float = 2.0,
+    ) -> None:
+        """``upstreams``: ``(task, partition)`` pairs; the position is the channel index.
+        ``queue_capacity``: frames queued per channel before the readers stop reading (the
+        back-pressure). ``port=0`` picks a free port (see ``port``)."""
+    @property
+    def port(self) -> int: ...
+    def next(self, timeout: float | None = None) -> Delivery | None:
+        """The next delivery, or None after ``timeout`` seconds (None = wait until one
+        arrives). Releases the GIL while waiting; Ctrl-C interrupts. Raises
+        ``tandem.ChannelClosed`` after ``close()``."""
+    def stats(self) -> dict[str, Any]:
+        """``{"channels": [{"upstream", "accepted_rows", "duplicate_rows", "next_seq",
+        "queued_seqs"}], "connections": [{"peer", "identity", "frames", "bytes", "open",
+        "error"}], "rejected_connections": int}``."""
+    def close(self) -> None:
+        """Stop listening, close every connection, join the I/O threads. Idempotent."""
+    def __enter__(self) -> Inbox: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+class Outbox:
+    """The output of one task partition replica.
+
+    Partitions emitted rows over the output channels (one per downstream partition),
+    gives every row, heartbeat and end marker the channel's next sequence number, buffers
+    up to ``batch_rows`` rows or ``buffer_timeout_ms``, and sends each frame to every
+    replica of the channel's downstream partition. A replica whose connection fails is
+    dropped (logged); only a channel with no live replica raises ``tandem.ChannelClosed``.
+
+    ``partitioner``: ``"forward"`` (exactly one channel: the downstream partition with this
+    partition's index), ``"hash"`` (needs ``key``: an int, string or binary column; nulls go
+    to channel 0), ``"rebalance"`` (row i → channel i % n), ``"broadcast"``.
+    Construction dials every replica (retrying until ``connect_timeout`` seconds); raises
+    ``tandem.AuthenticationError`` if refused, ``tandem.ChannelClosed`` if a channel has no
+    reachable replica, ``tandem.ConfigError`` for bad arguments.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        secret: bytes,
+        me: tuple[int, int, int],
+        downstream: list[list[tuple[str, int]]],
+        partitioner: Literal["forward", "hash", "rebalance", "broadcast"] = "forward",
+        key: str | None = None,
+        batch_rows: int = 1024,
+        buffer_timeout_ms: float = 5.0,
+        connect_timeout: float = 10.0,
+        queue_frames: int = 256,
+    ) -> None:
+        """``me``: ``(task, partition, replica)``. ``downstream[c]``: ``(host, port)`` of
+        each replica of downstream partition ``c``. ``queue_frames``: frames queued per
+        connection before ``emit`` blocks."""
+    def emit(self, batch: pa.RecordBatch) -> None:
+        """Partition and buffer ``batch``; send full buffers. Blocks (GIL released) while a
+        downstream is slow."""
+    def heartbeat(self, epoch: int) -> None:
+        """Send buffered rows, then a heartbeat of cycle ``epoch`` on every channel."""
+    def flush(self) -> None:
+        """Send every buffered row now."""
+    def flush_due(self) -> None:
+        """Send the buffers whose oldest row waited ``buffer_timeout_ms``."""
+    def deadline(self) -> float | None:
+        """Seconds until the oldest buffered row is due; None if nothing is buffered."""
+    def end(self) -> None:
+        """Send buffered rows, then the end marker on every channel."""
+    def close(self) -> None:
+        """Send buffered rows and close the connections after they delivered what was
+        queued. Without ``end()`` first, receivers see this replica stop mid-stream."""
+    def abort(self) -> None:
+        """Cut every connection now, dropping what is buffered or queued (a crash, for
+        fault injection)."""
+    @property
+    def next_seqs(self) -> list[int]:
+        """The seq the next element of each channel takes (buffered rows count)."""
+    def __enter__(self) -> Outbox: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
