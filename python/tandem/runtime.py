@@ -54,6 +54,9 @@ class ReplicaReport:
     latency_ms: np.ndarray | None = None
     inbox_stats: dict | None = None
     error: str | None = None
+    abandoned: str | None = None
+    """Set when every downstream replica had already finished (its twin got there first):
+    the replica's remaining output was needed by nobody, so it stopped early."""
 
 
 class CycleDigest:
@@ -193,6 +196,11 @@ class Replica:
                 self._run_operator(outputs, report, t0_ns)
             else:
                 self._run_sink(report)
+        except _core.ChannelClosed as exc:
+            # No live downstream replica is left on some output channel. Downstream only
+            # closes once it has received everything (from a faster twin of this replica);
+            # had they all crashed instead, the engine fails the job for that reason.
+            report.abandoned = str(exc)
         except Exception as exc:
             report.error = f"{self.name} failed: {type(exc).__name__}: {exc}\n" + "".join(
                 traceback.format_exception(exc)
