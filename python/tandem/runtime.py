@@ -33,6 +33,9 @@ from tandem.plan import OutputEdge, Plan, Task, WatermarkTracker
 ReplicaId = tuple[int, int, int]  # task id, partition, replica
 Addresses = dict[ReplicaId, tuple[str, int]]
 
+SOURCE_TICK_S = 0.001
+"""A source wakes up once per tick and releases every row (and heartbeat) due by then."""
+
 IDLE_WAIT_S = 0.05
 """How long a worker waits for input before checking again (buffer timeouts are enforced
 by flushing whenever the input runs dry)."""
@@ -61,47 +64,59 @@ class ReplicaReport:
 
 class CycleDigest:
     """Digest of one output edge's rows per heartbeat cycle, independent of how the rows
-    were cut into batches (replicas of a task see different batch boundaries)."""
+    were cut into batches (replicas of a task see different batch boundaries).
+
+    Every column feeds three running hashes — null flags, fixed-width values (or string
+    lengths), string bytes — each of which sees the same byte stream however the cycle's
+    rows are split into batches. Closing a cycle folds them into one digest."""
 
     def __init__(self) -> None:
-        self.pending: list[pa.RecordBatch] = []
+        self.columns: list[list] | None = None
+        self.rows = 0
         self.done: dict[int, str] = {}
 
     def add(self, batch: pa.RecordBatch) -> None:
-        if batch.num_rows:
-            self.pending.append(batch)
+        if not batch.num_rows:
+            return
+        if self.columns is None:
+            self.columns = [[hashlib.blake2b(digest_size=16) for _ in range(3)] for _ in batch]
+        self.rows += batch.num_rows
+        for hashers, column in zip(self.columns, batch.columns, strict=True):
+            for h, part in zip(hashers, _canonical_parts(column), strict=True):
+                h.update(part)
 
     def close(self, epoch: int) -> None:
-        h = hashlib.blake2b(digest_size=16)
-        if self.pending:
-            table = pa.Table.from_batches(self.pending)
-            for column in table.columns:
-                h.update(_canonical_bytes(column.combine_chunks()))
-        self.done[epoch] = h.hexdigest()
-        self.pending = []
+        total = hashlib.blake2b(self.rows.to_bytes(8, "little"), digest_size=16)
+        for hashers in self.columns or ():
+            for h in hashers:
+                total.update(h.digest())
+        self.done[epoch] = total.hexdigest()
+        self.columns, self.rows = None, 0
 
 
-def _canonical_bytes(arr: pa.Array) -> bytes:
-    """The logical content of ``arr`` as bytes: equal arrays give equal bytes whatever
-    their buffer layout (offsets, slicing, present-but-all-valid bitmaps)."""
-    nulls = arr.is_null().to_numpy(zero_copy_only=False).tobytes()
+def _canonical_parts(arr: pa.Array) -> tuple[bytes, bytes, bytes]:
+    """(null flags, values or lengths, variable-length bytes) of ``arr``: equal row
+    sequences give equal concatenations whatever their buffer layout or batch split."""
+    if arr.null_count:
+        nulls = arr.is_null().to_numpy(zero_copy_only=False).tobytes()
+    else:
+        nulls = bytes(len(arr))  # the same flags an all-valid is_null() gives
     t = arr.type
     if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t):
         arr = arr.cast(pa.large_binary())
         t = arr.type
-    if pa.types.is_large_binary(t) or pa.types.is_large_string(t):
+    if pa.types.is_large_binary(t):
         offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[
             arr.offset : arr.offset + len(arr) + 1
         ]
         data = arr.buffers()[2]
         body = b"" if data is None else data.to_pybytes()[offsets[0] : offsets[-1]]
-        return nulls + (offsets - offsets[0]).tobytes() + body
+        return nulls, np.diff(offsets).tobytes(), body
     if pa.types.is_primitive(t) or pa.types.is_boolean(t):
-        values = arr.to_numpy(zero_copy_only=False)
-        if arr.null_count:
-            values = np.where(arr.is_null().to_numpy(zero_copy_only=False), 0, values)
-        return nulls + np.ascontiguousarray(values).tobytes()
-    return nulls + repr(arr.to_pylist()).encode()
+        if arr.null_count:  # nulls as zeros of the column's type (to_numpy would go float)
+            arr = arr.fill_null(pa.scalar(0).cast(t))
+        return nulls, np.ascontiguousarray(arr.to_numpy(zero_copy_only=False)).tobytes(), b""
+    return nulls, b"", repr(arr.to_pylist()).encode()
 
 
 class _Output:
@@ -249,7 +264,7 @@ class Replica:
                 o.outbox.flush()
             if emitted >= total and epoch > last_epoch:
                 break
-            time.sleep(0.0005)
+            time.sleep(SOURCE_TICK_S)
         for o in outputs:
             o.outbox.end()
 
