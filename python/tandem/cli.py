@@ -167,14 +167,19 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.experiment == "mib1":
         lengths = [int(x) for x in args.lengths.split(",")]
-        rows = bench.mib1(lengths=lengths, rate=args.rate, warmup=args.warmup,
-                          measure=args.measure)
-        out = {"experiment": "mib1", "rows": [vars(r) for r in rows],
-               "paper_liverobin_ms": bench.PAPER_LIVEROBIN}
+        rows = bench.mib1(lengths=lengths, rate=args.rate, warmup=args.warmup, measure=args.measure)
+        out = {
+            "experiment": "mib1",
+            "rows": [vars(r) for r in rows],
+            "paper_liverobin_ms": bench.PAPER_LIVEROBIN,
+        }
     else:
         best, rows = bench.throughput(duration=args.measure)
-        out = {"experiment": "throughput", "max_sustained_ev_per_s": best,
-               "rows": [vars(r) for r in rows]}
+        out = {
+            "experiment": "throughput",
+            "max_sustained_ev_per_s": best,
+            "rows": [vars(r) for r in rows],
+        }
         print(f"highest sustained rate (r=2, liverobin, length 1): {best} ev/s")
     print(bench.table(rows))
     if args.json:
