@@ -33,8 +33,11 @@ from tandem.plan import OutputEdge, Plan, Task, WatermarkTracker
 ReplicaId = tuple[int, int, int]  # task id, partition, replica
 Addresses = dict[ReplicaId, tuple[str, int]]
 
-SOURCE_TICK_S = 0.001
-"""A source wakes up once per tick and releases every row (and heartbeat) due by then."""
+MIN_SOURCE_TICK_S = 0.001
+"""A source wakes up once per tick — its buffer timeout, at least this — and releases every
+row and heartbeat due by then, as one flush. That is the buffer timeout applied where rows
+enter the job: without it, every row would travel in a frame of its own at low rates and
+the per-frame cost of every downstream replica would dominate."""
 
 IDLE_WAIT_S = 0.05
 """How long a worker waits for input before checking again (buffer timeouts are enforced
@@ -240,6 +243,7 @@ class Replica:
         total = plan.source_rows(t, p, duration)
         last_epoch = plan.last_epoch(duration)
         emitted, epoch = 0, 1
+        tick = max(MIN_SOURCE_TICK_S, plan.buffer_timeout_ms / 1000)
 
         def emit_until(limit: int) -> None:
             nonlocal emitted
@@ -264,7 +268,7 @@ class Replica:
                 o.outbox.flush()
             if emitted >= total and epoch > last_epoch:
                 break
-            time.sleep(SOURCE_TICK_S)
+            time.sleep(tick)
         for o in outputs:
             o.outbox.end()
 
