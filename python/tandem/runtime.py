@@ -243,7 +243,7 @@ class Replica:
         total = plan.source_rows(t, p, duration)
         last_epoch = plan.last_epoch(duration)
         emitted, epoch = 0, 1
-        tick = max(MIN_SOURCE_TICK_S, plan.buffer_timeout_ms / 1000)
+        tick_ns = int(max(MIN_SOURCE_TICK_S, plan.buffer_timeout_ms / 1000) * 1e9)
 
         def emit_until(limit: int) -> None:
             nonlocal emitted
@@ -268,7 +268,8 @@ class Replica:
                 o.outbox.flush()
             if emitted >= total and epoch > last_epoch:
                 break
-            time.sleep(tick)
+            now = time.time_ns() - t0_ns  # sleep to the next tick boundary of the logical clock
+            time.sleep(max(0, tick_ns - now % tick_ns) / 1e9 if now >= 0 else -now / 1e9)
         for o in outputs:
             o.outbox.end()
 
