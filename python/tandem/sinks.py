@@ -99,6 +99,22 @@ class _FileSink(Sink):
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> list[str]:
         return [p for p in parts if p]
 
+    def _writer(self, schema: pa.Schema):
+        """The open writer of ``self.file``, created on first use."""
+        raise NotImplementedError
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows:
+            self._writer(batch.schema).write_batch(batch)
+
+    def close(self) -> str:
+        if self.writer is None and self.schema is not None:
+            self._writer(self.schema)
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        return self.file
+
 
 class Parquet(_FileSink):
     """Writes partition ``p`` to ``<dir>/part-<p:05d>.parquet`` (directory created)."""
@@ -115,18 +131,6 @@ class Parquet(_FileSink):
         if self.writer is None:
             self.writer = pq.ParquetWriter(self.file, schema)
         return self.writer
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        if batch.num_rows:
-            self._writer(batch.schema).write_batch(batch)
-
-    def close(self) -> str:
-        if self.writer is None and self.schema is not None:
-            self._writer(self.schema)
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        return self.file
 
 
 class Csv(_FileSink):
@@ -151,18 +155,6 @@ class Csv(_FileSink):
         if self.writer is None:
             self.writer = pacsv.CSVWriter(self.file, schema)
         return self.writer
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        if batch.num_rows:
-            self._writer(batch.schema).write_batch(batch)
-
-    def close(self) -> str:
-        if self.writer is None and self.schema is not None:
-            self._writer(self.schema)
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        return self.file
 
 
 LATENCY_SCHEMA = pa.schema(
