@@ -411,3 +411,44 @@ def test_close_joins_every_io_thread():
     assert time.monotonic() - t < 2, "close must not wait for the silent peer's timeout"
     silent.close()
     assert native_threads() == before
+
+
+def test_back_pressure_blocks_the_sender_without_holding_the_gil():
+    capacity, batch_rows, total = 2, 64, 64 * 400  # 25,600 rows of 1 KiB: > socket buffers
+    pad = b"x" * 1024
+
+    def fat(start: int) -> pa.RecordBatch:
+        return pa.record_batch(
+            {"v": pa.array(range(start, start + batch_rows), pa.int64()), "pad": [pad] * batch_rows}
+        )
+
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)], queue_capacity=capacity) as ib:
+        out = _core.Outbox(
+            JOB, SECRET, (TASK, 0, 0), [[(HOST, ib.port)]], batch_rows=batch_rows, queue_frames=2
+        )
+        progress = [0]
+
+        def send() -> None:
+            for i in range(0, total, batch_rows):
+                out.emit(fat(i))
+                progress[0] = i + batch_rows
+            out.end()
+
+        sender = Threads()
+        sender.start(send)
+        time.sleep(0.3)
+        # The sender is blocked inside emit(); this thread still runs Python and calls in.
+        stalled = progress[0]
+        assert stalled < total, "a consumer that read nothing received everything"
+        assert out.next_seqs[0] <= stalled + batch_rows  # readable while emit() is blocked
+        assert ib.stats()["channels"][0]["queued_seqs"] <= capacity * batch_rows
+        got: list[int] = []
+        deadline = time.monotonic() + 60
+        while (d := ib.next(timeout=1)) is None or d.kind != "end":
+            assert time.monotonic() < deadline, f"stuck after {len(got)} rows"
+            if d is not None and d.kind == "data":
+                got.extend(d.batch.column("v").to_pylist())
+            assert ib.stats()["channels"][0]["queued_seqs"] <= capacity * batch_rows
+        sender.join()
+        out.close()
+        assert got == list(range(total))

@@ -285,7 +285,8 @@ class Outbox:
         fault injection)."""
     @property
     def next_seqs(self) -> list[int]:
-        """The seq the next element of each channel takes (buffered rows count)."""
+        """The seq the next element of each channel takes (buffered rows count), as of the
+        last completed call; never blocks, even while another thread is inside ``emit``."""
     def __enter__(self) -> Outbox: ...
     def __exit__(
         self,

@@ -337,6 +337,9 @@ impl Inbox {
 #[pyclass(frozen, module = "tandem._core")]
 pub struct Outbox {
     inner: Mutex<Option<CoreOutbox>>,
+    /// `next_seqs` as of the last completed call, readable while another thread is blocked
+    /// in `emit` holding `inner` (back-pressure may last as long as the consumer sleeps).
+    seqs: Mutex<Vec<u64>>,
 }
 
 impl Outbox {
@@ -352,7 +355,9 @@ impl Outbox {
         py.detach(|| {
             let mut guard = self.inner.lock();
             let ob = guard.as_mut().ok_or_else(|| closed(what))?;
-            f(ob).py()
+            let res = f(ob);
+            self.seqs.lock().clone_from_slice(ob.next_seqs());
+            res.py()
         })
     }
 }
@@ -425,8 +430,10 @@ impl Outbox {
             let links = dial_all(&addrs, &me, &secret, &link_cfg)?;
             CoreOutbox::new(partitioner, links, cfg)
         });
+        let outbox = outbox.py()?;
         Ok(Outbox {
-            inner: Mutex::new(Some(outbox.py()?)),
+            seqs: Mutex::new(outbox.next_seqs().to_vec()),
+            inner: Mutex::new(Some(outbox)),
         })
     }
 
@@ -488,10 +495,11 @@ impl Outbox {
         });
     }
 
-    /// The seq the next element of each channel takes (buffered rows already count).
+    /// The seq the next element of each channel takes (buffered rows already count), as
+    /// of the last completed call. Never blocks, even while another thread is in `emit`.
     #[getter]
-    fn next_seqs(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
-        self.with(py, "next_seqs", |ob| Ok(ob.next_seqs().to_vec()))
+    fn next_seqs(&self) -> Vec<u64> {
+        self.seqs.lock().clone()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
