@@ -580,9 +580,9 @@ class Result:
     """What a run reports. ``to_json()`` writes exactly :data:`JSON_FIELDS`.
 
     ``events_in``: rows released by all sources; ``events_out``: rows delivered to all
-    sinks (a row reaching two sinks counts twice). ``lost``/``duplicates`` are counted
-    against sequence numbers; latency fields are in
-    ms (None when the run measured no latency, e.g. the reference executor, which has no
+    sinks (a row reaching two sinks counts twice). ``lost``/``duplicates``: rows of the
+    reference execution's output missing from / repeated in the run's (None when a run
+    skipped that check); latency fields are in ms (None when the run measured no latency, e.g. the reference executor, which has no
     clock); ``faults`` the faults injected (dicts), ``lost_replicas`` the replicas that
     died (dicts with task, partition, replica); ``output`` the rows of the first Collect
     sink (a pyarrow.Table; in JSON: ``{"rows": n, "columns": [...]}``). Not in JSON:
@@ -595,8 +595,8 @@ class Result:
 
     events_in: int = 0
     events_out: int = 0
-    lost: int = 0
-    duplicates: int = 0
+    lost: int | None = 0
+    duplicates: int | None = 0
     p50_ms: float | None = None
     p99_ms: float | None = None
     max_ms: float | None = None

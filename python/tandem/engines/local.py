@@ -309,6 +309,8 @@ class _Run:
         self._digests(res)
         if check:
             self._check(res)
+        else:  # not measured: say so rather than report a reassuring zero
+            res.lost = res.duplicates = None
         return res
 
     def _latency(self, res: Result, warmup: float) -> None:
