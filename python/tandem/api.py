@@ -579,18 +579,19 @@ JSON_FIELDS = (
 class Result:
     """What a run reports. ``to_json()`` writes exactly :data:`JSON_FIELDS`.
 
-    ``events_in``: rows released by all sources; ``events_out``: rows delivered to all
-    sinks (a row reaching two sinks counts twice). ``lost``/``duplicates``: rows of the
-    reference execution's output missing from / repeated in the run's (None when a run
-    skipped that check); latency fields are in ms (None when the run measured no latency, e.g. the reference executor, which has no
-    clock); ``faults`` the faults injected (dicts), ``lost_replicas`` the replicas that
-    died (dicts with task, partition, replica); ``output`` the rows of the first Collect
-    sink (a pyarrow.Table; in JSON: ``{"rows": n, "columns": [...]}``). Not in JSON:
-    ``outputs`` (every sink's combined value by sink name) and ``t0_ns`` (the logical time
-    origin of the run: pass it to ``run_reference`` to reproduce event times);
-    ``determinism_errors``, one message per task partition whose replicas' output digests
-    differed (each is also logged as a DeterminismError; ``digests_match`` is then false);
-    ``rss_mb``, the peak resident memory of each replica process (engines that measure it).
+    ``events_in``: rows released by all sources; ``events_out``: rows delivered to all sinks
+    (a row reaching two sinks counts twice). ``lost``/``duplicates``: rows of the reference
+    execution's output missing from / repeated in the run's (None when a run skipped that
+    check); latency fields are in ms (None when the run measured no latency, e.g. the
+    reference executor, which has no clock); ``faults`` the faults injected (dicts),
+    ``lost_replicas`` the replicas that died (dicts with task, partition, replica);
+    ``output`` the rows of the first Collect sink (a pyarrow.Table; in JSON: ``{"rows": n,
+    "columns": [...]}``). Not in JSON: ``outputs`` (every sink's combined value by sink
+    name) and ``t0_ns`` (the logical time origin of the run: pass it to ``run_reference`` to
+    reproduce event times); ``determinism_errors``, one message per task partition whose
+    replicas' output digests differed (each is also logged as a DeterminismError;
+    ``digests_match`` is then false); ``rss_mb``, the peak resident memory of each replica
+    process (engines that measure it).
     """
 
     events_in: int = 0
