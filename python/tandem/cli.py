@@ -123,7 +123,7 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
             demo.plot(result, plot_path, title=job.name)
             print(f"wrote {plot_path}")
         except ImportError:
-            print("(no plot: matplotlib is not installed; pip install matplotlib)")
+            print("(no plot: matplotlib is not installed; pip install 'tandem-stream[plot]')")
     ok = result.lost == 0 and result.duplicates == 0 and result.digests_match
     return 0 if ok else 1
 

@@ -1,0 +1,102 @@
+"""The command line as a user runs it: `tandem demo`, `tandem run job.py`, bad flags."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tandem.cli import main, parse_kill
+
+FIELDS = {
+    "events_in",
+    "events_out",
+    "lost",
+    "duplicates",
+    "p50_ms",
+    "p99_ms",
+    "max_gap_ms",
+    "per_second_p99_ms",
+    "digests_match",
+}
+
+
+def test_demo_masks_the_kill_and_writes_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "demo.json", tmp_path / "demo.png"
+    code = main(
+        [
+            "demo",
+            "--duration",
+            "3",
+            "--rate",
+            "600",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads(out.read_text())
+    assert result.keys() >= FIELDS
+    assert result["lost"] == 0 and result["duplicates"] == 0 and result["digests_match"]
+    assert result["events_in"] == result["events_out"] == 1800
+    assert [f["task"] for f in result["faults"]] == ["count"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "fault masked" in printed
+
+
+def test_run_a_job_file(tmp_path):
+    job = tmp_path / "myjob.py"
+    job.write_text(
+        textwrap.dedent(
+            """
+            import pyarrow as pa
+            import pyarrow.compute as pc
+            import tandem as td
+
+            def double(batch: pa.RecordBatch) -> pa.RecordBatch:
+                return batch.append_column("twice", pc.multiply(batch.column("value"), 2))
+
+            job = td.Job("mine", replication=2)
+            src = job.source(td.sources.Synthetic(rate=400, keys=10, seed=5))
+            src.map(double, name="double").sink(td.sinks.Collect())
+            duration = 2
+            faults = [td.Kill("double", partition=0, replica=1, at=1.0)]
+            """
+        )
+    )
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "run", str(job), "--no-progress", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["events_out"] == 800 and result["lost"] == 0
+    assert result["lost_replicas"][0]["task"] == "double"
+
+
+@pytest.mark.parametrize("spec", ["count:0", "count:x:0@1", "count:0:0", "@3"])
+def test_bad_kill_spec_is_a_usage_error(spec):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--kill", spec])
+    assert exc.value.code == 2
+
+
+def test_kill_spec_parses_roles_and_indices():
+    assert parse_kill("count:1:0@2.5").replica == 0
+    assert parse_kill("count:1:leader@30").replica == "leader"
+
+
+def test_a_job_file_without_a_job_is_explained(tmp_path, capsys):
+    bad = tmp_path / "nojob.py"
+    bad.write_text("x = 1\n")
+    assert main(["run", str(bad), "--no-progress"]) == 2
+    assert "must define a module-level `job = td.Job(...)`" in capsys.readouterr().err
