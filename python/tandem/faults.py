@@ -7,6 +7,7 @@ typo in a task name fails at once instead of silently running without the fault.
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,14 +21,15 @@ ROLES = ("leader", "follower")
 
 
 @dataclass(frozen=True)
-class Fault:
+class Fault(abc.ABC):
     """Base class of fault specs."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": type(self).__name__.lower(), **asdict(self)}
 
+    @abc.abstractmethod
     def validate(self, plan: Plan, duration: float) -> None:
-        raise NotImplementedError
+        """Raise ConfigError if this fault cannot apply to ``plan`` run for ``duration``."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ partitions' values, in partition order, into what the Result exposes.
 
 from __future__ import annotations
 
+import abc
 import os
 import time
 from typing import Any
@@ -25,7 +26,7 @@ from tandem.exceptions import ConfigError
 from tandem.operators import EVENT_TIME
 
 
-class Sink:
+class Sink(abc.ABC):
     """Base class of sinks."""
 
     partition: int = 0
@@ -41,9 +42,9 @@ class Sink:
         self.parallelism = parallelism
         self.schema = schema
 
+    @abc.abstractmethod
     def write(self, batch: pa.RecordBatch) -> None:
         """Consume the next rows (each row is written exactly once)."""
-        raise NotImplementedError
 
     def close(self) -> Any:
         """Finish; return this partition's contribution to the Result (or None)."""
@@ -99,9 +100,9 @@ class _FileSink(Sink):
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> list[str]:
         return [p for p in parts if p]
 
+    @abc.abstractmethod
     def _writer(self, schema: pa.Schema):
         """The open writer of ``self.file``, created on first use."""
-        raise NotImplementedError
 
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows:

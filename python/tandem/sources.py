@@ -19,6 +19,7 @@ batches. Nothing depends on Python's hash seed, clocks or global random state.
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 from collections.abc import Mapping
@@ -68,7 +69,7 @@ def _parse_rate(rate: Any, what: str) -> Fraction | None:
     )
 
 
-class Source:
+class Source(abc.ABC):
     """Base class of sources. Subclasses define :meth:`schema`, :meth:`total_rows` and
     :meth:`_rows`; release offsets come from ``self.rate`` (None = all at offset 0)."""
 
@@ -77,17 +78,17 @@ class Source:
     def describe(self) -> str:
         return type(self).__name__
 
+    @abc.abstractmethod
     def schema(self) -> pa.Schema:
         """The schema of every batch, ``source_seq`` and ``event_time_ns`` included."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def total_rows(self, duration_ns: int | None) -> int | None:
         """Rows released in ``[0, duration_ns)`` (None: unbounded)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _rows(self, idx: np.ndarray) -> list[pa.Array]:
         """The payload columns (everything but source_seq/event_time_ns) of global rows."""
-        raise NotImplementedError
 
     # -- release schedule ------------------------------------------------------------
 
@@ -289,8 +290,9 @@ class _FileSource(Source):
         state["_table"] = None
         return state
 
+    @abc.abstractmethod
     def _read(self) -> pa.Table:
-        raise NotImplementedError
+        """The whole file as a table."""
 
     def _load(self) -> pa.Table:
         if self._table is None:
