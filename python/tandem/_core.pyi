@@ -200,7 +200,7 @@ class Inbox:
         job: str,
         secret: bytes,
         upstreams: list[tuple[int, int]],
-        ordering: Literal["liverobin", "none"] = "liverobin",
+        ordering: Literal["liverobin", "kazoo", "none"] = "liverobin",
         quantum_rows: int = 1024,
         queue_capacity: int = 1024,
         max_frame_bytes: int = 67108864,
@@ -217,6 +217,8 @@ class Inbox:
         """The next delivery, or None after ``timeout`` seconds (None = wait until one
         arrives). Releases the GIL while waiting; Ctrl-C interrupts. Raises
         ``tandem.ChannelClosed`` after ``close()``."""
+    def order_feed(self) -> OrderFeed | None:
+        """The inbox's side of the KaZoo order log (``ordering="kazoo"`` only, else None)."""
     def stats(self) -> dict[str, Any]:
         """``{"channels": [{"upstream", "accepted_rows", "duplicate_rows", "next_seq",
         "queued_seqs"}], "connections": [{"peer", "identity", "frames", "bytes", "open",
@@ -230,6 +232,43 @@ class Inbox:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+class OrderLog:
+    """The orders a replica of a task partition with ``channels`` input channels follows,
+    given the order log's messages in log order (stale epochs fenced off, replays ignored):
+    the same decisions ``OrderFeed`` makes inside a replica, for replaying a log."""
+
+    def __init__(self, channels: int) -> None: ...
+    def offer(self, frame: bytes) -> Literal["followed", "stale", "replayed"]:
+        """Offer the next message (an encoded Order frame); raises like ``OrderFeed.offer``."""
+    def drain(self) -> list[tuple[int, int]]:
+        """The followed entries ``(channel, up_to_seq)`` not taken yet, oldest first."""
+    def ordered(self) -> list[int]:
+        """Per channel, the furthest position the followed orders reach."""
+    def stats(self) -> dict[str, Any]:
+        """``{"followed", "stale", "replayed", "entries", "epoch", "version"}``."""
+
+class OrderFeed:
+    """The KaZoo orderer's handle on a ``kazoo`` inbox; usable from any thread while the
+    inbox's consumer waits in ``next()``. Every replica offers it the order log's messages
+    in log order; the leader decides new orders from ``arrived()`` beyond ``ordered()``."""
+
+    def offer(self, frame: bytes) -> Literal["followed", "stale", "replayed"]:
+        """Offer the next order log message (an encoded Order frame): ``"stale"`` = a
+        deposed leader's order, fenced off; ``"replayed"`` = a version already followed.
+        Raises ``ProtocolError`` for bytes that are not one Order frame, ``ConfigError`` for
+        an order naming a channel this task does not have."""
+    def arrived(self) -> list[int]:
+        """Per input channel, the first sequence number not yet arrived here."""
+    def ordered(self) -> list[int]:
+        """Per input channel, the furthest position the followed orders reach."""
+    def stats(self) -> dict[str, Any]:
+        """``{"followed", "stale", "replayed", "entries", "epoch", "version"}``."""
+    def generation(self) -> int:
+        """A token for ``wait``: read it, look at ``arrived()``, then wait with it."""
+    def wait(self, generation: int, timeout: float) -> bool:
+        """Sleep (GIL released) until input arrives or an order is followed after
+        ``generation`` was read, or ``timeout`` seconds pass. True if woken."""
 
 class Outbox:
     """The output of one task partition replica.

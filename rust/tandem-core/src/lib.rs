@@ -9,6 +9,8 @@
 //!   driven by heartbeats.
 //! * [`merge`] — the other consumption orders: `none` (first come, first served) and the
 //!   positional order followed by KaZoo replicas ("consume channel c up to seq s").
+//! * [`orderlog`] — the KaZoo order log as a replica follows it: fencing by leader epoch,
+//!   replays ignored, positional entries handed to the merge.
 //! * [`outbox`] — partitioners, per-output-channel sequence numbers, flush policy.
 //! * [`transport`] — TCP listener/dialers on I/O threads, bounded queues, blocking `next()`.
 //!
@@ -20,6 +22,7 @@ pub mod error;
 pub mod item;
 pub mod liverobin;
 pub mod merge;
+pub mod orderlog;
 pub mod outbox;
 pub mod sync;
 pub mod transport;

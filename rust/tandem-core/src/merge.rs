@@ -57,6 +57,15 @@ pub trait Merge<P: Chunk>: Send {
     fn next(&mut self, inputs: &mut dyn Inputs<P>) -> Option<Delivery<P>>;
     /// The channel it is blocked on (None = any channel would do).
     fn waiting_on(&self) -> Option<usize>;
+    /// Append the order "consume `channel` until its next sequence number is `up_to_seq`".
+    /// Only [`Positional`] follows orders; the other merges decide for themselves and
+    /// refuse.
+    fn push_order(&mut self, channel: usize, up_to_seq: u64) -> Result<()> {
+        Err(Error::Config(format!(
+            "order (channel {channel}, up to seq {up_to_seq}) pushed to a merge that decides its \
+             own order; only ordering 'kazoo' (positional) follows orders"
+        )))
+    }
 }
 
 /// The ordering knob (`ordering` in DESIGN §5; `kazoo` replicas use [`Positional`]).
@@ -333,6 +342,10 @@ impl<P: Chunk + Send> Merge<P> for Positional<P> {
 
     fn waiting_on(&self) -> Option<usize> {
         self.waiting
+    }
+
+    fn push_order(&mut self, channel: usize, up_to_seq: u64) -> Result<()> {
+        Positional::push_order(self, channel, up_to_seq)
     }
 }
 

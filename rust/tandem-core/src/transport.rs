@@ -9,7 +9,9 @@
 //!                                                     │       the socket is not read, TCP's
 //!                                                     │       window closes, the sender blocks)
 //!                                                     │ Gap:  hold, retry when `next` moves
-//! Inbox::next() ← merge (none | liverobin) ← dedup receivers ◄┘
+//! Inbox::next() ← merge (none | liverobin | positional) ← dedup receivers ◄┘
+//!                     ▲ orders (positional only)
+//!                     └── OrderFeed::offer_frame ← the KaZoo order log, read by the orderer
 //! ```
 //!
 //! A logical input channel is one upstream partition `(task, partition)`; its position in
@@ -32,6 +34,7 @@ use parking_lot::Mutex;
 
 use crate::dedup::{self, DedupReceiver, DedupSender, Offer};
 use crate::merge::{self, Merge, OrderingMode};
+use crate::orderlog::{OrderLog, OrderLogStats, Verdict};
 use crate::outbox::Link;
 use crate::sync::Doorbell;
 use crate::wire::{self, Frame, FrameReader, Identity};
@@ -120,13 +123,6 @@ impl InboxConfig {
         }
         if self.handshake_timeout.is_zero() {
             return Err(Error::Config("handshake_timeout must be > 0".to_owned()));
-        }
-        if matches!(self.ordering, OrderingMode::Positional) {
-            return Err(Error::Config(
-                "ordering 'positional' (kazoo) is not served by the TCP inbox yet; use 'none' or \
-                 'liverobin'"
-                    .to_owned(),
-            ));
         }
         Ok(())
     }
@@ -221,6 +217,8 @@ pub struct Inbox {
     shared: Arc<Shared>,
     receivers: Vec<DedupReceiver<RecordBatch>>,
     merge: Box<dyn Merge<RecordBatch>>,
+    /// The order log the positional (KaZoo) merge follows; None for the other orderings.
+    orders: Option<Arc<Mutex<OrderLog>>>,
     bell: Arc<Doorbell>,
     local_addr: SocketAddr,
     accept: Option<JoinHandle<()>>,
@@ -268,10 +266,13 @@ impl Inbox {
                 .name(format!("tandem-accept-{}", local_addr.port()))
                 .spawn(move || accept_loop(&shared, &listener))?
         };
+        let orders = matches!(cfg.ordering, OrderingMode::Positional)
+            .then(|| Arc::new(Mutex::new(OrderLog::new(n))));
         Ok(Inbox {
             shared,
             receivers,
             merge: merge::build(&cfg.ordering, n),
+            orders,
             bell,
             local_addr,
             accept: Some(accept),
@@ -291,6 +292,11 @@ impl Inbox {
             // Read the generation before looking, so an arrival between the look and the
             // sleep still wakes us.
             let seen = self.bell.generation();
+            if let Some(log) = &self.orders {
+                for (channel, up_to_seq) in log.lock().drain() {
+                    self.merge.push_order(channel, up_to_seq)?;
+                }
+            }
             if let Some(d) = self.merge.next(&mut self.receivers) {
                 return Ok(Some(d));
             }
@@ -305,6 +311,16 @@ impl Inbox {
             };
             self.bell.wait(seen, left);
         }
+    }
+
+    /// The handle through which the KaZoo orderer feeds the order log to this inbox and
+    /// sees what has arrived; None unless the ordering is positional.
+    pub fn order_feed(&self) -> Option<OrderFeed> {
+        self.orders.as_ref().map(|log| OrderFeed {
+            log: Arc::clone(log),
+            shared: Arc::clone(&self.shared),
+            bell: Arc::clone(&self.bell),
+        })
     }
 
     /// Current counters.
@@ -380,6 +396,59 @@ impl Inbox {
 impl Drop for Inbox {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+/// The orderer's side of a positional (KaZoo) inbox; cheap to clone, usable from any thread
+/// while the consumer blocks in [`Inbox::next`].
+///
+/// * every replica feeds the order log, message by message, to [`OrderFeed::offer_frame`];
+/// * the leader decides the next orders from [`OrderFeed::arrived`] (what its own dedup
+///   queues have accepted) beyond [`OrderFeed::ordered`] (what the log already covers),
+///   sleeping on [`OrderFeed::wait`] until something arrives.
+#[derive(Clone)]
+pub struct OrderFeed {
+    log: Arc<Mutex<OrderLog>>,
+    shared: Arc<Shared>,
+    bell: Arc<Doorbell>,
+}
+
+impl OrderFeed {
+    /// Offer the next message of the order log (an encoded Order frame); see
+    /// [`OrderLog::offer`]. A followed order wakes the consumer.
+    pub fn offer_frame(&self, frame: &[u8]) -> Result<Verdict> {
+        let verdict = self.log.lock().offer_frame(frame)?;
+        if verdict == Verdict::Followed {
+            self.bell.ring();
+        }
+        Ok(verdict)
+    }
+
+    /// Per channel, the first sequence number not yet accepted: everything before it has
+    /// arrived here (deduplicated) and may be ordered.
+    pub fn arrived(&self) -> Vec<u64> {
+        self.shared.senders.iter().map(|s| s.next_seq()).collect()
+    }
+
+    /// Per channel, the furthest position the followed orders reach.
+    pub fn ordered(&self) -> Vec<u64> {
+        self.log.lock().ordered().to_vec()
+    }
+
+    /// The order log's counters, epoch and version.
+    pub fn stats(&self) -> OrderLogStats {
+        self.log.lock().stats()
+    }
+
+    /// A token for [`OrderFeed::wait`]: read it, look at `arrived()`, then wait.
+    pub fn generation(&self) -> u64 {
+        self.bell.generation()
+    }
+
+    /// Sleep until something arrives or an order is followed after `seen` was read, or
+    /// `timeout` passes. True if woken.
+    pub fn wait(&self, seen: u64, timeout: Duration) -> bool {
+        self.bell.wait(seen, timeout)
     }
 }
 
@@ -527,8 +596,8 @@ fn serve_inner(shared: &Shared, stream: TcpStream, counters: &ConnCounters) -> C
         if let Frame::Order { .. } = frame {
             if !shared.order_frames_logged.swap(true, Ordering::Relaxed) {
                 eprintln!(
-                    "tandem inbox: ignoring order frames from {}: positional (kazoo) ordering is \
-                     not served by the TCP inbox (logged once)",
+                    "tandem inbox: ignoring order frames from {}: orders travel on the KaZoo \
+                     order log, never on replica connections (logged once)",
                     counters.peer
                 );
             }
@@ -1143,6 +1212,120 @@ mod tests {
         );
     }
 
+    /// A leader's step: order, per channel, everything that has arrived at `feed` beyond
+    /// what the log already covers. Returns the encoded order, or None if nothing is new.
+    fn lead(feed: &OrderFeed, epoch: u64, version: &mut u64) -> Option<Vec<u8>> {
+        let ordered = feed.ordered();
+        let entries: Vec<wire::OrderEntry> = feed
+            .arrived()
+            .into_iter()
+            .enumerate()
+            .filter(|&(c, a)| a > ordered[c])
+            .map(|(c, a)| wire::OrderEntry {
+                channel: c as u32,
+                up_to_seq: a,
+            })
+            .collect();
+        if entries.is_empty() {
+            return None;
+        }
+        *version += 1;
+        Some(wire::encode_order(0, epoch, *version, &entries))
+    }
+
+    #[test]
+    fn positional_replicas_follow_one_order_log_across_a_leader_change() {
+        let plan = Plan {
+            total: 4000,
+            emit_rows: 29,
+            hb_every: 400,
+            batch_rows: 40,
+            crash_after: None,
+        };
+        // Two downstream replicas, each fed by both replicas of two upstream partitions
+        // (different batch sizes: different frame boundaries at each).
+        let mut x = inbox(2, OrderingMode::Positional, 64);
+        let mut y = inbox(2, OrderingMode::Positional, 64);
+        let (fx, fy) = (x.order_feed().unwrap(), y.order_feed().unwrap());
+        let mut threads = Vec::new();
+        for (addr, sizes) in [(x.local_addr(), [40, 17]), (y.local_addr(), [23, 64])] {
+            for p in 0..2 {
+                for (r, batch_rows) in sizes.into_iter().enumerate() {
+                    let plan = Plan { batch_rows, ..plan };
+                    threads.push(upstream(addr, p, r as u32, plan));
+                }
+            }
+        }
+        // The order log: one sequence every replica reads, here offered to both in turn.
+        let log: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let publisher = {
+            let (log, stop, fx, fy) = (log.clone(), stop.clone(), fx.clone(), fy.clone());
+            std::thread::spawn(move || {
+                let (mut version, mut stale) = (0, None);
+                while !stop.load(Ordering::SeqCst) {
+                    // X leads (epoch 1) until half of channel 0 is ordered; then Y (epoch
+                    // 2) takes over from the position the log implies, and one order X
+                    // publishes after being deposed must be fenced off.
+                    let epoch1 = stale.is_none() && fx.ordered()[0] < plan.total as u64 / 2;
+                    let (leader, epoch) = if epoch1 { (&fx, 1) } else { (&fy, 2) };
+                    if !epoch1 && stale.is_none() {
+                        stale = Some(wire::encode_order(
+                            0,
+                            1,
+                            9_999,
+                            &[wire::OrderEntry {
+                                channel: 1,
+                                up_to_seq: fx.arrived()[1],
+                            }],
+                        ));
+                        version = 0;
+                    }
+                    let seen = leader.generation();
+                    let mut order = lead(leader, epoch, &mut version);
+                    if !epoch1 && version == 3 {
+                        order = stale.clone().or(order);
+                    }
+                    match order {
+                        Some(o) => {
+                            fx.offer_frame(&o).unwrap();
+                            fy.offer_frame(&o).unwrap();
+                            log.lock().push(o);
+                        }
+                        None => {
+                            leader.wait(seen, Duration::from_millis(20));
+                        }
+                    }
+                }
+            })
+        };
+        let gx = std::thread::spawn(move || drain(&mut x, Duration::from_secs(60)));
+        let got_y = drain(&mut y, Duration::from_secs(60));
+        let got_x = gx.join().unwrap();
+        stop.store(true, Ordering::SeqCst);
+        publisher.join().unwrap();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(got_x, got_y, "both replicas consumed the same sequence");
+        for c in 0..2 {
+            let want: Vec<i64> = (0..plan.total).map(|i| base(c as u32) + i).collect();
+            assert_eq!(
+                rows_of(&got_y, c),
+                want,
+                "channel {c}: complete and in order"
+            );
+        }
+        let (sx, sy) = (fx.stats(), fy.stats());
+        assert_eq!(sx, sy, "both replicas followed the same orders");
+        assert_eq!(sx.epoch, Some(2));
+        assert!(log.lock().len() > 10, "{sx:?}");
+        assert_eq!(
+            sx.stale, 1,
+            "the deposed leader's order was fenced off: {sx:?}"
+        );
+    }
+
     #[test]
     fn a_slow_consumer_back_pressures_without_growing_the_queue_or_losing_rows() {
         const CAPACITY: usize = 4;
@@ -1414,8 +1597,9 @@ mod tests {
         let mut c = ok.clone();
         c.queue_capacity = 0;
         assert!(matches!(Inbox::bind(c), Err(Error::Config(m)) if m.contains("queue_capacity")));
-        let mut c = ok;
+        let mut c = ok.clone();
         c.ordering = OrderingMode::Positional;
-        assert!(matches!(Inbox::bind(c), Err(Error::Config(m)) if m.contains("positional")));
+        assert!(Inbox::bind(c).unwrap().order_feed().is_some());
+        assert!(Inbox::bind(ok).unwrap().order_feed().is_none());
     }
 }

@@ -10,6 +10,7 @@ mod dedup;
 mod errors;
 mod gil;
 mod merge;
+mod orderlog;
 mod transport;
 mod wire;
 
@@ -28,6 +29,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     wire::register(m)?;
     dedup::register(m)?;
     merge::register(m)?;
+    orderlog::register(m)?;
     transport::register(m)?;
     Ok(())
 }

@@ -14,17 +14,21 @@ use pyo3::types::{PyDict, PyList};
 use pyo3_arrow::PyRecordBatch;
 use tandem_core::merge::OrderingMode;
 use tandem_core::outbox::{Link, Outbox as CoreOutbox, OutboxConfig, Partitioner};
-use tandem_core::transport::{Inbox as CoreInbox, InboxConfig, LinkConfig, TcpLink};
+use tandem_core::transport::{
+    Inbox as CoreInbox, InboxConfig, LinkConfig, OrderFeed as CoreOrderFeed, TcpLink,
+};
 use tandem_core::wire::{Identity, DEFAULT_MAX_FRAME_BYTES};
 use tandem_core::{Delivery as CoreDelivery, Error};
 
 use crate::errors::{ConfigError, IntoPyResult};
 use crate::gil;
+use crate::orderlog::{stats_dict, verdict_str};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Inbox>()?;
     m.add_class::<Outbox>()?;
     m.add_class::<Delivery>()?;
+    m.add_class::<OrderFeed>()?;
     Ok(())
 }
 
@@ -184,9 +188,10 @@ impl Inbox {
         let ordering = match ordering {
             "liverobin" => OrderingMode::LiveRobin { quantum_rows },
             "none" => OrderingMode::None,
+            "kazoo" => OrderingMode::Positional,
             other => {
                 return Err(config_err(format!(
-                    "ordering must be 'liverobin' or 'none' for an Inbox, got {other:?}"
+                    "ordering must be 'liverobin', 'kazoo' or 'none' for an Inbox, got {other:?}"
                 )))
             }
         };
@@ -257,6 +262,15 @@ impl Inbox {
         got.map(|d| delivery_to_py(py, d)).transpose()
     }
 
+    /// The inbox's side of the KaZoo order log (`ordering="kazoo"` only, else None): feed
+    /// it the log's messages; a leader also reads what has arrived from it.
+    fn order_feed(&self, py: Python<'_>) -> PyResult<Option<OrderFeed>> {
+        let feed = py
+            .detach(|| self.inner.lock().as_ref().map(CoreInbox::order_feed))
+            .ok_or_else(|| closed("order_feed"))?;
+        Ok(feed.map(|inner| OrderFeed { inner }))
+    }
+
     /// Counters: per channel accepted/duplicate rows, dedup position and backlog; per
     /// connection peer, identity, frames, bytes, state; rejected connections.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -321,6 +335,55 @@ impl Inbox {
         _tb: Option<&Bound<'_, PyAny>>,
     ) {
         self.close(py);
+    }
+}
+
+// ───────────────────────────── OrderFeed ─────────────────────────────
+
+/// The KaZoo orderer's handle on a `kazoo` inbox (see `Inbox.order_feed`). Every method
+/// is safe to call from another thread while the inbox's consumer waits in `next()`.
+#[pyclass(frozen, module = "tandem._core")]
+pub struct OrderFeed {
+    inner: CoreOrderFeed,
+}
+
+#[pymethods]
+impl OrderFeed {
+    /// Offer the next message of the order log (an encoded Order frame). Returns
+    /// `"followed"`, `"stale"` (a deposed leader's order: fenced off) or `"replayed"` (a
+    /// version already followed). Raises `ProtocolError` for bytes that are not one Order
+    /// frame and `ConfigError` for an order naming a channel this task does not have.
+    fn offer(&self, py: Python<'_>, frame: &[u8]) -> PyResult<&'static str> {
+        let verdict = py.detach(|| self.inner.offer_frame(frame)).py()?;
+        Ok(verdict_str(verdict))
+    }
+
+    /// Per input channel, the first sequence number not yet arrived here: everything
+    /// before it is in this replica's dedup queue and may be ordered.
+    fn arrived(&self, py: Python<'_>) -> Vec<u64> {
+        py.detach(|| self.inner.arrived())
+    }
+
+    /// Per input channel, the furthest position the followed orders reach.
+    fn ordered(&self, py: Python<'_>) -> Vec<u64> {
+        py.detach(|| self.inner.ordered())
+    }
+
+    /// `{"followed", "stale", "replayed", "entries", "epoch", "version"}`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, py.detach(|| self.inner.stats()))
+    }
+
+    /// A token for `wait`: read it, look at `arrived()`, then wait with it.
+    fn generation(&self) -> u64 {
+        self.inner.generation()
+    }
+
+    /// Sleep (without the GIL) until input arrives or an order is followed after
+    /// `generation` was read, or `timeout` seconds pass. True if woken.
+    fn wait(&self, py: Python<'_>, generation: u64, timeout: f64) -> PyResult<bool> {
+        let timeout = arg_seconds("timeout", timeout)?;
+        Ok(py.detach(|| self.inner.wait(generation, timeout)))
     }
 }
 
