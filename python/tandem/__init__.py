@@ -16,7 +16,7 @@ from tandem.exceptions import (
     ServiceUnavailable,
     TandemError,
 )
-from tandem.faults import Kill
+from tandem.faults import Kill, Pause
 from tandem.operators import CountPerKey, KeyedProcess, Operator
 from tandem.plan import Plan
 
@@ -33,6 +33,7 @@ __all__ = [
     "KeyedProcess",
     "Kill",
     "Operator",
+    "Pause",
     "Plan",
     "ProtocolError",
     "Result",

@@ -79,7 +79,9 @@ class Job:
     ``replication``: replicas per task partition (1 = none); ``ordering``: ``none``,
     ``liverobin`` or ``kazoo``; ``heartbeat_ms``: heartbeat period (> 0);
     ``buffer_timeout_ms``: how long an output batch may wait (>= 0); ``batch_rows``:
-    flush when a batch reaches this many rows (also the LiveRobin quantum).
+    flush when a batch reaches this many rows (also the LiveRobin quantum); ``kazoo``: a
+    ``tandem.ordering.kazoo.KazooConfig`` (service addresses, session timeout, order batch)
+    for ``ordering="kazoo"``.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Job:
         heartbeat_ms: float = 10,
         buffer_timeout_ms: float = 5,
         batch_rows: int = 1024,
+        kazoo: Any = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Job name must be a non-empty string, got {name!r}")
@@ -115,6 +118,20 @@ class Job:
             )
         self.buffer_timeout_ms = buffer_timeout_ms
         self.batch_rows = _positive_int(batch_rows, f"Job {name!r}: batch_rows")
+        if kazoo is not None:
+            from tandem.ordering.kazoo import KazooConfig
+
+            if not isinstance(kazoo, KazooConfig):
+                raise ConfigError(
+                    f"Job {name!r}: kazoo must be a tandem.ordering.kazoo.KazooConfig, got "
+                    f"{type(kazoo).__name__}"
+                )
+            if ordering != "kazoo":
+                raise ConfigError(
+                    f"Job {name!r}: kazoo= settings given, but ordering is {ordering!r}; set "
+                    "ordering='kazoo' or drop them"
+                )
+        self.kazoo = kazoo
         self._nodes: list[_Node] = []
 
     def __repr__(self) -> str:
@@ -217,6 +234,7 @@ class Job:
             buffer_timeout_ms=self.buffer_timeout_ms,
             batch_rows=self.batch_rows,
             tasks=tuple(tasks),
+            kazoo=self.kazoo,
         )
 
     def run(

@@ -33,11 +33,11 @@ class Fault(abc.ABC):
 
 
 @dataclass(frozen=True)
-class Kill(Fault):
-    """Crash (SIGKILL) one replica of one task partition ``at`` seconds after the start.
+class ReplicaFault(Fault):
+    """A fault hitting one replica of one task partition ``at`` seconds after the start.
 
     ``replica`` is an index (``0 .. replication-1``) or, with ``ordering="kazoo"``, the
-    role ``"leader"`` / ``"follower"`` of that partition at the time of the kill.
+    role ``"leader"`` / ``"follower"`` of that partition at the time of the fault.
     """
 
     task: str
@@ -46,20 +46,21 @@ class Kill(Fault):
     at: float
 
     def __post_init__(self) -> None:
+        kind = type(self).__name__
         if not isinstance(self.task, str) or not self.task:
-            raise ConfigError(f"Kill: task must be a task name, got {self.task!r}")
+            raise ConfigError(f"{kind}: task must be a task name, got {self.task!r}")
         if (
             isinstance(self.partition, bool)
             or not isinstance(self.partition, int)
             or (self.partition < 0)
         ):
             raise ConfigError(
-                f"Kill({self.task!r}): partition must be an int >= 0, got {self.partition!r}"
+                f"{kind}({self.task!r}): partition must be an int >= 0, got {self.partition!r}"
             )
         if isinstance(self.replica, str):
             if self.replica not in ROLES:
                 raise ConfigError(
-                    f"Kill({self.task!r}): replica must be an index or one of {ROLES}, got "
+                    f"{kind}({self.task!r}): replica must be an index or one of {ROLES}, got "
                     f"{self.replica!r}"
                 )
         elif (
@@ -68,7 +69,7 @@ class Kill(Fault):
             or (self.replica < 0)
         ):
             raise ConfigError(
-                f"Kill({self.task!r}): replica must be an int >= 0 or one of "
+                f"{kind}({self.task!r}): replica must be an int >= 0 or one of "
                 f"{ROLES}, got {self.replica!r}"
             )
         if (
@@ -76,17 +77,18 @@ class Kill(Fault):
             or not isinstance(self.at, int | float)
             or not (math.isfinite(self.at) and self.at >= 0)
         ):
-            raise ConfigError(f"Kill({self.task!r}): at must be seconds >= 0, got {self.at!r}")
+            raise ConfigError(f"{kind}({self.task!r}): at must be seconds >= 0, got {self.at!r}")
 
     def validate(self, plan: Plan, duration: float) -> None:
         """Check the fault against the plan and the run's duration."""
+        kind = type(self).__name__
         names = [t.name for t in plan.tasks]
         if self.task not in names:
             raise ConfigError(
-                f"Kill: job {plan.job!r} has no task {self.task!r}; its tasks are {names}"
+                f"{kind}: job {plan.job!r} has no task {self.task!r}; its tasks are {names}"
             )
         task = plan.task(self.task)
-        where = f"Kill({self.task!r}, partition={self.partition}, replica={self.replica!r})"
+        where = f"{kind}({self.task!r}, partition={self.partition}, replica={self.replica!r})"
         if task.kind == "sink":
             raise ConfigError(
                 f"{where}: {self.task!r} is a sink; sinks are unreplicated, so killing one "
@@ -102,12 +104,38 @@ class Kill(Fault):
                     f"{where}: replica roles exist only with ordering='kazoo' (this job uses "
                     f"{plan.ordering!r}); give a replica index instead"
                 )
+            if plan.inbox_ordering(task.id, self.partition) != "kazoo":
+                raise ConfigError(
+                    f"{where}: {self.task!r} partition {self.partition} has no leader: only a "
+                    "replicated operator with two or more input channels runs a KaZoo "
+                    "election; give a replica index, or pick such a task"
+                )
         elif self.replica >= task.replication:
             raise ConfigError(f"{where}: task {self.task!r} has replicas 0..{task.replication - 1}")
         if self.at >= duration:
             raise ConfigError(
                 f"{where}: at={self.at} s is not before the end of the run (duration={duration} s)"
             )
+
+
+@dataclass(frozen=True)
+class Kill(ReplicaFault):
+    """Crash (SIGKILL) one replica of one task partition ``at`` seconds after the start."""
+
+
+@dataclass(frozen=True)
+class Pause(ReplicaFault):
+    """Freeze (SIGSTOP) one replica ``at`` seconds after the start and resume it (SIGCONT)
+    ``for_s`` seconds later: a stalled machine, a long GC pause. With KaZoo, a leader frozen
+    past its session timeout is replaced, and its orders after it wakes are fenced off."""
+
+    for_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        f = self.for_s
+        if isinstance(f, bool) or not isinstance(f, int | float) or not math.isfinite(f) or f <= 0:
+            raise ConfigError(f"Pause({self.task!r}): for_s must be seconds > 0, got {f!r}")
 
 
 def validate_faults(faults: list[Any], plan: Plan, duration: float) -> None:
@@ -124,4 +152,4 @@ def validate_faults(faults: list[Any], plan: Plan, duration: float) -> None:
             seen.add(target)
 
 
-__all__ = ["ROLES", "Fault", "Kill", "validate_faults"]
+__all__ = ["ROLES", "Fault", "Kill", "Pause", "ReplicaFault", "validate_faults"]

@@ -143,6 +143,8 @@ class Plan:
     buffer_timeout_ms: float
     batch_rows: int
     tasks: tuple[Task, ...] = field(default_factory=tuple)
+    kazoo: Any = None
+    """``tandem.ordering.kazoo.KazooConfig`` of a ``kazoo`` job (None: the defaults)."""
 
     # -- structure ----------------------------------------------------------------------
 
@@ -185,6 +187,30 @@ class Plan:
             for t in self.tasks
             for p in range(t.parallelism)
             for r in range(t.replication)
+        ]
+
+    def inbox_ordering(self, task_id: int, partition: int) -> str:
+        """The consumption order a partition's inbox uses: the job's ordering where there
+        is something to order — a replicated operator with two or more input channels —
+        and first come, first served elsewhere (one channel has one order; sinks are
+        unreplicated). LiveRobin takes its single-channel fast path by itself."""
+        task = self.task(task_id)
+        if task.kind == "sink":
+            return "none"
+        if self.ordering == "kazoo" and (
+            task.replication < 2 or len(self.input_channels(task_id, partition)) < 2
+        ):
+            return "none"
+        return self.ordering
+
+    def ordered_partitions(self) -> list[tuple[int, int]]:
+        """The ``(task, partition)`` s whose replicas run a KaZoo orderer."""
+        return [
+            (t.id, p)
+            for t in self.tasks
+            if t.kind == "operator"
+            for p in range(t.parallelism)
+            if self.inbox_ordering(t.id, p) == "kazoo"
         ]
 
     def input_channels(self, task_id: int, partition: int) -> list[InputChannel]:

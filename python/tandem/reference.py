@@ -135,6 +135,50 @@ class LiveRobin:
                 self._advance()
 
 
+class Positional:
+    """A port of tandem-core's positional merge (the KaZoo follower) over fully known
+    channel contents: consume channel ``c`` until its next sequence number is ``s``, for
+    each followed order entry ``(c, s)`` in turn. Yields like :class:`LiveRobin`."""
+
+    def __init__(self, queues: list[deque], orders: list[tuple[int, int]]) -> None:
+        self.queues = queues
+        self.orders = orders
+
+    def __iter__(self) -> Iterator[tuple[str, int | None, object]]:
+        n = len(self.queues)
+        position, ended = [0] * n, [False] * n
+        for c, bound in self.orders:
+            while position[c] < bound and not ended[c]:
+                if not self.queues[c]:
+                    raise ConfigError(
+                        f"reference executor: an order runs channel {c} to seq {bound}, past "
+                        f"its content ({position[c]} seqs): the order log is not this job's"
+                    )
+                kind, value = self.queues[c].popleft()
+                if kind == "data":
+                    if value.num_rows == 0:
+                        continue
+                    if position[c] + value.num_rows > bound:
+                        head = bound - position[c]
+                        self.queues[c].appendleft(("data", value.slice(head)))
+                        value = value.slice(0, head)
+                    position[c] += value.num_rows
+                    yield ("data", c, value)
+                    continue
+                position[c] += 1
+                if kind == "hb":
+                    yield ("hb", c, value)
+                else:
+                    ended[c] = True
+                    if all(ended):
+                        yield ("end", None, None)
+                        return
+        raise ConfigError(
+            "reference executor: the order log ends before every input channel did; was the "
+            "run complete?"
+        )
+
+
 class _Emitter:
     """The outputs of one task partition: a router per output edge, appending items to
     the downstream channels."""
@@ -167,12 +211,23 @@ def _queues(plan: Plan, task: Task, partition: int, chans: dict) -> tuple[list, 
     return inputs, queues
 
 
-def run(plan: Plan, duration: float, t0_ns: int = 0, chunk_rows: int | None = None) -> Result:
+def run(
+    plan: Plan,
+    duration: float,
+    t0_ns: int = 0,
+    chunk_rows: int | None = None,
+    orders: dict[tuple[int, int], list[tuple[int, int]]] | None = None,
+) -> Result:
     """Run ``plan`` for ``duration`` seconds of source time; return its Result.
 
     ``chunk_rows`` sets how many rows a source hands on at once (default
     ``plan.batch_rows``). It changes batch boundaries only, never the result: that is
-    the property that lets replicas with different batching agree."""
+    the property that lets replicas with different batching agree.
+
+    ``orders`` gives, for KaZoo-ordered ``(task, partition)`` s, the order entries a run's
+    replicas followed (:func:`tandem.ordering.kazoo.read_orders`): those partitions then
+    consume in that order instead of LiveRobin's, so the result is the one output that run
+    must have produced."""
     chans: dict[ChannelKey, list[Item]] = {}
     events_in = 0
     events_out = 0
@@ -193,7 +248,7 @@ def run(plan: Plan, duration: float, t0_ns: int = 0, chunk_rows: int | None = No
                         out.control("end", None)
         elif task.kind == "operator":
             for p in range(task.parallelism):
-                _run_operator(plan, task, p, t0_ns, chans)
+                _run_operator(plan, task, p, t0_ns, chans, (orders or {}).get((task.id, p)))
         else:
             parts = []
             for p in range(task.parallelism):
@@ -216,12 +271,15 @@ def run(plan: Plan, duration: float, t0_ns: int = 0, chunk_rows: int | None = No
     )
 
 
-def _run_operator(plan: Plan, task: Task, partition: int, t0_ns: int, chans: dict) -> None:
+def _run_operator(
+    plan: Plan, task: Task, partition: int, t0_ns: int, chans: dict, orders: list | None
+) -> None:
     inst = plan.instantiate(task.id, partition, replica=0, t0_ns=t0_ns)
     inputs, queues = _queues(plan, task, partition, chans)
     out = _Emitter(plan, task, partition, chans)
     tracker = WatermarkTracker(len(inputs))
-    for kind, ch, value in LiveRobin(queues, plan.quantum_rows):
+    merge = LiveRobin(queues, plan.quantum_rows) if orders is None else Positional(queues, orders)
+    for kind, ch, value in merge:
         if kind == "data":
             out.data(inst.batch(value, inputs[ch].input_index))
         elif kind == "hb":
@@ -248,4 +306,4 @@ def canonical(table: pa.Table) -> pa.Table:
     return table.sort_by(keys) if keys else table
 
 
-__all__ = ["LiveRobin", "canonical", "run"]
+__all__ = ["LiveRobin", "Positional", "canonical", "run"]

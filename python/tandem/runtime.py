@@ -28,6 +28,8 @@ import numpy as np
 import pyarrow as pa
 
 from tandem import _core
+from tandem.exceptions import ConfigError
+from tandem.ordering.kazoo import KazooRun, Orderer
 from tandem.plan import OutputEdge, Plan, Task, WatermarkTracker
 
 ReplicaId = tuple[int, int, int]  # task id, partition, replica
@@ -59,6 +61,8 @@ class ReplicaReport:
     receive_ns: np.ndarray | None = None
     latency_ms: np.ndarray | None = None
     inbox_stats: dict | None = None
+    ordering_stats: dict | None = None
+    """KaZoo partitions: the epochs this replica led, orders published and followed."""
     error: str | None = None
     abandoned: str | None = None
     """Set when every downstream replica had already finished (its twin got there first):
@@ -168,11 +172,21 @@ class _Output:
 class Replica:
     """One replica of one task partition (see the module documentation)."""
 
-    def __init__(self, plan: Plan, task_id: int, partition: int, replica: int, secret: bytes):
+    def __init__(
+        self,
+        plan: Plan,
+        task_id: int,
+        partition: int,
+        replica: int,
+        secret: bytes,
+        kazoo: KazooRun | None = None,
+    ):
         self.plan = plan
         self.task: Task = plan.tasks[task_id]
         self.me: ReplicaId = (task_id, partition, replica)
         self.secret = secret
+        self.kazoo = kazoo
+        self.orderer: Orderer | None = None
         self.inbox = None
         self.inputs = []
         self.outputs: list[_Output] = []
@@ -186,8 +200,9 @@ class Replica:
         """Listen for upstream replicas; the port, or None for a source."""
         if self.task.kind == "source":
             return None
-        self.inputs = self.plan.input_channels(self.task.id, self.me[1])
-        ordering = "none" if self.task.kind == "sink" else self.plan.ordering
+        t, p, r = self.me
+        self.inputs = self.plan.input_channels(t, p)
+        ordering = self.plan.inbox_ordering(t, p)
         self.inbox = _core.Inbox(
             self.plan.job,
             self.secret,
@@ -196,7 +211,21 @@ class Replica:
             quantum_rows=self.plan.quantum_rows,
             host=host,
         )
+        if ordering == "kazoo":
+            if self.kazoo is None:
+                raise ConfigError(
+                    f"{self.name} orders its input with KaZoo, but the engine gave it no "
+                    "KazooRun (tandem.ordering.kazoo.prepare)"
+                )
+            # Connect and contend now, while the job starts, not when the first row comes.
+            self.orderer = Orderer(self.kazoo, t, p, r, self.inbox.order_feed())
+            self.orderer.start()
         return self.inbox.port
+
+    def release(self) -> None:
+        """Give up leadership at once (a graceful stop: SIGTERM)."""
+        if self.orderer is not None:
+            self.orderer.stop()
 
     def run(self, addresses: Addresses, t0_ns: int, duration: float) -> ReplicaReport:
         """Run to the end of input; never raises (errors are reported)."""
@@ -226,6 +255,9 @@ class Replica:
         finally:
             for o in outputs:
                 o.outbox.close()
+            if self.orderer is not None:
+                self.orderer.stop()
+                report.ordering_stats = self.orderer.stats()
             if self.inbox is not None:
                 report.inbox_stats = self.inbox.stats()
                 self.inbox.close()
@@ -337,5 +369,7 @@ class Replica:
             for o in self.outputs:
                 o.outbox.flush()
         while d is None:
+            if self.orderer is not None:
+                self.orderer.check()
             d = self.inbox.next(timeout=IDLE_WAIT_S)
         return d

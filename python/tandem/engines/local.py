@@ -3,12 +3,14 @@
 The coordinator (this module, in the caller's process) starts a process for every replica
 of every task partition, collects the port each one listens on, fixes the logical time
 origin ``t0`` and tells every replica to start. It then watches them: it injects the
-requested faults (``td.Kill`` SIGKILLs a replica process), notices replicas that die,
-stops everything on an error, a timeout or Ctrl-C — no process outlives a run, and every
-child also dies with its parent — and finally assembles the :class:`tandem.Result`:
-latencies measured at the sinks, output compared against the single-process reference
-executor (lost and duplicated rows), and the per-cycle output digests of the replicas of
-each task partition compared with each other (the determinism check).
+requested faults (``td.Kill`` SIGKILLs a replica process, ``td.Pause`` SIGSTOPs it and
+SIGCONTs it later), notices replicas that die, stops everything on an error, a timeout or
+Ctrl-C — no process outlives a run, and every child also dies with its parent — and
+finally assembles the :class:`tandem.Result`: latencies measured at the sinks, output
+compared against the single-process reference executor (lost and duplicated rows; under
+KaZoo the reference follows the orders the replicas followed), and the per-cycle output
+digests of the replicas of each task partition compared with each other (the determinism
+check).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -29,7 +32,9 @@ import pyarrow as pa
 
 from tandem.api import Result
 from tandem.exceptions import ConfigError, TandemError
-from tandem.faults import Kill
+from tandem.faults import Pause, ReplicaFault
+from tandem.ordering import kazoo
+from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
 from tandem.runtime import Replica, ReplicaId, ReplicaReport
 
@@ -40,6 +45,14 @@ STARTUP_S = 1.0
 
 ON_READY = None
 """Test hook: called with every inbox address once all replicas listen, before they start."""
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """The second half of a ``td.Pause``: SIGCONT the frozen replica at ``at``."""
+
+    rid: ReplicaId
+    at: float
 
 
 class TaskFailed(TandemError):
@@ -53,12 +66,20 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _child(plan: Plan, rid: ReplicaId, secret: bytes, conn) -> None:
+def _child(plan: Plan, rid: ReplicaId, secret: bytes, conn, kazoo: KazooRun | None) -> None:
     """Entry point of a replica process."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl-C
     try:
-        replica = Replica(plan, *rid, secret)
+        replica = Replica(plan, *rid, secret, kazoo=kazoo)
+
+        def terminate(_signo, _frame) -> None:
+            # A graceful stop: hand leadership over at once instead of after a session
+            # timeout, then go.
+            replica.release()
+            os._exit(128 + signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, terminate)
         conn.send(("ready", replica.bind()))
     except Exception as exc:  # a bind failure is a configuration problem
         conn.send(("error", f"replica {rid} could not start: {type(exc).__name__}: {exc}"))
@@ -99,27 +120,32 @@ class LocalEngine:
         if not 0 <= warmup < duration:
             raise ConfigError(f"warmup must be in [0, duration={duration}), got {warmup}")
         for f in faults:
-            if not isinstance(f, Kill):
-                raise ConfigError(f"the local engine injects td.Kill faults only, got {f!r}")
-            if isinstance(f.replica, str):
+            if not isinstance(f, ReplicaFault):
                 raise ConfigError(
-                    f"{f!r}: leader/follower roles exist with ordering='kazoo' only, which the "
-                    "local engine does not run yet; give a replica index"
+                    f"the local engine injects td.Kill and td.Pause faults, got {f!r}"
                 )
-        run = _Run(plan, duration, list(faults), progress, host)
+        zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
+        run = _Run(plan, duration, list(faults), progress, host, zoo)
         try:
-            run.start()
-            run.watch(timeout if timeout is not None else duration + 60.0)
+            try:
+                run.start()
+                run.watch(timeout if timeout is not None else duration + 60.0)
+            finally:
+                run.stop()
+            return run.result(warmup, check)
         finally:
-            run.stop()
-        return run.result(warmup, check)
+            if zoo is not None:
+                kazoo.cleanup(zoo)
 
 
 class _Run:
     """The state of one run of the local engine."""
 
-    def __init__(self, plan: Plan, duration: float, faults: list[Kill], progress, host) -> None:
+    def __init__(
+        self, plan: Plan, duration: float, faults: list[ReplicaFault], progress, host, zoo
+    ) -> None:
         self.plan, self.duration, self.progress, self.host = plan, duration, progress, host
+        self.zoo: KazooRun | None = zoo
         self.faults = sorted(faults, key=lambda f: f.at)
         self.secret = os.urandom(32)
         self.ctx = mp.get_context("spawn")
@@ -140,7 +166,7 @@ class _Run:
             parent, child = self.ctx.Pipe()
             proc = self.ctx.Process(
                 target=_child,
-                args=(self.plan, rid, self.secret, child),
+                args=(self.plan, rid, self.secret, child, self.zoo),
                 name=f"tandem-{self.plan.tasks[rid[0]].name}-{rid[1]}-{rid[2]}",
                 daemon=True,
             )
@@ -179,7 +205,7 @@ class _Run:
         while running:
             now_s = (time.time_ns() - self.t0_ns) / 1e9
             while faults and faults[0].at <= now_s:
-                self._inject(faults.pop(0), now_s)
+                self._inject(faults.pop(0), now_s, faults)
                 running -= set(self.killed)
             self._draw(now_s)
             self._sample_rss(running)
@@ -237,15 +263,54 @@ class _Run:
 
     # -- faults ---------------------------------------------------------------------------
 
-    def _inject(self, fault: Kill, now_s: float) -> None:
+    def _resolve(self, task: int, partition: int, role: str) -> int:
+        """The replica index holding ``role`` in a KaZoo partition right now."""
+        alive = [
+            r
+            for r in range(self.plan.tasks[task].replication)
+            if (task, partition, r) not in self.killed
+            and self.procs[(task, partition, r)].is_alive()
+        ]
+        leader = kazoo.current_leader(self.zoo, task, partition)
+        if role == "leader":
+            if leader is None or leader not in alive:
+                raise TandemError(
+                    f"{self.plan.tasks[task].name}[{partition}] has no live leader to kill"
+                )
+            return leader
+        followers = [r for r in alive if r != leader]
+        if not followers:
+            raise TandemError(
+                f"{self.plan.tasks[task].name}[{partition}] has no live follower to kill"
+            )
+        return followers[0]
+
+    def _inject(self, fault: ReplicaFault | _Resume, now_s: float, pending: list) -> None:
+        """Inject ``fault``; a Pause also schedules its resume in ``pending``."""
+        if isinstance(fault, _Resume):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[fault.rid].pid, signal.SIGCONT)
+            log.info("fault: SIGCONT %s at %.2f s", self._name(fault.rid), now_s)
+            return
         task = self.plan.task(fault.task)
-        rid = (task.id, fault.partition, fault.replica)
+        replica = fault.replica
+        if isinstance(replica, str):
+            replica = self._resolve(task.id, fault.partition, replica)
+        rid = (task.id, fault.partition, replica)
         proc = self.procs[rid]
+        record = {**fault.to_dict(), "victim": replica, "injected_at": round(now_s, 3)}
+        self.injected.append(record)
+        if isinstance(fault, Pause):
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGSTOP)
+            pending.append(_Resume(rid, fault.at + fault.for_s))
+            pending.sort(key=lambda f: f.at)
+            log.info("fault: SIGSTOP %s at %.2f s for %g s", self._name(rid), now_s, fault.for_s)
+            return
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(timeout=5)
         self.killed[rid] = now_s
-        self.injected.append({**fault.to_dict(), "kind": "kill", "injected_at": round(now_s, 3)})
         log.info("fault: SIGKILL %s at %.2f s", self._name(rid), now_s)
 
     def _crashed(self, rid: ReplicaId) -> None:
@@ -361,7 +426,13 @@ class _Run:
         """Lost and duplicated rows: every sink's output against the reference run."""
         from tandem import reference
 
-        ref = reference.run(self.plan, self.duration, t0_ns=self.t0_ns)
+        orders = None
+        if self.zoo is not None:  # the reference follows the orders the replicas followed
+            channels = {
+                tp: len(self.plan.input_channels(*tp)) for tp in self.plan.ordered_partitions()
+            }
+            orders = kazoo.read_orders(self.zoo, channels)
+        ref = reference.run(self.plan, self.duration, t0_ns=self.t0_ns, orders=orders)
         for task in self.plan.sinks():
             got, want = res.outputs.get(task.name), ref.outputs.get(task.name)
             if isinstance(got, pa.Table) and isinstance(want, pa.Table):

@@ -1,0 +1,521 @@
+"""KaZoo: leader-based ordering over ZooKeeper and Kafka (the paper's §IV, made safer).
+
+Every replica of an ordered task partition runs an :class:`Orderer` beside its task loop,
+with two threads (as the paper's Flink task managers do):
+
+* the **follower** thread reads the partition's order topic from the beginning
+  (``assign()``, no consumer group, so no rebalances) and offers every message, in log
+  order, to the inbox's order feed (``tandem._core.OrderFeed``). The Rust core fences off
+  orders of a deposed leader (an epoch older than the newest in the log), ignores replays,
+  and hands the rest to the positional merge, which waits for events that have not
+  arrived yet. Every replica, the leader included, consumes only what the log says.
+* the **election** thread contends for leadership with a kazoo lock under
+  ``/tandem/<job>/<run>/<task>/<partition>``. The sequence number of the winning lock node
+  is the leader's **epoch** (fencing token): ZooKeeper hands out increasing sequence
+  numbers, and the lowest live node leads, so each new leader's epoch is above every
+  earlier leader's. A new leader first reads the order topic to its end, then publishes:
+  for every channel on which its own deduplicated queues hold more than the log has
+  ordered, an entry "channel ``c`` up to seq ``s``", at most ``batch`` entries per
+  message, stamped with its epoch and a version counting its messages. It publishes as
+  soon as something arrives — there is nothing pending when the input is idle — on an
+  idempotent producer with ``acks=all`` and ``linger.ms=0``.
+
+Safety does not rest on timing. Orders are positional and idempotent, and every replica
+applies the same deterministic filter to the same log, so even two leaders publishing at
+once (a frozen leader waking up) leave the replicas in agreement; fencing only keeps the
+deposed leader's late orders out. Liveness rests on ZooKeeper: a leader stops publishing
+the moment its session is in doubt (kazoo's ``SUSPENDED``, which comes before the server
+can expire the session and let anyone else lead), and resumes only if the same session
+comes back. SIGTERM releases leadership at once (:meth:`Orderer.stop`), so a graceful stop
+hands over in milliseconds; a crash hands over after one session timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tandem import _core
+from tandem.exceptions import ConfigError, ServiceUnavailable
+
+if TYPE_CHECKING:
+    from tandem.plan import Plan
+
+log = logging.getLogger(__name__)
+
+#: How long a thread blocks before re-checking whether it must stop.
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class KazooConfig:
+    """Where the services are and how KaZoo uses them (DESIGN §5: ``kazoo.*``).
+
+    ``zk_hosts`` / ``kafka_bootstrap`` default to the services `scripts/services.sh` runs
+    (``TANDEM_ZK_PORT`` / ``TANDEM_KAFKA_PORT`` on 127.0.0.1). ``session_timeout_s`` is the
+    ZooKeeper session timeout: a crashed leader is replaced after about this long (0.5 s is
+    the shortest kazoo holds steadily). ``batch`` caps the entries of one order.
+    """
+
+    zk_hosts: str | None = None
+    kafka_bootstrap: str | None = None
+    session_timeout_s: float = 1.0
+    batch: int = 1000
+
+    def __post_init__(self) -> None:
+        t = self.session_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0.5 <= t <= 60:
+            raise ConfigError(
+                f"kazoo session_timeout_s must be in [0.5, 60] seconds, got {t!r}: shorter "
+                "sessions flap, and failover takes about one session timeout"
+            )
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ConfigError(
+                f"kazoo batch must be an int >= 1 (entries per order), got {self.batch!r}"
+            )
+
+    def resolved(self) -> KazooConfig:
+        """This config with the service addresses filled in."""
+        if self.zk_hosts and self.kafka_bootstrap:
+            return self
+        from tandem.services import Services
+
+        services = Services()
+        return KazooConfig(
+            zk_hosts=self.zk_hosts or services.zk_hosts,
+            kafka_bootstrap=self.kafka_bootstrap or services.kafka_bootstrap,
+            session_timeout_s=self.session_timeout_s,
+            batch=self.batch,
+        )
+
+
+def _name(text: str) -> str:
+    """``text`` reduced to the characters Kafka topic names and znode names both allow."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", text)[:80] or "job"
+
+
+@dataclass(frozen=True)
+class KazooRun:
+    """One run of a job under KaZoo: its config and the names its orderers use. Created
+    by :func:`prepare` on the engine's side and shipped to every replica."""
+
+    config: KazooConfig
+    job: str
+    run: str
+    partitions: tuple[tuple[int, int], ...] = field(default=())
+
+    def zk_path(self, task: int, partition: int) -> str:
+        return f"/tandem/{_name(self.job)}/{self.run}/{task}/{partition}"
+
+    def topic(self, task: int, partition: int) -> str:
+        return f"tandem.{_name(self.job)}.{self.run}.{task}.{partition}"
+
+
+def _require_clients() -> None:
+    try:
+        import confluent_kafka  # noqa: F401
+        import kazoo  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            f"ordering='kazoo' needs kazoo and confluent-kafka ({exc.name} is missing): "
+            "pip install 'tandem-stream[kazoo]'"
+        ) from exc
+
+
+def _kafka_logger() -> logging.Logger:
+    # librdkafka prints every refused reconnect to stderr; route it to logging instead.
+    return logging.getLogger("tandem.kazoo.librdkafka")
+
+
+def prepare(plan: Plan, config: KazooConfig | None = None, timeout: float = 10.0) -> KazooRun:
+    """Check the services and create this run's order topics (one single-partition topic
+    per ordered task partition). Raises ``ServiceUnavailable`` naming an unreachable
+    address and how to start the services."""
+    _require_clients()
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from tandem.services import probe_kafka, probe_zookeeper
+
+    config = (config or plan.kazoo or KazooConfig()).resolved()
+    probe_zookeeper(config.zk_hosts, timeout=timeout)
+    probe_kafka(config.kafka_bootstrap, timeout=timeout)
+    run = KazooRun(config, plan.job, os.urandom(4).hex(), tuple(plan.ordered_partitions()))
+    if run.partitions:
+        admin = AdminClient(
+            {"bootstrap.servers": config.kafka_bootstrap, "logger": _kafka_logger()}
+        )
+        topics = [run.topic(t, p) for t, p in run.partitions]
+        futures = admin.create_topics(
+            [NewTopic(name, num_partitions=1, replication_factor=1) for name in topics],
+            operation_timeout=timeout,
+        )
+        for name, fut in futures.items():
+            try:
+                fut.result(timeout=timeout)
+            except KafkaException as exc:
+                raise ServiceUnavailable(
+                    f"Kafka at {config.kafka_bootstrap} could not create the order topic "
+                    f"{name!r}: {exc}"
+                ) from exc
+    return run
+
+
+def cleanup(run: KazooRun) -> None:
+    """Delete a finished run's order topics and znodes (best effort: a run's names are
+    unique, so leftovers never disturb another run)."""
+    from confluent_kafka.admin import AdminClient
+    from kazoo.client import KazooClient
+
+    if run.partitions:
+        admin = AdminClient(
+            {"bootstrap.servers": run.config.kafka_bootstrap, "logger": _kafka_logger()}
+        )
+        for fut in admin.delete_topics([run.topic(t, p) for t, p in run.partitions]).values():
+            try:
+                fut.result(timeout=10)
+            except Exception as exc:
+                log.debug("could not delete an order topic: %s", exc)
+    zk = KazooClient(hosts=run.config.zk_hosts, timeout=run.config.session_timeout_s)
+    try:
+        zk.start(timeout=5)
+        zk.delete(f"/tandem/{_name(run.job)}/{run.run}", recursive=True)
+    except Exception as exc:
+        log.debug("could not delete the run's znodes: %s", exc)
+    finally:
+        zk.stop()
+        zk.close()
+
+
+def read_orders(run: KazooRun, channels: dict[tuple[int, int], int], timeout: float = 30.0):
+    """The orders every replica of each ordered partition followed, replayed from the
+    order topics: ``{(task, partition): [(channel, up_to_seq), ...]}``. ``channels`` gives
+    each partition's number of input channels. The same Rust fence the replicas ran
+    decides, so this is exactly what they consumed."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for t, p in run.partitions:
+        follow = _core.OrderLog(channels[(t, p)])
+        consumer = Consumer(
+            {
+                "bootstrap.servers": run.config.kafka_bootstrap,
+                "group.id": f"tandem-check-{run.run}",
+                "enable.auto.commit": False,
+                "logger": _kafka_logger(),
+            }
+        )
+        try:
+            tp = TopicPartition(run.topic(t, p), 0, OFFSET_BEGINNING)
+            _, high = consumer.get_watermark_offsets(tp, timeout=timeout)
+            consumer.assign([tp])
+            deadline = time.monotonic() + timeout
+            offset = 0
+            while offset < high:
+                if time.monotonic() > deadline:
+                    raise ServiceUnavailable(
+                        f"could not read the order topic {tp.topic!r} to its end ({offset} of "
+                        f"{high} messages) within {timeout:.0f} s from {run.config.kafka_bootstrap}"
+                    )
+                msg = consumer.poll(POLL_S)
+                if msg is None or msg.error() is not None:
+                    continue
+                follow.offer(msg.value())
+                offset = msg.offset() + 1
+        finally:
+            consumer.close()
+        out[(t, p)] = follow.drain()
+    return out
+
+
+def current_leader(run: KazooRun, task: int, partition: int, timeout: float = 5.0) -> int | None:
+    """The replica index currently leading ``(task, partition)``, or None if none does."""
+    from kazoo.client import KazooClient
+
+    zk = KazooClient(hosts=run.config.zk_hosts, timeout=run.config.session_timeout_s)
+    zk.start(timeout=timeout)
+    try:
+        contenders = zk.Lock(run.zk_path(task, partition)).contenders()
+    finally:
+        zk.stop()
+        zk.close()
+    return int(contenders[0].split(":")[2]) if contenders else None
+
+
+class Orderer:
+    """The KaZoo orderer of one replica (see the module documentation).
+
+    ``start()`` connects and starts the threads (raising ``ServiceUnavailable`` if a
+    service cannot be reached), ``stop()`` releases leadership and joins them. ``stats()``
+    reports the epochs it led, the orders it published and what it followed.
+    """
+
+    def __init__(
+        self, run: KazooRun, task: int, partition: int, replica: int, feed: _core.OrderFeed
+    ) -> None:
+        self.run, self.feed = run, feed
+        self.task, self.partition, self.replica = task, partition, replica
+        self.channels = len(feed.arrived())
+        self.topic = run.topic(task, partition)
+        self.path = run.zk_path(task, partition)
+        self.ident = f"{task}:{partition}:{replica}:{os.getpid()}"
+        self._stop = threading.Event()
+        # Set while this replica may publish: it holds the lock and its session is sound.
+        self._sound = threading.Event()
+        # Set when the session that won the lock has expired: the leadership is gone.
+        self._lost = threading.Event()
+        self._leading = False
+        self._consumed = 0  # next offset the follower thread will read
+        self._caught_up = threading.Condition()
+        self._lock: Any = None
+        self._threads: list[threading.Thread] = []
+        self.led: list[dict] = []
+        self.published = 0
+        self.publish_errors = 0
+        self.error: BaseException | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        _require_clients()
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+        from kazoo.client import KazooClient
+        from kazoo.handlers.threading import KazooTimeoutError
+
+        cfg = self.run.config
+        self.zk = KazooClient(hosts=cfg.zk_hosts, timeout=cfg.session_timeout_s)
+        try:
+            self.zk.start(timeout=10)
+        except KazooTimeoutError as exc:
+            self.zk.close()
+            raise ServiceUnavailable(
+                f"ZooKeeper is not reachable at {cfg.zk_hosts}: start it with "
+                "`scripts/services.sh start zookeeper`"
+            ) from exc
+        self.zk.add_listener(self._on_state)
+        kafka = {"bootstrap.servers": cfg.kafka_bootstrap, "logger": _kafka_logger()}
+        self.producer = Producer(
+            {
+                **kafka,
+                "acks": "all",
+                "enable.idempotence": True,
+                "linger.ms": 0,
+                "reconnect.backoff.max.ms": 200,
+            }
+        )
+        self.consumer = Consumer(
+            {
+                **kafka,
+                "group.id": f"tandem-{self.run.run}-{self.ident}",
+                "enable.auto.commit": False,
+                "fetch.wait.max.ms": 10,
+                "reconnect.backoff.max.ms": 200,
+            }
+        )
+        self._tp = TopicPartition(self.topic, 0)
+        self.consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
+        # Watermark queries come from the election thread; a consumer of its own keeps
+        # them off the follower's.
+        self.meta = Consumer({**kafka, "group.id": f"tandem-meta-{self.run.run}-{self.ident}"})
+        for target, name in ((self._follow, "follow"), (self._elect, "elect")):
+            t = threading.Thread(target=self._guard(target), name=f"kazoo-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        """Release leadership at once and join the threads. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._sound.clear()
+        lock = self._lock
+        if lock is not None:
+            lock.cancel()
+        try:
+            self.zk.stop()  # closes the session: its lock node goes with it, at once
+        finally:
+            for t in self._threads:
+                t.join(timeout=5)
+            self.zk.close()
+            self.producer.flush(2)
+            self.consumer.close()
+            self.meta.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "led": list(self.led),
+            "published": self.published,
+            "publish_errors": self.publish_errors,
+            "follow": self.feed.stats(),
+        }
+
+    def _guard(self, fn):
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # surfaced by the replica loop
+                if not self._stop.is_set():
+                    self.error = exc
+                    log.exception("kazoo orderer of %s failed", self.ident)
+
+        return run
+
+    def check(self) -> None:
+        """Raise the error a thread died of, if any (the replica's task loop calls this)."""
+        if self.error is not None:
+            raise self.error
+
+    # -- ZooKeeper session ----------------------------------------------------------------
+
+    def _on_state(self, state) -> None:
+        from kazoo.client import KazooState
+
+        # kazoo calls this on its own thread: only flip flags here.
+        if state == KazooState.CONNECTED:
+            # Back on the same session (kazoo reports an expired one as LOST first): the
+            # lock node, and so the leadership, is still ours.
+            if self._leading and not self._lost.is_set():
+                self._sound.set()
+            return
+        # SUSPENDED: the session may be about to expire and a follower to take over; LOST:
+        # it has. Either way, not one more order from here.
+        self._sound.clear()
+        if state == KazooState.LOST:
+            self._lost.set()
+
+    # -- follower -------------------------------------------------------------------------
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            msg = self.consumer.poll(POLL_S)
+            if msg is None:
+                continue
+            if msg.error() is not None:
+                log.debug("order topic %s: %s", self.topic, msg.error())
+                continue
+            verdict = self.feed.offer(msg.value())
+            if verdict == "stale":
+                log.info("%s: fenced off an order of a deposed leader", self.ident)
+            with self._caught_up:
+                self._consumed = msg.offset() + 1
+                self._caught_up.notify_all()
+
+    def _still_leading(self) -> bool:
+        """Wait while the session is in doubt; False once the leadership is gone."""
+        while not self._sound.is_set():
+            if self._lost.is_set() or self._stop.is_set():
+                return False
+            self._sound.wait(POLL_S)
+        return not self._stop.is_set()
+
+    def _read_to_end(self) -> bool:
+        """Wait until the follower thread has followed every order published so far."""
+        while self._still_leading():
+            try:
+                _, high = self.meta.get_watermark_offsets(self._tp, timeout=1.0, cached=False)
+            except Exception as exc:  # Kafka unreachable: keep trying while leading
+                log.debug("order topic %s: no high watermark yet (%s)", self.topic, exc)
+                continue
+            with self._caught_up:
+                while self._consumed < high and self._still_leading():
+                    self._caught_up.wait(POLL_S)
+                if self._consumed >= high:
+                    return True
+        return False
+
+    # -- leader ---------------------------------------------------------------------------
+
+    def _elect(self) -> None:
+        from kazoo.exceptions import CancelledError, KazooException
+
+        while not self._stop.is_set():
+            if not self.zk.connected:
+                time.sleep(POLL_S)
+                continue
+            lock = self.zk.Lock(self.path, self.ident)
+            self._lock = lock
+            self._lost.clear()
+            try:
+                if not lock.acquire(timeout=None):
+                    continue
+            except CancelledError:
+                continue
+            except KazooException as exc:  # session trouble while contending: try again
+                log.debug("%s: election interrupted (%s)", self.ident, exc)
+                time.sleep(POLL_S)
+                continue
+            epoch = int(lock.node[-10:]) + 1  # the lock node's sequence number
+            self._leading = True
+            self._sound.set()
+            self.led.append({"epoch": epoch, "since_ns": time.time_ns()})
+            log.info("%s leads with epoch %d", self.ident, epoch)
+            try:
+                if self._read_to_end():
+                    self._lead(epoch)
+            finally:
+                self._leading = False
+                self._sound.clear()
+                self.led[-1]["until_ns"] = time.time_ns()
+                try:
+                    if self.zk.connected:
+                        lock.release()
+                except KazooException:
+                    pass
+
+    def _lead(self, epoch: int) -> None:
+        batch = self.run.config.batch
+        published = self.feed.ordered()
+        version, cursor = 0, 0
+        failed = threading.Event()
+
+        def on_delivery(err, _msg) -> None:
+            if err is not None:
+                self.publish_errors += 1
+                failed.set()
+                log.warning("%s: an order was not delivered: %s", self.ident, err)
+
+        while self._still_leading():
+            if failed.is_set():  # publish again from what the log really holds
+                failed.clear()
+                published = self.feed.ordered()
+            seen = self.feed.generation()
+            arrived, ordered = self.feed.arrived(), self.feed.ordered()
+            n = self.channels
+            entries = []
+            for i in range(n):
+                c = (cursor + i) % n
+                bound = max(published[c], ordered[c])
+                if arrived[c] > bound:
+                    entries.append((c, arrived[c]))
+                    published[c] = arrived[c]
+            if not entries:
+                self.producer.poll(0)
+                self.feed.wait(seen, POLL_S)
+                continue
+            cursor = (cursor + 1) % n
+            for i in range(0, len(entries), batch):
+                if not self._still_leading():
+                    return
+                version += 1
+                frame = _core.encode_order_frame(
+                    self.partition, epoch, version, entries[i : i + batch]
+                )
+                self.producer.produce(self.topic, value=frame, on_delivery=on_delivery)
+                self.published += 1
+            self.producer.poll(0)
+
+
+__all__ = [
+    "KazooConfig",
+    "KazooRun",
+    "Orderer",
+    "cleanup",
+    "current_leader",
+    "prepare",
+    "read_orders",
+]
