@@ -681,6 +681,7 @@ def test_result_json_has_exactly_the_documented_fields():
         "faults",
         "digests_match",
         "lost_replicas",
+        "leaders",
         "output",
     }
     assert data["output"] == {"rows": 3, "columns": ["a"]}

@@ -18,6 +18,7 @@ from tandem.exceptions import (
 )
 from tandem.faults import Kill, Pause
 from tandem.operators import CountPerKey, KeyedProcess, Operator
+from tandem.ordering.kazoo import KazooConfig
 from tandem.plan import Plan
 
 __version__: str = _core.__version__
@@ -30,6 +31,7 @@ __all__ = [
     "CountPerKey",
     "DeterminismError",
     "Job",
+    "KazooConfig",
     "KeyedProcess",
     "Kill",
     "Operator",

@@ -589,6 +589,7 @@ JSON_FIELDS = (
     "faults",
     "digests_match",
     "lost_replicas",
+    "leaders",
     "output",
 )
 
@@ -609,7 +610,9 @@ class Result:
     reproduce event times); ``determinism_errors``, one message per task partition whose
     replicas' output digests differed (each is also logged as a DeterminismError;
     ``digests_match`` is then false); ``rss_mb``, the peak resident memory of each replica
-    process (engines that measure it).
+    process (engines that measure it). ``leaders``, for KaZoo-ordered partitions (by
+    ``"task[partition]"``): who led, in epoch order — ``{"replica", "epoch", "from_s",
+    "until_s"}``, seconds from the run's start.
     """
 
     events_in: int = 0
@@ -624,6 +627,7 @@ class Result:
     faults: list[dict] = field(default_factory=list)
     digests_match: bool = True
     lost_replicas: list[dict] = field(default_factory=list)
+    leaders: dict[str, list[dict]] = field(default_factory=dict)
     output: pa.Table | None = None
     determinism_errors: list[str] = field(default_factory=list)
     rss_mb: dict[str, float] = field(default_factory=dict)

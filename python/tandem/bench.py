@@ -2,7 +2,12 @@
 
 * ``mib1`` — MiB1: a pipeline of 1 to 4 identity map tasks of 2 partitions each at 5,000 ev/s,
   heartbeat 10 ms, buffer timeout 5 ms; latency measured after a warm-up; configurations
-  side by side in the same run: no replication, ``none``, ``liverobin``.
+  side by side in the same run: no replication, ``none``, ``liverobin``, ``kazoo``. As in
+  the paper, every task partition reads both upstream partitions (the stream is keyed
+  between tasks), so the replicas of each partition have two inputs to order.
+* ``failover`` — the paper's fault experiment: 3 map tasks of 2 partitions, 5,000 ev/s,
+  one replica of the middle task SIGKILLed halfway; per-second p99 over time, for
+  LiveRobin, KaZoo with the leader killed and KaZoo with a follower killed.
 * ``throughput`` — the highest rate a replicated length-1 pipeline sustains without its
   latency growing: rates are tried in increasing order until the p99 of the last third of
   the run exceeds ``max(10 x the first rate's p99, 250 ms)`` or the run falls behind.
@@ -23,6 +28,7 @@ CONFIGS = {
     "replication=1": {"replication": 1, "ordering": "liverobin"},
     "none": {"replication": 2, "ordering": "none"},
     "liverobin": {"replication": 2, "ordering": "liverobin"},
+    "kazoo": {"replication": 2, "ordering": "kazoo"},
 }
 
 PAPER_LIVEROBIN = {1: (7.6, 21.5), 2: (14.0, 34.5), 3: (20.9, 41.4), 4: (27.7, 51.4)}
@@ -34,17 +40,24 @@ def identity(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch
 
 
-def mib1_job(length: int, replication: int, ordering: str, rate: int = 5_000) -> td.Job:
+def mib1_job(
+    length: int,
+    replication: int,
+    ordering: str,
+    rate: int = 5_000,
+    kazoo: td.KazooConfig | None = None,
+) -> td.Job:
     job = td.Job(
         f"mib1-{length}",
         replication=replication,
         ordering=ordering,
         heartbeat_ms=10,
         buffer_timeout_ms=5,
+        kazoo=kazoo if ordering == "kazoo" else None,
     )
     stream = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=1), parallelism=2)
     for i in range(length):
-        stream = stream.map(identity, parallelism=2, name=f"map{i + 1}")
+        stream = stream.key_by("key").map(identity, parallelism=2, name=f"map{i + 1}")
     stream.sink(td.sinks.Latency(), parallelism=1)
     return job
 
@@ -86,12 +99,13 @@ def mib1(
     warmup: float = 30.0,
     measure: float = 30.0,
     log=sys.stderr,
+    kazoo: td.KazooConfig | None = None,
 ) -> list[Row]:
     rows = []
     for length in lengths:
         for config in configs:
             opts = CONFIGS[config]
-            job = mib1_job(length, opts["replication"], opts["ordering"], rate)
+            job = mib1_job(length, opts["replication"], opts["ordering"], rate, kazoo)
             print(f"mib1: length {length}, {config} ...", file=log, flush=True)
             res = job.run(duration=warmup + measure, warmup=warmup, progress=False, check=False)
             rows.append(_row(config, length, rate, res))
@@ -119,8 +133,104 @@ def throughput(
     return best, rows
 
 
-def table(rows: list[Row]) -> str:
-    cols = list(asdict(rows[0])) if rows else []
-    lines = ["  ".join(f"{c:>13}" for c in cols)]
-    lines += ["  ".join(f"{v!s:>13}" for v in asdict(r).values()) for r in rows]
+FAILOVER_CASES = {
+    "liverobin": ("liverobin", 0),
+    "kazoo-leader": ("kazoo", "leader"),
+    "kazoo-follower": ("kazoo", "follower"),
+}
+PAPER_KAZOO_LEADER_PEAK_MS = (650, 1000)
+"""The paper's per-second p99 peak after a KaZoo leader kill (Fig. 14)."""
+
+
+@dataclass
+class FailoverRow:
+    case: str
+    victim: int
+    p99_before_ms: float
+    """Median of the per-second p99 over the seconds before the kill."""
+    peak_after_ms: float
+    """Highest per-second p99 from the kill to 5 s after it."""
+    lost: int | None
+    duplicates: int | None
+    digests_match: bool
+    per_second_p99_ms: list
+
+
+def failover(
+    rate: int = 5_000,
+    duration: float = 100.0,
+    kill_at: float = 50.0,
+    cases=tuple(FAILOVER_CASES),
+    kazoo: td.KazooConfig | None = None,
+    log=sys.stderr,
+) -> list[FailoverRow]:
+    """The paper's fault experiment (see the module documentation), each case in turn."""
+    import numpy as np
+
+    rows = []
+    for case in cases:
+        ordering, replica = FAILOVER_CASES[case]
+        job = mib1_job(3, 2, ordering, rate, kazoo)
+        fault = td.Kill("map2", partition=0, replica=replica, at=kill_at)
+        print(
+            f"failover: {case}, kill map2[0] {replica} at {kill_at:g} s ...", file=log, flush=True
+        )
+        res = job.run(duration=duration, faults=[fault], progress=False)
+        series = res.per_second_p99_ms
+        second = int(kill_at)
+        before = [v for v in series[2:second] if v is not None]
+        after = [v for v in series[second : second + 6] if v is not None]
+        rows.append(
+            FailoverRow(
+                case,
+                res.faults[0]["victim"],
+                round(float(np.median(before)), 1) if before else float("nan"),
+                round(max(after), 1) if after else float("nan"),
+                res.lost,
+                res.duplicates,
+                res.digests_match,
+                [None if v is None else round(v, 1) for v in series],
+            )
+        )
+    return rows
+
+
+def plot_failover(rows: list[FailoverRow], kill_at: float, path: str) -> None:
+    """Per-second p99 of every failover case on one chart, the kill marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=120)
+    for row in rows:
+        xs = [s for s, v in enumerate(row.per_second_p99_ms) if v is not None]
+        ys = [row.per_second_p99_ms[s] for s in xs]
+        ax.plot(xs, ys, marker="o", markersize=2, linewidth=1, label=row.case)
+    ax.axvline(kill_at, color="crimson", linestyle="--", linewidth=1)
+    ax.annotate(
+        "SIGKILL map2[0]",
+        (kill_at, 0),
+        xytext=(4, 4),
+        textcoords="offset points",
+        color="crimson",
+        fontsize=8,
+    )
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("p99 latency per second (ms)")
+    ax.set_title("failover: 3 tasks x 2 partitions, one replica of map2[0] killed", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def table(rows: list) -> str:
+    """Rows (dataclasses or dicts) as aligned text."""
+    dicts = [r if isinstance(r, dict) else asdict(r) for r in rows]
+    cols = list(dicts[0]) if dicts else []
+    lines = ["  ".join(f"{c:>14}" for c in cols)]
+    lines += ["  ".join(f"{v!s:>14}" for v in d.values()) for d in dicts]
     return "\n".join(lines)

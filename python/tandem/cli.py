@@ -60,14 +60,40 @@ def _faults(args, default: list) -> list:
 def _demo(args: argparse.Namespace) -> int:
     from tandem import demo
 
+    services = None
+    kazoo = None
+    if args.ordering == "kazoo":
+        from tandem.services import ensure_running
+
+        print("KaZoo needs ZooKeeper and Kafka: starting what is not running ...", flush=True)
+        services = ensure_running()
+        kazoo = tandem.KazooConfig(
+            zk_hosts=services.zk_hosts,
+            kafka_bootstrap=services.kafka_bootstrap,
+            session_timeout_s=args.session_timeout,
+        )
+    try:
+        return _demo_job(args, demo, kazoo)
+    finally:
+        if services is not None and services.started:
+            services.stop()
+            print(
+                f"stopped {', '.join(services.started)} (started for this demo; "
+                "`make services` keeps them running between runs)"
+            )
+
+
+def _demo_job(args: argparse.Namespace, demo, kazoo) -> int:
     job = demo.build(
         rate=args.rate,
         replication=args.replication,
         ordering=args.ordering,
         heartbeat_ms=args.heartbeat_ms,
         buffer_timeout_ms=args.buffer_timeout_ms,
+        kazoo=kazoo,
     )
-    default = [tandem.Kill("count", partition=0, replica=0, at=args.duration / 2)]
+    victim = "leader" if args.ordering == "kazoo" else 0
+    default = [tandem.Kill("count", partition=0, replica=victim, at=args.duration / 2)]
     faults = _faults(args, default if args.replication > 1 else [])
     print(
         f"tandem {tandem.__version__} ({tandem.build_profile} build) demo: "
@@ -77,6 +103,11 @@ def _demo(args: argparse.Namespace) -> int:
     )
     for f in faults:
         print(f"  fault: SIGKILL {f.task}[{f.partition}] replica {f.replica} at {f.at:g} s")
+    if kazoo is not None:
+        print(
+            f"  KaZoo: ZooKeeper {kazoo.zk_hosts}, Kafka {kazoo.kafka_bootstrap}, session "
+            f"timeout {kazoo.session_timeout_s:g} s"
+        )
     return _run_and_report(job, args, faults, plot_path=args.plot or "out/demo_p99.png")
 
 
@@ -153,6 +184,11 @@ def print_summary(r: tandem.Result) -> None:
     print()
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+    for name, terms in r.leaders.items():
+        led = ", ".join(
+            f"r{t['replica']} (epoch {t['epoch']}, from {t['from_s']:.2f} s)" for t in terms
+        )
+        print(f"  leaders of {name}: {led}")
     for e in r.determinism_errors:
         print(f"  DeterminismError: {e}")
     masked = r.lost == 0 and r.duplicates == 0 and r.digests_match
@@ -161,18 +197,71 @@ def print_summary(r: tandem.Result) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import json
-
     from tandem import bench
+
+    services = None
+    kazoo = None
+    configs = tuple(args.configs.split(",")) if args.configs else tuple(bench.CONFIGS)
+    unknown = sorted(set(configs) - set(bench.CONFIGS))
+    if unknown:
+        raise tandem.ConfigError(
+            f"--configs: unknown {unknown}; choose from {', '.join(bench.CONFIGS)}"
+        )
+    if args.experiment == "failover" or (args.experiment == "mib1" and "kazoo" in configs):
+        from tandem.services import ensure_running
+
+        services = ensure_running()
+        kazoo = tandem.KazooConfig(
+            zk_hosts=services.zk_hosts,
+            kafka_bootstrap=services.kafka_bootstrap,
+            session_timeout_s=args.session_timeout,
+        )
+    try:
+        return _bench_run(args, bench, configs, kazoo)
+    finally:
+        if services is not None and services.started:
+            services.stop()
+
+
+def _bench_run(args: argparse.Namespace, bench, configs: tuple, kazoo) -> int:
+    import json
 
     if args.experiment == "mib1":
         lengths = [int(x) for x in args.lengths.split(",")]
-        rows = bench.mib1(lengths=lengths, rate=args.rate, warmup=args.warmup, measure=args.measure)
+        rows = bench.mib1(
+            lengths=lengths,
+            configs=configs,
+            rate=args.rate,
+            warmup=args.warmup,
+            measure=args.measure,
+            kazoo=kazoo,
+        )
         out = {
             "experiment": "mib1",
             "rows": [vars(r) for r in rows],
             "paper_liverobin_ms": bench.PAPER_LIVEROBIN,
         }
+    elif args.experiment == "failover":
+        duration = args.duration or 100.0
+        kill_at = duration / 2
+        rows = bench.failover(rate=args.rate, duration=duration, kill_at=kill_at, kazoo=kazoo)
+        out = {
+            "experiment": "failover",
+            "rate": args.rate,
+            "duration_s": duration,
+            "kill_at_s": kill_at,
+            "session_timeout_s": args.session_timeout,
+            "rows": [vars(r) for r in rows],
+            "paper_kazoo_leader_peak_ms": bench.PAPER_KAZOO_LEADER_PEAK_MS,
+        }
+        plot = Path(args.plot or "out/failover_p99.png")
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            bench.plot_failover(rows, kill_at, str(plot))
+            print(f"wrote {plot}")
+        except ImportError:
+            print("(no plot: matplotlib is not installed; pip install 'tandem-stream[plot]')")
+        rows = [{k: v for k, v in vars(r).items() if k != "per_second_p99_ms"} for r in rows]
     else:
         best, rows = bench.throughput(duration=args.measure)
         out = {
@@ -195,7 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the replicated demo pipeline and kill a replica")
-    demo.add_argument("--ordering", choices=["liverobin", "none"], default="liverobin")
+    demo.add_argument("--ordering", choices=["liverobin", "kazoo", "none"], default="liverobin")
+    demo.add_argument(
+        "--session-timeout",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="KaZoo: ZooKeeper session timeout (a crashed leader is replaced after about this)",
+    )
     demo.add_argument("--replication", type=int, default=2, metavar="N")
     demo.add_argument("--rate", type=int, default=5_000, metavar="EV_PER_S")
     demo.add_argument("--heartbeat-ms", type=float, default=10.0)
@@ -209,7 +305,22 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(func=_run_file)
 
     bench = sub.add_parser("bench", help="end-to-end experiments of the paper (§VII)")
-    bench.add_argument("experiment", choices=["mib1", "throughput"])
+    bench.add_argument("experiment", choices=["mib1", "throughput", "failover"])
+    bench.add_argument("--configs", help="mib1 configurations, comma-separated (default: all)")
+    bench.add_argument(
+        "--duration",
+        type=float,
+        metavar="S",
+        help="failover run length (default 100; kill at half)",
+    )
+    bench.add_argument(
+        "--session-timeout",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="KaZoo ZooKeeper session timeout for the benchmarks (default 0.5)",
+    )
+    bench.add_argument("--plot", metavar="PATH", help="failover: PNG path")
     bench.add_argument("--lengths", default="1,2,3,4", help="mib1 pipeline lengths")
     bench.add_argument("--rate", type=int, default=5_000, metavar="EV_PER_S")
     bench.add_argument("--warmup", type=float, default=30.0, metavar="S")

@@ -32,6 +32,7 @@ def build(
     heartbeat_ms: float = 10.0,
     buffer_timeout_ms: float = 5.0,
     sink: td.sinks.Sink | None = None,
+    kazoo: td.KazooConfig | None = None,
 ) -> td.Job:
     """The demo job."""
     job = td.Job(
@@ -40,6 +41,7 @@ def build(
         ordering=ordering,
         heartbeat_ms=heartbeat_ms,
         buffer_timeout_ms=buffer_timeout_ms,
+        kazoo=kazoo,
     )
     events = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=7), parallelism=2)
     counted = (
@@ -65,8 +67,12 @@ def plot(result: td.Result, path: str, title: str = "tandem demo") -> None:
     for f in result.faults:
         at = f.get("injected_at", f.get("at"))
         ax.axvline(at, color="crimson", linestyle="--", linewidth=1)
+        signal = "SIGSTOP" if f.get("kind") == "pause" else "SIGKILL"
+        victim = f"r{f.get('victim', f['replica'])}"
+        if isinstance(f["replica"], str):
+            victim = f"{f['replica']} ({victim})"
         ax.annotate(
-            f"SIGKILL {f['task']}[{f['partition']}] r{f['replica']}",
+            f"{signal} {f['task']}[{f['partition']}] {victim}",
             (at, ax.get_ylim()[1]),
             xytext=(4, -12),
             textcoords="offset points",

@@ -264,16 +264,21 @@ class _Run:
     # -- faults ---------------------------------------------------------------------------
 
     def _resolve(self, task: int, partition: int, role: str) -> int:
-        """The replica index holding ``role`` in a KaZoo partition right now."""
+        """The replica index holding ``role`` in a KaZoo partition right now (waiting up to
+        one session timeout and a bit if an election is under way)."""
         alive = [
             r
             for r in range(self.plan.tasks[task].replication)
             if (task, partition, r) not in self.killed
             and self.procs[(task, partition, r)].is_alive()
         ]
+        deadline = time.monotonic() + self.zoo.config.session_timeout_s + 5.0
         leader = kazoo.current_leader(self.zoo, task, partition)
+        while leader not in alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+            leader = kazoo.current_leader(self.zoo, task, partition)
         if role == "leader":
-            if leader is None or leader not in alive:
+            if leader not in alive:
                 raise TandemError(
                     f"{self.plan.tasks[task].name}[{partition}] has no live leader to kill"
                 )
@@ -372,6 +377,7 @@ class _Run:
         res.output = res.outputs[collects[0]] if collects else None
         self._latency(res, warmup)
         self._digests(res)
+        self._leaders(res)
         if check:
             self._check(res)
         else:  # not measured: say so rather than report a reassuring zero
@@ -398,6 +404,22 @@ class _Run:
         ]
         times = np.unique(recv_ns)
         res.max_gap_ms = float(np.diff(times).max() / 1e6) if len(times) > 1 else 0.0
+
+    def _leaders(self, res: Result) -> None:
+        """Who led each KaZoo partition, in epoch order (a replica that died while leading
+        is known from its successor's higher epoch only)."""
+        terms: dict[str, list[dict]] = {}
+        for (t, p, r), rep in sorted(self.reports.items()):
+            for term in (rep.ordering_stats or {}).get("led", []):
+                terms.setdefault(f"{self.plan.tasks[t].name}[{p}]", []).append(
+                    {
+                        "replica": r,
+                        "epoch": term["epoch"],
+                        "from_s": round((term["since_ns"] - self.t0_ns) / 1e9, 3),
+                        "until_s": round((term["until_ns"] - self.t0_ns) / 1e9, 3),
+                    }
+                )
+        res.leaders = {k: sorted(v, key=lambda x: x["epoch"]) for k, v in sorted(terms.items())}
 
     def _digests(self, res: Result) -> None:
         """Compare the per-cycle output digests of the replicas of each task partition."""

@@ -237,10 +237,11 @@ def current_leader(run: KazooRun, task: int, partition: int, timeout: float = 5.
     """The replica index currently leading ``(task, partition)``, or None if none does."""
     from kazoo.client import KazooClient
 
-    zk = KazooClient(hosts=run.config.zk_hosts, timeout=run.config.session_timeout_s)
+    zk = KazooClient(hosts=run.config.zk_hosts, timeout=max(run.config.session_timeout_s, 2.0))
     zk.start(timeout=timeout)
     try:
-        contenders = zk.Lock(run.zk_path(task, partition)).contenders()
+        # zk.retry rides out a connection loss (a loaded machine, a restarting server).
+        contenders = zk.retry(zk.Lock(run.zk_path(task, partition)).contenders)
     finally:
         zk.stop()
         zk.close()
@@ -421,11 +422,13 @@ class Orderer:
             except Exception as exc:  # Kafka unreachable: keep trying while leading
                 log.debug("order topic %s: no high watermark yet (%s)", self.topic, exc)
                 continue
-            with self._caught_up:
-                while self._consumed < high and self._still_leading():
+            # Never wait for the session under this lock: the follower thread takes it for
+            # every order it follows.
+            while self._still_leading():
+                with self._caught_up:
+                    if self._consumed >= high:
+                        return True
                     self._caught_up.wait(POLL_S)
-                if self._consumed >= high:
-                    return True
         return False
 
     # -- leader ---------------------------------------------------------------------------
@@ -450,6 +453,7 @@ class Orderer:
                 time.sleep(POLL_S)
                 continue
             epoch = int(lock.node[-10:]) + 1  # the lock node's sequence number
+            self._lost.clear()  # a session lost while contending is not this one
             self._leading = True
             self._sound.set()
             self.led.append({"epoch": epoch, "since_ns": time.time_ns()})
