@@ -49,6 +49,20 @@ def test_demo_masks_the_kill_and_writes_json_and_plot(tmp_path, capsys):
     assert "fault masked" in printed
 
 
+def test_kazoo_demo_kills_the_leader_and_masks_it(zookeeper, kafka, tmp_path, capsys):
+    out = tmp_path / "kazoo.json"
+    flags = ["--duration", "4", "--rate", "600", "--no-progress", "--json", str(out)]
+    code = main(["demo", "--ordering", "kazoo", *flags, "--plot", str(tmp_path / "kazoo.png")])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads(out.read_text())
+    assert result["lost"] == 0 and result["duplicates"] == 0 and result["digests_match"]
+    (fault,) = result["faults"]
+    assert (fault["task"], fault["replica"]) == ("count", "leader")
+    assert result["leaders"]["count[0]"][0]["replica"] != fault["victim"]
+    assert "leaders of count[0]" in printed and "fault masked" in printed
+
+
 def test_run_a_job_file(tmp_path):
     job = tmp_path / "myjob.py"
     job.write_text(
