@@ -276,7 +276,7 @@ class Orderer:
         self._lock: Any = None
         self._threads: list[threading.Thread] = []
         self.led: list[dict] = []
-        self.published = 0
+        self.orders_published = 0
         self.publish_errors = 0
         self.error: BaseException | None = None
 
@@ -350,7 +350,7 @@ class Orderer:
     def stats(self) -> dict[str, Any]:
         return {
             "led": list(self.led),
-            "published": self.published,
+            "published": self.orders_published,
             "publish_errors": self.publish_errors,
             "follow": self.feed.stats(),
         }
@@ -510,7 +510,7 @@ class Orderer:
                     self.partition, epoch, version, entries[i : i + batch]
                 )
                 self.producer.produce(self.topic, value=frame, on_delivery=on_delivery)
-                self.published += 1
+                self.orders_published += 1
             self.producer.poll(0)
 
 
