@@ -19,6 +19,7 @@ import pytest
 
 import tandem as td
 from tandem import _core
+from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooConfig
 
 RATE = 1_000
@@ -188,3 +189,41 @@ def test_order_log_fences_stale_epochs_and_ignores_replays():
         log.offer(order(0, 6, 2, [(2, 1)]))
     with pytest.raises(td.ProtocolError):
         log.offer(_core.encode_heartbeat_frame(0, 0, 1))
+
+
+def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
+    """What a replica does on SIGTERM (`Orderer.stop`): close its session, so its twin
+    leads in milliseconds instead of after a session timeout."""
+    job = kazoo_job(kafka, name="kz-handover", session_timeout_s=5.0)
+    plan = job.plan()
+    (task, partition), *_ = plan.ordered_partitions()
+    run = kazoo.prepare(plan)
+    upstreams = [(c.task, c.partition) for c in plan.input_channels(task, partition)]
+    inboxes = [_core.Inbox("kz", b"s", upstreams, ordering="kazoo") for _ in range(2)]
+    orderers = [
+        kazoo.Orderer(run, task, partition, r, inbox.order_feed())
+        for r, inbox in enumerate(inboxes)
+    ]
+    try:
+        for o in orderers:
+            o.start()
+        deadline = time.monotonic() + 10
+        while not any(o.led for o in orderers) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        (leader,) = [o for o in orderers if o.led]
+        (twin,) = [o for o in orderers if o is not leader]
+        stopped = time.monotonic()
+        leader.stop()
+        while not twin.led and time.monotonic() < stopped + 10:
+            time.sleep(0.001)
+        handover = time.monotonic() - stopped
+        assert twin.led, "the twin never took over"
+        assert twin.led[0]["epoch"] > leader.led[0]["epoch"]
+        # A crash would take the 5 s session timeout; a graceful stop is at once.
+        assert handover < 1.0, f"handover took {handover:.3f} s"
+    finally:
+        for o in orderers:
+            o.stop()
+        for inbox in inboxes:
+            inbox.close()
+        kazoo.cleanup(run)
