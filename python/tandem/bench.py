@@ -34,7 +34,15 @@ def identity(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch
 
 
-def mib1_job(length: int, replication: int, ordering: str, rate: int = 5_000) -> td.Job:
+def mib1_job(
+    length: int,
+    replication: int,
+    ordering: str,
+    rate: int = 5_000,
+    sink: td.sinks.Sink | None = None,
+) -> td.Job:
+    """MiB1 of length ``length``; the sink records latency unless another is given (a
+    ``td.sinks.Collect()`` makes the output comparable with the reference's)."""
     job = td.Job(
         f"mib1-{length}",
         replication=replication,
@@ -45,7 +53,7 @@ def mib1_job(length: int, replication: int, ordering: str, rate: int = 5_000) ->
     stream = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=1), parallelism=2)
     for i in range(length):
         stream = stream.map(identity, parallelism=2, name=f"map{i + 1}")
-    stream.sink(td.sinks.Latency(), parallelism=1)
+    stream.sink(sink or td.sinks.Latency(), parallelism=1)
     return job
 
 
