@@ -1,0 +1,1 @@
+"""tandem on Spark: the Spark engine and the Structured Streaming passive baseline."""
