@@ -75,7 +75,7 @@ import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
-from pyspark.sql.types import LongType, StructField, StructType
+from pyspark.sql.types import DoubleType, LongType, StructField, StructType
 
 from tandem.exceptions import ConfigError, TandemError
 from tandem.operators import EVENT_TIME, SOURCE_SEQ
@@ -118,26 +118,39 @@ def _synthetic(options: dict[str, str]) -> Synthetic:
 @dataclass
 class _Slice(InputPartition):
     """Local rows ``[j0, j1)`` of source partition ``partition`` (tandem's round-robin
-    split: partition ``p`` owns global rows ``j * PARTITIONS + p``)."""
+    split: partition ``p`` owns global rows ``j * PARTITIONS + p``) of the stream that
+    started at ``t0_ns``."""
 
     partition: int
     j0: int
     j1: int
+    t0_ns: int
 
 
 class SyntheticStream(DataSource):
     """``spark.readStream.format("tandem_synthetic")``: tandem's Synthetic generator.
 
-    Options (strings, as Spark passes them): ``rate``, ``keys``, ``seed``, ``t0_ns`` (the
-    stream's time origin, the same for every driver incarnation of a run) and ``end``
-    (the number of events the stream releases in all)."""
+    Options (strings, as Spark passes them): ``rate``, ``keys``, ``seed``, ``end`` (the
+    number of events the stream releases in all) and ``clock``, the path of the run's
+    clock file holding the stream's time origin ``t0_ns``."""
 
     @classmethod
     def name(cls) -> str:
         return SOURCE_FORMAT
 
-    def schema(self) -> str:
-        return f"{SOURCE_SEQ} bigint, {EVENT_TIME} bigint, key bigint, value double"
+    def schema(self) -> StructType:
+        # Non-nullable, as Synthetic's batches are: Spark checks that they match exactly.
+        return StructType(
+            [
+                StructField(name, spark_type, nullable=False)
+                for name, spark_type in (
+                    (SOURCE_SEQ, LongType()),
+                    (EVENT_TIME, LongType()),
+                    ("key", LongType()),
+                    ("value", DoubleType()),
+                )
+            ]
+        )
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return _SyntheticStreamReader(self.options)
@@ -147,13 +160,22 @@ class _SyntheticStreamReader(DataSourceStreamReader):
     """Offsets are ``{"index": n}``: the first ``n`` events of the stream. The latest
     offset is the number of events released by now on the ``t0 + i / rate`` clock, so a
     micro-batch holds exactly the events that became due since the previous one, and a
-    restarted driver finds everything released during its downtime waiting for it."""
+    restarted driver finds everything released during its downtime waiting for it.
+
+    The clock starts when the first driver's query is up (it then writes ``t0_ns`` to the
+    clock file): until then nothing is released, so the stream's first events do not queue
+    behind the SparkSession and query start-up — the same origin tandem's engines use."""
 
     def __init__(self, options: dict[str, str]) -> None:
-        self.options = dict(options)
-        self.source = _synthetic(self.options)
-        self.t0_ns = int(self.options["t0_ns"])
-        self.end = int(self.options["end"])
+        self.source = _synthetic(options)
+        self.end = int(options["end"])
+        self.clock = Path(options["clock"])
+        self.t0_ns: int | None = None
+
+    def _t0(self) -> int | None:
+        if self.t0_ns is None and self.clock.exists():
+            self.t0_ns = int(json.loads(self.clock.read_text())["t0_ns"])
+        return self.t0_ns
 
     def initialOffset(self) -> dict:
         return {"index": 0}
@@ -161,16 +183,26 @@ class _SyntheticStreamReader(DataSourceStreamReader):
     def latestOffset(self, start: dict | None = None, limit: Any = None) -> dict:
         # Both signatures: pyspark >= 4.2 passes (start, limit) — always ReadAllAvailable,
         # since this source sets no default read limit — and 4.0/4.1 pass nothing.
-        released = self.source.rows_before(time.time_ns() - self.t0_ns)
+        t0_ns = self._t0()
+        if t0_ns is None:
+            return {"index": 0}
+        released = self.source.rows_before(time.time_ns() - t0_ns)
         return {"index": min(released, self.end)}
 
     def partitions(self, start: dict, end: dict) -> list[_Slice]:
         lo, hi = start["index"], end["index"]
+        t0_ns = self._t0()
+        if t0_ns is None and hi > lo:
+            raise TandemError(
+                f"offsets [{lo}, {hi}) were planned but the clock file {self.clock} is "
+                "missing; was the run directory tampered with?"
+            )
         slices = (
             _Slice(
                 p,
                 Synthetic.local_count(lo, p, PARTITIONS),
                 Synthetic.local_count(hi, p, PARTITIONS),
+                t0_ns,
             )
             for p in range(PARTITIONS)
         )
@@ -178,7 +210,7 @@ class _SyntheticStreamReader(DataSourceStreamReader):
 
     def read(self, partition: _Slice) -> Iterator[pa.RecordBatch]:
         yield self.source.read(
-            partition.partition, PARTITIONS, partition.j0, partition.j1, self.t0_ns
+            partition.partition, PARTITIONS, partition.j0, partition.j1, partition.t0_ns
         )
 
 
@@ -304,23 +336,17 @@ def drive(run_dir: Path, incarnation: int) -> None:
     _mark(run_dir, incarnation, "session")
     spark.dataSource.register(SyntheticStream)
     clock = run_dir / CLOCK_FILE
-    if incarnation == 0:
-        t0_ns = time.time_ns()
-        _write_json(clock, {"t0_ns": t0_ns})
-    elif not clock.exists():
+    if incarnation > 0 and not clock.exists():
         raise ConfigError(
             f"driver incarnation {incarnation}: {clock} is missing, so there is no stream "
-            "to resume; incarnation 0 writes it when it starts the query"
+            "to resume; incarnation 0 writes it once its query is up"
         )
-    else:
-        t0_ns = json.loads(clock.read_text())["t0_ns"]
-
     df = (
         spark.readStream.format(SOURCE_FORMAT)
         .option("rate", str(cfg["rate"]))
         .option("keys", str(cfg["keys"]))
         .option("seed", str(cfg["seed"]))
-        .option("t0_ns", str(t0_ns))
+        .option("clock", str(clock))
         .option("end", str(end))
         .load()
     )
@@ -343,6 +369,9 @@ def drive(run_dir: Path, incarnation: int) -> None:
         .start()
     )
     _mark(run_dir, incarnation, "started")
+    if incarnation == 0:
+        _write_json(clock, {"t0_ns": time.time_ns()})
+    t0_ns = json.loads(clock.read_text())["t0_ns"]
 
     deadline = t0_ns / _NS + cfg["duration"] + _SLACK_S
     while not _delivered(query, end):
@@ -375,34 +404,30 @@ def _delivered(query: Any, end: int) -> bool:
 # --------------------------------------------------------------------------------------
 
 
-def _proc_stat(pid: int) -> tuple[int, int, str] | None:
-    """(ppid, pgid, state) of a live process, None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(fields[1]), int(fields[2]), fields[0]
-
-
-def _descendants(root: int) -> set[int]:
-    """``root`` and every process below it (a /proc snapshot)."""
-    children: dict[int, list[int]] = {}
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, pgid) of every live (not zombie) process, from /proc."""
+    procs = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _proc_stat(int(entry))) is not None:
-            children.setdefault(st[0], []).append(int(entry))
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo.extend(children.get(pid, []))
-    return tree
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited while we looked
+            continue
+        if fields[0] != "Z":
+            procs[int(entry)] = (int(fields[1]), int(fields[2]))
+    return procs
 
 
 class _Driver:
-    """One driver process (one incarnation), in its own session and process group."""
+    """One driver process (one incarnation) in its own session and process group, and
+    the process groups below it: the driver's JVM shares its group, pyspark's Python worker
+    daemon makes its own (setpgid) for itself and its workers. These are the only
+    processes the controller ever signals."""
 
     def __init__(self, run_dir: Path, incarnation: int) -> None:
+        self.run_dir = run_dir
         self.incarnation = incarnation
         self.log_path = run_dir / f"driver-{incarnation}.log"
         here = str(Path(__file__).resolve().parent.parent)
@@ -419,35 +444,63 @@ class _Driver:
                 env=env,
                 start_new_session=True,
             )
+        self.groups = {self.proc.pid}
+        self.next_watch = 0.0
+
+    def watch(self, every: float = 0.0) -> None:
+        """Note the process groups of the driver's descendants (called while it runs, so
+        the groups are known even once the driver itself has gone); at most once per
+        ``every`` seconds."""
+        now = time.monotonic()
+        if now < self.next_watch:
+            return
+        self.next_watch = now + every
+        procs = _processes()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in procs.items():
+            children.setdefault(ppid, []).append(pid)
+        todo = [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            if pid in procs:
+                self.groups.add(procs[pid][1])
+            todo.extend(children.get(pid, []))
+
+    def _members(self) -> list[int]:
+        return [pid for pid, (_, pgid) in _processes().items() if pgid in self.groups]
+
+    def _kill_groups(self) -> None:
+        for pgid in self.groups:
+            with contextlib.suppress(ProcessLookupError):  # that group is already gone
+                os.killpg(pgid, signal.SIGKILL)
+
+    def _await_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._members():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def kill(self) -> int:
-        """SIGKILL the driver's process group and every process group its descendants made
-        (pyspark's worker daemon calls setpgid), wait until they are gone, return the kill
-        time (ns)."""
-        tree = _descendants(self.proc.pid)
-        groups = {st[1] for pid in tree if (st := _proc_stat(pid)) is not None}
+        """SIGKILL every process group of this driver, wait until they are gone, and
+        return the kill time (ns)."""
+        self.watch()
         kill_ns = time.time_ns()
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError):  # already gone
-                os.killpg(pgid, signal.SIGKILL)
+        self._kill_groups()
         self.proc.wait()
-        self._await_gone(tree)
+        if not self._await_gone(timeout=30.0):
+            raise TandemError(
+                f"processes {self._members()} of Spark driver incarnation {self.incarnation} "
+                "survived SIGKILL for 30 s"
+            )
         return kill_ns
 
-    def stop(self) -> None:
-        """Kill the driver if it is still running (used on errors and interrupts)."""
-        if self.proc.poll() is None:
+    def reap(self, grace: float = 15.0) -> None:
+        """After the driver exited or failed: give its JVM and Python workers ``grace``
+        seconds to shut down on their own, then SIGKILL what is left."""
+        if self.proc.poll() is None or not self._await_gone(grace):
             self.kill()
-
-    @staticmethod
-    def _await_gone(pids: set[int], timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            alive = [p for p in pids if (st := _proc_stat(p)) is not None and st[2] != "Z"]
-            if not alive:
-                return
-            time.sleep(0.05)
-        raise TandemError(f"processes {sorted(alive)} survived SIGKILL for {timeout:g} s")
 
     def failure(self) -> TandemError:
         tail = self.log_path.read_text(errors="replace").splitlines()[-25:]
@@ -492,15 +545,17 @@ def _wait(driver: _Driver, progress: _Progress, until_ns: int | None, t0_ns: int
         if until_ns is not None and time.time_ns() >= until_ns:
             return
         progress.tick(t0_ns, driver)
-        time.sleep(0.02)
+        driver.watch(every=0.5)
+        time.sleep(0.05)
 
 
 def _await_clock(driver: _Driver, timeout: float) -> int:
-    path = driver.log_path.parent / CLOCK_FILE
+    path = driver.run_dir / CLOCK_FILE
     deadline = time.monotonic() + timeout
     while not path.exists():
         if driver.proc.poll() is not None:
             raise driver.failure()
+        driver.watch(every=0.5)
         if time.monotonic() > deadline:
             raise TandemError(f"the Spark driver did not start its query within {timeout:g} s")
         time.sleep(0.05)
@@ -574,7 +629,7 @@ def run_baseline(
         result = _analyse(run_dir, cfg, t0_ns, warmup, kill_ns, drivers)
     finally:
         for driver in drivers:
-            driver.stop()
+            driver.reap()
         if not keep:
             shutil.rmtree(run_dir, ignore_errors=True)
     if keep:
