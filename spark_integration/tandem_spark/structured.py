@@ -65,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -109,9 +109,11 @@ _SLACK_S = 180.0
 # --------------------------------------------------------------------------------------
 
 
-def _synthetic(options: dict[str, str]) -> Synthetic:
+def _synthetic(params: Mapping[str, Any]) -> Synthetic:
+    """The run's Synthetic source from its parameters (numbers, or strings as Spark passes
+    data source options)."""
     return Synthetic(
-        rate=Fraction(options["rate"]), keys=int(options["keys"]), seed=int(options["seed"])
+        rate=Fraction(str(params["rate"])), keys=int(params["keys"]), seed=int(params["seed"])
     )
 
 
@@ -317,8 +319,7 @@ def _session(run_dir: Path):
 
 
 def _events_in(cfg: dict) -> int:
-    source = Synthetic(rate=Fraction(cfg["rate"]), keys=cfg["keys"], seed=cfg["seed"])
-    return source.total_rows(int(cfg["duration"] * _NS))
+    return _synthetic(cfg).total_rows(int(cfg["duration"] * _NS))
 
 
 def _mark(run_dir: Path, incarnation: int, event: str) -> None:
@@ -664,8 +665,7 @@ def _ms(values: np.ndarray, q: float) -> float | None:
 
 def _expected_counts(cfg: dict, n: int) -> np.ndarray:
     """The per-key running count every event should carry (tandem.CountPerKey's output)."""
-    source = Synthetic(rate=Fraction(cfg["rate"]), keys=cfg["keys"], seed=cfg["seed"])
-    keys = source.read(0, 1, 0, n, 0).column("key").to_numpy()
+    keys = _synthetic(cfg).read(0, 1, 0, n, 0).column("key").to_numpy()
     order = np.argsort(keys, kind="stable")
     sorted_keys = keys[order]
     starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
