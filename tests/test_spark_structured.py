@@ -54,7 +54,7 @@ def test_driver_kill_resumes_from_the_checkpoint_with_no_loss_and_exact_state(tm
     [
         ({"rate": 0}, "rate must be > 0"),
         ({"duration": 10, "warmup": 10}, "warmup must be in"),
-        ({"duration": 10, "kill_driver_at": 10}, "kill_driver_at must be inside the stream"),
+        ({"duration": 20, "kill_driver_at": 20}, "kill_driver_at must be inside the stream"),
         ({"maps": -1}, "maps must be an int"),
     ],
 )

@@ -48,9 +48,9 @@ temporary name and renamed, so a kill never leaves a torn file, and the files su
 driver. Only processes the controller started are ever signalled.
 
 Extra dependencies beyond tandem's: ``pyspark>=4.0`` and Java 17+; the stateful variant
-also needs ``pandas`` and ``protobuf`` (transformWithStateInPandas talks to the JVM's state
-store over protobuf) and uses the RocksDB state store provider, which transformWithState
-requires.
+also needs ``pandas<3`` (pyspark 4.3 warns that it does not fully support pandas 3) and
+``protobuf`` (transformWithStateInPandas talks to the JVM's state store over protobuf), and
+uses the RocksDB state store provider, which transformWithState requires.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -244,16 +244,13 @@ class CountPerKey(StatefulProcessor):
         self.seen.update((base + len(pdf),))
         yield pdf
 
-    def close(self) -> None:
-        pass
-
 
 # --------------------------------------------------------------------------------------
 # Sink
 # --------------------------------------------------------------------------------------
 
 
-def _write_atomic(path: Path, write) -> None:
+def _write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     """Write through ``write(tmp_path)`` and rename: a killed writer leaves no torn file."""
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
@@ -338,7 +335,7 @@ def drive(run_dir: Path, incarnation: int) -> None:
     spark.dataSource.register(SyntheticStream)
     clock = run_dir / CLOCK_FILE
     if incarnation > 0 and not clock.exists():
-        raise ConfigError(
+        raise TandemError(
             f"driver incarnation {incarnation}: {clock} is missing, so there is no stream "
             "to resume; incarnation 0 writes it once its query is up"
         )
@@ -382,7 +379,7 @@ def drive(run_dir: Path, incarnation: int) -> None:
         if time.time() > deadline:
             raise TandemError(
                 f"the streaming query had not delivered all {end} events {_SLACK_S:g} s "
-                f"after the stream ended; see the Spark log next to {run_dir / RUN_FILE}"
+                f"after the stream ended; see driver-{incarnation}.log in {run_dir}"
             )
     query.stop()
     _mark(run_dir, incarnation, "done")
