@@ -73,6 +73,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyspark
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
 from pyspark.sql.types import DoubleType, LongType, StructField, StructType
@@ -509,26 +510,27 @@ class _Driver:
 
 
 class _Progress:
+    """One stderr line every 2 s (when enabled): stream time, driver, batches written."""
+
     def __init__(self, enabled: bool, run_dir: Path, duration: float) -> None:
         self.enabled, self.run_dir, self.duration = enabled, run_dir, duration
         self.next = 0.0
 
-    def tick(self, t0_ns: int | None, driver: _Driver, note: str = "") -> None:
+    def tick(self, t0_ns: int, driver: _Driver) -> None:
         now = time.monotonic()
         if not self.enabled or now < self.next:
             return
         self.next = now + 2.0
-        stream_s = (time.time_ns() - t0_ns) / _NS if t0_ns else 0.0
         batches = len(list((self.run_dir / SINK_DIR).glob("*.arrow")))
         print(
-            f"spark-ss: stream {stream_s:6.1f}/{self.duration:g} s  driver "
-            f"#{driver.incarnation}  {batches} batch files{note}",
+            f"spark-ss: stream {(time.time_ns() - t0_ns) / _NS:6.1f}/{self.duration:g} s  "
+            f"driver #{driver.incarnation}  {batches} batch files written",
             file=sys.stderr,
             flush=True,
         )
 
 
-def _wait(driver: _Driver, progress: _Progress, until_ns: int | None, t0_ns: int | None) -> None:
+def _wait(driver: _Driver, progress: _Progress, until_ns: int | None, t0_ns: int) -> None:
     """Wait for the driver to exit successfully, or until ``until_ns`` while it still runs."""
     while True:
         if driver.proc.poll() is not None:
@@ -673,7 +675,12 @@ def _expected_counts(cfg: dict, n: int) -> np.ndarray:
 
 
 def _analyse(
-    run_dir: Path, cfg: dict, t0_ns: int, warmup: float, kill_ns: int | None, drivers: list
+    run_dir: Path,
+    cfg: dict,
+    t0_ns: int,
+    warmup: float,
+    kill_ns: int | None,
+    drivers: list[_Driver],
 ) -> dict:
     """The run's figures. Fields:
 
@@ -695,8 +702,6 @@ def _analyse(
     - stateful: ``wrong_counts``, rows whose per-key count differs from tandem's
       CountPerKey on the same stream (0 if Spark's state recovery is exactly-once).
     """
-    import pyspark
-
     events_in = _events_in(cfg)
     table = _read_sink(run_dir / SINK_DIR)
     seq = table.column(SOURCE_SEQ).to_numpy()
