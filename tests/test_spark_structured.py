@@ -34,7 +34,7 @@ def test_driver_kill_resumes_from_the_checkpoint_with_no_loss_and_exact_state(tm
     assert res["downtime_s"] > 0
     assert res["restart_s"]["first_output"] == res["downtime_s"]
     # Every event released at the kill waits for the restarted driver: downtime is latency.
-    assert res["max_ms"] >= 1_000 * res["downtime_s"] - 1
+    assert res["max_ms"] >= 1_000 * res["downtime_s"] - 2  # 1 ms between events, 1 ms rounding
     # foreachBatch is at-least-once across a driver crash: the batch in flight (planned in
     # the offset log, not yet in the commit log) is run again with the same offsets, so any
     # duplicate is a whole re-written batch with the same events, and a sink idempotent by

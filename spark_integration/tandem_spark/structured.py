@@ -240,7 +240,10 @@ class CountPerKey(StatefulProcessor):
         import pandas as pd
 
         pdf = pd.concat(list(rows), ignore_index=True).sort_values(SOURCE_SEQ, kind="stable")
-        base = self.seen.get()[0] if self.seen.exists() else 0
+        # Each state call is a round trip to the JVM's state server: get() alone, not
+        # exists() first, since it answers None for a key not seen yet.
+        seen = self.seen.get()
+        base = 0 if seen is None else seen[0]
         pdf[COUNT] = np.arange(base + 1, base + 1 + len(pdf), dtype=np.int64)
         self.seen.update((base + len(pdf),))
         yield pdf
