@@ -27,6 +27,8 @@ from tandem.bench import mib1_job
 
 LENGTH = 3
 KILLED = ("map2", 0, 0)
+SS_FIELDS = ("p50_ms", "p99_ms", "max_gap_ms", "events_out", "lost", "duplicates")
+"""What the table shows of a Structured Streaming run (the JSON keeps all of it)."""
 
 
 def _row(config: str, res: td.Result) -> dict[str, Any]:
@@ -84,10 +86,14 @@ def run(
         spark.stop()
 
     for kill_at in (None, at):
-        what = "fault-free" if kill_at is None else f"driver killed @{kill_at:g}s"
+        what = "fault-free" if kill_at is None else f"driver kill @{kill_at:g}s"
         print(f"bench spark: Structured Streaming, {what} ...", file=log)
-        ss = structured.run_baseline(rate=rate, duration=duration, kill_driver_at=kill_at)
-        rows.append({"config": f"structured streaming, {what}", **ss})
+        ss = structured.run_baseline(
+            rate=rate, duration=duration, kill_driver_at=kill_at, warmup=warmup, maps=LENGTH
+        )
+        row = {"config": f"structured streaming, {what}"}
+        row |= {k: ss[k] for k in SS_FIELDS}
+        rows.append(row | {"downtime_s": ss["downtime_s"], "details": ss})
 
     local, spark_row = rows[0], rows[1]
     return {
@@ -103,7 +109,7 @@ def run(
 
 def table(out: dict[str, Any]) -> str:
     """The rows as an aligned text table (columns: the union of the rows' keys)."""
-    cols = list(dict.fromkeys(k for r in out["rows"] for k in r))
+    cols = list(dict.fromkeys(k for r in out["rows"] for k in r if k != "details"))
     width = max(len(r["config"]) for r in out["rows"])
     lines = [f"{cols[0]:<{width}}  " + "  ".join(f"{c:>13}" for c in cols[1:])]
     for r in out["rows"]:

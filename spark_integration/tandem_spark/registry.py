@@ -8,8 +8,10 @@ replication needs. So the driver runs this registry (a thread per connected task
 secret, so only the job's own tasks can talk to it) and every task, in ``replica_main``:
 
 1. says hello: its Spark partition (= placement row), attempt number, PID and node;
-2. gets its replica identity back — or, if that placement row was already started once
-   (Spark retried the task after a crash), is told to retire;
+2. once every task has checked in, gets its replica identity back — chosen so that the
+   replicas of a partition run on different executors where there are several — or, if
+   its placement row was already started once (Spark retried the task after a crash), is
+   told to retire;
 3. reports the port its inbox listens on;
 4. once every replica has bound, gets every address and the logical time origin ``t0``;
 5. reports when it has finished (or that its operator failed).
@@ -104,6 +106,8 @@ class Registry:
         self._lock = threading.Condition()
         self._ports: dict[ReplicaId, int | None] = {}
         self._live: dict[ReplicaId, Attempt] = {}
+        self._first: dict[int, Attempt] = {}
+        self._assigned = False
         self._go: tuple | None = None
         self._closing = False
         self._listener = Listener((host, 0), authkey=secret)
@@ -154,9 +158,11 @@ class Registry:
             attempt = Attempt(slot, number, pid, node, executor_pid)
             with self._lock:
                 self.log.attempts.append(attempt)
-                started = any(a.slot == slot and a is not attempt for a in self.log.attempts)
-                if not started:
-                    attempt.replica = self.placement[slot]
+                if slot not in self._first:
+                    self._first[slot] = attempt
+                    if len(self._first) == len(self.placement):
+                        self._assign()
+                    self._lock.wait_for(lambda: self._assigned or self._closing)
             if attempt.replica is None:
                 # A retry of a replica that crashed or was killed: its twin carries on, and
                 # rejoining needs the twin's state (DESIGN §4), so this attempt stays out.
@@ -184,6 +190,47 @@ class Registry:
                 self._lost(attempt.replica)
         finally:
             conn.close()
+
+    def _assign(self) -> None:
+        """Give every first attempt its replica (called with the lock held, once all have
+        checked in). Spark decides which executor runs which task, so the registry decides
+        which task runs which replica: replica ``r`` of every partition goes to the
+        ``r``-th executor (executors ordered by how many tasks they run, most first) while
+        it has tasks left, else to any executor not yet holding a twin of that partition —
+        so that one executor's crash takes one replica of a partition, not two. Unreplicated
+        tasks (sinks) come last and go where tasks are left, the first executor preferred.
+        With a single executor (local mode) row ``i`` simply runs ``placement[i]``."""
+        self._assigned = True
+        self._lock.notify_all()
+        by_executor: dict[tuple, list[Attempt]] = {}
+        for slot in sorted(self._first):
+            a = self._first[slot]
+            by_executor.setdefault((a.node, a.executor_pid), []).append(a)
+        if len(by_executor) == 1:
+            for slot, a in self._first.items():
+                a.replica = self.placement[slot]
+            return
+        executors = sorted(by_executor, key=lambda e: (-len(by_executor[e]), e))
+        groups: dict[tuple[int, int], list[ReplicaId]] = {}
+        for rid in self.placement:
+            groups.setdefault(rid[:2], []).append(rid)
+        for group in sorted(groups.values(), key=lambda g: len(g) == 1):
+            used: set[tuple] = set()
+            for i, rid in enumerate(group):
+                free = [e for e in executors if by_executor[e]]
+                apart = [e for e in free if e not in used] or free
+                home = executors[i % len(executors)]
+                chosen = home if home in apart else apart[0]
+                used.add(chosen)
+                by_executor[chosen].pop(0).replica = rid
+        shared = [
+            g[0][:2]
+            for g in groups.values()
+            if len({(a.node, a.executor_pid) for a in self._first.values() if a.replica in g})
+            < min(len(g), len(executors))
+        ]
+        if shared:
+            log.warning("replicas of task partitions %s share an executor", shared)
 
     def _start_run(self) -> None:
         """Every replica has bound (called with the lock held): publish the addresses and
