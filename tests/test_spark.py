@@ -6,11 +6,14 @@ for the 17 replicas of MiB1 of length 3 plus spares, and up to 3 attempts per ta
 
 from __future__ import annotations
 
+import sys
+
 import pyarrow as pa
 import pytest
 
 import tandem as td
 import tandem_spark
+from tandem import engines
 from tandem.bench import mib1_job
 from tandem.cli import main
 from tandem.engines.common import multiset_diff
@@ -96,3 +99,14 @@ def test_engine_by_name_from_the_cli(spark, capsys, tmp_path):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "fault masked" in printed
+
+
+def test_missing_spark_integration_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tandem_spark", None)  # makes the import fail
+    with pytest.raises(td.ConfigError, match=r"pip install \./spark_integration"):
+        engines.get("spark")
+
+
+def test_master_without_the_spark_engine_is_refused(capsys):
+    assert main(["demo", "--master", "local[4,2]", "--duration", "1"]) == 2
+    assert "--master is for --engine spark" in capsys.readouterr().err

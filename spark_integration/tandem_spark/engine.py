@@ -11,7 +11,8 @@ The driver (this module, where ``job.run(engine=SparkEngine(spark))`` is called)
    ``placement.mapInArrow(replica_main, schema)`` as one non-barrier job.
 
 On an executor, :func:`replica_main` — the Arrow-backed UDF — reads its placement row,
-checks in with the registry, binds the replica's inbox, waits for every peer's address and
+checks in with the registry (which confirms the row's replica, or on a cluster swaps
+replicas between tasks so that twins run on different executors), binds the replica's inbox, waits for every peer's address and
 ``t0``, runs :class:`tandem.runtime.Replica` (the same worker code the local engine runs:
 the Rust event loop behind a Python operator loop) and yields Arrow batches back to Spark:
 the rows of the job's first ``td.sinks.Collect`` sink (so the output is a Spark
