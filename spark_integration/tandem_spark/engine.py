@@ -12,11 +12,12 @@ The driver (this module, where ``job.run(engine=SparkEngine(spark))`` is called)
 
 On an executor, :func:`replica_main` — the Arrow-backed UDF — reads its placement row,
 checks in with the registry (which confirms the row's replica, or on a cluster swaps
-replicas between tasks so that twins run on different executors), binds the replica's inbox, waits for every peer's address and
-``t0``, runs :class:`tandem.runtime.Replica` (the same worker code the local engine runs:
-the Rust event loop behind a Python operator loop) and yields Arrow batches back to Spark:
-the rows of the job's first ``td.sinks.Collect`` sink (so the output is a Spark
-DataFrame) and one report row carrying the pickled :class:`~tandem.runtime.ReplicaReport`.
+replicas between tasks so that twins run on different executors), binds the replica's
+inbox, waits for every peer's address and ``t0``, runs :class:`tandem.runtime.Replica`
+(the same worker code the local engine runs: the Rust event loop behind a Python operator
+loop) and yields Arrow batches back to Spark: the rows of the job's first
+``td.sinks.Collect`` sink (so the output is a Spark DataFrame) and one report row carrying
+the pickled :class:`~tandem.runtime.ReplicaReport`.
 
 The driver collects that output with ``toArrow()``, hands the reports to
 :func:`tandem.engines.common.assemble_result` — exactly what the local engine does — and

@@ -284,7 +284,9 @@ class Registry:
                         for r, a in self._live.items()
                         if a.executor_pid == victim.executor_pid and a.node == victim.node
                     ]
-                    pids = [victim.executor_pid] + [a.pid for _, a in victims]
+                    pids = [a.pid for _, a in victims]
+                    if victim.executor_pid is not None:  # None: no JVM found above the worker
+                        pids.insert(0, victim.executor_pid)
                 else:
                     victims, pids = [(rid, victim)], [victim.pid]
                 for r, _ in victims:
