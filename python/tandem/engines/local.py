@@ -26,7 +26,7 @@ from typing import Any
 
 from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options, multiset_diff
-from tandem.exceptions import ConfigError, TandemError
+from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError
 from tandem.faults import Kill, Pause, ReplicaFault
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
@@ -261,11 +261,14 @@ class _Run:
             if (task, partition, r) not in self.killed
             and self.procs[(task, partition, r)].is_alive()
         ]
-        deadline = time.monotonic() + self.zoo.config.session_timeout_s + 5.0
-        leader = kazoo.current_leader(self.zoo, task, partition)
-        while leader not in alive and time.monotonic() < deadline:
+        deadline = time.monotonic() + self.zoo.config.session_timeout_s + 10.0
+        leader = None
+        while True:
+            with contextlib.suppress(ServiceUnavailable):  # a busy or restarting server
+                leader = kazoo.current_leader(self.zoo, task, partition)
+            if leader in alive or time.monotonic() > deadline:
+                break
             time.sleep(0.02)
-            leader = kazoo.current_leader(self.zoo, task, partition)
         if role == "leader":
             if leader not in alive:
                 raise TandemError(

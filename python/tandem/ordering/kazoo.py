@@ -234,11 +234,19 @@ def read_orders(run: KazooRun, channels: dict[tuple[int, int], int], timeout: fl
 
 
 def current_leader(run: KazooRun, task: int, partition: int, timeout: float = 5.0) -> int | None:
-    """The replica index currently leading ``(task, partition)``, or None if none does."""
+    """The replica index currently leading ``(task, partition)``, or None if none does.
+    Raises ``ServiceUnavailable`` if ZooKeeper does not answer within ``timeout``."""
     from kazoo.client import KazooClient
+    from kazoo.handlers.threading import KazooTimeoutError
 
     zk = KazooClient(hosts=run.config.zk_hosts, timeout=max(run.config.session_timeout_s, 2.0))
-    zk.start(timeout=timeout)
+    try:
+        zk.start(timeout=timeout)
+    except KazooTimeoutError as exc:
+        zk.close()
+        raise ServiceUnavailable(
+            f"ZooKeeper at {run.config.zk_hosts} did not answer within {timeout:.0f} s"
+        ) from exc
     try:
         # zk.retry rides out a connection loss (a loaded machine, a restarting server).
         contenders = zk.retry(zk.Lock(run.zk_path(task, partition)).contenders)
