@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv install demo test test-rust test-python lint fuzz bench clean
+.PHONY: help venv install java demo test test-rust test-python lint fuzz bench clean
 
 help:
 	@echo "make demo    set up, then run the demo on the embedded engine"
@@ -23,10 +23,16 @@ $(VENV)/.created:
 
 venv: $(VENV)/.created
 
-# `pip install .` builds the release wheel (pyproject: [tool.maturin] profile = "release").
+# `pip install .` builds the release wheel (pyproject: [tool.maturin] profile = "release");
+# then the Spark engine, tandem_spark (pure Python; brings pyspark).
 install: venv
 	$(PIP) install --quiet ".[dev]"
+	$(PIP) install --quiet ./spark_integration
 	@$(PY) -c "import tandem; print('tandem', tandem.__version__, '(' + tandem.build_profile + ' build)')"
+
+# Spark (and the ZooKeeper/Kafka test services) run on a JVM: say so before a test needs it.
+java:
+	@command -v java >/dev/null || { echo "Java 17+ is needed by the Spark, ZooKeeper and Kafka tests and was not found on PATH (Debian: apt-get install -y openjdk-17-jre-headless)"; exit 1; }
 
 demo: install
 	$(VENV)/bin/tandem demo
@@ -44,7 +50,7 @@ test-rust:
 fuzz:
 	bash scripts/fuzz.sh
 
-test-python: install
+test-python: install java
 	$(VENV)/bin/pytest
 
 test: lint test-rust fuzz test-python

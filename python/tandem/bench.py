@@ -46,7 +46,10 @@ def mib1_job(
     ordering: str,
     rate: int = 5_000,
     kazoo: td.KazooConfig | None = None,
+    sink: td.sinks.Sink | None = None,
 ) -> td.Job:
+    """MiB1 of length ``length``; the sink records latency unless another is given (a
+    ``td.sinks.Collect()`` makes the output comparable with the reference's)."""
     job = td.Job(
         f"mib1-{length}",
         replication=replication,
@@ -58,7 +61,7 @@ def mib1_job(
     stream = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=1), parallelism=2)
     for i in range(length):
         stream = stream.key_by("key").map(identity, parallelism=2, name=f"map{i + 1}")
-    stream.sink(td.sinks.Latency(), parallelism=1)
+    stream.sink(sink or td.sinks.Latency(), parallelism=1)
     return job
 
 

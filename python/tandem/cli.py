@@ -1,4 +1,5 @@
-"""The ``tandem`` command line: ``tandem demo`` and ``tandem run path/to/job.py``."""
+"""The ``tandem`` command line: ``tandem demo``, ``tandem run path/to/job.py`` (each on the
+local or the Spark engine) and ``tandem bench``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import tandem
+from tandem import engines
 
 KILL_RE = re.compile(
     r"^(?P<task>[^:@]+):(?P<partition>\d+):(?P<replica>\d+|leader|follower)"
@@ -35,7 +37,12 @@ def parse_kill(spec: str) -> tandem.Kill:
 
 
 def _add_run_flags(p: argparse.ArgumentParser, demo: bool) -> None:
-    p.add_argument("--engine", choices=["local"], default="local")
+    p.add_argument("--engine", choices=engines.ENGINES, default="local")
+    p.add_argument(
+        "--master",
+        metavar="URL",
+        help="Spark master for --engine spark (default: local[N,3], N = replicas + spares)",
+    )
     p.add_argument("--duration", type=float, default=20.0 if demo else None, metavar="S")
     p.add_argument(
         "--kill",
@@ -134,10 +141,13 @@ def _run_file(args: argparse.Namespace) -> int:
 def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) -> int:
     if args.duration <= 0:
         raise tandem.ConfigError(f"--duration must be > 0 seconds, got {args.duration}")
+    if args.master and args.engine != "spark":
+        raise tandem.ConfigError(f"--master is for --engine spark, not --engine {args.engine}")
+    options = {"master": args.master} if args.master else {}
     result = job.run(
         duration=args.duration,
         faults=faults,
-        engine=args.engine,
+        engine=engines.get(args.engine, **options),
         warmup=args.warmup,
         progress=not args.no_progress,
     )
@@ -199,6 +209,14 @@ def print_summary(r: tandem.Result) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from tandem import bench
 
+    if args.experiment == "spark":
+        spark_bench = _spark_bench()
+        out = spark_bench.run(
+            rate=args.rate, warmup=args.warmup, measure=args.measure, master=args.master
+        )
+        print(spark_bench.table(out))
+        _write_json(args.json, out)
+        return 0
     services = None
     kazoo = None
     configs = tuple(args.configs.split(",")) if args.configs else tuple(bench.CONFIGS)
@@ -224,7 +242,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_run(args: argparse.Namespace, bench, configs: tuple, kazoo) -> int:
-    import json
 
     if args.experiment == "mib1":
         lengths = [int(x) for x in args.lengths.split(",")]
@@ -271,11 +288,24 @@ def _bench_run(args: argparse.Namespace, bench, configs: tuple, kazoo) -> int:
         }
         print(f"highest sustained rate (r=2, liverobin, length 1): {best} ev/s")
     print(bench.table(rows))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
-        print(f"wrote {args.json}")
+    _write_json(args.json, out)
     return 0
+
+
+def _spark_bench():
+    engines.get("spark")  # the clear error when tandem_spark or pyspark is missing
+    from tandem_spark import bench
+
+    return bench
+
+
+def _write_json(path: str | None, out: dict) -> None:
+    import json
+
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(out, indent=2))
+        print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(func=_run_file)
 
     bench = sub.add_parser("bench", help="end-to-end experiments of the paper (§VII)")
-    bench.add_argument("experiment", choices=["mib1", "throughput", "failover"])
+    bench.add_argument(
+        "experiment",
+        choices=["mib1", "throughput", "failover", "spark"],
+        help="failover: the paper's fault experiment (LiveRobin, KaZoo leader and follower "
+        "kills); spark: MiB1 length 3 on the local engine, the Spark engine (with a replica "
+        "kill) and Spark Structured Streaming (with a driver kill)",
+    )
     bench.add_argument("--configs", help="mib1 configurations, comma-separated (default: all)")
     bench.add_argument(
         "--duration",
@@ -325,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--rate", type=int, default=5_000, metavar="EV_PER_S")
     bench.add_argument("--warmup", type=float, default=30.0, metavar="S")
     bench.add_argument("--measure", type=float, default=30.0, metavar="S")
+    bench.add_argument("--master", metavar="URL", help="Spark master for the spark experiment")
     bench.add_argument("--json", metavar="PATH")
     bench.set_defaults(func=_bench)
 

@@ -6,11 +6,8 @@ origin ``t0`` and tells every replica to start. It then watches them: it injects
 requested faults (``td.Kill`` SIGKILLs a replica process, ``td.Pause`` SIGSTOPs it and
 SIGCONTs it later), notices replicas that die, stops everything on an error, a timeout or
 Ctrl-C — no process outlives a run, and every child also dies with its parent — and
-finally assembles the :class:`tandem.Result`: latencies measured at the sinks, output
-compared against the single-process reference executor (lost and duplicated rows; under
-KaZoo the reference follows the orders the replicas followed), and the per-cycle output
-digests of the replicas of each task partition compared with each other (the determinism
-check).
+finally hands the replicas' reports to :func:`tandem.engines.common.assemble_result`,
+which every engine shares.
 """
 
 from __future__ import annotations
@@ -27,12 +24,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-
 from tandem.api import Result
+from tandem.engines.common import assemble_result, check_options, multiset_diff
 from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError
-from tandem.faults import Pause, ReplicaFault
+from tandem.faults import Kill, Pause, ReplicaFault
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
@@ -117,13 +112,7 @@ class LocalEngine:
         """
         if progress is None:
             progress = sys.stderr.isatty()
-        if not 0 <= warmup < duration:
-            raise ConfigError(f"warmup must be in [0, duration={duration}), got {warmup}")
-        for f in faults:
-            if not isinstance(f, ReplicaFault):
-                raise ConfigError(
-                    f"the local engine injects td.Kill and td.Pause faults, got {f!r}"
-                )
+        check_options(self.name, duration, warmup, faults, kinds=(Kill, Pause), roles=True)
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         run = _Run(plan, duration, list(faults), progress, host, zoo)
         try:
@@ -358,131 +347,19 @@ class _Run:
         sys.stderr.flush()
 
     def result(self, warmup: float, check: bool) -> Result:
-        plan = self.plan
-        res = Result(t0_ns=self.t0_ns, faults=self.injected, rss_mb=self.rss_mb)
-        res.lost_replicas = [
-            {"task": plan.tasks[t].name, "partition": p, "replica": r, "cause": cause}
-            for cause, rids in (("killed", list(self.killed)), ("crashed", self.crashed))
-            for t, p, r in rids
-        ]
-        res.events_in = sum(
-            plan.source_rows(t.id, p, self.duration)
-            for t in plan.sources()
-            for p in range(t.parallelism)
+        lost = [(rid, "killed") for rid in self.killed] + [(rid, "crashed") for rid in self.crashed]
+        return assemble_result(
+            self.plan,
+            self.duration,
+            self.reports,
+            t0_ns=self.t0_ns,
+            warmup=warmup,
+            check=check,
+            faults=self.injected,
+            lost_replicas=lost,
+            rss_mb=self.rss_mb,
+            kazoo=self.zoo,
         )
-        for task in plan.sinks():
-            parts = [self.reports[(task.id, p, 0)].sink_part for p in range(task.parallelism)]
-            res.outputs[task.name] = task.sink.combine(parts, task.schema)
-            res.events_out += sum(
-                self.reports[(task.id, p, 0)].rows_in for p in range(task.parallelism)
-            )
-        collects = [t.name for t in plan.sinks() if isinstance(res.outputs[t.name], pa.Table)]
-        res.output = res.outputs[collects[0]] if collects else None
-        self._latency(res, warmup)
-        self._digests(res)
-        self._leaders(res)
-        if check:
-            self._check(res)
-        else:  # not measured: say so rather than report a reassuring zero
-            res.lost = res.duplicates = None
-        return res
-
-    def _latency(self, res: Result, warmup: float) -> None:
-        recv = [r.receive_ns for r in self.reports.values() if r.receive_ns is not None]
-        lat = [r.latency_ms for r in self.reports.values() if r.latency_ms is not None]
-        if not recv:
-            return
-        recv_ns, lat_ms = np.concatenate(recv), np.concatenate(lat)
-        keep = recv_ns >= self.t0_ns + int(warmup * 1e9)
-        recv_ns, lat_ms = recv_ns[keep], lat_ms[keep]
-        if not len(lat_ms):
-            return
-        res.p50_ms = float(np.percentile(lat_ms, 50))
-        res.p99_ms = float(np.percentile(lat_ms, 99))
-        res.max_ms = float(lat_ms.max())
-        second = (recv_ns - self.t0_ns) // 1_000_000_000
-        res.per_second_p99_ms = [
-            float(np.percentile(lat_ms[second == s], 99)) if np.any(second == s) else None
-            for s in range(int(second.max()) + 1)
-        ]
-        times = np.unique(recv_ns)
-        res.max_gap_ms = float(np.diff(times).max() / 1e6) if len(times) > 1 else 0.0
-
-    def _leaders(self, res: Result) -> None:
-        """Who led each KaZoo partition, in epoch order (a replica that died while leading
-        is known from its successor's higher epoch only)."""
-        terms: dict[str, list[dict]] = {}
-        for (t, p, r), rep in sorted(self.reports.items()):
-            for term in (rep.ordering_stats or {}).get("led", []):
-                terms.setdefault(f"{self.plan.tasks[t].name}[{p}]", []).append(
-                    {
-                        "replica": r,
-                        "epoch": term["epoch"],
-                        "from_s": round((term["since_ns"] - self.t0_ns) / 1e9, 3),
-                        "until_s": round((term["until_ns"] - self.t0_ns) / 1e9, 3),
-                    }
-                )
-        res.leaders = {k: sorted(v, key=lambda x: x["epoch"]) for k, v in sorted(terms.items())}
-
-    def _digests(self, res: Result) -> None:
-        """Compare the per-cycle output digests of the replicas of each task partition."""
-        groups: dict[tuple[int, int], list[ReplicaReport]] = {}
-        for (t, p, _), rep in self.reports.items():
-            groups.setdefault((t, p), []).append(rep)
-        mismatches = []
-        for (t, p), reps in groups.items():
-            base = reps[0]
-            for other in reps[1:]:
-                for key in sorted(base.digests.keys() & other.digests.keys()):
-                    if base.digests[key] != other.digests[key]:
-                        edge, epoch = key
-                        mismatches.append(
-                            f"{plan_name(self.plan, t)}[{p}]: replicas {base.replica} and "
-                            f"{other.replica} emitted different rows on output {edge} in "
-                            f"heartbeat cycle {epoch}"
-                        )
-                        break
-        res.digests_match = not mismatches
-        res.determinism_errors = mismatches
-        for m in mismatches:
-            log.error("DeterminismError: %s", m)
-
-    def _check(self, res: Result) -> None:
-        """Lost and duplicated rows: every sink's output against the reference run."""
-        from tandem import reference
-
-        orders = None
-        if self.zoo is not None:  # the reference follows the orders the replicas followed
-            channels = {
-                tp: len(self.plan.input_channels(*tp)) for tp in self.plan.ordered_partitions()
-            }
-            orders = kazoo.read_orders(self.zoo, channels)
-        ref = reference.run(self.plan, self.duration, t0_ns=self.t0_ns, orders=orders)
-        for task in self.plan.sinks():
-            got, want = res.outputs.get(task.name), ref.outputs.get(task.name)
-            if isinstance(got, pa.Table) and isinstance(want, pa.Table):
-                lost, dups = multiset_diff(want, got)
-            else:
-                n_got = sum(self.reports[(task.id, p, 0)].rows_in for p in range(task.parallelism))
-                n_want = ref.events_out
-                lost, dups = max(0, n_want - n_got), max(0, n_got - n_want)
-            res.lost += lost
-            res.duplicates += dups
 
 
-def plan_name(plan: Plan, task: int) -> str:
-    return plan.tasks[task].name
-
-
-def multiset_diff(want: pa.Table, got: pa.Table) -> tuple[int, int]:
-    """(rows of ``want`` missing from ``got``, rows of ``got`` beyond ``want``), comparing
-    the tables as multisets of rows."""
-    if want.schema.names != got.schema.names:
-        got = got.select(want.schema.names)
-    cols = want.schema.names
-    a = want.group_by(cols).aggregate([([], "count_all")]).rename_columns([*cols, "_want"])
-    b = got.group_by(cols).aggregate([([], "count_all")]).rename_columns([*cols, "_got"])
-    j = a.join(b, keys=cols, join_type="full outer")
-    w = j.column("_want").fill_null(0).to_numpy()
-    g = j.column("_got").fill_null(0).to_numpy()
-    return int(np.maximum(w - g, 0).sum()), int(np.maximum(g - w, 0).sum())
+__all__ = ["LocalEngine", "TaskFailed", "multiset_diff"]

@@ -1,0 +1,204 @@
+"""What every engine does once its replicas have finished: assemble the :class:`Result`.
+
+An engine only runs replicas and collects their :class:`~tandem.runtime.ReplicaReport` s;
+how a run is judged is the same on every engine, so it lives here: latencies measured at
+the sinks, output compared against the single-process reference executor (lost and
+duplicated rows), and the per-cycle output digests of the replicas of each task partition
+compared with each other (the determinism check).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from tandem.api import Result
+from tandem.exceptions import ConfigError
+from tandem.faults import Kill
+from tandem.ordering import kazoo
+from tandem.ordering.kazoo import KazooRun
+from tandem.plan import Plan
+from tandem.runtime import ReplicaId, ReplicaReport
+
+log = logging.getLogger("tandem")
+
+
+def check_options(
+    engine: str,
+    duration: float,
+    warmup: float,
+    faults: Iterable,
+    *,
+    kinds: tuple[type, ...] = (Kill,),
+    roles: bool = False,
+) -> None:
+    """Raise ConfigError for run options the engine cannot honour: fault types outside
+    ``kinds``, and leader/follower roles unless it runs KaZoo (``roles``)."""
+    if not 0 <= warmup < duration:
+        raise ConfigError(f"warmup must be in [0, duration={duration}), got {warmup}")
+    names = " and ".join(f"td.{k.__name__}" for k in kinds)
+    for f in faults:
+        if not isinstance(f, kinds):
+            raise ConfigError(f"the {engine} engine injects {names} faults only, got {f!r}")
+        if isinstance(f.replica, str) and not roles:
+            raise ConfigError(
+                f"{f!r}: leader/follower roles exist with ordering='kazoo' only, which the "
+                f"{engine} engine does not run yet; give a replica index"
+            )
+
+
+def assemble_result(
+    plan: Plan,
+    duration: float,
+    reports: Mapping[ReplicaId, ReplicaReport],
+    *,
+    t0_ns: int,
+    warmup: float,
+    check: bool,
+    faults: list[dict],
+    lost_replicas: Iterable[tuple[ReplicaId, str]] = (),
+    rss_mb: dict[str, float] | None = None,
+    kazoo: KazooRun | None = None,
+) -> Result:
+    """The :class:`Result` of a run of ``plan`` for ``duration`` seconds from ``t0_ns``.
+
+    ``reports`` holds the report of every replica that finished (the sinks' included);
+    ``faults`` the faults injected (dicts); ``lost_replicas`` the replicas that died, each
+    with its cause (``"killed"``, ``"crashed"``); ``warmup`` seconds of output are left out
+    of the latency figures; ``check`` compares the output with the reference executor —
+    under KaZoo (``kazoo``: the run's order topics) following the orders the replicas
+    followed, read back from the topics.
+    """
+    res = Result(t0_ns=t0_ns, faults=faults, rss_mb=rss_mb or {})
+    res.lost_replicas = [
+        {"task": plan.tasks[t].name, "partition": p, "replica": r, "cause": cause}
+        for (t, p, r), cause in lost_replicas
+    ]
+    res.events_in = sum(
+        plan.source_rows(t.id, p, duration) for t in plan.sources() for p in range(t.parallelism)
+    )
+    for task in plan.sinks():
+        parts = [reports[(task.id, p, 0)].sink_part for p in range(task.parallelism)]
+        res.outputs[task.name] = task.sink.combine(parts, task.schema)
+        res.events_out += sum(reports[(task.id, p, 0)].rows_in for p in range(task.parallelism))
+    collects = [t.name for t in plan.sinks() if isinstance(res.outputs[t.name], pa.Table)]
+    res.output = res.outputs[collects[0]] if collects else None
+    _latency(res, reports.values(), t0_ns, warmup)
+    _digests(res, plan, reports)
+    _leaders(res, plan, reports)
+    if check:
+        _check(res, plan, duration, reports, kazoo)
+    else:  # not measured: say so rather than report a reassuring zero
+        res.lost = res.duplicates = None
+    return res
+
+
+def _latency(res: Result, reports: Iterable[ReplicaReport], t0_ns: int, warmup: float) -> None:
+    reports = list(reports)
+    recv = [r.receive_ns for r in reports if r.receive_ns is not None]
+    lat = [r.latency_ms for r in reports if r.latency_ms is not None]
+    if not recv:
+        return
+    recv_ns, lat_ms = np.concatenate(recv), np.concatenate(lat)
+    keep = recv_ns >= t0_ns + int(warmup * 1e9)
+    recv_ns, lat_ms = recv_ns[keep], lat_ms[keep]
+    if not len(lat_ms):
+        return
+    res.p50_ms = float(np.percentile(lat_ms, 50))
+    res.p99_ms = float(np.percentile(lat_ms, 99))
+    res.max_ms = float(lat_ms.max())
+    second = (recv_ns - t0_ns) // 1_000_000_000
+    res.per_second_p99_ms = [
+        float(np.percentile(lat_ms[second == s], 99)) if np.any(second == s) else None
+        for s in range(int(second.max()) + 1)
+    ]
+    times = np.unique(recv_ns)
+    res.max_gap_ms = float(np.diff(times).max() / 1e6) if len(times) > 1 else 0.0
+
+
+def _digests(res: Result, plan: Plan, reports: Mapping[ReplicaId, ReplicaReport]) -> None:
+    """Compare the per-cycle output digests of the replicas of each task partition."""
+    groups: dict[tuple[int, int], list[ReplicaReport]] = {}
+    for (t, p, _), rep in reports.items():
+        groups.setdefault((t, p), []).append(rep)
+    mismatches = []
+    for (t, p), reps in groups.items():
+        base = reps[0]
+        for other in reps[1:]:
+            for key in sorted(base.digests.keys() & other.digests.keys()):
+                if base.digests[key] != other.digests[key]:
+                    edge, epoch = key
+                    mismatches.append(
+                        f"{plan.tasks[t].name}[{p}]: replicas {base.replica} and "
+                        f"{other.replica} emitted different rows on output {edge} in "
+                        f"heartbeat cycle {epoch}"
+                    )
+                    break
+    res.digests_match = not mismatches
+    res.determinism_errors = mismatches
+    for m in mismatches:
+        log.error("DeterminismError: %s", m)
+
+
+def _leaders(res: Result, plan: Plan, reports: Mapping[ReplicaId, ReplicaReport]) -> None:
+    """Who led each KaZoo partition, in epoch order (a replica that died while leading is
+    known from its successor's higher epoch only)."""
+    terms: dict[str, list[dict]] = {}
+    for (t, p, r), rep in sorted(reports.items()):
+        for term in (rep.ordering_stats or {}).get("led", []):
+            terms.setdefault(f"{plan.tasks[t].name}[{p}]", []).append(
+                {
+                    "replica": r,
+                    "epoch": term["epoch"],
+                    "from_s": round((term["since_ns"] - res.t0_ns) / 1e9, 3),
+                    "until_s": round((term["until_ns"] - res.t0_ns) / 1e9, 3),
+                }
+            )
+    res.leaders = {k: sorted(v, key=lambda x: x["epoch"]) for k, v in sorted(terms.items())}
+
+
+def _check(
+    res: Result,
+    plan: Plan,
+    duration: float,
+    reports: Mapping[ReplicaId, ReplicaReport],
+    zoo: KazooRun | None,
+) -> None:
+    """Lost and duplicated rows: every sink's output against the reference run."""
+    from tandem import reference
+
+    orders = None
+    if zoo is not None:  # the reference follows the orders the replicas followed
+        channels = {tp: len(plan.input_channels(*tp)) for tp in plan.ordered_partitions()}
+        orders = kazoo.read_orders(zoo, channels)
+    ref = reference.run(plan, duration, t0_ns=res.t0_ns, orders=orders)
+    for task in plan.sinks():
+        got, want = res.outputs.get(task.name), ref.outputs.get(task.name)
+        if isinstance(got, pa.Table) and isinstance(want, pa.Table):
+            lost, dups = multiset_diff(want, got)
+        else:
+            n_got = sum(reports[(task.id, p, 0)].rows_in for p in range(task.parallelism))
+            n_want = ref.events_out
+            lost, dups = max(0, n_want - n_got), max(0, n_got - n_want)
+        res.lost += lost
+        res.duplicates += dups
+
+
+def multiset_diff(want: pa.Table, got: pa.Table) -> tuple[int, int]:
+    """(rows of ``want`` missing from ``got``, rows of ``got`` beyond ``want``), comparing
+    the tables as multisets of rows."""
+    if want.schema.names != got.schema.names:
+        got = got.select(want.schema.names)
+    cols = want.schema.names
+    a = want.group_by(cols).aggregate([([], "count_all")]).rename_columns([*cols, "_want"])
+    b = got.group_by(cols).aggregate([([], "count_all")]).rename_columns([*cols, "_got"])
+    j = a.join(b, keys=cols, join_type="full outer")
+    w = j.column("_want").fill_null(0).to_numpy()
+    g = j.column("_got").fill_null(0).to_numpy()
+    return int(np.maximum(w - g, 0).sum()), int(np.maximum(g - w, 0).sum())
+
+
+__all__ = ["assemble_result", "check_options", "multiset_diff"]

@@ -1,0 +1,334 @@
+"""The Spark engine: every replica of a job is one long-running task of one Spark job.
+
+The driver (this module, where ``job.run(engine=SparkEngine(spark))`` is called):
+
+1. checks the session (:func:`tandem_spark.session.check_cluster`): a task slot per
+   replica plus spares, retries on, speculation and dynamic allocation off;
+2. builds the *placement* DataFrame, one row per replica — ``slot`` (its Spark partition),
+   ``task``, ``partition``, ``replica`` — in exactly as many Spark partitions as rows
+   (``spark.range`` with one slice per row puts row ``i`` alone in partition ``i``);
+3. starts the :class:`~tandem_spark.registry.Registry` and runs
+   ``placement.mapInArrow(replica_main, schema)`` as one non-barrier job.
+
+On an executor, :func:`replica_main` — the Arrow-backed UDF — reads its placement row,
+checks in with the registry (which confirms the row's replica, or on a cluster swaps
+replicas between tasks so that twins run on different executors), binds the replica's
+inbox, waits for every peer's address and ``t0``, runs :class:`tandem.runtime.Replica`
+(the same worker code the local engine runs: the Rust event loop behind a Python operator
+loop) and yields Arrow batches back to Spark: the rows of the job's first
+``td.sinks.Collect`` sink (so the output is a Spark DataFrame) and one report row carrying
+the pickled :class:`~tandem.runtime.ReplicaReport`.
+
+The driver collects that output with ``toArrow()``, hands the reports to
+:func:`tandem.engines.common.assemble_result` — exactly what the local engine does — and
+keeps the sink rows for :meth:`SparkEngine.output_df`.
+
+A killed replica's task fails; ``local[N,F]`` (``F >= 2``) and clusters retry only that
+task. The retry checks in with the registry, learns that its placement row already ran,
+and ends at once without output: its twin has been carrying the partition all along, and
+rejoining as a full replica needs the twin's state (DESIGN §4, not done yet).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tandem.api import Result
+from tandem.engines.common import assemble_result, check_options
+from tandem.engines.local import STARTUP_S
+from tandem.exceptions import ConfigError, TandemError
+from tandem.plan import Plan, Task
+from tandem.runtime import Replica, ReplicaId
+from tandem.sinks import Collect
+from tandem_spark import registry as reg
+from tandem_spark.session import LOCAL_CLUSTER_MASTER, check_cluster, is_local, local_session
+
+SLOT, REPORT = "slot", "tandem_report"
+"""The envelope columns of ``replica_main``'s output, before the sink's own columns."""
+
+KILL_UNITS = ("worker", "executor")
+
+
+class SparkEngine:
+    """Runs a plan with one Spark task per replica on the cluster of ``spark``.
+
+    Without ``spark``, each run uses a session sized for the plan
+    (:func:`~tandem_spark.session.local_session`, on ``master`` if given), stopped
+    afterwards unless it was running before; the output is then in ``Result.output`` only.
+    ``spare_slots``: task slots the cluster must have beyond one per replica (room for
+    retries). ``host``: the address replicas bind and advertise — by default 127.0.0.1
+    on a local master, else the executor's own host name. ``kill``: what a ``td.Kill``
+    SIGKILLs — the replica's Python ``"worker"`` process, or the whole ``"executor"`` JVM
+    hosting it with every replica on it (a node crash; ``local-cluster[...]`` only, as the
+    driver must see the executor's processes).
+
+    After a run, ``last_run`` (:class:`~tandem_spark.registry.RunLog`) holds every task
+    attempt the registry saw, and :meth:`output_df` the job's output as a DataFrame.
+    """
+
+    name = "spark"
+
+    def __init__(
+        self,
+        spark=None,
+        *,
+        master: str | None = None,
+        spare_slots: int = 1,
+        host: str | None = None,
+        kill: str = "worker",
+    ) -> None:
+        if kill not in KILL_UNITS:
+            raise ConfigError(f"SparkEngine: kill must be one of {KILL_UNITS}, got {kill!r}")
+        if spark is not None and master is not None:
+            raise ConfigError("SparkEngine: give a session or a master URL, not both")
+        self.spark, self.master, self.spare_slots = spark, master, spare_slots
+        self.host, self.kill = host, kill
+        self.last_run: reg.RunLog | None = None
+        self._output: pa.Table | None = None
+
+    def run(
+        self,
+        plan: Plan,
+        duration: float,
+        faults: list[Any] = (),
+        *,
+        progress: bool | None = None,
+        warmup: float = 0.0,
+        check: bool = True,
+        timeout: float | None = None,
+    ) -> Result:
+        """Run ``plan`` for ``duration`` seconds of source time; the options mean what
+        they mean for the local engine (``progress`` is Spark's own console progress bar,
+        ``spark.ui.showConsoleProgress``, so it is not drawn again here)."""
+        del progress
+        faults = list(faults)
+        check_options(self.name, duration, warmup, faults)
+        if self.spark is not None:
+            return self._run(plan, duration, faults, warmup, check, timeout)
+        from pyspark import SparkContext
+
+        owned = SparkContext._active_spark_context is None  # else getOrCreate reuses it
+        self.spark = local_session(len(plan.replicas()), self.master, self.spare_slots)
+        try:
+            return self._run(plan, duration, faults, warmup, check, timeout)
+        finally:
+            if owned:
+                self.spark.stop()
+            self.spark, self._output = None, None
+
+    def _run(self, plan, duration, faults, warmup, check, timeout) -> Result:
+        sc = self.spark.sparkContext
+        placement = plan.replicas()
+        check_cluster(self.spark, len(placement), self.spare_slots)
+        if faults and not is_local(sc.master):
+            raise ConfigError(
+                f"td.Kill needs the executors' processes on this machine (a local or "
+                f"local-cluster master), but the master is {sc.master!r}"
+            )
+        if faults and self.kill == "executor" and not LOCAL_CLUSTER_MASTER.match(sc.master):
+            raise ConfigError(
+                f"kill='executor' needs separate executor JVMs (master local-cluster[W,C,MB]); "
+                f"with {sc.master!r} the executor is the driver itself"
+            )
+        from pyspark import cloudpickle
+
+        plan.check_picklable(cloudpickle.dumps)
+        collect = _collect_sink(plan)
+        schema = _output_schema(collect)
+        local = is_local(sc.master)
+        host = self.host or ("127.0.0.1" if local else None)
+        secret = secrets.token_bytes(32)
+        tag = f"tandem-{plan.job}-{secret.hex()[:8]}"
+        registry = reg.Registry(
+            plan,
+            placement,
+            secret,
+            duration,
+            faults,
+            host="127.0.0.1" if local else sc.getConf().get("spark.driver.host"),
+            startup_s=STARTUP_S,
+            timeout=timeout if timeout is not None else duration + 60.0,
+            kill=self.kill,
+            on_failure=lambda _: sc.cancelJobsWithTag(tag),
+        )
+        udf = _replica_main(plan, secret, registry.address, host, schema, collect)
+        with registry, _driver_path_on_workers(sc, local):
+            df = self._placement(placement).mapInArrow(udf, _spark_schema(schema))
+            sc.addJobTag(tag)
+            sc.setJobDescription(f"tandem {plan.job}: {len(placement)} replicas for {duration} s")
+            try:
+                table = df.toArrow()
+            except Exception as exc:
+                if registry.log.failure is not None:
+                    raise registry.log.failure from None
+                raise TandemError(f"the Spark job of {plan.job!r} failed: {exc}") from exc
+            finally:
+                sc.removeJobTag(tag)
+                sc.setJobDescription(None)
+        self.last_run = registry.log
+        if registry.log.failure is not None:
+            raise registry.log.failure
+        reports, self._output = _unpack(table, placement, collect)
+        lost = [(rid, "killed") for rid in registry.log.killed]
+        lost += [(rid, "crashed") for rid in registry.log.crashed]
+        return assemble_result(
+            plan,
+            duration,
+            reports,
+            t0_ns=registry.log.t0_ns,
+            warmup=warmup,
+            check=check,
+            faults=registry.log.faults,
+            lost_replicas=lost,
+        )
+
+    def output_df(self):
+        """The rows of the last run's first ``td.sinks.Collect`` sink as a Spark DataFrame
+        (partition 0 first, each in consumption order), to write with any Spark writer."""
+        if self._output is None:
+            raise TandemError(
+                "SparkEngine.output_df(): no output yet; run a job with a td.sinks.Collect() "
+                "sink on this engine first"
+            )
+        return self.spark.createDataFrame(self._output)
+
+    def _placement(self, placement: list[ReplicaId]):
+        """The placement DataFrame: row ``i`` (replica ``placement[i]``) alone in Spark
+        partition ``i`` (``range`` with one slice per element splits exactly)."""
+        from pyspark.sql import functions as F
+
+        n = len(placement)
+        df = self.spark.range(0, n, 1, numPartitions=n).withColumnRenamed("id", SLOT)
+        columns = {
+            name: F.array(*(F.lit(rid[i]) for rid in placement))[F.col(SLOT)]
+            for i, name in enumerate(("task", "partition", "replica"))
+        }
+        return df.withColumns(columns)
+
+
+def _collect_sink(plan: Plan) -> Task | None:
+    """The sink whose rows become the output DataFrame: the first ``Collect`` sink."""
+    return next((t for t in plan.sinks() if isinstance(t.sink, Collect)), None)
+
+
+def _output_schema(collect: Task | None) -> pa.Schema:
+    fields = [pa.field(SLOT, pa.int64(), nullable=False), pa.field(REPORT, pa.binary())]
+    if collect is not None:
+        fields += [f.with_nullable(True) for f in collect.schema]
+    return pa.schema(fields)
+
+
+def _spark_schema(schema: pa.Schema):
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    try:
+        return from_arrow_schema(schema)
+    except TypeError as exc:
+        raise ConfigError(
+            f"the Collect sink's rows cannot become a Spark DataFrame: {exc}; schema {schema}. "
+            "Cast the column to a type Spark has (e.g. binary instead of fixed_size_binary) "
+            "in the last operator"
+        ) from exc
+
+
+def _replica_main(plan, secret, registry_address, host, schema, collect):
+    """The Arrow-backed UDF for ``mapInArrow``; everything it needs travels in its closure
+    (cloudpickle), the job secret included."""
+
+    def replica_main(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        rows = pa.Table.from_batches(list(batches))
+        if rows.num_rows != 1:
+            raise RuntimeError(f"a replica task got {rows.num_rows} placement rows, not 1")
+        slot = rows.column(SLOT)[0].as_py()
+        bind_host = host or _own_address()
+        attempt = TaskContext.get().attemptNumber()
+        with reg.register(registry_address, secret, slot, attempt, bind_host) as conn:
+            kind, value = reg.receive(conn, "replica identity")
+            if kind == "retire":
+                return
+            replica = Replica(plan, *value, secret)
+            conn.send(("bound", replica.bind(bind_host)))
+            _, addresses, t0_ns, duration = reg.receive(conn, "start signal")
+            report = replica.run(addresses, t0_ns, duration)
+            conn.send(("done", report.error))
+        if collect is not None and value[0] == collect.id:
+            yield from _rows(slot, report.sink_part, schema)
+            report.sink_part = None  # travels as the rows above
+        yield _envelope(slot, 1, schema, pa.array([pickle.dumps(report)], pa.binary()))
+
+    return replica_main
+
+
+def _envelope(slot: int, n: int, schema: pa.Schema, report: pa.Array, columns=None):
+    """A batch of ``schema``: ``n`` rows of ``slot``, the report column, then ``columns``
+    (or nulls)."""
+    body = columns or [pa.nulls(n, f.type) for f in list(schema)[2:]]
+    return pa.RecordBatch.from_arrays(
+        [pa.repeat(pa.scalar(slot, pa.int64()), n), report, *body], schema=schema
+    )
+
+
+def _rows(slot: int, table: pa.Table, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """The sink rows as envelope batches (report column null)."""
+    names = schema.names[2:]
+    for batch in table.select(names).to_batches():
+        cols = [c.cast(f.type) for c, f in zip(batch.columns, list(schema)[2:], strict=True)]
+        yield _envelope(slot, batch.num_rows, schema, pa.nulls(batch.num_rows, pa.binary()), cols)
+
+
+def _unpack(table: pa.Table, placement: list[ReplicaId], collect: Task | None):
+    """(replica reports by replica id, the Collect sink's rows) from the job's output."""
+    has_report = pc.is_valid(table.column(REPORT))
+    reports = {}
+    for report in table.filter(has_report).column(REPORT).to_pylist():
+        r = pickle.loads(report)
+        reports[(r.task, r.partition, r.replica)] = r
+    if collect is None:
+        return reports, None
+    rows = table.filter(pc.invert(has_report))
+    out = rows.select(collect.schema.names).cast(collect.schema)
+    for slot, rid in enumerate(placement):
+        if rid[0] == collect.id and rid in reports:
+            mine = rows.filter(pc.equal(rows.column(SLOT), slot))
+            reports[rid].sink_part = mine.select(collect.schema.names).cast(collect.schema)
+    return reports, out
+
+
+def _own_address() -> str:
+    """This executor's address as peers on other nodes reach it."""
+    import socket
+
+    return os.environ.get("SPARK_LOCAL_IP") or socket.gethostbyname(socket.gethostname())
+
+
+class _driver_path_on_workers:
+    """On a local master, let the Python workers import what the driver can (its
+    ``sys.path``: a job file's folder, the tests, ...): the plan's functions are pickled by
+    reference to their modules. A real cluster ships them with ``--py-files`` instead."""
+
+    def __init__(self, sc, local: bool) -> None:
+        self.sc, self.local = sc, local
+        self.saved = sc.environment.get("PYTHONPATH")
+
+    def __enter__(self) -> None:
+        if self.local:
+            paths = [p for p in sys.path if p] + ([self.saved] if self.saved else [])
+            self.sc.environment["PYTHONPATH"] = os.pathsep.join(paths)
+
+    def __exit__(self, *exc) -> None:
+        if not self.local:
+            return
+        if self.saved is None:
+            self.sc.environment.pop("PYTHONPATH", None)
+        else:
+            self.sc.environment["PYTHONPATH"] = self.saved

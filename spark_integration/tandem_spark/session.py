@@ -1,0 +1,121 @@
+"""Spark sessions fit for replica tasks, and the checks the engine makes before launch.
+
+Active replication needs things from Spark that are not its defaults:
+
+* **a slot per replica, plus spares.** A non-barrier job does not start its tasks
+  together; the replicas of a job only make progress once all of them run, so a replica
+  without a slot would leave the others waiting for ever. Spares leave room for Spark's
+  retry of a killed task.
+* **retries of the failed task only.** ``local[N,F]`` with ``F >= 2`` retries a task up to
+  ``F - 1`` times and leaves the other tasks running (``local[N]`` fails the job at the
+  first failure); barrier mode would restart every task, so it is never used.
+* **no speculation, no dynamic allocation:** a speculative copy of a replica would be a
+  third replica nobody asked for, and an executor removed for being "idle" would take
+  replicas with it.
+* **the driver's interpreter on the workers** (``PYSPARK_PYTHON``), with tandem installed,
+  and **no Python worker reuse**: a replica task leaves its worker process when it ends,
+  so no thread of a finished replica can outlive it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+
+from tandem.exceptions import ConfigError
+
+LOCAL_MASTER = re.compile(r"^local(\[(?P<n>\d+|\*)(,(?P<f>\d+))?\])?$")
+LOCAL_CLUSTER_MASTER = re.compile(r"^local-cluster\[(?P<w>\d+),\s*(?P<c>\d+),\s*(?P<m>\d+)\]$")
+
+REQUIRED_CONF = {
+    "spark.speculation": "false",
+    "spark.dynamicAllocation.enabled": "false",
+    "spark.python.worker.reuse": "false",
+}
+
+
+def local_session(replicas: int, master: str | None = None, spare_slots: int = 2, **conf):
+    """A SparkSession that can host ``replicas`` replica tasks on this machine.
+
+    Without ``master`` it is ``local[N,3]`` with ``N = replicas + spare_slots`` task slots
+    (threads of one JVM; a failed task is retried up to twice while the others keep
+    running). ``master`` may also be ``local-cluster[W,C,MB]`` (W executor JVMs of C cores
+    each) or a cluster URL. ``conf`` entries are passed to the builder (``spark.`` prefix
+    and all); the Spark UI is off unless ``conf`` turns it on.
+    """
+    master = master or f"local[{replicas + spare_slots},3]"
+    # Workers start the interpreter named by PYSPARK_PYTHON (or `python3` from PATH).
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    if is_local(master):  # every JVM of the session listens on loopback only
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.master(master).appName("tandem")
+    settings = {
+        **REQUIRED_CONF,
+        "spark.pyspark.python": sys.executable,
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        **conf,
+    }
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+def is_local(master: str) -> bool:
+    """Whether every executor of ``master`` runs on this machine (so the driver can see,
+    and kill, their processes)."""
+    return bool(LOCAL_MASTER.match(master) or LOCAL_CLUSTER_MASTER.match(master))
+
+
+def task_slots(spark) -> int:
+    """Tasks the cluster can run at once: the executors' cores over ``spark.task.cpus``."""
+    sc = spark.sparkContext
+    cpus = int(sc.getConf().get("spark.task.cpus", "1"))
+    return sc.defaultParallelism // cpus
+
+
+def check_cluster(spark, replicas: int, spare_slots: int) -> None:
+    """Raise ConfigError unless ``spark`` can host ``replicas`` replica tasks at once, with
+    ``spare_slots`` to spare, and is configured as the module documentation says."""
+    sc = spark.sparkContext
+    conf = sc.getConf()
+    master = sc.master
+    for key, want in REQUIRED_CONF.items():
+        got = conf.get(key, "true" if key == "spark.python.worker.reuse" else "false")
+        if got.lower() != want:
+            raise ConfigError(
+                f"the Spark engine needs {key}={want}, but the session has {key}={got}; "
+                f"create the session with .config({key!r}, {want!r}) or with "
+                "tandem_spark.local_session(...)"
+            )
+    slots, needed = task_slots(spark), replicas + spare_slots
+    if slots < needed:
+        fix = (
+            f"use master local[{needed},3] (or tandem_spark.local_session({replicas}))"
+            if is_local(master)
+            else "add executors or cores (spark.executor.cores, spark.executor.instances)"
+        )
+        raise ConfigError(
+            f"the job has {replicas} replicas and each needs a Spark task slot for the whole "
+            f"run, plus {spare_slots} spare for retries: {needed} slots, but master {master!r} "
+            f"offers {slots}; {fix}"
+        )
+    m = LOCAL_MASTER.match(master)
+    if m and int(m["f"] or 1) < 2:
+        raise ConfigError(
+            f"master {master!r} fails the whole job at the first task failure, so a killed "
+            f"replica would stop the run; use local[{m['n'] or needed},3] (the second number "
+            "is how many times a task may fail)"
+        )
+    if is_local(master):
+        python = shutil.which(sc.pythonExec) or sc.pythonExec
+        if os.path.abspath(python) != sys.executable:
+            raise ConfigError(
+                f"Spark's Python workers run {sc.pythonExec!r} but this driver runs "
+                f"{sys.executable!r}; set PYSPARK_PYTHON={sys.executable} before creating the "
+                "session (tandem_spark.local_session does)"
+            )

@@ -1,0 +1,112 @@
+"""The Spark engine end to end, on a real local Spark (pyspark from PyPI, Java 17).
+
+One session for the module (a JVM costs seconds): ``local[19,3]`` — 19 task slots, enough
+for the 17 replicas of MiB1 of length 3 plus spares, and up to 3 attempts per task.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pyarrow as pa
+import pytest
+
+import tandem as td
+import tandem_spark
+from tandem import engines
+from tandem.bench import mib1_job
+from tandem.cli import main
+from tandem.engines.common import multiset_diff
+from tandem.reference import canonical
+
+pytestmark = pytest.mark.spark
+
+RATE = 1_000
+DURATION = 3.0
+REPLICAS = 17  # MiB1 of length 3: 2 sources, 3 maps (2 partitions x 2 replicas each), 1 sink
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = tandem_spark.local_session(REPLICAS)
+    yield session
+    session.stop()
+
+
+def mib1(length: int = 3) -> td.Job:
+    return mib1_job(length, replication=2, ordering="liverobin", rate=RATE, sink=td.sinks.Collect())
+
+
+@pytest.fixture(scope="module")
+def fault_free(spark):
+    job, engine = mib1(), tandem_spark.SparkEngine(spark)
+    return job, engine, job.run(duration=DURATION, engine=engine)
+
+
+def assert_same_as_reference(job: td.Job, res: td.Result) -> pa.Table:
+    ref = job.run_reference(duration=DURATION, t0_ns=res.t0_ns)
+    assert res.output.num_rows == ref.output.num_rows == res.events_in == RATE * DURATION
+    assert canonical(res.output).equals(canonical(ref.output))
+    assert res.lost == 0 and res.duplicates == 0 and res.digests_match
+    return ref.output
+
+
+def test_mib1_output_equals_the_reference(fault_free):
+    job, engine, res = fault_free
+    assert_same_as_reference(job, res)
+    assert res.p50_ms is not None and res.p50_ms > 0
+    assert res.lost_replicas == [] and engine.last_run.retried_slots() == []
+    # One task attempt per replica, each on a placement row of its own.
+    assert sorted(a.slot for a in engine.last_run.attempts) == list(range(REPLICAS))
+
+
+def test_output_dataframe_equals_the_reference(fault_free):
+    job, engine, res = fault_free
+    df = engine.output_df()
+    assert df.count() == res.output.num_rows
+    got = df.toArrow()
+    want = job.run_reference(duration=DURATION, t0_ns=res.t0_ns).output
+    assert multiset_diff(want, got) == (0, 0)
+
+
+def test_killed_replica_is_masked_and_only_its_task_is_retried(spark, fault_free):
+    job, engine = mib1(), tandem_spark.SparkEngine(spark)
+    fault = td.Kill("map2", partition=1, replica=0, at=1.5)
+    res = job.run(duration=DURATION, faults=[fault], engine=engine)
+    assert_same_as_reference(job, res)
+    assert [(x["task"], x["partition"], x["replica"]) for x in res.lost_replicas] == [
+        ("map2", 1, 0)
+    ]
+    # Masked: no stall beyond the scheduling noise the fault-free run shows on this machine.
+    assert res.max_gap_ms < max(1_000, 2 * fault_free[2].max_gap_ms)
+    run = engine.last_run
+    victim = next(a for a in run.attempts if a.replica == (job.plan().task("map2").id, 1, 0))
+    # Spark retried the killed task (attempt 1 of the same placement row) and no other.
+    assert run.retried_slots() == [victim.slot]
+    assert sorted(a.attempt for a in run.attempts if a.slot == victim.slot) == [0, 1]
+
+
+def test_too_small_cluster_fails_fast_with_the_fix(spark):
+    job = mib1(length=4)  # 21 replicas
+    with pytest.raises(td.ConfigError, match=r"21 replicas.*22 slots.*offers 19.*local\[22,3\]"):
+        job.run(duration=DURATION, engine=tandem_spark.SparkEngine(spark))
+
+
+def test_engine_by_name_from_the_cli(spark, capsys, tmp_path):
+    # The engine sizes a session for the demo's 17 replicas; getOrCreate finds this one.
+    argv = ["demo", "--engine", "spark", "--duration", "3", "--rate", "500", "--no-progress"]
+    code = main([*argv, "--plot", str(tmp_path / "p99.png")])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "fault masked" in printed
+
+
+def test_missing_spark_integration_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tandem_spark", None)  # makes the import fail
+    with pytest.raises(td.ConfigError, match=r"pip install \./spark_integration"):
+        engines.get("spark")
+
+
+def test_master_without_the_spark_engine_is_refused(capsys):
+    assert main(["demo", "--master", "local[4,2]", "--duration", "1"]) == 2
+    assert "--master is for --engine spark" in capsys.readouterr().err
