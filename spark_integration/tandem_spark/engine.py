@@ -45,6 +45,7 @@ from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options
 from tandem.engines.local import STARTUP_S
 from tandem.exceptions import ConfigError, TandemError
+from tandem.ordering import kazoo
 from tandem.plan import Plan, Task
 from tandem.runtime import Replica, ReplicaId
 from tandem.sinks import Collect
@@ -125,6 +126,15 @@ class SparkEngine:
             self.spark, self._output = None, None
 
     def _run(self, plan, duration, faults, warmup, check, timeout) -> Result:
+        # KaZoo: the run's order topics, deleted once the result (which reads them) is in.
+        zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
+        try:
+            return self._run_with(plan, duration, faults, warmup, check, timeout, zoo)
+        finally:
+            if zoo is not None:
+                kazoo.cleanup(zoo)
+
+    def _run_with(self, plan, duration, faults, warmup, check, timeout, zoo) -> Result:
         sc = self.spark.sparkContext
         placement = plan.replicas()
         check_cluster(self.spark, len(placement), self.spare_slots)
@@ -159,7 +169,7 @@ class SparkEngine:
             kill=self.kill,
             on_failure=lambda _: sc.cancelJobsWithTag(tag),
         )
-        udf = _replica_main(plan, secret, registry.address, host, schema, collect)
+        udf = _replica_main(plan, secret, registry.address, host, schema, collect, zoo)
         with registry, _driver_path_on_workers(sc, local):
             df = self._placement(placement).mapInArrow(udf, _spark_schema(schema))
             sc.addJobTag(tag)
@@ -188,6 +198,7 @@ class SparkEngine:
             check=check,
             faults=registry.log.faults,
             lost_replicas=lost,
+            kazoo=zoo,
         )
 
     def output_df(self):
@@ -239,7 +250,7 @@ def _spark_schema(schema: pa.Schema):
         ) from exc
 
 
-def _replica_main(plan, secret, registry_address, host, schema, collect):
+def _replica_main(plan, secret, registry_address, host, schema, collect, zoo):
     """The Arrow-backed UDF for ``mapInArrow``; everything it needs travels in its closure
     (cloudpickle), the job secret included."""
 
@@ -256,7 +267,7 @@ def _replica_main(plan, secret, registry_address, host, schema, collect):
             kind, value = reg.receive(conn, "replica identity")
             if kind == "retire":
                 return
-            replica = Replica(plan, *value, secret)
+            replica = Replica(plan, *value, secret, kazoo=zoo)
             conn.send(("bound", replica.bind(bind_host)))
             _, addresses, t0_ns, duration = reg.receive(conn, "start signal")
             report = replica.run(addresses, t0_ns, duration)
