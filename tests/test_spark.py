@@ -110,3 +110,14 @@ def test_missing_spark_integration_names_the_install_command(monkeypatch):
 def test_master_without_the_spark_engine_is_refused(capsys):
     assert main(["demo", "--master", "local[4,2]", "--duration", "1"]) == 2
     assert "--master is for --engine spark" in capsys.readouterr().err
+
+
+def test_kazoo_ordering_runs_on_spark(spark, zookeeper, kafka):
+    """KaZoo on the Spark engine: every ordered replica task runs its orderer against the
+    real services; the output is the one the followed orders give, replicas agreeing."""
+    config = td.KazooConfig(zk_hosts=kafka.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap)
+    job = mib1_job(3, 2, "kazoo", RATE, kazoo=config, sink=td.sinks.Collect())
+    res = job.run(duration=DURATION, engine=tandem_spark.SparkEngine(spark))
+    assert res.lost == 0 and res.duplicates == 0 and res.digests_match
+    assert res.events_out == res.events_in == RATE * DURATION
+    assert sorted(res.leaders) == [f"map{i}[{p}]" for i in (1, 2, 3) for p in (0, 1)]
