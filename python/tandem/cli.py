@@ -4,6 +4,7 @@ local or the Spark engine) and ``tandem bench``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import re
@@ -67,25 +68,32 @@ def _faults(args, default: list) -> list:
 def _demo(args: argparse.Namespace) -> int:
     from tandem import demo
 
-    services = None
-    kazoo = None
-    if args.ordering == "kazoo":
-        from tandem.services import ensure_running
+    with _kazoo_services(args.ordering == "kazoo", args.session_timeout) as kazoo:
+        return _demo_job(args, demo, kazoo)
 
-        print("KaZoo needs ZooKeeper and Kafka: starting what is not running ...", flush=True)
-        services = ensure_running()
-        kazoo = tandem.KazooConfig(
+
+@contextlib.contextmanager
+def _kazoo_services(needed: bool, session_timeout: float):
+    """The KazooConfig of the local ZooKeeper and Kafka (None if not ``needed``), started
+    for the command if they are not running, and stopped again afterwards if so."""
+    if not needed:
+        yield None
+        return
+    from tandem.services import ensure_running
+
+    print("KaZoo needs ZooKeeper and Kafka: starting what is not running ...", flush=True)
+    services = ensure_running()
+    try:
+        yield tandem.KazooConfig(
             zk_hosts=services.zk_hosts,
             kafka_bootstrap=services.kafka_bootstrap,
-            session_timeout_s=args.session_timeout,
+            session_timeout_s=session_timeout,
         )
-    try:
-        return _demo_job(args, demo, kazoo)
     finally:
-        if services is not None and services.started:
+        if services.started:
             services.stop()
             print(
-                f"stopped {', '.join(services.started)} (started for this demo; "
+                f"stopped {', '.join(services.started)} (started for this command; "
                 "`make services` keeps them running between runs)"
             )
 
@@ -217,28 +225,15 @@ def _bench(args: argparse.Namespace) -> int:
         print(spark_bench.table(out))
         _write_json(args.json, out)
         return 0
-    services = None
-    kazoo = None
     configs = tuple(args.configs.split(",")) if args.configs else tuple(bench.CONFIGS)
     unknown = sorted(set(configs) - set(bench.CONFIGS))
     if unknown:
         raise tandem.ConfigError(
             f"--configs: unknown {unknown}; choose from {', '.join(bench.CONFIGS)}"
         )
-    if args.experiment == "failover" or (args.experiment == "mib1" and "kazoo" in configs):
-        from tandem.services import ensure_running
-
-        services = ensure_running()
-        kazoo = tandem.KazooConfig(
-            zk_hosts=services.zk_hosts,
-            kafka_bootstrap=services.kafka_bootstrap,
-            session_timeout_s=args.session_timeout,
-        )
-    try:
+    needed = args.experiment == "failover" or (args.experiment == "mib1" and "kazoo" in configs)
+    with _kazoo_services(needed, args.session_timeout) as kazoo:
         return _bench_run(args, bench, configs, kazoo)
-    finally:
-        if services is not None and services.started:
-            services.stop()
 
 
 def _bench_run(args: argparse.Namespace, bench, configs: tuple, kazoo) -> int:
