@@ -77,7 +77,7 @@ def test_killing_the_leader_then_a_follower_is_masked(zookeeper, kafka):
     # The killed leader reports nothing; its successor's epoch shows it was deposed.
     count0 = res.leaders["count[0]"]
     assert {t["replica"] for t in count0} == {1 - leader_kill["victim"]}, count0
-    assert count0[0]["epoch"] > 1 and count0[0]["from_s"] >= leader_kill["injected_at"]
+    assert any(t["from_s"] >= leader_kill["injected_at"] and t["epoch"] > 1 for t in count0)
     relay1 = res.leaders["relay[1]"]
     assert relay1[0]["replica"] != follower_kill["victim"], relay1
     assert {(x["task"], x["partition"]) for x in res.lost_replicas} == {
