@@ -8,9 +8,10 @@
 * ``failover`` — the paper's fault experiment: 3 map tasks of 2 partitions, 5,000 ev/s,
   one replica of the middle task SIGKILLed halfway; per-second p99 over time, for
   LiveRobin, KaZoo with the leader killed and KaZoo with a follower killed.
-* ``throughput`` — the highest rate a replicated length-1 pipeline sustains without its
-  latency growing: rates are tried in increasing order until the p99 of the last third of
-  the run exceeds ``max(10 x the first rate's p99, 250 ms)`` or the run falls behind.
+* ``throughput`` — the highest rate a replicated length-1 pipeline (forward edges) sustains
+  without its latency growing: rates are tried in increasing order until the p99 of the
+  last third of the run exceeds ``max(10 x the first rate's p99, 250 ms)`` or the run
+  falls behind.
 
 Each writes rows of JSON; the CLI (``tandem bench ...``) prints them as a table.
 """
@@ -47,9 +48,12 @@ def mib1_job(
     rate: int = 5_000,
     kazoo: td.KazooConfig | None = None,
     sink: td.sinks.Sink | None = None,
+    keyed: bool = True,
 ) -> td.Job:
     """MiB1 of length ``length``; the sink records latency unless another is given (a
-    ``td.sinks.Collect()`` makes the output comparable with the reference's)."""
+    ``td.sinks.Collect()`` makes the output comparable with the reference's). ``keyed``:
+    each task reads every upstream partition (keyed by ``key``), else partition p feeds
+    partition p only (forward edges: one input channel each, nothing to order)."""
     job = td.Job(
         f"mib1-{length}",
         replication=replication,
@@ -60,7 +64,8 @@ def mib1_job(
     )
     stream = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=1), parallelism=2)
     for i in range(length):
-        stream = stream.key_by("key").map(identity, parallelism=2, name=f"map{i + 1}")
+        stream = stream.key_by("key") if keyed else stream
+        stream = stream.map(identity, parallelism=2, name=f"map{i + 1}")
     stream.sink(sink or td.sinks.Latency(), parallelism=1)
     return job
 
@@ -123,7 +128,7 @@ def throughput(
     """The highest sustained rate of a replicated (r=2, LiveRobin) length-1 pipeline."""
     rows, best, limit = [], 0, None
     for rate in rates:
-        job = mib1_job(1, 2, "liverobin", rate)
+        job = mib1_job(1, 2, "liverobin", rate, keyed=False)
         print(f"throughput: {rate} ev/s ...", file=log, flush=True)
         res = job.run(duration=duration, warmup=duration * 2 / 3, progress=False, check=False)
         row = _row("liverobin", 1, rate, res)
