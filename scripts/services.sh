@@ -209,7 +209,10 @@ write_kafka_conf() {
   # One process is broker and the whole controller quorum. Internal topics get one replica
   # and one partition (fewer partitions to create = faster first consumer group). Topics are
   # created explicitly (auto.create.topics.enable=false), so a typo fails loudly instead of
-  # silently creating a topic with default settings.
+  # silently creating a topic with default settings. The broker's session with its own
+  # controller is 30 s instead of 9 s: on a saturated 2-core machine its heartbeats were
+  # late, the controller fenced the only broker, and every partition lost its leader (a
+  # single-node cluster has no other broker to move them to, so fencing only does harm).
   cat >"$file" <<EOF
 process.roles=broker,controller
 node.id=1
@@ -230,6 +233,7 @@ transaction.state.log.min.isr=1
 transaction.state.log.num.partitions=1
 group.initial.rebalance.delay.ms=0
 auto.create.topics.enable=false
+broker.session.timeout.ms=30000
 EOF
   printf '%s' "$file"
 }

@@ -322,15 +322,14 @@ class Orderer:
                 **kafka,
                 "group.id": f"tandem-{self.run.run}-{self.ident}",
                 "enable.auto.commit": False,
-                "fetch.wait.max.ms": 10,
+                # The broker answers a fetch as soon as one order is there (fetch.min.bytes
+                # is 1); a long wait only spares it a request every few ms while idle.
+                "fetch.wait.max.ms": 100,
                 "reconnect.backoff.max.ms": 200,
             }
         )
         self._tp = TopicPartition(self.topic, 0)
         self.consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
-        # Watermark queries come from the election thread; a consumer of its own keeps
-        # them off the follower's.
-        self.meta = Consumer({**kafka, "group.id": f"tandem-meta-{self.run.run}-{self.ident}"})
         for target, name in ((self._follow, "follow"), (self._elect, "elect")):
             t = threading.Thread(target=self._guard(target), name=f"kazoo-{name}", daemon=True)
             t.start()
@@ -353,7 +352,6 @@ class Orderer:
             self.zk.close()
             self.producer.flush(2)
             self.consumer.close()
-            self.meta.close()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -426,7 +424,8 @@ class Orderer:
         """Wait until the follower thread has followed every order published so far."""
         while self._still_leading():
             try:
-                _, high = self.meta.get_watermark_offsets(self._tp, timeout=1.0, cached=False)
+                # librdkafka handles are thread-safe: the follower thread polls meanwhile.
+                _, high = self.consumer.get_watermark_offsets(self._tp, timeout=1.0)
             except Exception as exc:  # Kafka unreachable: keep trying while leading
                 log.debug("order topic %s: no high watermark yet (%s)", self.topic, exc)
                 continue
