@@ -16,9 +16,11 @@ with two threads (as the paper's Flink task managers do):
   earlier leader's. A new leader first reads the order topic to its end, then publishes:
   for every channel on which its own deduplicated queues hold more than the log has
   ordered, an entry "channel ``c`` up to seq ``s``", at most ``batch`` entries per
-  message, stamped with its epoch and a version counting its messages. It publishes as
-  soon as something arrives — there is nothing pending when the input is idle — on an
-  idempotent producer with ``acks=all`` and ``linger.ms=0``.
+  message, stamped with its epoch and a version counting its messages. It keeps one
+  message in flight: the next one goes out as soon as the broker has acknowledged the
+  last, covering everything that arrived meanwhile — batches grow with the load, and an
+  idle stream waits for no timeout. The producer is idempotent, ``acks=all``,
+  ``linger.ms=0``.
 
 Safety does not rest on timing. Orders are positional and idempotent, and every replica
 applies the same deterministic filter to the same log, so even two leaders publishing at
@@ -330,6 +332,9 @@ class Orderer:
         )
         self._tp = TopicPartition(self.topic, 0)
         self.consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
+        # Watermark queries come from the election thread, on a consumer of their own: a
+        # query on the follower's consumer while it polls deadlocks (confluent-kafka 2.x).
+        self.meta = Consumer({**kafka, "group.id": f"tandem-meta-{self.run.run}-{self.ident}"})
         for target, name in ((self._follow, "follow"), (self._elect, "elect")):
             t = threading.Thread(target=self._guard(target), name=f"kazoo-{name}", daemon=True)
             t.start()
@@ -352,6 +357,7 @@ class Orderer:
             self.zk.close()
             self.producer.flush(2)
             self.consumer.close()
+            self.meta.close()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -424,8 +430,7 @@ class Orderer:
         """Wait until the follower thread has followed every order published so far."""
         while self._still_leading():
             try:
-                # librdkafka handles are thread-safe: the follower thread polls meanwhile.
-                _, high = self.consumer.get_watermark_offsets(self._tp, timeout=1.0)
+                _, high = self.meta.get_watermark_offsets(self._tp, timeout=1.0, cached=False)
             except Exception as exc:  # Kafka unreachable: keep trying while leading
                 log.debug("order topic %s: no high watermark yet (%s)", self.topic, exc)
                 continue
@@ -483,14 +488,23 @@ class Orderer:
         published = self.feed.ordered()
         version, cursor = 0, 0
         failed = threading.Event()
+        inflight = 0  # orders produced and not yet acknowledged
 
-        def on_delivery(err, _msg) -> None:
+        def on_delivery(err, _msg) -> None:  # runs inside producer.poll(), on this thread
+            nonlocal inflight
+            inflight -= 1
             if err is not None:
                 self.publish_errors += 1
                 failed.set()
                 log.warning("%s: an order was not delivered: %s", self.ident, err)
 
         while self._still_leading():
+            if inflight:
+                # One order in flight at a time: what arrives while the broker acknowledges
+                # it goes into the next one. Batches grow with load, and an idle stream
+                # waits for nothing.
+                self.producer.poll(POLL_S)
+                continue
             if failed.is_set():  # publish again from what the log really holds
                 failed.clear()
                 published = self.feed.ordered()
@@ -517,6 +531,7 @@ class Orderer:
                     self.partition, epoch, version, entries[i : i + batch]
                 )
                 self.producer.produce(self.topic, value=frame, on_delivery=on_delivery)
+                inflight += 1
                 self.orders_published += 1
             self.producer.poll(0)
 
