@@ -178,7 +178,8 @@ def failover(
     rows = []
     for case in cases:
         ordering, replica = FAILOVER_CASES[case]
-        job = mib1_job(3, 2, ordering, rate, kazoo)
+        # A Collect sink, so the run is checked against the reference (lost, duplicates).
+        job = mib1_job(3, 2, ordering, rate, kazoo, sink=td.sinks.Collect())
         fault = td.Kill("map2", partition=0, replica=replica, at=kill_at)
         print(
             f"failover: {case}, kill map2[0] {replica} at {kill_at:g} s ...", file=log, flush=True
