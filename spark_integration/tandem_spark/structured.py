@@ -436,6 +436,7 @@ class _Driver:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
         env["PYSPARK_PYTHON"] = sys.executable  # Python workers: this interpreter, not PATH's
+        env["SPARK_LOCAL_IP"] = "127.0.0.1"  # every Spark endpoint on loopback, not the LAN
         self.spawn_ns = time.time_ns()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
