@@ -585,7 +585,7 @@ def run_baseline(
     (transformWithStateInPandas). ``warmup``: leave out of the latency figures what
     reached the sink in the first seconds. ``workdir``: a new or empty run directory that
     is kept (checkpoint, sink files, driver logs); None uses a temporary one, removed
-    afterwards. ``progress``: report on stderr every 2 s. ``maps``: identity
+    after a successful run. ``progress``: report on stderr every 2 s. ``maps``: identity
     ``mapInArrow`` stages (MiB1's pipeline length).
 
     Returns a JSON-able dict; see :func:`_analyse` for its fields.
@@ -621,6 +621,7 @@ def run_baseline(
     report = _Progress(progress, run_dir, duration)
     drivers = [_Driver(run_dir, 0)]
     kill_ns = None
+    succeeded = False
     try:
         t0_ns = _await_clock(drivers[0], timeout=_SLACK_S)
         if kill_driver_at is not None:
@@ -631,10 +632,11 @@ def run_baseline(
                 print("spark-ss: driver killed, restarting from the checkpoint", file=sys.stderr)
         _wait(drivers[-1], report, None, t0_ns)
         result = _analyse(run_dir, cfg, t0_ns, warmup, kill_ns, drivers)
+        succeeded = True
     finally:
         for driver in drivers:
             driver.reap()
-        if not keep:
+        if not keep and succeeded:  # after a failure, keep the logs the error points at
             shutil.rmtree(run_dir, ignore_errors=True)
     if keep:
         result["run_dir"] = str(run_dir)
@@ -773,7 +775,10 @@ def _analyse(
     if kill_ns is not None:
         after = sink_ns[incarnation > 0]
         if not len(after):
-            raise TandemError("the restarted driver wrote nothing; see its log in the run dir")
+            raise TandemError(
+                f"the restarted driver wrote nothing; see driver-{drivers[-1].incarnation}.log "
+                f"in {run_dir}"
+            )
         first_out = int(after.min())
         marks = {}
         events_path = run_dir / f"driver-{drivers[-1].incarnation}.events"
