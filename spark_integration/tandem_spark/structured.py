@@ -485,19 +485,25 @@ class _Driver:
             time.sleep(0.05)
         return True
 
-    def kill(self) -> int:
-        """SIGKILL every process group of this driver, wait until they are gone, and
-        return the kill time (ns)."""
+    def kill(self, wait: bool = True) -> int:
+        """SIGKILL every process group of this driver and return the kill time (ns). With
+        ``wait``, also wait until every process of those groups is gone; without, call
+        :meth:`await_killed` later (the kernel's teardown of a JVM can take seconds, which
+        a restart need not wait for)."""
         self.watch()
         kill_ns = time.time_ns()
         self._kill_groups()
         self.proc.wait()
-        if not self._await_gone(timeout=30.0):
+        if wait:
+            self.await_killed()
+        return kill_ns
+
+    def await_killed(self, timeout: float = 30.0) -> None:
+        if not self._await_gone(timeout):
             raise TandemError(
                 f"processes {self._members()} of Spark driver incarnation {self.incarnation} "
-                "survived SIGKILL for 30 s"
+                f"survived SIGKILL for {timeout:g} s"
             )
-        return kill_ns
 
     def reap(self, grace: float = 15.0) -> None:
         """After the driver exited or failed: give its JVM and Python workers ``grace``
@@ -626,8 +632,9 @@ def run_baseline(
         t0_ns = _await_clock(drivers[0], timeout=_SLACK_S)
         if kill_driver_at is not None:
             _wait(drivers[0], report, t0_ns + int(kill_driver_at * _NS), t0_ns)
-            kill_ns = drivers[0].kill()
-            drivers.append(_Driver(run_dir, 1))
+            kill_ns = drivers[0].kill(wait=False)
+            drivers.append(_Driver(run_dir, 1))  # at once, as a supervisor would
+            drivers[0].await_killed()
             if progress:
                 print("spark-ss: driver killed, restarting from the checkpoint", file=sys.stderr)
         _wait(drivers[-1], report, None, t0_ns)
