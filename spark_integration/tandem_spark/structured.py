@@ -707,7 +707,9 @@ def _analyse(
     - ``p50_ms``, ``p99_ms``, ``max_ms``: latency of the first copy of each event that
       reached the sink after ``warmup``; ``per_second_p99_ms``: p99 per second of sink
       time since ``t0``; ``max_gap_ms``: longest time without sink output after warm-up
-      (the same definitions as tandem's ``Result``); ``batches``: micro-batches written.
+      (the same definitions as tandem's ``Result``); ``batches``: micro-batches written;
+      ``first_output_s``: stream start to the first micro-batch's output (Spark's start-up:
+      pick ``warmup`` beyond it).
     - with a kill: ``downtime_s`` (kill → first output of the restarted driver),
       ``restart_s`` (kill → the new driver's SparkSession up, query started, first
       output), ``p50_ms_before_kill``/``p99_ms_before_kill`` (fault-free steady state:
@@ -765,6 +767,7 @@ def _analyse(
         "duplicates_if_idempotent": int(kept.sum()) - len(np.unique(seq[kept])),
         "replays_identical": bool(replays_identical),
         "batches": len(batch_ids),
+        "first_output_s": round((int(sink_ns.min()) - t0_ns) / _NS, 3),
         "p50_ms": _ms(lat, 50),
         "p99_ms": _ms(lat, 99),
         "max_ms": round(float(lat.max()), 3) if len(lat) else None,
