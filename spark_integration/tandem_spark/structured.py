@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -448,16 +449,16 @@ class _Driver:
                 start_new_session=True,
             )
         self.groups = {self.proc.pid}
-        self.next_watch = 0.0
+        self.last_watch = -math.inf
 
     def watch(self, every: float = 0.0) -> None:
         """Note the process groups of the driver's descendants (called while it runs, so
         the groups are known even once the driver itself has gone); at most once per
         ``every`` seconds."""
         now = time.monotonic()
-        if now < self.next_watch:
+        if now - self.last_watch < every:
             return
-        self.next_watch = now + every
+        self.last_watch = now
         procs = _processes()
         children: dict[int, list[int]] = {}
         for pid, (ppid, _) in procs.items():
