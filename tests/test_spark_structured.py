@@ -1,8 +1,10 @@
 """Spark Structured Streaming as the passive baseline, on a real local Spark.
 
 Each run starts real driver processes (a local[2] SparkSession and its JVM each), so the
-streams are short and slow (1,000 ev/s, ~10 s): enough for several micro-batches on either
-side of a driver kill.
+streams are short and slow (1,000 ev/s, ~10 s). On a lightly loaded machine the first
+driver writes a few micro-batches before the kill; on a busy one it may not finish its
+first, and then the restart re-runs that batch from the offset log. The assertions hold
+either way: they are what Spark guarantees, not what a particular timing produced.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def test_fault_free_run_delivers_every_event_once_and_measures_latency():
     assert res["events_in"] == 8_000
     assert (res["lost"], res["duplicates"], res["events_out"]) == (0, 0, 8_000)
     assert 0 < res["p50_ms"] <= res["p99_ms"] <= res["max_ms"]
-    assert res["batches"] > 1
+    assert res["batches"] > 1 and res["first_output_s"] > 0
     assert res["downtime_s"] is None and res["duplicate_batches"] == 0
 
 

@@ -47,7 +47,7 @@ from tandem.engines.local import STARTUP_S
 from tandem.exceptions import ConfigError, TandemError
 from tandem.ordering import kazoo
 from tandem.plan import Plan, Task
-from tandem.runtime import Replica, ReplicaId
+from tandem.runtime import Replica, ReplicaId, ReplicaReport
 from tandem.sinks import Collect
 from tandem_spark import registry as reg
 from tandem_spark.session import LOCAL_CLUSTER_MASTER, check_cluster, is_local, local_session
@@ -186,10 +186,13 @@ class SparkEngine:
         self.last_run = registry.log
         if registry.log.failure is not None:
             raise registry.log.failure
-        reports, self._output = _unpack(table, placement, collect)
+        reports = _unpack(table, collect)
         lost = [(rid, "killed") for rid in registry.log.killed]
         lost += [(rid, "crashed") for rid in registry.log.crashed]
-        return assemble_result(
+        missing = sorted(set(placement) - set(reports) - {rid for rid, _ in lost})
+        if missing:
+            raise TandemError(f"replicas {missing} of {plan.job!r} never reported; see the log")
+        result = assemble_result(
             plan,
             duration,
             reports,
@@ -200,6 +203,8 @@ class SparkEngine:
             lost_replicas=lost,
             kazoo=zoo,
         )
+        self._output = None if collect is None else result.outputs[collect.name]
+        return result
 
     def output_df(self):
         """The rows of the last run's first ``td.sinks.Collect`` sink as a Spark DataFrame
@@ -297,22 +302,25 @@ def _rows(slot: int, table: pa.Table, schema: pa.Schema) -> Iterator[pa.RecordBa
         yield _envelope(slot, batch.num_rows, schema, pa.nulls(batch.num_rows, pa.binary()), cols)
 
 
-def _unpack(table: pa.Table, placement: list[ReplicaId], collect: Task | None):
-    """(replica reports by replica id, the Collect sink's rows) from the job's output."""
+def _unpack(table: pa.Table, collect: Task | None) -> dict[ReplicaId, ReplicaReport]:
+    """The replica reports by replica id, from the job's output; the Collect sink's report
+    gets its rows back as its ``sink_part``. A report row and the sink rows before it share
+    their task's ``slot`` (not necessarily the placement row of the replica the task ran:
+    see the registry's assignment)."""
     has_report = pc.is_valid(table.column(REPORT))
-    reports = {}
-    for report in table.filter(has_report).column(REPORT).to_pylist():
-        r = pickle.loads(report)
-        reports[(r.task, r.partition, r.replica)] = r
-    if collect is None:
-        return reports, None
+    report_rows = table.filter(has_report)
     rows = table.filter(pc.invert(has_report))
-    out = rows.select(collect.schema.names).cast(collect.schema)
-    for slot, rid in enumerate(placement):
-        if rid[0] == collect.id and rid in reports:
+    names = collect.schema.names if collect is not None else []
+    reports = {}
+    for slot, blob in zip(
+        report_rows.column(SLOT).to_pylist(), report_rows.column(REPORT).to_pylist(), strict=True
+    ):
+        r = pickle.loads(blob)
+        if collect is not None and r.task == collect.id:
             mine = rows.filter(pc.equal(rows.column(SLOT), slot))
-            reports[rid].sink_part = mine.select(collect.schema.names).cast(collect.schema)
-    return reports, out
+            r.sink_part = mine.select(names).cast(collect.schema)
+        reports[(r.task, r.partition, r.replica)] = r
+    return reports
 
 
 def _own_address() -> str:

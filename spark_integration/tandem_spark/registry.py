@@ -110,7 +110,9 @@ class Registry:
         self._assigned = False
         self._go: tuple | None = None
         self._closing = False
-        self._listener = Listener((host, 0), authkey=secret)
+        # Every replica task checks in at about the same time: a backlog of one (the
+        # default) would drop connections whose clients then wait for ever.
+        self._listener = Listener((host, 0), backlog=len(placement) + 8, authkey=secret)
         self.address: tuple[str, int] = self._listener.address
         self._threads: list[threading.Thread] = []
 
@@ -167,6 +169,13 @@ class Registry:
                 # A retry of a replica that crashed or was killed: its twin carries on, and
                 # rejoining needs the twin's state (DESIGN §4), so this attempt stays out.
                 conn.send(("retire", f"placement row {slot} was already started"))
+                if self._go is None:  # its first attempt failed before the job started
+                    self.fail(
+                        TandemError(
+                            f"the replica task of placement row {slot} failed while the job "
+                            "was starting and was retried; see the executor log for why"
+                        )
+                    )
                 return
             rid = attempt.replica
             conn.send(("replica", rid))

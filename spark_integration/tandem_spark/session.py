@@ -23,11 +23,15 @@ import os
 import re
 import shutil
 import sys
+import time
 
 from tandem.exceptions import ConfigError
 
 LOCAL_MASTER = re.compile(r"^local(\[(?P<n>\d+|\*)(,(?P<f>\d+))?\])?$")
 LOCAL_CLUSTER_MASTER = re.compile(r"^local-cluster\[(?P<w>\d+),\s*(?P<c>\d+),\s*(?P<m>\d+)\]$")
+
+EXECUTOR_WAIT_S = 60.0
+"""How long the check waits for a new cluster's executors to register their cores."""
 
 REQUIRED_CONF = {
     "spark.speculation": "false",
@@ -80,7 +84,8 @@ def task_slots(spark) -> int:
 
 def check_cluster(spark, replicas: int, spare_slots: int) -> None:
     """Raise ConfigError unless ``spark`` can host ``replicas`` replica tasks at once, with
-    ``spare_slots`` to spare, and is configured as the module documentation says."""
+    ``spare_slots`` to spare, and is configured as the module documentation says. On a
+    cluster master it first waits (up to EXECUTOR_WAIT_S) for enough executor cores."""
     sc = spark.sparkContext
     conf = sc.getConf()
     master = sc.master
@@ -92,13 +97,19 @@ def check_cluster(spark, replicas: int, spare_slots: int) -> None:
                 f"create the session with .config({key!r}, {want!r}) or with "
                 "tandem_spark.local_session(...)"
             )
-    slots, needed = task_slots(spark), replicas + spare_slots
+    needed = replicas + spare_slots
+    slots = task_slots(spark)
+    deadline = time.monotonic() + EXECUTOR_WAIT_S
+    while slots < needed and not LOCAL_MASTER.match(master) and time.monotonic() < deadline:
+        time.sleep(0.2)  # executors of a new session register one by one
+        slots = task_slots(spark)
     if slots < needed:
-        fix = (
-            f"use master local[{needed},3] (or tandem_spark.local_session({replicas}))"
-            if is_local(master)
-            else "add executors or cores (spark.executor.cores, spark.executor.instances)"
-        )
+        if LOCAL_MASTER.match(master):
+            fix = f"use master local[{needed},3] (or tandem_spark.local_session({replicas}))"
+        elif LOCAL_CLUSTER_MASTER.match(master):
+            fix = f"use master local-cluster[W,C,MB] with W x C >= {needed}"
+        else:
+            fix = "add executors or cores (spark.executor.instances, spark.executor.cores)"
         raise ConfigError(
             f"the job has {replicas} replicas and each needs a Spark task slot for the whole "
             f"run, plus {spare_slots} spare for retries: {needed} slots, but master {master!r} "

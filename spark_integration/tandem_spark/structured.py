@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -436,6 +437,7 @@ class _Driver:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
         env["PYSPARK_PYTHON"] = sys.executable  # Python workers: this interpreter, not PATH's
+        env["SPARK_LOCAL_IP"] = "127.0.0.1"  # every Spark endpoint on loopback, not the LAN
         self.spawn_ns = time.time_ns()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -447,16 +449,16 @@ class _Driver:
                 start_new_session=True,
             )
         self.groups = {self.proc.pid}
-        self.next_watch = 0.0
+        self.last_watch = -math.inf
 
     def watch(self, every: float = 0.0) -> None:
         """Note the process groups of the driver's descendants (called while it runs, so
         the groups are known even once the driver itself has gone); at most once per
         ``every`` seconds."""
         now = time.monotonic()
-        if now < self.next_watch:
+        if now - self.last_watch < every:
             return
-        self.next_watch = now + every
+        self.last_watch = now
         procs = _processes()
         children: dict[int, list[int]] = {}
         for pid, (ppid, _) in procs.items():
@@ -484,19 +486,25 @@ class _Driver:
             time.sleep(0.05)
         return True
 
-    def kill(self) -> int:
-        """SIGKILL every process group of this driver, wait until they are gone, and
-        return the kill time (ns)."""
+    def kill(self, wait: bool = True) -> int:
+        """SIGKILL every process group of this driver and return the kill time (ns). With
+        ``wait``, also wait until every process of those groups is gone; without, call
+        :meth:`await_killed` later (the kernel's teardown of a JVM can take seconds, which
+        a restart need not wait for)."""
         self.watch()
         kill_ns = time.time_ns()
         self._kill_groups()
         self.proc.wait()
-        if not self._await_gone(timeout=30.0):
+        if wait:
+            self.await_killed()
+        return kill_ns
+
+    def await_killed(self, timeout: float = 30.0) -> None:
+        if not self._await_gone(timeout):
             raise TandemError(
                 f"processes {self._members()} of Spark driver incarnation {self.incarnation} "
-                "survived SIGKILL for 30 s"
+                f"survived SIGKILL for {timeout:g} s"
             )
-        return kill_ns
 
     def reap(self, grace: float = 15.0) -> None:
         """After the driver exited or failed: give its JVM and Python workers ``grace``
@@ -584,7 +592,7 @@ def run_baseline(
     (transformWithStateInPandas). ``warmup``: leave out of the latency figures what
     reached the sink in the first seconds. ``workdir``: a new or empty run directory that
     is kept (checkpoint, sink files, driver logs); None uses a temporary one, removed
-    afterwards. ``progress``: report on stderr every 2 s. ``maps``: identity
+    after a successful run. ``progress``: report on stderr every 2 s. ``maps``: identity
     ``mapInArrow`` stages (MiB1's pipeline length).
 
     Returns a JSON-able dict; see :func:`_analyse` for its fields.
@@ -620,20 +628,23 @@ def run_baseline(
     report = _Progress(progress, run_dir, duration)
     drivers = [_Driver(run_dir, 0)]
     kill_ns = None
+    succeeded = False
     try:
         t0_ns = _await_clock(drivers[0], timeout=_SLACK_S)
         if kill_driver_at is not None:
             _wait(drivers[0], report, t0_ns + int(kill_driver_at * _NS), t0_ns)
-            kill_ns = drivers[0].kill()
-            drivers.append(_Driver(run_dir, 1))
+            kill_ns = drivers[0].kill(wait=False)
+            drivers.append(_Driver(run_dir, 1))  # at once, as a supervisor would
+            drivers[0].await_killed()
             if progress:
                 print("spark-ss: driver killed, restarting from the checkpoint", file=sys.stderr)
         _wait(drivers[-1], report, None, t0_ns)
         result = _analyse(run_dir, cfg, t0_ns, warmup, kill_ns, drivers)
+        succeeded = True
     finally:
         for driver in drivers:
             driver.reap()
-        if not keep:
+        if not keep and succeeded:  # after a failure, keep the logs the error points at
             shutil.rmtree(run_dir, ignore_errors=True)
     if keep:
         result["run_dir"] = str(run_dir)
@@ -697,7 +708,9 @@ def _analyse(
     - ``p50_ms``, ``p99_ms``, ``max_ms``: latency of the first copy of each event that
       reached the sink after ``warmup``; ``per_second_p99_ms``: p99 per second of sink
       time since ``t0``; ``max_gap_ms``: longest time without sink output after warm-up
-      (the same definitions as tandem's ``Result``); ``batches``: micro-batches written.
+      (the same definitions as tandem's ``Result``); ``batches``: micro-batches written;
+      ``first_output_s``: stream start to the first micro-batch's output (Spark's start-up:
+      pick ``warmup`` beyond it).
     - with a kill: ``downtime_s`` (kill → first output of the restarted driver),
       ``restart_s`` (kill → the new driver's SparkSession up, query started, first
       output), ``p50_ms_before_kill``/``p99_ms_before_kill`` (fault-free steady state:
@@ -755,6 +768,7 @@ def _analyse(
         "duplicates_if_idempotent": int(kept.sum()) - len(np.unique(seq[kept])),
         "replays_identical": bool(replays_identical),
         "batches": len(batch_ids),
+        "first_output_s": round((int(sink_ns.min()) - t0_ns) / _NS, 3),
         "p50_ms": _ms(lat, 50),
         "p99_ms": _ms(lat, 99),
         "max_ms": round(float(lat.max()), 3) if len(lat) else None,
@@ -772,7 +786,10 @@ def _analyse(
     if kill_ns is not None:
         after = sink_ns[incarnation > 0]
         if not len(after):
-            raise TandemError("the restarted driver wrote nothing; see its log in the run dir")
+            raise TandemError(
+                f"the restarted driver wrote nothing; see driver-{drivers[-1].incarnation}.log "
+                f"in {run_dir}"
+            )
         first_out = int(after.min())
         marks = {}
         events_path = run_dir / f"driver-{drivers[-1].incarnation}.events"
