@@ -69,6 +69,14 @@ class ReplicaReport:
     the replica's remaining output was needed by nobody, so it stopped early."""
 
 
+def _warm_up() -> None:
+    """Pay pyarrow's lazy imports now, while the job starts, not on the first batch after
+    t0: building any array loads pyarrow's pandas shim, which imports pandas when it is
+    installed (pyspark brings it) — about a CPU-second per process, enough for a job's
+    replica processes to stall the first seconds of the stream on a small machine."""
+    pa.array([0])
+
+
 class CycleDigest:
     """Digest of one output edge's rows per heartbeat cycle, independent of how the rows
     were cut into batches (replicas of a task see different batch boundaries).
@@ -198,6 +206,7 @@ class Replica:
 
     def bind(self, host: str = "127.0.0.1") -> int | None:
         """Listen for upstream replicas; the port, or None for a source."""
+        _warm_up()
         if self.task.kind == "source":
             return None
         t, p, r = self.me
