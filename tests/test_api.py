@@ -355,7 +355,7 @@ def test_plan_describe_lists_tasks_and_edges():
 
 
 def test_heartbeat_positions_follow_the_logical_clock():
-    job = td.Job("hb", heartbeat_ms=10)
+    job = td.Job("hb", heartbeat_ms=10, buffer_timeout_ms=5, batch_rows=3)
     job.source(td.sources.Synthetic(rate=1000, keys=5, seed=1), parallelism=2).sink(
         td.sinks.Collect()
     )
@@ -368,22 +368,61 @@ def test_heartbeat_positions_follow_the_logical_clock():
     assert plan.source_rows_before(0, 0, 10_000_001) == 6
     assert plan.last_epoch(0.05) == 5
     assert plan.source_rows(0, 0, 0.05) == 25 and plan.source_rows(0, 1, 0.05) == 25
-    steps = list(plan.source_schedule(0, 1, 0.03, chunk_rows=3))
-    kinds = [(s.kind, s.j0, s.j1, s.epoch) for s in steps]
-    assert kinds == [
-        ("rows", 0, 3, 0),
-        ("rows", 3, 5, 0),
-        ("heartbeat", 0, 0, 1),
-        ("rows", 5, 8, 0),
-        ("rows", 8, 10, 0),
-        ("heartbeat", 0, 0, 2),
-        ("rows", 10, 13, 0),
-        ("rows", 13, 15, 0),
-        ("heartbeat", 0, 0, 3),
-        ("end", 0, 0, 0),
-    ]
-    assert steps[0].at_ns == 5_000_000  # row 2*2+1 = 5 released at 5 ms
     assert plan.watermark_ns(3, t0_ns=1_000) == 30_001_000
+
+
+def test_sources_cut_batches_at_windows_heartbeats_and_multiples_of_batch_rows():
+    job = td.Job("hb", heartbeat_ms=10, buffer_timeout_ms=5, batch_rows=3)
+    job.source(td.sources.Synthetic(rate=1000, keys=5, seed=1), parallelism=2).sink(
+        td.sinks.Collect()
+    )
+    plan = job.plan()
+    # Partition 1 releases local row j (global 2j+1) at 2j+1 ms. Windows of 5 ms; a batch
+    # is due when its window closes; cuts also where j is a multiple of batch_rows = 3.
+    steps = [(s.kind, s.j0, s.j1, s.epoch, s.at_ns // 1_000_000) for s in
+             plan.source_schedule(0, 1, 0.03)]
+    assert steps == [
+        ("rows", 0, 2, 0, 5),  # 1, 3 ms
+        ("rows", 2, 3, 0, 10),  # 5 ms | cut at j = 3
+        ("rows", 3, 5, 0, 10),  # 7, 9 ms
+        ("heartbeat", 0, 0, 1, 10),
+        ("rows", 5, 6, 0, 15),  # 11 ms | cut at j = 6
+        ("rows", 6, 7, 0, 15),  # 13 ms
+        ("rows", 7, 9, 0, 20),  # 15, 17 ms | cut at j = 9
+        ("rows", 9, 10, 0, 20),  # 19 ms
+        ("heartbeat", 0, 0, 2, 20),
+        ("rows", 10, 12, 0, 25),
+        ("rows", 12, 15, 0, 30),
+        ("heartbeat", 0, 0, 3, 30),
+        ("end", 0, 0, 0, 30),
+    ]
+
+
+@pytest.mark.parametrize("window_ms", [0, 0.3, 2, 7, 25])
+@pytest.mark.parametrize("batch_rows", [1, 4, 1024])
+def test_source_schedule_covers_every_row_once_in_order(window_ms, batch_rows):
+    job = td.Job("s", heartbeat_ms=10, buffer_timeout_ms=window_ms, batch_rows=batch_rows)
+    src = td.sources.Synthetic(rate=3_000, keys=5, seed=1)
+    job.source(src, parallelism=3).sink(td.sinks.Collect())
+    plan = job.plan()
+    for p in range(3):
+        steps = list(plan.source_schedule(0, p, 0.045))
+        rows = [s for s in steps if s.kind == "rows"]
+        assert [s.j0 for s in rows] == [0] + [s.j1 for s in rows[:-1]]
+        assert rows[-1].j1 == plan.source_rows(0, p, 0.045)
+        assert all(0 < s.j1 - s.j0 <= batch_rows for s in rows)
+        assert [s.epoch for s in steps if s.kind == "heartbeat"] == [1, 2, 3, 4]
+        assert [s.at_ns for s in steps] == sorted(s.at_ns for s in steps)
+        window_ns = round(window_ms * 1e6)
+        for s in rows:  # due after its last row's release, at most a window after its first
+            first, last = src.offsets_ns(np.array([s.j0 * 3 + p, (s.j1 - 1) * 3 + p]))
+            assert last < s.at_ns <= first + max(window_ns, 1)
+        done = 0
+        for s in steps:  # heartbeat k follows exactly the rows released before k * 10 ms
+            if s.kind == "rows":
+                done = s.j1
+            elif s.kind == "heartbeat":
+                assert done == plan.source_rows_before(0, p, s.at_ns)
 
 
 def test_watermark_tracker_takes_the_minimum_and_ignores_ended_channels():
@@ -430,7 +469,7 @@ def test_hash_channels_match_the_rust_golden_vectors():
 
 
 def test_router_rebalance_counts_rows_across_emits():
-    r = Router(td.plan.OutputEdge(1, 0, "rebalance", None, (0, 1, 2)))
+    r = Router(td.plan.OutputEdge(1, 0, "rebalance", None, (0, 1, 2)), batch_rows=1024)
     b = pa.record_batch({"x": [10, 11]})
     first = [(c, p["x"].to_pylist()) for c, p in r.route(b)]
     second = [(c, p["x"].to_pylist()) for c, p in r.route(b)]

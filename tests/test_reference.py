@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import tandem as td
 from tandem.operators import WATERMARK_MAX, OperatorContext
-from tandem.reference import LiveRobin, canonical
+from tandem.reference import canonical, live_robin
 
 # -- batch invariance -------------------------------------------------------------------
 #
@@ -200,86 +200,59 @@ def test_window_drops_late_rows_and_counts_them():
     assert restored.late_rows == 2 and restored.closed_before == op.closed_before
 
 
-# -- LiveRobin port ---------------------------------------------------------------------
+# -- LiveRobin, one whole batch per turn ------------------------------------------------
 
 
 def rows(*seqs):
     return ("data", pa.record_batch({"s": pa.array(list(seqs), pa.int64())}))
 
 
-def flatten(deliveries):
+def turns(deliveries):
+    """Deliveries with their batch boundaries: a data turn is (channel, [rows])."""
     out = []
-    for kind, ch, value in deliveries:
-        if kind == "data":
-            out += [(ch, s) for s in value["s"].to_pylist()]
+    for d in deliveries:
+        if d[0] == "data":
+            out.append((d[1], d[2]["s"].to_pylist()))
         else:
-            out.append((kind, ch, value))
+            out.append(tuple(d))
     return out
 
 
-def test_liverobin_turns_quanta_and_cycles_by_hand():
-    q0 = deque([rows(0, 1, 2), rows(3), ("hb", 1), rows(4), ("hb", 2), ("end", None)])
-    q1 = deque([rows(10), ("hb", 1), rows(11, 12, 13), ("hb", 2), ("end", None)])
-    got = flatten(LiveRobin([q0, q1], quantum_rows=2))
-    assert got == [
-        (0, 0),
-        (0, 1),  # a quantum of 2 from channel 0
-        (1, 10),
-        ("hb", 1, 1),  # channel 1: one row, then its heartbeat ends the turn
-        (0, 2),
-        (0, 3),
-        ("hb", 0, 1),  # channel 1 left the cycle: channel 0 alone
-        (1, 11),
-        (1, 12),  # cycle 2 continues after channel 0, i.e. with channel 1
-        (0, 4),
-        ("hb", 0, 2),
-        (1, 13),
-        ("hb", 1, 2),
-        ("end", None, None),
+def test_liverobin_takes_whole_batches_and_cycles_by_hand():
+    q0 = deque([rows(0, 1, 2), rows(3), ("heartbeat", 1), rows(4), ("heartbeat", 2), ("end",)])
+    q1 = deque([rows(10), ("heartbeat", 1), rows(11, 12, 13), ("heartbeat", 2), ("end",)])
+    assert turns(live_robin([q0, q1])) == [
+        (0, [0, 1, 2]),  # a whole batch is one turn, however many rows it has
+        (1, [10]),
+        (0, [3]),
+        ("heartbeat", 1, 1, True),  # channel 1 leaves cycle 1
+        ("heartbeat", 0, 1, False),  # channel 1 left the cycle: channel 0 alone
+        (1, [11, 12, 13]),  # cycle 2 continues after channel 0, i.e. with channel 1
+        (0, [4]),
+        ("heartbeat", 1, 2, True),
+        ("heartbeat", 0, 2, False),
+        ("end",),
     ]
 
 
-def test_liverobin_matches_the_rust_unit_tests():
-    # tandem-core liverobin.rs: per_event_round_robin_within_a_cycle (ends added).
-    q0 = deque([rows(0, 1), ("hb", 1), rows(3), ("end", None)])
-    q1 = deque([rows(0), ("hb", 1), rows(2), ("end", None)])
-    assert flatten(LiveRobin([q0, q1], quantum_rows=1)) == [
-        (0, 0),
-        (1, 0),
-        (0, 1),
-        ("hb", 1, 1),
-        ("hb", 0, 1),
-        (1, 2),
-        (0, 3),
-        ("end", None, None),
-    ]
-    # end_leaves_for_good_and_all_ended_is_end
-    q0 = deque([rows(0), ("end", None)])
-    q1 = deque([rows(0), ("hb", 1), rows(2), ("hb", 2), ("end", None)])
-    assert flatten(LiveRobin([q0, q1], quantum_rows=1)) == [
-        (0, 0),
-        (1, 0),
-        ("hb", 1, 1),
-        (1, 2),
-        ("hb", 1, 2),
-        ("end", None, None),
-    ]
-    # a_turn_never_crosses_a_heartbeat
-    q0 = deque([rows(0), ("hb", 1), rows(*range(2, 11)), ("end", None)])
-    q1 = deque([rows(*range(9)), ("end", None)])
-    got = list(LiveRobin([q0, q1], quantum_rows=4))
-    assert [(k, c, v if k == "hb" else v.num_rows) for k, c, v in got[:4]] == [
-        ("data", 0, 1),
-        ("hb", 0, 1),
-        ("data", 1, 4),
-        ("data", 1, 4),
+def test_liverobin_skips_empty_batches_and_ends_once_all_channels_ended():
+    empty = ("data", pa.record_batch({"s": pa.array([], pa.int64())}))
+    q0 = deque([empty, rows(0), ("end",)])
+    q1 = deque([rows(0), ("heartbeat", 1), rows(2), ("heartbeat", 2), ("end",)])
+    assert turns(live_robin([q0, q1])) == [
+        (0, [0]),
+        (1, [0]),
+        ("heartbeat", 1, 1, True),
+        (1, [2]),
+        ("heartbeat", 1, 2, True),
+        ("end",),
     ]
 
 
 def test_liverobin_single_channel_passes_through():
-    q = deque([rows(0, 1, 2, 3), ("hb", 1), ("end", None)])
-    got = list(LiveRobin([q], quantum_rows=1))
-    assert [k for k, _, _ in got] == ["data", "hb", "end"]
+    q = deque([rows(0, 1, 2, 3), ("heartbeat", 1), ("end",)])
+    got = list(live_robin([q]))
+    assert [d[0] for d in got] == ["data", "heartbeat", "end"]
     assert got[0][2].num_rows == 4
 
 
@@ -415,18 +388,6 @@ def test_two_reference_runs_are_identical():
     assert sum(windows["n"].to_pylist()) == 400 + 100  # every ev and other row, once
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 5, 333])
-def test_source_batch_boundaries_never_change_any_output(chunk_rows):
-    from tandem import reference
-
-    plan = full_job().plan()
-    base = reference.run(plan, duration=0.1, t0_ns=7)
-    other = reference.run(plan, duration=0.1, t0_ns=7, chunk_rows=chunk_rows)
-    assert base.output.num_rows > 50
-    for name, table in base.outputs.items():
-        assert table.equals(other.outputs[name]), name
-
-
 def test_single_input_results_do_not_depend_on_batch_rows():
     def counts(batch_rows):
         job = td.Job("b", batch_rows=batch_rows)
@@ -435,8 +396,9 @@ def test_single_input_results_do_not_depend_on_batch_rows():
         ).process(td.CountPerKey(), parallelism=3).sink(td.sinks.Collect())
         return job.run_reference(duration=0.05).output
 
-    # batch_rows is also the merge quantum, so the interleaving of the two source
-    # partitions differs; what may not differ: every row once, and per key counts 1..n.
+    # batch_rows cuts the source batches, and LiveRobin takes one batch per turn, so the
+    # interleaving of the two source partitions differs; what may not differ: every row
+    # once, and per key counts 1..n.
     small, big = counts(3), counts(1024)
     assert small.num_rows == big.num_rows == 150
     assert canonical(small.select(["source_seq", "key"])).equals(

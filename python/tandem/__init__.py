@@ -15,6 +15,7 @@ from tandem.exceptions import (
     ProtocolError,
     ServiceUnavailable,
     TandemError,
+    TaskFailed,
 )
 from tandem.faults import Kill, Pause
 from tandem.operators import CountPerKey, KeyedProcess, Operator
@@ -42,6 +43,7 @@ __all__ = [
     "ServiceUnavailable",
     "Stream",
     "TandemError",
+    "TaskFailed",
     "__version__",
     "build_profile",
     "operators",

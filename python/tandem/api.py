@@ -78,10 +78,19 @@ class Job:
 
     ``replication``: replicas per task partition (1 = none); ``ordering``: ``none``,
     ``liverobin`` or ``kazoo``; ``heartbeat_ms``: heartbeat period (> 0);
-    ``buffer_timeout_ms``: how long an output batch may wait (>= 0); ``batch_rows``:
-    flush when a batch reaches this many rows (also the LiveRobin quantum); ``kazoo``: a
-    ``tandem.ordering.kazoo.KazooConfig`` (service addresses, session timeout, order batch)
-    for ``ordering="kazoo"``.
+    ``buffer_timeout_ms``: the logical-time window a source batch covers, so the longest a
+    row waits at its source (>= 0; 0: every release instant is a batch of its own);
+    ``batch_rows``: the most rows a batch or frame holds (sources and outputs cut at fixed
+    multiples of it); ``on_divergence``: ``"fail"`` (default) stops the job with
+    :class:`tandem.DeterminismError` when two replicas of a task partition emit different
+    output — the sinks may already hold a mix of both — and ``"log"`` logs it and goes on;
+    ``kazoo``: a ``tandem.ordering.kazoo.KazooConfig`` (service addresses, session timeout,
+    order batch) for ``ordering="kazoo"``.
+
+    The batch is the unit of determinism: every replica of a task partition is called
+    with the same batches, so an operator function must be deterministic for a given input
+    batch — nothing more (it may compute over its whole batch, like a ``mapInArrow``
+    function).
     """
 
     def __init__(
@@ -93,6 +102,7 @@ class Job:
         buffer_timeout_ms: float = 5,
         batch_rows: int = 1024,
         kazoo: Any = None,
+        on_divergence: str = "fail",
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Job name must be a non-empty string, got {name!r}")
@@ -118,6 +128,11 @@ class Job:
             )
         self.buffer_timeout_ms = buffer_timeout_ms
         self.batch_rows = _positive_int(batch_rows, f"Job {name!r}: batch_rows")
+        if on_divergence not in ("fail", "log"):
+            raise ConfigError(
+                f"Job {name!r}: on_divergence must be 'fail' or 'log', got {on_divergence!r}"
+            )
+        self.on_divergence = on_divergence
         if kazoo is not None:
             from tandem.ordering.kazoo import KazooConfig
 
@@ -235,6 +250,7 @@ class Job:
             batch_rows=self.batch_rows,
             tasks=tuple(tasks),
             kazoo=self.kazoo,
+            on_divergence=self.on_divergence,
         )
 
     def run(

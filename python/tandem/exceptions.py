@@ -8,9 +8,11 @@ TandemError
  +-- ChannelClosed        an input or output channel closed while in use
  +-- DeterminismError     replicas of one task partition produced different output
  +-- ServiceUnavailable   ZooKeeper, Kafka or Spark cannot be reached
+ +-- TaskFailed           a replica's operator, source or sink raised during a run
 ```
 
-The classes are defined in the native module so that Rust raises them directly.
+The classes but ``TaskFailed`` are defined in the native module so that Rust raises them
+directly.
 """
 
 from tandem._core import (
@@ -23,6 +25,12 @@ from tandem._core import (
     TandemError,
 )
 
+
+class TaskFailed(TandemError):
+    """A replica's operator, source or sink raised during a run; the message names the
+    task, partition and replica, with the user's traceback."""
+
+
 __all__ = [
     "AuthenticationError",
     "ChannelClosed",
@@ -31,4 +39,5 @@ __all__ = [
     "ProtocolError",
     "ServiceUnavailable",
     "TandemError",
+    "TaskFailed",
 ]

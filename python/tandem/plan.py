@@ -37,7 +37,13 @@ calls ``on_watermark(watermark_ns(k))``, emits that output, then forwards heartb
 on every output channel. For a single-input task that is "forward each heartbeat as it is
 dequeued"; for LiveRobin it is the end of cycle ``k``. At end of input (every channel
 delivered its end marker) it calls ``on_watermark(WATERMARK_MAX)``, emits, then sends end.
-Merging uses LiveRobin with ``quantum_rows = plan.quantum_rows``.
+Batches (DESIGN §2 invariant 1: the batch is the unit of determinism): sources cut their
+rows into batches at deterministic positions (:meth:`Plan.source_schedule`); an operator is
+called once per input batch, in the order the merge decides at batch granularity (LiveRobin
+takes one whole batch per turn); each output batch leaves as one frame per output channel
+(:class:`Router` says which rows go where), split only at multiples of ``batch_rows`` rows.
+So every replica of a task partition sees the same batches, and an operator function need
+only be deterministic for a given input batch.
 """
 
 from __future__ import annotations
@@ -121,9 +127,9 @@ class Task:
 
 @dataclass(frozen=True)
 class SourceStep:
-    """One step of a source partition's logical schedule: rows ``[j0, j1)`` (local
-    indices), heartbeat ``epoch``, or the end. ``at_ns`` is the step's logical time
-    offset from t0 (rows: the release offset of the last row)."""
+    """One step of a source partition's logical schedule: the batch of local rows ``[j0,
+    j1)``, heartbeat ``epoch``, or the end. ``at_ns`` is when the step falls due, as an
+    offset from t0 (a batch: when its window closes)."""
 
     kind: str
     at_ns: int
@@ -145,17 +151,15 @@ class Plan:
     tasks: tuple[Task, ...] = field(default_factory=tuple)
     kazoo: Any = None
     """``tandem.ordering.kazoo.KazooConfig`` of a ``kazoo`` job (None: the defaults)."""
+    on_divergence: str = "fail"
+    """What a replica does when two upstream replicas' outputs differ (DESIGN §2
+    invariant 4): ``"fail"`` the job with ``DeterminismError``, or ``"log"`` it and go on."""
 
     # -- structure ----------------------------------------------------------------------
 
     @property
     def heartbeat_ns(self) -> int:
         return round(self.heartbeat_ms * 1_000_000)
-
-    @property
-    def quantum_rows(self) -> int:
-        """Rows per LiveRobin turn the merges use (DESIGN §2.3)."""
-        return self.batch_rows
 
     def task(self, ref: int | str) -> Task:
         """A task by id or name."""
@@ -313,33 +317,59 @@ class Plan:
         task, src = self._source(task_id)
         return src.read(partition, task.parallelism, j0, j1, t0_ns)
 
+    @property
+    def buffer_timeout_ns(self) -> int:
+        return round(self.buffer_timeout_ms * 1_000_000)
+
     def source_schedule(
-        self, task_id: int, partition: int, duration_s: float, chunk_rows: int | None = None
+        self, task_id: int, partition: int, duration_s: float
     ) -> Iterator[SourceStep]:
-        """The logical schedule of a source partition: rows (in chunks of at most
-        ``chunk_rows``, default ``batch_rows``, never crossing a heartbeat), heartbeats,
-        end. An engine emitting in real time releases rows as they fall due but must put
-        heartbeat ``k`` after exactly the rows this schedule puts before it."""
+        """The logical schedule of a source partition: its rows cut into batches at
+        deterministic positions, its heartbeats, its end (DESIGN §2 invariant 1: the batch
+        is the unit of determinism). Every replica of the partition, and the reference
+        executor, emits exactly these batches, whenever it runs.
+
+        * **Windows.** Rows whose release offset falls in ``[w·b, (w+1)·b)`` (``b`` =
+          ``buffer_timeout_ms``) form one batch, due when its window closes (``at_ns =
+          (w+1)·b``): a row waits at most the buffer timeout. ``b = 0``: every release
+          instant is a window of its own.
+        * **Heartbeats.** Heartbeat ``k`` is due at ``k·heartbeat``; it closes the batch it
+          falls in (rows released before it go before it), so a batch never straddles a
+          heartbeat.
+        * **Size.** A batch holds at most ``batch_rows`` rows: a window's rows are cut where
+          the partition's local row index is a multiple of ``batch_rows``.
+        * The end is due at ``duration_s``; rows released before it all precede it.
+        """
         task, src = self._source(task_id)
-        chunk = chunk_rows or self.batch_rows
         total = self.source_rows(task_id, partition, duration_s)
-        done = 0
+        end_ns = round(duration_s * 1e9)
+        window_ns, hb_ns, cap = self.buffer_timeout_ns, self.heartbeat_ns, self.batch_rows
+        last = self.last_epoch(duration_s)
+        done, epoch, now = 0, 1, 0
 
-        def rows_until(limit: int) -> Iterator[SourceStep]:
-            nonlocal done
+        def next_window(now: int) -> int:
+            if window_ns > 0:
+                return (now // window_ns + 1) * window_ns
+            if done >= total:
+                return end_ns
+            row = done * task.parallelism + partition  # the next row's global index
+            return max(now, int(src.offsets_ns(np.array([row]))[0])) + 1
+
+        while True:
+            hb_at = epoch * hb_ns if epoch <= last else None
+            due = min(next_window(now), end_ns, hb_at if hb_at is not None else end_ns)
+            limit = min(total, self.source_rows_before(task_id, partition, due))
             while done < limit:
-                j1 = min(limit, done + chunk)
-                last = (j1 - 1) * task.parallelism + partition
-                at = int(src.offsets_ns(np.array([last]))[0])
-                yield SourceStep("rows", at, j0=done, j1=j1)
+                j1 = min(limit, (done // cap + 1) * cap)
+                yield SourceStep("rows", due, j0=done, j1=j1)
                 done = j1
-
-        for k in range(1, self.last_epoch(duration_s) + 1):
-            at = self.heartbeat_offset_ns(k)
-            yield from rows_until(min(total, self.source_rows_before(task_id, partition, at)))
-            yield SourceStep("heartbeat", at, epoch=k)
-        yield from rows_until(total)
-        yield SourceStep("end", round(duration_s * 1e9))
+            if due == hb_at:
+                yield SourceStep("heartbeat", due, epoch=epoch)
+                epoch += 1
+            now = due
+            if now >= end_ns and epoch > last:
+                break
+        yield SourceStep("end", end_ns)
 
     # -- running tasks -----------------------------------------------------------------
 
@@ -672,15 +702,25 @@ def hash_channels(keys: pa.Array, n: int, cache: dict | None = None) -> np.ndarr
 
 class Router:
     """Splits an upstream partition's output over the channels of one :class:`OutputEdge`
-    exactly as the Rust outbox does (rebalance counts rows across every emit)."""
+    exactly as the Rust outbox does: rebalance counts rows across every emit, and each
+    channel's piece of a batch leaves as frames of at most ``batch_rows`` rows, cut at
+    multiples of ``batch_rows`` within the piece."""
 
-    def __init__(self, edge: OutputEdge) -> None:
+    def __init__(self, edge: OutputEdge, batch_rows: int) -> None:
         self.edge = edge
+        self.batch_rows = batch_rows
         self.rows_emitted = 0
         self._hash_cache: dict = {}
 
     def route(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
-        """``(channel, rows)`` pieces of ``batch``, each piece in emit order."""
+        """``(channel, frame)`` pieces of ``batch``, each channel's frames in emit order."""
+        return [
+            (c, piece.slice(at, self.batch_rows))
+            for c, piece in self._split(batch)
+            for at in range(0, piece.num_rows, self.batch_rows)
+        ]
+
+    def _split(self, batch: pa.RecordBatch) -> list[tuple[int, pa.RecordBatch]]:
         rows = batch.num_rows
         n = len(self.edge.partitions)
         if rows == 0:

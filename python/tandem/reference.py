@@ -4,13 +4,16 @@ It runs a :class:`tandem.plan.Plan` to completion in this process, with no clock
 threads and no network, following exactly the rules a replicated run follows (see the
 :mod:`tandem.plan` module documentation):
 
-* every source partition produces its logical schedule (rows, heartbeat ``k`` after every
-  row released before ``t0 + k * heartbeat``, end);
+* every source partition produces its logical schedule (:meth:`Plan.source_schedule`: the
+  same batches, cut at the same deterministic positions, heartbeat ``k`` after every row
+  released before ``t0 + k * heartbeat``, end);
 * every output is routed with the same partitioners as the Rust outbox (forward,
-  rebalance with a running row counter, xxh3 hash with the same seed);
-* every operator and sink partition consumes its logical input channels in LiveRobin
-  order with ``quantum_rows = plan.quantum_rows`` (a port of tandem-core's
-  ``liverobin.rs``; a single channel is passed through);
+  rebalance with a running row counter, xxh3 hash with the same seed) and leaves as the
+  same frames (:class:`tandem.plan.Router`);
+* every operator partition consumes its logical input channels in LiveRobin order, one
+  whole batch per turn — the paper's algorithm as :class:`tandem.testing.ReferenceLiveRobin`
+  writes it, not a port of the Rust merge — so every operator is called with the same
+  batches as at every replica;
 * watermarks advance when every input channel has delivered a heartbeat, and heartbeats
   are forwarded right after ``on_watermark``; end of input calls
   ``on_watermark(WATERMARK_MAX)``.
@@ -19,10 +22,11 @@ Tasks run one after the other in topological order; every channel's whole conten
 kept in memory, so this is meant for small jobs (tests, examples, oracles).
 
 What a replicated run must match: with ``ordering="liverobin"`` every operator partition
-consumes the same row sequence as here, so every operator's output per channel is the same
-row sequence. Sinks consume first-come-first-served in a replicated run (DESIGN §2.3), so
-a sink partition's rows may interleave its input channels differently: compare sink output
-per upstream channel, or as a multiset (:func:`canonical`). ``ordering="none"`` guarantees
+consumes the same batch sequence as here, so every operator's output per channel is the
+same batch sequence — for any function that is deterministic for a given input batch.
+Sinks consume first-come-first-served in a replicated run (DESIGN §2.3), so a sink
+partition's rows may interleave its input channels differently: compare sink output per
+upstream channel, or as a multiset (:func:`canonical`). ``ordering="none"`` guarantees
 this only for tasks with one input channel.
 
 The :class:`tandem.Result` it returns has ``lost == duplicates == 0``, ``digests_match``
@@ -40,147 +44,77 @@ from tandem.api import Result
 from tandem.exceptions import ConfigError
 from tandem.plan import InputChannel, Plan, Router, Task, WatermarkTracker
 from tandem.sinks import Collect
+from tandem.testing import ReferenceLiveRobin
 
-# Items on a logical channel: ("data", batch) | ("hb", epoch) | ("end", None).
-Item = tuple[str, object]
+# Entries of a logical channel: ("data", batch) | ("heartbeat", epoch) | ("end",).
+Item = tuple
 ChannelKey = tuple[int, int, int, int]  # upstream task, upstream partition, task, partition
 
 
-class LiveRobin:
-    """A port of tandem-core's LiveRobin merge over fully known channel contents.
-
-    Yields ``("data", channel, batch)``, ``("hb", channel, epoch)`` and finally
-    ``("end", None, None)``. Row order depends only on the channels' contents.
-    """
-
-    def __init__(self, queues: list[deque], quantum_rows: int) -> None:
-        n = len(queues)
-        self.queues = queues
-        self.quantum = max(1, quantum_rows)
-        self.current = 0
-        self.active = [True] * n
-        self.active_count = n
-        self.ended = [False] * n
-        self.taken = 0
-
-    def _deactivate(self, c: int) -> None:
-        if self.active[c]:
-            self.active[c] = False
-            self.active_count -= 1
-        if self.active_count == 0:
-            self.active = [not e for e in self.ended]
-            self.active_count = sum(self.active)
-
-    def _advance(self) -> None:
-        self.taken = 0
-        n = len(self.active)
-        if self.active_count == 0:
-            return
-        for step in range(1, n + 1):
-            c = (self.current + step) % n
-            if self.active[c]:
-                self.current = c
-                return
-
-    def _pop(self, c: int) -> Item:
-        if not self.queues[c]:
+def live_robin(queues: list[deque]) -> Iterator[tuple]:
+    """LiveRobin over fully known channel contents (each ending with ``("end",)``), one
+    whole batch per turn. Yields ``("data", channel, batch)``, ``("heartbeat", channel,
+    epoch, first)`` and finally ``("end",)``; empty batches are skipped."""
+    if not queues:
+        yield ("end",)
+        return
+    merge = ReferenceLiveRobin(len(queues))
+    while True:
+        step = merge.step(queues)
+        if step is None:
             raise ConfigError(
-                f"reference executor: input channel {c} ran dry before its end marker (a bug "
-                "in the upstream task's schedule)"
+                f"reference executor: input channel {merge.next} ran dry before its end "
+                "marker (a bug in the upstream task's schedule)"
             )
-        return self.queues[c].popleft()
-
-    def __iter__(self) -> Iterator[tuple[str, int | None, object]]:
-        n = len(self.queues)
-        if n == 0:
-            yield ("end", None, None)
+        if step[0] == "data" and step[2].num_rows == 0:
+            continue
+        yield step
+        if step[0] == "end":
             return
-        if n == 1:
-            while True:
-                kind, value = self._pop(0)
-                if kind == "end":
-                    yield ("end", None, None)
-                    return
-                if kind == "data" and value.num_rows == 0:
+
+
+def positional(queues: list[deque], orders: list[tuple[int, int]]) -> Iterator[tuple]:
+    """The positional merge (the KaZoo follower) over fully known channel contents:
+    consume channel ``c`` until its next sequence number is ``s``, for each followed order
+    entry ``(c, s)`` in turn. Yields like :func:`live_robin`. A leader orders at batch
+    boundaries; a bound inside a batch splits it, as tandem-core's ``Positional`` does."""
+    n = len(queues)
+    position, ended = [0] * n, [False] * n
+    for c, bound in orders:
+        while position[c] < bound and not ended[c]:
+            if not queues[c]:
+                raise ConfigError(
+                    f"reference executor: an order runs channel {c} to seq {bound}, past "
+                    f"its content ({position[c]} seqs): the order log is not this job's"
+                )
+            entry = queues[c].popleft()
+            if entry[0] == "data":
+                value = entry[1]
+                if value.num_rows == 0:
                     continue
-                yield (kind, 0, value)
-        while True:
-            if all(self.ended):
-                yield ("end", None, None)
-                return
-            c = self.current
-            kind, value = self._pop(c)
-            if kind == "data":
-                rows = value.num_rows
-                if rows == 0:
-                    continue
-                room = self.quantum - self.taken
-                if rows > room:
-                    self.queues[c].appendleft(("data", value.slice(room)))
-                    value = value.slice(0, room)
-                self.taken += value.num_rows
-                if self.taken >= self.quantum:
-                    self._advance()
+                if position[c] + value.num_rows > bound:
+                    head = bound - position[c]
+                    queues[c].appendleft(("data", value.slice(head)))
+                    value = value.slice(0, head)
+                position[c] += value.num_rows
                 yield ("data", c, value)
-            elif kind == "hb":
-                self._deactivate(c)
-                self._advance()
-                yield ("hb", c, value)
+                continue
+            position[c] += 1
+            if entry[0] == "heartbeat":
+                yield ("heartbeat", c, entry[1], None)
             else:
-                self.ended[c] = True
-                if all(self.ended):
-                    yield ("end", None, None)
+                ended[c] = True
+                if all(ended):
+                    yield ("end",)
                     return
-                self._deactivate(c)
-                self._advance()
-
-
-class Positional:
-    """A port of tandem-core's positional merge (the KaZoo follower) over fully known
-    channel contents: consume channel ``c`` until its next sequence number is ``s``, for
-    each followed order entry ``(c, s)`` in turn. Yields like :class:`LiveRobin`."""
-
-    def __init__(self, queues: list[deque], orders: list[tuple[int, int]]) -> None:
-        self.queues = queues
-        self.orders = orders
-
-    def __iter__(self) -> Iterator[tuple[str, int | None, object]]:
-        n = len(self.queues)
-        position, ended = [0] * n, [False] * n
-        for c, bound in self.orders:
-            while position[c] < bound and not ended[c]:
-                if not self.queues[c]:
-                    raise ConfigError(
-                        f"reference executor: an order runs channel {c} to seq {bound}, past "
-                        f"its content ({position[c]} seqs): the order log is not this job's"
-                    )
-                kind, value = self.queues[c].popleft()
-                if kind == "data":
-                    if value.num_rows == 0:
-                        continue
-                    if position[c] + value.num_rows > bound:
-                        head = bound - position[c]
-                        self.queues[c].appendleft(("data", value.slice(head)))
-                        value = value.slice(0, head)
-                    position[c] += value.num_rows
-                    yield ("data", c, value)
-                    continue
-                position[c] += 1
-                if kind == "hb":
-                    yield ("hb", c, value)
-                else:
-                    ended[c] = True
-                    if all(ended):
-                        yield ("end", None, None)
-                        return
-        raise ConfigError(
-            "reference executor: the order log ends before every input channel did; was the "
-            "run complete?"
-        )
+    raise ConfigError(
+        "reference executor: the order log ends before every input channel did; was the "
+        "run complete?"
+    )
 
 
 class _Emitter:
-    """The outputs of one task partition: a router per output edge, appending items to
+    """The outputs of one task partition: a router per output edge, appending entries to
     the downstream channels."""
 
     def __init__(self, plan: Plan, task: Task, partition: int, chans: dict) -> None:
@@ -190,19 +124,19 @@ class _Emitter:
             for p in edge.partitions:
                 key = (task.id, partition, edge.downstream, p)
                 lists.append(chans.setdefault(key, []))
-            self.targets.append((Router(edge), lists))
+            self.targets.append((Router(edge, plan.batch_rows), lists))
 
     def data(self, batch: pa.RecordBatch | None) -> None:
         if batch is None or batch.num_rows == 0:
             return
         for router, lists in self.targets:
-            for c, piece in router.route(batch):
-                lists[c].append(("data", piece))
+            for c, frame in router.route(batch):
+                lists[c].append(("data", frame))
 
-    def control(self, kind: str, value: object) -> None:
+    def control(self, *entry: object) -> None:
         for _, lists in self.targets:
             for items in lists:
-                items.append((kind, value))
+                items.append(entry)
 
 
 def _queues(plan: Plan, task: Task, partition: int, chans: dict) -> tuple[list, list]:
@@ -215,14 +149,9 @@ def run(
     plan: Plan,
     duration: float,
     t0_ns: int = 0,
-    chunk_rows: int | None = None,
     orders: dict[tuple[int, int], list[tuple[int, int]]] | None = None,
 ) -> Result:
     """Run ``plan`` for ``duration`` seconds of source time; return its Result.
-
-    ``chunk_rows`` sets how many rows a source hands on at once (default
-    ``plan.batch_rows``). It changes batch boundaries only, never the result: that is
-    the property that lets replicas with different batching agree.
 
     ``orders`` gives, for KaZoo-ordered ``(task, partition)`` s, the order entries a run's
     replicas followed (:func:`tandem.ordering.kazoo.read_orders`): those partitions then
@@ -237,15 +166,15 @@ def run(
         if task.kind == "source":
             for p in range(task.parallelism):
                 out = _Emitter(plan, task, p, chans)
-                for step in plan.source_schedule(task.id, p, duration, chunk_rows):
+                for step in plan.source_schedule(task.id, p, duration):
                     if step.kind == "rows":
                         batch = plan.source_batch(task.id, p, step.j0, step.j1, t0_ns)
                         events_in += batch.num_rows
                         out.data(batch)
                     elif step.kind == "heartbeat":
-                        out.control("hb", step.epoch)
+                        out.control("heartbeat", step.epoch)
                     else:
-                        out.control("end", None)
+                        out.control("end")
         elif task.kind == "operator":
             for p in range(task.parallelism):
                 _run_operator(plan, task, p, t0_ns, chans, (orders or {}).get((task.id, p)))
@@ -254,10 +183,10 @@ def run(
             for p in range(task.parallelism):
                 sink = plan.open_sink(task.id, p)
                 _, queues = _queues(plan, task, p, chans)
-                for kind, _, value in LiveRobin(queues, plan.quantum_rows):
-                    if kind == "data":
-                        events_out += value.num_rows
-                        sink.write(value)
+                for step in live_robin(queues):
+                    if step[0] == "data":
+                        events_out += step[2].num_rows
+                        sink.write(step[2])
                 parts.append(sink.close())
             outputs[task.name] = task.sink.combine(parts, task.schema)
             if first_collect is None and isinstance(task.sink, Collect):
@@ -278,20 +207,21 @@ def _run_operator(
     inputs, queues = _queues(plan, task, partition, chans)
     out = _Emitter(plan, task, partition, chans)
     tracker = WatermarkTracker(len(inputs))
-    merge = LiveRobin(queues, plan.quantum_rows) if orders is None else Positional(queues, orders)
-    for kind, ch, value in merge:
-        if kind == "data":
-            out.data(inst.batch(value, inputs[ch].input_index))
-        elif kind == "hb":
+    merge = live_robin(queues) if orders is None else positional(queues, orders)
+    for step in merge:
+        if step[0] == "data":
+            _, ch, batch = step
+            out.data(inst.batch(batch, inputs[ch].input_index))
+        elif step[0] == "heartbeat":
             before = tracker.current
-            now = tracker.observe(ch, value)
+            now = tracker.observe(step[1], step[2])
             if now is not None:
                 for k in range(before + 1, now + 1):
                     out.data(inst.watermark(plan.watermark_ns(k, t0_ns)))
-                    out.control("hb", k)
+                    out.control("heartbeat", k)
         else:
             out.data(inst.finish())
-            out.control("end", None)
+            out.control("end")
 
 
 def canonical(table: pa.Table) -> pa.Table:
@@ -306,4 +236,4 @@ def canonical(table: pa.Table) -> pa.Table:
     return table.sort_by(keys) if keys else table
 
 
-__all__ = ["LiveRobin", "Positional", "canonical", "run"]
+__all__ = ["canonical", "live_robin", "positional", "run"]

@@ -13,13 +13,20 @@ The loop follows the forwarding contract of :mod:`tandem.plan`, the same one the
 executor follows, so that with LiveRobin every operator replica consumes the reference's
 row sequence: heartbeats move a per-channel watermark; when the minimum over the channels
 advances to ``k``, the operator's ``on_watermark`` output is emitted, then heartbeat ``k``
-is forwarded on every output channel. Every replica keeps a digest of its output per
-output edge and heartbeat cycle (invariant 4); the engine compares them across replicas.
+is forwarded on every output channel.
+
+Batches are the unit of determinism (DESIGN §2 invariant 1): a source emits exactly the
+batches of :meth:`tandem.plan.Plan.source_schedule`, each when it falls due; an operator
+is called once per input batch and its output leaves at once, as one frame per output
+channel (the Rust outbox has no timer). The Rust outbox digests every channel's frames per
+heartbeat cycle and sends the digest inside the heartbeat; every receiver compares the
+copies it gets from the replicas of an upstream partition, and a mismatch fails the job
+with :class:`tandem.DeterminismError` unless the job says ``on_divergence="log"``
+(invariant 4). The digests also come back in the report, for the engine's comparison.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -28,22 +35,15 @@ import numpy as np
 import pyarrow as pa
 
 from tandem import _core
-from tandem.exceptions import ConfigError
+from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
 from tandem.ordering.kazoo import KazooRun, Orderer
 from tandem.plan import OutputEdge, Plan, Task, WatermarkTracker
 
 ReplicaId = tuple[int, int, int]  # task id, partition, replica
 Addresses = dict[ReplicaId, tuple[str, int]]
 
-MIN_SOURCE_TICK_S = 0.001
-"""A source wakes up once per tick — its buffer timeout, at least this — and releases every
-row and heartbeat due by then, as one flush. That is the buffer timeout applied where rows
-enter the job: without it, every row would travel in a frame of its own at low rates and
-the per-frame cost of every downstream replica would dominate."""
-
 IDLE_WAIT_S = 0.05
-"""How long a worker waits for input before checking again (buffer timeouts are enforced
-by flushing whenever the input runs dry)."""
+"""How long a worker waits for input before checking on its KaZoo orderer again."""
 
 
 @dataclass
@@ -56,7 +56,10 @@ class ReplicaReport:
     kind: str
     rows_in: int = 0
     rows_out: int = 0
-    digests: dict[tuple[int, int], str] = field(default_factory=dict)
+    digests: dict[tuple[int, int, int], str] = field(default_factory=dict)
+    """``(output edge, channel, heartbeat epoch)`` → the digest (hex) of the frames the
+    replica sent on that channel in that cycle (epoch ``2**64 - 1``: after the last
+    heartbeat)."""
     sink_part: object = None
     receive_ns: np.ndarray | None = None
     latency_ms: np.ndarray | None = None
@@ -64,9 +67,18 @@ class ReplicaReport:
     ordering_stats: dict | None = None
     """KaZoo partitions: the epochs this replica led, orders published and followed."""
     error: str | None = None
+    diverged: bool = False
+    """True when ``error`` is a divergence this replica detected in its input (the job
+    fails with :class:`tandem.DeterminismError` rather than ``TaskFailed``)."""
     abandoned: str | None = None
     """Set when every downstream replica had already finished (its twin got there first):
     the replica's remaining output was needed by nobody, so it stopped early."""
+
+    def failure(self) -> TandemError | None:
+        """The exception the run fails with because of this replica, if any."""
+        if self.error is None:
+            return None
+        return DeterminismError(self.error) if self.diverged else TaskFailed(self.error)
 
 
 def _warm_up() -> None:
@@ -77,66 +89,9 @@ def _warm_up() -> None:
     pa.array([0])
 
 
-class CycleDigest:
-    """Digest of one output edge's rows per heartbeat cycle, independent of how the rows
-    were cut into batches (replicas of a task see different batch boundaries).
-
-    Every column feeds three running hashes — null flags, fixed-width values (or string
-    lengths), string bytes — each of which sees the same byte stream however the cycle's
-    rows are split into batches. Closing a cycle folds them into one digest."""
-
-    def __init__(self) -> None:
-        self.columns: list[list] | None = None
-        self.rows = 0
-        self.done: dict[int, str] = {}
-
-    def add(self, batch: pa.RecordBatch) -> None:
-        if not batch.num_rows:
-            return
-        if self.columns is None:
-            self.columns = [[hashlib.blake2b(digest_size=16) for _ in range(3)] for _ in batch]
-        self.rows += batch.num_rows
-        for hashers, column in zip(self.columns, batch.columns, strict=True):
-            for h, part in zip(hashers, _canonical_parts(column), strict=True):
-                h.update(part)
-
-    def close(self, epoch: int) -> None:
-        total = hashlib.blake2b(self.rows.to_bytes(8, "little"), digest_size=16)
-        for hashers in self.columns or ():
-            for h in hashers:
-                total.update(h.digest())
-        self.done[epoch] = total.hexdigest()
-        self.columns, self.rows = None, 0
-
-
-def _canonical_parts(arr: pa.Array) -> tuple[bytes, bytes, bytes]:
-    """(null flags, values or lengths, variable-length bytes) of ``arr``: equal row
-    sequences give equal concatenations whatever their buffer layout or batch split."""
-    if arr.null_count:
-        nulls = arr.is_null().to_numpy(zero_copy_only=False).tobytes()
-    else:
-        nulls = bytes(len(arr))  # the same flags an all-valid is_null() gives
-    t = arr.type
-    if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t):
-        arr = arr.cast(pa.large_binary())
-        t = arr.type
-    if pa.types.is_large_binary(t):
-        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[
-            arr.offset : arr.offset + len(arr) + 1
-        ]
-        data = arr.buffers()[2]
-        body = b"" if data is None else data.to_pybytes()[offsets[0] : offsets[-1]]
-        return nulls, np.diff(offsets).tobytes(), body
-    if pa.types.is_primitive(t) or pa.types.is_boolean(t):
-        if arr.null_count:  # nulls as zeros of the column's type (to_numpy would go float)
-            arr = arr.fill_null(pa.scalar(0).cast(t))
-        return nulls, np.ascontiguousarray(arr.to_numpy(zero_copy_only=False)).tobytes(), b""
-    return nulls, b"", repr(arr.to_pylist()).encode()
-
-
 class _Output:
     """One output edge of a replica: an outbox towards every replica of the downstream
-    partitions, plus the edge's cycle digest."""
+    partitions (it numbers, frames, digests and sends; nothing waits in it)."""
 
     def __init__(
         self,
@@ -161,20 +116,21 @@ class _Output:
             partitioner=partitioner,
             key=None if single else edge.key,
             batch_rows=plan.batch_rows,
-            buffer_timeout_ms=plan.buffer_timeout_ms,
         )
-        self.digest = CycleDigest()
+        self.digests: dict[tuple[int, int], str] = {}
 
     def emit(self, batch: pa.RecordBatch | None) -> int:
         if batch is None or batch.num_rows == 0:
             return 0
-        self.digest.add(batch)
         self.outbox.emit(batch)
         return batch.num_rows
 
     def heartbeat(self, epoch: int) -> None:
-        self.digest.close(epoch)
         self.outbox.heartbeat(epoch)
+
+    def collect_digests(self) -> None:
+        for channel, epoch, digest in self.outbox.digests():
+            self.digests[(channel, epoch)] = digest.hex()
 
 
 class Replica:
@@ -217,7 +173,7 @@ class Replica:
             self.secret,
             [(c.task, c.partition) for c in self.inputs],
             ordering=ordering,
-            quantum_rows=self.plan.quantum_rows,
+            on_divergence=self.plan.on_divergence,
             host=host,
         )
         if ordering == "kazoo":
@@ -257,6 +213,8 @@ class Replica:
             # closes once it has received everything (from a faster twin of this replica);
             # had they all crashed instead, the engine fails the job for that reason.
             report.abandoned = str(exc)
+        except DeterminismError as exc:
+            report.error, report.diverged = self._divergence(exc), True
         except Exception as exc:
             report.error = f"{self.name} failed: {type(exc).__name__}: {exc}\n" + "".join(
                 traceback.format_exception(exc)
@@ -270,49 +228,55 @@ class Replica:
             if self.inbox is not None:
                 report.inbox_stats = self.inbox.stats()
                 self.inbox.close()
+        for o in outputs:
+            o.collect_digests()
         report.digests = {
-            (i, epoch): d for i, o in enumerate(outputs) for epoch, d in o.digest.done.items()
+            (i, channel, epoch): d
+            for i, o in enumerate(outputs)
+            for (channel, epoch), d in o.digests.items()
         }
         return report
+
+    def _divergence(self, exc: DeterminismError) -> str:
+        """The message of a divergence this replica saw in its input, with task names."""
+        stats = self.inbox.stats() if self.inbox is not None else {}
+        found = stats.get("divergences") or []
+        if not found:
+            return f"{self.name}: {exc}"
+        d = found[0]
+        up_task, up_part = d["upstream"]
+        a, b = d["replicas"]
+        _, p, r = self.me
+        return (
+            f"{self.plan.tasks[up_task].describe()} partition {up_part}: replicas {a} and {b} "
+            f"sent different output to {self.task.name!r}[{p}] in heartbeat cycle "
+            f"{d['epoch']} (digests {d['digests'][0]} and {d['digests'][1]}; seen by its "
+            f"replica {r}). An operator function must be deterministic for a given input "
+            "batch; the sinks may already hold a mix of both replicas' rows, so the job "
+            "stops. td.Job(on_divergence='log') keeps it running."
+        )
 
     # -- sources -------------------------------------------------------------------------
 
     def _run_source(self, outputs, report, t0_ns: int, duration: float) -> None:
-        """Release rows on the logical clock; heartbeat k after every row released before
-        ``t0 + k * heartbeat`` (so both replicas put it at the same sequence number)."""
+        """Emit the partition's logical schedule (:meth:`Plan.source_schedule`), each step
+        when it falls due: the same batches and heartbeats at every replica."""
         plan, t, p = self.plan, self.task.id, self.me[1]
-        total = plan.source_rows(t, p, duration)
-        last_epoch = plan.last_epoch(duration)
-        emitted, epoch = 0, 1
-        tick_ns = int(max(MIN_SOURCE_TICK_S, plan.buffer_timeout_ms / 1000) * 1e9)
-
-        def emit_until(limit: int) -> None:
-            nonlocal emitted
-            while emitted < limit:
-                j1 = min(limit, emitted + plan.batch_rows)
-                batch = plan.source_batch(t, p, emitted, j1, t0_ns)
+        for step in plan.source_schedule(t, p, duration):
+            wait_ns = t0_ns + step.at_ns - time.time_ns()
+            if wait_ns > 0:
+                time.sleep(wait_ns / 1e9)
+            if step.kind == "rows":
+                batch = plan.source_batch(t, p, step.j0, step.j1, t0_ns)
                 for o in outputs:
                     report.rows_out += o.emit(batch)
                 report.rows_in += batch.num_rows
-                emitted = j1
-
-        while True:
-            offset = time.time_ns() - t0_ns
-            while epoch <= last_epoch and plan.heartbeat_offset_ns(epoch) <= offset:
-                hb = plan.heartbeat_offset_ns(epoch)
-                emit_until(min(total, plan.source_rows_before(t, p, hb)))
+            elif step.kind == "heartbeat":
                 for o in outputs:
-                    o.heartbeat(epoch)
-                epoch += 1
-            emit_until(min(total, plan.source_rows_before(t, p, offset + 1)))
-            for o in outputs:
-                o.outbox.flush()
-            if emitted >= total and epoch > last_epoch:
-                break
-            now = time.time_ns() - t0_ns  # sleep to the next tick boundary of the logical clock
-            time.sleep(max(0, tick_ns - now % tick_ns) / 1e9 if now >= 0 else -now / 1e9)
-        for o in outputs:
-            o.outbox.end()
+                    o.heartbeat(step.epoch)
+            else:
+                for o in outputs:
+                    o.outbox.end()
 
     # -- operators -----------------------------------------------------------------------
 
@@ -371,14 +335,11 @@ class Replica:
             report.latency_ms = np.concatenate(latency)
 
     def _next(self):
-        """The next delivery. When the input has run dry, every output is flushed first
-        (the "no more input ready" rule of the flush policy), then it waits."""
-        d = self.inbox.next(timeout=0)
-        if d is None:
-            for o in self.outputs:
-                o.outbox.flush()
-        while d is None:
+        """The next delivery (the GIL is released while waiting); a KaZoo replica looks
+        after its orderer between waits."""
+        while True:
+            d = self.inbox.next(timeout=IDLE_WAIT_S)
+            if d is not None:
+                return d
             if self.orderer is not None:
                 self.orderer.check()
-            d = self.inbox.next(timeout=IDLE_WAIT_S)
-        return d

@@ -276,7 +276,7 @@ def _replica_main(plan, secret, registry_address, host, schema, collect, zoo):
             conn.send(("bound", replica.bind(bind_host)))
             _, addresses, t0_ns, duration = reg.receive(conn, "start signal")
             report = replica.run(addresses, t0_ns, duration)
-            conn.send(("done", report.error))
+            conn.send(("done", report.error, report.diverged))
         if collect is not None and value[0] == collect.id:
             yield from _rows(slot, report.sink_part, schema)
             report.sink_part = None  # travels as the rows above

@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 
-from tandem.engines.local import TaskFailed
-from tandem.exceptions import TandemError
+from tandem.exceptions import DeterminismError, TandemError, TaskFailed
 from tandem.faults import Kill
 from tandem.plan import Plan
 from tandem.runtime import ReplicaId
@@ -189,11 +188,11 @@ class Registry:
                 if self._go is None:
                     return
             conn.send(self._go)
-            message = conn.recv()  # ("done", error or None)
+            _, error, diverged = conn.recv()  # ("done", error or None, diverged)
             with self._lock:
                 self._live.pop(rid, None)
-            if message[1] is not None:
-                self.fail(TaskFailed(message[1]))
+            if error is not None:
+                self.fail(DeterminismError(error) if diverged else TaskFailed(error))
         except (EOFError, OSError):
             if attempt is not None and attempt.replica is not None:
                 self._lost(attempt.replica)

@@ -130,11 +130,12 @@ def _digests(res: Result, plan: Plan, reports: Mapping[ReplicaId, ReplicaReport]
         for other in reps[1:]:
             for key in sorted(base.digests.keys() & other.digests.keys()):
                 if base.digests[key] != other.digests[key]:
-                    edge, epoch = key
+                    edge, channel, epoch = key
+                    cycle = "after the last heartbeat" if epoch >= 2**63 else f"in cycle {epoch}"
                     mismatches.append(
                         f"{plan.tasks[t].name}[{p}]: replicas {base.replica} and "
-                        f"{other.replica} emitted different rows on output {edge} in "
-                        f"heartbeat cycle {epoch}"
+                        f"{other.replica} emitted different batches on output {edge} "
+                        f"channel {channel} {cycle}"
                     )
                     break
     res.digests_match = not mismatches

@@ -26,7 +26,7 @@ from typing import Any
 
 from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options, multiset_diff
-from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError
+from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError, TaskFailed
 from tandem.faults import Kill, Pause, ReplicaFault
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
@@ -48,10 +48,6 @@ class _Resume:
 
     rid: ReplicaId
     at: float
-
-
-class TaskFailed(TandemError):
-    """A replica's operator raised; the message names task, partition and replica."""
 
 
 def _die_with_parent() -> None:
@@ -214,7 +210,7 @@ class _Run:
                         self.reports[rid] = report
                         running.discard(rid)
                         if report.error:
-                            raise TaskFailed(report.error)
+                            raise report.failure()
                 elif not self.procs[rid].is_alive() and rid not in self.reports:
                     running.discard(rid)
                     self._crashed(rid)
