@@ -126,7 +126,7 @@ def lr_python_input():
 @pytest.mark.benchmark(group="liverobin")
 def test_liverobin_rust(benchmark, lr_rust_input):
     def run():
-        lr = _core.LiveRobin(LR_CHANNELS, BATCH_ROWS)
+        lr = _core.LiveRobin(LR_CHANNELS)
         for c, elems in enumerate(lr_rust_input):
             for kind, seq, payload in elems:
                 if kind == "data":
