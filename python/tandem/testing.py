@@ -192,8 +192,9 @@ class ReferenceLiveRobin:
       when the epoch is new (the printed algorithm does it only inside ``if e.seq > gen``,
       which lets a channel whose heartbeat was not first run into the next cycle).
     * ``gen`` starts as "nothing seen" (None), so epoch 0 is forwarded too.
-    * End of a channel: it leaves ``A`` for good without a turn of its own; after every
-      channel ended, ``("end",)``.
+    * End of a channel: its end marker ends the turn like any element but returns
+      nothing; the channel leaves ``A`` for good and the same :meth:`step` goes on with
+      the next channel in turn. After every channel ended, ``("end",)``.
     * When ``A`` becomes empty the next cycle starts with every channel not ended.
     """
 

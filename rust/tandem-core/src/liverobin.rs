@@ -39,9 +39,10 @@
 //!
 //! * `gen` starts as "nothing seen", so an epoch 0 heartbeat is forwarded too (the paper
 //!   initialises `gen = 0` and numbers epochs from 1).
-//! * End of a channel: it leaves `A` for good, and dequeuing it takes no turn of its own
-//!   (nothing is delivered for it); once every channel ended the merge delivers
-//!   [`Delivery::End`] (and keeps doing so).
+//! * End of a channel: its end marker ends the turn like any element but delivers nothing;
+//!   the channel leaves `A` for good and the same `next` call goes on with the next channel
+//!   in turn. Once every channel ended the merge delivers [`Delivery::End`] (and keeps
+//!   doing so).
 //! * One input channel (`n == 1`): pass-through, heartbeats forwarded. Round-robin over a
 //!   single channel delivers every element as it comes anyway; the fast path skips the
 //!   bookkeeping (the paper ran the full merge even there).
