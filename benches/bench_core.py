@@ -126,7 +126,7 @@ def lr_python_input():
 @pytest.mark.benchmark(group="liverobin")
 def test_liverobin_rust(benchmark, lr_rust_input):
     def run():
-        lr = _core.LiveRobin(LR_CHANNELS, BATCH_ROWS)
+        lr = _core.LiveRobin(LR_CHANNELS)
         for c, elems in enumerate(lr_rust_input):
             for kind, seq, payload in elems:
                 if kind == "data":
@@ -145,8 +145,8 @@ def test_liverobin_rust(benchmark, lr_rust_input):
 @pytest.mark.benchmark(group="liverobin")
 def test_liverobin_python(benchmark, lr_python_input):
     def run():
-        out = ReferenceLiveRobin(LR_CHANNELS, BATCH_ROWS).run(lr_python_input)
-        return sum(1 for ev in out if ev[0] == "row")
+        out = ReferenceLiveRobin(LR_CHANNELS).run(lr_python_input)
+        return sum(len(ev[3]) for ev in out if ev[0] == "data")
 
     rows = benchmark.pedantic(run, rounds=3, iterations=1)
     assert rows == LR_ROWS

@@ -18,6 +18,7 @@ from tandem.testing import (
     Heartbeat,
     ReferenceDedup,
     channel_content,
+    cut_batches,
     interleave,
     replica_streams,
 )
@@ -155,6 +156,9 @@ def test_bad_arguments_raise_config_errors(call, message):
 # the reference keeps, arrival by arrival.
 @st.composite
 def arrivals(draw):
+    """Replicas send the same batches (DESIGN §2 invariant 1: whole copies are dropped),
+    or — to exercise trimming, which dedup still defends — each its own cut of the same
+    content, so copies overlap partially."""
     channels = draw(st.integers(1, 3))
     replicas = draw(st.integers(1, 3))
     streams = []
@@ -164,15 +168,20 @@ def arrivals(draw):
         crash = None
         if replicas > 1 and draw(st.booleans()):
             crash = (draw(st.integers(0, replicas - 1)), draw(st.integers(0, 12)))
-        streams.append(
-            replica_streams(
-                content,
-                replicas,
-                max_batch=draw(st.integers(1, 6)),
-                seed=draw(st.integers(0, 2**16)),
-                crash=crash,
+        max_batch = draw(st.integers(1, 6))
+        if draw(st.booleans()):
+            reps = replica_streams(
+                content, replicas, max_batch=max_batch, seed=draw(st.integers(0, 2**16))
             )
-        )
+        else:
+            reps = [
+                cut_batches(content, max_batch=max_batch, seed=draw(st.integers(0, 2**16)))
+                for _ in range(replicas)
+            ]
+        if crash is not None:
+            victim, keep = crash
+            reps[victim] = reps[victim][:keep]
+        streams.append(reps)
     return channels, interleave(streams, seed=draw(st.integers(0, 2**16)))
 
 

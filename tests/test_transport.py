@@ -100,8 +100,8 @@ class Threads:
 
 
 def consume(inbox: _core.Inbox, limit: float = 60.0) -> list[tuple]:
-    """Everything ``inbox`` delivers up to End, flattened to rows and heartbeats (batch
-    boundaries may differ between replicas; the sequence may not)."""
+    """Everything ``inbox`` delivers up to End: per data batch a ``("batch", channel,
+    first_seq, rows)`` entry (its boundaries) followed by its rows, and the heartbeats."""
     events: list[tuple] = []
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
@@ -114,6 +114,7 @@ def consume(inbox: _core.Inbox, limit: float = 60.0) -> list[tuple]:
         if d.kind == "data":
             assert isinstance(d.batch, pa.RecordBatch)
             assert d.batch.num_rows > 0
+            events.append(("batch", d.channel, d.first_seq, d.batch.num_rows))
             events.extend(("row", d.channel, v) for v in d.batch.column("v").to_pylist())
         else:
             assert d.kind == "heartbeat"
@@ -129,8 +130,7 @@ def rows_of(events: list[tuple], channel: int) -> list[int]:
 def inboxes():
     """Two replicas of one downstream partition reading upstream partitions 0 and 1."""
     made = [
-        _core.Inbox(JOB, SECRET, [(TASK, 0), (TASK, 1)], ordering="liverobin", quantum_rows=128)
-        for _ in range(2)
+        _core.Inbox(JOB, SECRET, [(TASK, 0), (TASK, 1)], ordering="liverobin") for _ in range(2)
     ]
     yield made
     for ib in made:
@@ -143,20 +143,13 @@ def test_a_crashed_upstream_replica_is_masked_and_replicas_agree(inboxes, kill):
     total, hb = 12_000, 1_000
     senders = Threads()
     common = {"total": total, "hb_every": hb}
-    senders.start(run_upstream, ports, 0, 0, emit_rows=37, batch_rows=64, **common)
-    senders.start(
-        run_upstream,
-        ports,
-        0,
-        1,
-        emit_rows=50,
-        batch_rows=29,
-        kill_after=5_000,
-        kill=kill,
-        **common,
-    )
-    senders.start(run_upstream, ports, 1, 0, emit_rows=101, batch_rows=128, **common)
-    senders.start(run_upstream, ports, 1, 1, emit_rows=13, batch_rows=17, **common)
+    # The replicas of a partition send the same batches (DESIGN §2 invariant 1).
+    p0 = {"emit_rows": 37, "batch_rows": 64, **common}
+    p1 = {"emit_rows": 101, "batch_rows": 128, **common}
+    senders.start(run_upstream, ports, 0, 0, **p0)
+    senders.start(run_upstream, ports, 0, 1, kill_after=5_000, kill=kill, **p0)
+    senders.start(run_upstream, ports, 1, 0, **p1)
+    senders.start(run_upstream, ports, 1, 1, **p1)
 
     results: list[list[tuple] | None] = [None, None]
 
@@ -174,7 +167,7 @@ def test_a_crashed_upstream_replica_is_masked_and_replicas_agree(inboxes, kill):
     for c in (0, 1):
         want = [base(c) + i for i in range(total)]
         assert rows_of(a, c) == want, f"channel {c}: complete, in order, no duplicates"
-    assert a == b, "both downstream replicas consume the identical sequence"
+    assert a == b, "both downstream replicas consume the identical batches in the same order"
     first_hbs = [e[2] for e in a if e[0] == "hb" and e[3]]
     assert first_hbs == list(range(1, total // hb + 1)), "each epoch forwarded exactly once"
 
@@ -312,7 +305,6 @@ def test_outbox_buffer_timeout_and_flush_due():
     ("kwargs", "needle"),
     [
         ({"ordering": "fifo"}, "ordering"),
-        ({"quantum_rows": 0}, "quantum_rows"),
         ({"queue_capacity": -1}, "queue_capacity"),
         ({"port": 70000}, "port"),
         ({"host": "localhost:1"}, "host"),

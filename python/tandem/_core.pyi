@@ -135,11 +135,12 @@ class _MergeBase:
 class LiveRobin(_MergeBase):
     """LiveRobin (Algorithm 1 of the paper): deterministic round-robin over the channels
     still active in the current heartbeat cycle; a channel leaves the cycle when its
-    heartbeat is dequeued (first of its epoch or not). A turn takes up to ``quantum_rows``
-    rows (default 1024; 1 = the paper's per-event algorithm) and never crosses a heartbeat.
-    The row order depends only on the channels' contents, never on arrival timing."""
+    heartbeat is dequeued (first of its epoch or not). A turn is one element of the
+    current channel: a whole batch (never sliced), a heartbeat or the end marker; an empty
+    batch is skipped without taking a turn. The delivered batches and their order depend
+    only on each channel's sequence of batches, never on arrival timing."""
 
-    def __init__(self, channels: int, quantum_rows: int | None = None) -> None: ...
+    def __init__(self, channels: int) -> None: ...
 
 class Fcfs(_MergeBase):
     """``ordering="none"``: whatever is available, rotating over ready channels. Not
@@ -152,9 +153,10 @@ class Positional(_MergeBase):
 
     def __init__(self, channels: int) -> None: ...
     def push_order(self, channel: int, up_to_seq: int) -> None:
-        """Append "consume ``channel`` until its next seq is ``up_to_seq``" (a chunk
-        straddling the bound is sliced). Orders at or before the channel's position are
-        no-ops, so replaying an order log is harmless."""
+        """Append "consume ``channel`` until its next seq is ``up_to_seq``". A leader's
+        bounds fall on batch boundaries; a batch straddling one is sliced defensively.
+        Orders at or before the channel's position are no-ops, so replaying an order log
+        is harmless."""
     def position(self, channel: int) -> int:
         """First seq of ``channel`` not yet delivered."""
 
@@ -201,7 +203,6 @@ class Inbox:
         secret: bytes,
         upstreams: list[tuple[int, int]],
         ordering: Literal["liverobin", "kazoo", "none"] = "liverobin",
-        quantum_rows: int = 1024,
         queue_capacity: int = 1024,
         max_frame_bytes: int = 67108864,
         host: str = "127.0.0.1",

@@ -2,26 +2,37 @@
 
 Everything here is written straight from the paper (Rosinosky et al., "Active replication
 for latency-sensitive stream processing in Apache Flink", SRDS 2021) and tandem's
-DESIGN §2, one event at a time, with no cleverness: it is the yardstick the Rust core is
+DESIGN §2, one element at a time, with no cleverness: it is the yardstick the Rust core is
 differentially tested (and benchmarked) against, and it is handy in your own tests.
 
 Model of a logical channel
     A channel carries *elements*, each taking sequence numbers: a data row takes one, a
-    heartbeat takes one. An upstream replica sends the channel as a list of :class:`Data`
-    runs (``first_seq`` + a list of rows), :class:`Heartbeat` markers and a final
-    :class:`End`. Replicas of one upstream partition send the same elements, cut at
-    different batch boundaries.
+    heartbeat takes one, the end marker takes one. An upstream replica sends the channel
+    as a list of :class:`Data` batches (``first_seq`` + a list of rows), :class:`Heartbeat`
+    markers and a final :class:`End`. The batch is the unit of determinism (DESIGN §2
+    invariant 1): the content is cut into batches once (:func:`cut_batches`) and every
+    replica of the upstream partition sends those same batches; replicas differ only in
+    timing, and a crashed one stops early.
+
+Consumption order
+    :class:`ReferenceLiveRobin` is Algorithm 1 with one element per turn: a whole batch,
+    a heartbeat or the end. :meth:`~ReferenceLiveRobin.step` works on queues of opaque
+    payloads (the reference executor runs it over ``pyarrow.RecordBatch``es);
+    :meth:`~ReferenceLiveRobin.run` consumes complete element lists. Compare with
+    ``tandem._core`` merges through :func:`batches` (boundaries kept) or :func:`flatten`
+    (rows only).
 
 Typical use::
 
-    from tandem.testing import (ReferenceLiveRobin, channel_content, replica_streams,
-                                interleave, deduplicate)
+    from tandem.testing import (ReferenceLiveRobin, batches, channel_content,
+                                deduplicate, interleave, replica_streams)
 
     contents = [channel_content(rows_per_cycle=[3, 0, 5]), channel_content([1, 4, 2])]
     streams = [replica_streams(c, replicas=2, seed=s) for s, c in enumerate(contents)]
     arrivals = interleave(streams, seed=7)          # [(channel, element), ...]
     channels = deduplicate(arrivals, len(contents))  # per-channel element lists
-    expected = ReferenceLiveRobin(len(contents), quantum_rows=1).run(channels)
+    expected = ReferenceLiveRobin(len(contents)).run(channels)
+    # a tandem._core.LiveRobin fed the same channels: batches(lr.drain()) == expected
 """
 
 from __future__ import annotations
@@ -38,11 +49,13 @@ __all__ = [
     "Heartbeat",
     "ReferenceDedup",
     "ReferenceLiveRobin",
+    "batches",
     "channel_content",
+    "cut_batches",
     "deduplicate",
     "flatten",
     "interleave",
-    "per_event",
+    "queue_entries",
     "replica_streams",
 ]
 
@@ -58,6 +71,11 @@ class Data:
     def end_seq(self) -> int:
         """One past the last seq covered."""
         return self.first_seq + len(self.rows)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the batch (as ``pyarrow.RecordBatch.num_rows``)."""
+        return len(self.rows)
 
 
 @dataclass(frozen=True)
@@ -157,40 +175,42 @@ class ReferenceDedup:
 
 @dataclass
 class ReferenceLiveRobin:
-    """LiveRobin, Algorithm 1 of the paper, per event, with the fix DESIGN §2 states.
+    """LiveRobin, Algorithm 1 of the paper, one element per turn, with the fix DESIGN §2
+    states.
 
-    Variables as in the paper: ``next`` (the channel whose turn it is), ``gen`` (the
-    highest heartbeat epoch seen) and ``A`` (channels still active in this cycle).
+    The paper's *event* is one element of a channel: a whole data batch, a heartbeat or
+    the end marker. Variables as in the paper: ``next`` (the channel whose turn it is),
+    ``gen`` (the highest heartbeat epoch seen) and ``A`` (channels still active in this
+    cycle).
 
+    * **Whole batches**: a data batch is consumed whole, never sliced, and its turn ends
+      with it. Replicas of an upstream partition send identical batches (DESIGN §2
+      invariant 1), so every downstream replica consumes the same batches in the same
+      order. A batch with no rows covers no seq; it is dropped without taking a turn, as
+      in the Rust core.
     * **The fix**: a channel leaves ``A`` whenever its heartbeat is dequeued, not only
       when the epoch is new (the printed algorithm does it only inside ``if e.seq > gen``,
       which lets a channel whose heartbeat was not first run into the next cycle).
     * ``gen`` starts as "nothing seen" (None), so epoch 0 is forwarded too.
-    * **Quantum**: a turn takes up to ``quantum_rows`` rows, or fewer rows followed by the
-      heartbeat / end marker that stops it; ``quantum_rows=1`` is the paper exactly.
-    * End of a channel: it leaves ``A`` for good; after every channel ended, ``("end",)``.
+    * End of a channel: its end marker ends the turn like any element but returns
+      nothing; the channel leaves ``A`` for good and the same :meth:`step` goes on with
+      the next channel in turn. After every channel ended, ``("end",)``.
     * When ``A`` becomes empty the next cycle starts with every channel not ended.
     """
 
     channels: int
-    quantum_rows: int = 1
     next: int = field(default=0, init=False)
     gen: int | None = field(default=None, init=False)
     active: set[int] = field(default_factory=set, init=False)
     ended: set[int] = field(default_factory=set, init=False)
-    taken: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if self.channels < 1 or self.quantum_rows < 1:
-            raise ValueError(
-                f"channels and quantum_rows must be at least 1, got {self.channels} "
-                f"and {self.quantum_rows}"
-            )
+        if self.channels < 1:
+            raise ValueError(f"channels must be at least 1, got {self.channels}")
         self.active = set(range(self.channels))
 
     def _advance(self) -> None:
         """Lines 20-23: round-robin to the next active channel after ``next``."""
-        self.taken = 0
         if not self.active:
             return
         if self.next >= max(self.active):
@@ -204,66 +224,102 @@ class ReferenceLiveRobin:
         if not self.active:
             self.active = set(range(self.channels)) - self.ended
 
-    def step(self, queues: Sequence[deque[Any]]) -> tuple[Any, ...] | None:
-        """Dequeue one event from ``queues[next]`` (a deque of per-event entries:
-        ``("row", value)``, ``("heartbeat", epoch)`` or ``("end",)``) and return what is
-        consumed, or None if that queue is empty (the algorithm blocks there)."""
-        if len(self.ended) == self.channels:
-            return ("end",)
-        c = self.next
-        if not queues[c]:
-            return None
-        event = queues[c].popleft()
-        kind = event[0]
-        if kind == "row":
-            self.taken += 1
-            if self.taken >= self.quantum_rows:
-                self._advance()
-            return ("row", c, event[1])
-        if kind == "heartbeat":
-            epoch = event[1]
-            first = self.gen is None or epoch > self.gen
-            if first:
-                self.gen = epoch
-            self._leave(c)
-            self._advance()
-            return ("heartbeat", c, epoch, first)
-        if kind == "end":
-            self.ended.add(c)
+    def step(self, queues: Sequence[deque[tuple[Any, ...]]]) -> tuple[Any, ...] | None:
+        """Dequeue the next element of ``queues[next]`` and return what is consumed, or
+        None if that queue is empty (the algorithm blocks there: call again once it grew).
+
+        ``queues[c]`` holds channel ``c``'s deduplicated elements in seq order, as entries
+        ``("data", payload)``, ``("heartbeat", epoch)`` or ``("end",)``. The payload is
+        opaque (a ``pyarrow.RecordBatch``, a :class:`Data`, a list of rows); only its row
+        count is read — ``num_rows``, else ``len()`` — to drop empty batches. Returns
+
+        * ``("data", channel, payload)`` — the payload object, whole;
+        * ``("heartbeat", channel, epoch, first)`` — ``first`` is True the first time
+          ``epoch`` is seen: the task forwards the heartbeat then;
+        * ``("end",)`` — every channel's end marker has been dequeued (and on every later
+          call). A channel's own end marker is consumed without a return of its own: the
+          call goes on with the next channel in turn;
+        * None — the current channel's queue is empty.
+        """
+        if len(queues) != self.channels:
+            raise ValueError(f"expected {self.channels} queues, got {len(queues)}")
+        while True:
             if len(self.ended) == self.channels:
                 return ("end",)
-            self._leave(c)
-            self._advance()
-            return self.step(queues)
-        raise ValueError(f"unknown event kind {kind!r} on channel {c}")
+            c = self.next
+            if not queues[c]:
+                return None
+            entry = queues[c].popleft()
+            kind = entry[0]
+            if kind == "data":
+                payload = entry[1]
+                if _row_count(payload) == 0:
+                    continue  # covers no seq: no turn
+                self._advance()
+                return ("data", c, payload)
+            if kind == "heartbeat":
+                epoch = entry[1]
+                first = self.gen is None or epoch > self.gen
+                if first:
+                    self.gen = epoch
+                self._leave(c)
+                self._advance()
+                return ("heartbeat", c, epoch, first)
+            if kind == "end":
+                self.ended.add(c)
+                if len(self.ended) == self.channels:
+                    return ("end",)
+                self._leave(c)
+                self._advance()
+                continue
+            raise ValueError(
+                f"unknown entry kind {kind!r} on channel {c}; expected 'data', 'heartbeat' or 'end'"
+            )
 
     def run(self, channels: Sequence[Iterable[Element]]) -> list[tuple[Any, ...]]:
         """Consume complete channel contents (each ending with :class:`End`, e.g. from
-        :func:`deduplicate`) and return every consumed event, up to and including
-        ``("end",)``. Raises :class:`LookupError` if a channel runs dry without an End."""
-        queues = [deque(per_event(ch)) for ch in channels]
-        if len(queues) != self.channels:
-            raise ValueError(f"expected {self.channels} channels, got {len(queues)}")
+        :func:`deduplicate`) and return every delivery, up to and including ``("end",)``:
+        ``("data", channel, first_seq, rows)`` per batch (``rows`` a list), heartbeats
+        and the end as :meth:`step` returns them — the shape :func:`batches` gives
+        ``tandem._core`` deliveries. Raises :class:`LookupError` if a channel runs dry
+        without an End."""
+        if len(channels) != self.channels:
+            raise ValueError(f"expected {self.channels} channels, got {len(channels)}")
+        queues = [deque(queue_entries(ch)) for ch in channels]
         out: list[tuple[Any, ...]] = []
         while True:
-            ev = self.step(queues)
-            if ev is None:
+            d = self.step(queues)
+            if d is None:
                 raise LookupError(f"channel {self.next} ran dry before its End marker")
-            out.append(ev)
-            if ev == ("end",):
+            if d[0] == "data":
+                _, c, element = d
+                d = ("data", c, element.first_seq, list(element.rows))
+            out.append(d)
+            if d == ("end",):
                 return out
 
 
-def per_event(elements: Iterable[Element]) -> list[tuple[Any, ...]]:
-    """Expand elements into per-event entries as :meth:`ReferenceLiveRobin.step` reads."""
+def _row_count(payload: Any) -> int:
+    """Rows of an opaque batch payload: ``num_rows`` (RecordBatch, :class:`Data`), else
+    ``len()``."""
+    n = getattr(payload, "num_rows", None)
+    return len(payload) if n is None else n
+
+
+def queue_entries(elements: Iterable[Element]) -> list[tuple[Any, ...]]:
+    """Turn elements into the entries :meth:`ReferenceLiveRobin.step` reads: a
+    :class:`Data` becomes ``("data", element)`` (the element is the payload),
+    a heartbeat ``("heartbeat", epoch)``, the end ``("end",)``."""
     out: list[tuple[Any, ...]] = []
     for e in elements:
         if isinstance(e, Data):
-            out.extend(("row", r) for r in e.rows)
+            out.append(("data", e))
         elif isinstance(e, Heartbeat):
             out.append(("heartbeat", e.epoch))
-        else:
+        elif isinstance(e, End):
             out.append(("end",))
+        else:
+            raise TypeError(f"expected a Data, Heartbeat or End element, got {e!r}")
     return out
 
 
@@ -273,7 +329,7 @@ def channel_content(rows_per_cycle: Sequence[int], tail_rows: int = 0, *, start:
     A row's value is its seq plus ``start`` (so rows identify themselves).
 
     Returns a list of per-seq entries: ``("row", value)``, ``("heartbeat", epoch)``,
-    ``("end",)``. Feed it to :func:`replica_streams`.
+    ``("end",)``. Feed it to :func:`replica_streams` or :func:`cut_batches`.
     """
     out: list[tuple[Any, ...]] = []
     for i, n in enumerate(rows_per_cycle):
@@ -286,6 +342,38 @@ def channel_content(rows_per_cycle: Sequence[int], tail_rows: int = 0, *, start:
     return out
 
 
+def cut_batches(
+    content: Sequence[tuple[Any, ...]], *, max_batch: int = 8, seed: int = 0
+) -> list[Element]:
+    """Cut ``content`` (from :func:`channel_content`) into the elements an upstream
+    partition emits: :class:`Data` batches of 1..``max_batch`` rows at random boundaries
+    (a batch never spans a heartbeat), :class:`Heartbeat` markers, then :class:`End`.
+    Deterministic in ``seed``."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    rng = random.Random(seed)
+    out: list[Element] = []
+    seq = 0
+    while seq < len(content):
+        kind = content[seq][0]
+        if kind == "row":
+            run = 0
+            while seq + run < len(content) and content[seq + run][0] == "row":
+                run += 1
+            n = rng.randint(1, min(run, max_batch))
+            out.append(Data(seq, [content[seq + k][1] for k in range(n)]))
+            seq += n
+        elif kind == "heartbeat":
+            out.append(Heartbeat(seq, content[seq][1]))
+            seq += 1
+        elif kind == "end":
+            out.append(End(seq))
+            seq += 1
+        else:
+            raise ValueError(f"unknown content entry {content[seq]!r} at seq {seq}")
+    return out
+
+
 def replica_streams(
     content: Sequence[tuple[Any, ...]],
     replicas: int = 2,
@@ -294,31 +382,13 @@ def replica_streams(
     seed: int = 0,
     crash: tuple[int, int] | None = None,
 ) -> list[list[Element]]:
-    """How ``replicas`` upstream replicas send one channel: the same ``content`` (from
-    :func:`channel_content`), each cut into :class:`Data` runs at its own random
-    boundaries (1..``max_batch`` rows). ``crash=(replica, k)`` stops that replica's
-    stream after its first ``k`` elements. Deterministic in ``seed``."""
-    rng = random.Random(seed)
-    streams = []
-    for _ in range(replicas):
-        stream: list[Element] = []
-        seq = 0
-        while seq < len(content):
-            kind = content[seq][0]
-            if kind == "row":
-                run = 0
-                while seq + run < len(content) and content[seq + run][0] == "row":
-                    run += 1
-                n = rng.randint(1, min(run, max_batch))
-                stream.append(Data(seq, [content[seq + k][1] for k in range(n)]))
-                seq += n
-            elif kind == "heartbeat":
-                stream.append(Heartbeat(seq, content[seq][1]))
-                seq += 1
-            else:
-                stream.append(End(seq))
-                seq += 1
-        streams.append(stream)
+    """How ``replicas`` upstream replicas send one channel: ``content`` (from
+    :func:`channel_content`) is cut into batches once (:func:`cut_batches`, 1..``max_batch``
+    rows, deterministic in ``seed``) and every replica sends those same batches, as
+    DESIGN §2 invariant 1 requires. ``crash=(replica, k)`` stops that replica's stream
+    after its first ``k`` elements."""
+    cut = cut_batches(content, max_batch=max_batch, seed=seed)
+    streams = [list(cut) for _ in range(replicas)]
     if crash is not None:
         victim, keep = crash
         streams[victim] = streams[victim][:keep]
@@ -358,16 +428,39 @@ def deduplicate(arrivals: Iterable[tuple[int, Element]], channels: int) -> list[
     return out
 
 
-def flatten(deliveries: Iterable[tuple[Any, ...]], column: str = "seq") -> list[tuple[Any, ...]]:
-    """Turn ``tandem._core`` merge deliveries into per-event tuples comparable with
-    :meth:`ReferenceLiveRobin.run`: a ``("data", channel, first_seq, batch)`` delivery
-    becomes one ``("row", channel, value)`` per row of ``batch[column]``; heartbeats and
-    the end pass through. Batch boundaries disappear, so two runs can be compared."""
+def _values(payload: Any, column: str) -> list[Any]:
+    """The rows of a delivered batch: ``payload[column]`` of a ``pyarrow.RecordBatch``,
+    or the payload itself as a list (:meth:`ReferenceLiveRobin.run` delivers lists)."""
+    if hasattr(payload, "column"):
+        return payload.column(column).to_pylist()
+    return list(payload)
+
+
+def batches(deliveries: Iterable[tuple[Any, ...]], column: str = "seq") -> list[tuple[Any, ...]]:
+    """Merge deliveries as comparable tuples that keep their batch boundaries: a
+    ``("data", channel, first_seq, batch)`` delivery of ``tandem._core`` becomes
+    ``("data", channel, first_seq, [values of batch[column]])``, the shape
+    :meth:`ReferenceLiveRobin.run` returns; heartbeats and the end pass through."""
     out: list[tuple[Any, ...]] = []
     for d in deliveries:
         if d[0] == "data":
-            _, c, _, batch = d
-            out.extend(("row", c, v) for v in batch.column(column).to_pylist())
+            _, c, first_seq, payload = d
+            out.append(("data", c, first_seq, _values(payload, column)))
+        else:
+            out.append(tuple(d))
+    return out
+
+
+def flatten(deliveries: Iterable[tuple[Any, ...]], column: str = "seq") -> list[tuple[Any, ...]]:
+    """Merge deliveries (``tandem._core``'s or :meth:`ReferenceLiveRobin.run`'s) as
+    per-row tuples: each data delivery becomes one ``("row", channel, value)`` per row;
+    heartbeats and the end pass through. Batch boundaries disappear: for comparisons
+    that must not depend on them (what ``none`` delivers per channel, say)."""
+    out: list[tuple[Any, ...]] = []
+    for d in deliveries:
+        if d[0] == "data":
+            _, c, _, payload = d
+            out.extend(("row", c, v) for v in _values(payload, column))
         else:
             out.append(tuple(d))
     return out

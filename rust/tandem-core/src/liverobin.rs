@@ -1,10 +1,30 @@
-//! LiveRobin: the leaderless deterministic merge of the paper (Algorithm 1).
+//! LiveRobin: the leaderless deterministic merge of the paper (Algorithm 1), one whole
+//! batch per turn.
 //!
 //! Round-robin over the logical input channels still *active* in the current heartbeat
 //! cycle. A channel leaves the active set `A` when its heartbeat for the cycle is dequeued;
 //! once every channel has delivered a heartbeat, `A` is refilled and the next cycle starts.
 //! A heartbeat epoch seen for the first time (`epoch > gen`) is forwarded: replicas see it
 //! first on the same channel at the same position, so they forward it at the same place.
+//!
+//! # A turn is one element: a whole batch
+//!
+//! The paper dequeues one event per turn; here the event is one *element* of the current
+//! channel: a whole data batch (never sliced), or a heartbeat, or the end marker. After it
+//! the turn moves to the next active channel. This is deterministic because of DESIGN §2
+//! invariant 1: every replica of an upstream partition emits the same batches with the
+//! same sequence ranges, so dedup keeps whole batches whichever copy arrives first, and
+//! every downstream replica finds the same sequence of batches on each channel. The merge
+//! decides from that sequence alone, so the replicas of a task hand their operator the same
+//! *batches* in the same order — identical batch boundaries, not only identical rows. An
+//! operator may therefore compute over its whole batch (a batch mean, a rank within the
+//! batch, any `mapInArrow` function). Cutting turns into row quanta would put batch
+//! boundaries wherever a channel happened to run dry, i.e. at timing-dependent points.
+//!
+//! An empty data batch covers no sequence number, so nothing can tell its copies apart:
+//! dedup drops it and the wire refuses to encode it. One that reaches the merge anyway (a
+//! caller pushing elements directly) is skipped without taking a turn, so the order never
+//! depends on whether such a batch showed up.
 //!
 //! # The fix to the printed algorithm (DESIGN §2)
 //!
@@ -15,31 +35,25 @@
 //! channel leaves `A` whenever its heartbeat is dequeued, first or not; only forwarding
 //! depends on `epoch > gen`.
 //!
-//! # Batching
-//!
-//! The paper dequeues one event per turn. Here a turn takes up to `quantum_rows` data rows
-//! from the current channel and never crosses a heartbeat or end marker: a turn is either
-//! up to `quantum_rows` rows, or up to `quantum_rows - 1` rows followed by the heartbeat or
-//! end marker that stops it (dequeued as the turn's last element). Rows available now are
-//! delivered at once (a partial batch); the turn stays on that channel until
-//! `quantum_rows` rows were taken or a heartbeat/end was dequeued. The *row order* therefore
-//! depends only on the channels' contents (`quantum_rows = 1` is exactly the paper's
-//! per-event algorithm); only batch boundaries vary with arrival timing.
-//!
 //! # Other departures
 //!
 //! * `gen` starts as "nothing seen", so an epoch 0 heartbeat is forwarded too (the paper
 //!   initialises `gen = 0` and numbers epochs from 1).
-//! * End of a channel: it leaves `A` for good; once every channel ended the merge delivers
-//!   [`Delivery::End`] (and keeps doing so).
-//! * One input channel (`n == 1`): pure pass-through, heartbeats forwarded, no round-robin
-//!   bookkeeping and no batch splitting — the paper ran the merge even there and paid
-//!   latency for nothing.
+//! * End of a channel: its end marker ends the turn like any element but delivers nothing;
+//!   the channel leaves `A` for good and the same `next` call goes on with the next channel
+//!   in turn. Once every channel ended the merge delivers [`Delivery::End`] (and keeps
+//!   doing so).
+//! * One input channel (`n == 1`): pass-through, heartbeats forwarded. Round-robin over a
+//!   single channel delivers every element as it comes anyway; the fast path skips the
+//!   bookkeeping (the paper ran the full merge even there).
+
+use std::marker::PhantomData;
 
 use crate::item::{Chunk, Delivery, Item};
-use crate::merge::{take, Ended, HeartbeatGate, Inputs, Merge};
+use crate::merge::{Ended, HeartbeatGate, Inputs, Merge};
 
-/// See the module documentation.
+/// See the module documentation. `P` is the payload of the batches it hands out (an Arrow
+/// `RecordBatch` in production); the merge never looks inside one beyond its row count.
 #[derive(Debug)]
 pub struct LiveRobin<P> {
     /// Channel whose turn it is (`next` in Algorithm 1).
@@ -49,26 +63,21 @@ pub struct LiveRobin<P> {
     active_count: usize,
     ended: Ended,
     gate: HeartbeatGate,
-    quantum_rows: usize,
-    /// Rows taken in the current turn.
-    taken: usize,
-    /// Per channel: the tail of a chunk cut at the end of a turn.
-    remainder: Vec<Option<Item<P>>>,
+    /// Batches pass through untouched: no per-channel state depends on the payload.
+    payload: PhantomData<fn() -> P>,
 }
 
 impl<P: Chunk> LiveRobin<P> {
-    /// A merge over `channels` inputs taking at most `quantum_rows` rows per turn
-    /// (0 is treated as 1). With 0 channels it delivers [`Delivery::End`] at once.
-    pub fn new(channels: usize, quantum_rows: usize) -> Self {
+    /// A merge over `channels` inputs, one element per turn. With 0 channels it delivers
+    /// [`Delivery::End`] at once.
+    pub fn new(channels: usize) -> Self {
         Self {
             current: 0,
             active: vec![true; channels],
             active_count: channels,
             ended: Ended::new(channels),
             gate: HeartbeatGate::default(),
-            quantum_rows: quantum_rows.max(1),
-            taken: 0,
-            remainder: (0..channels).map(|_| None).collect(),
+            payload: PhantomData,
         }
     }
 
@@ -95,7 +104,6 @@ impl<P: Chunk> LiveRobin<P> {
     /// End the current turn: move to the next active channel after `current`, wrapping
     /// around (lines 20–23 of Algorithm 1).
     fn advance(&mut self) {
-        self.taken = 0;
         let n = self.active.len();
         if self.active_count == 0 {
             return;
@@ -111,7 +119,7 @@ impl<P: Chunk> LiveRobin<P> {
 
     fn pass_through(&mut self, inputs: &mut dyn Inputs<P>) -> Option<Delivery<P>> {
         loop {
-            match take(&mut self.remainder, inputs, 0)? {
+            match inputs.pop(0)? {
                 Item::Data { first_seq, payload } => {
                     if payload.rows() > 0 {
                         return Some(Delivery::Data {
@@ -148,28 +156,14 @@ impl<P: Chunk + Send> Merge<P> for LiveRobin<P> {
         }
         loop {
             let c = self.current;
-            let item = take(&mut self.remainder, inputs, c)?;
-            match item {
+            match inputs.pop(c)? {
                 Item::Data { first_seq, payload } => {
-                    let rows = payload.rows();
-                    if rows == 0 {
+                    if payload.rows() == 0 {
+                        // Covers no seq: skipped without taking a turn (module docs).
                         continue;
                     }
-                    let room = self.quantum_rows - self.taken;
-                    let payload = if rows > room {
-                        let tail = payload.slice(room, rows - room);
-                        self.remainder[c] = Some(Item::Data {
-                            first_seq: first_seq + room as u64,
-                            payload: tail,
-                        });
-                        payload.slice(0, room)
-                    } else {
-                        payload
-                    };
-                    self.taken += payload.rows();
-                    if self.taken >= self.quantum_rows {
-                        self.advance();
-                    }
+                    // One whole batch is the turn.
+                    self.advance();
                     return Some(Delivery::Data {
                         channel: c,
                         first_seq,
@@ -261,27 +255,90 @@ mod tests {
     }
 
     #[test]
-    fn per_event_round_robin_within_a_cycle() {
+    fn one_whole_batch_per_turn_round_robin_within_a_cycle() {
         let mut inp = inputs(vec![
             vec![data(0, 2), hb(2, 1), data(3, 1)],
             vec![data(0, 1), hb(1, 1), data(2, 1)],
         ]);
-        let mut m = LiveRobin::new(2, 1);
+        let mut m = LiveRobin::new(2);
         assert_eq!(
             run(&mut m, &mut inp),
             vec![
-                d(0, 0, 1),
+                d(0, 0, 2),
                 d(1, 0, 1),
-                d(0, 1, 1),
-                h(1, 1, true),
-                // Channel 1 left the cycle: channel 0 alone until its heartbeat.
-                h(0, 1, false),
-                // New cycle; round-robin continues after channel 0, i.e. with channel 1.
-                d(1, 2, 1),
+                h(0, 1, true),
+                // Channel 0 left the cycle: channel 1 alone until its heartbeat.
+                h(1, 1, false),
+                // New cycle; round-robin continues after channel 1, i.e. with channel 0.
                 d(0, 3, 1),
+                d(1, 2, 1),
             ]
         );
+        assert_eq!(m.waiting_on(), Some(0));
+    }
+
+    #[test]
+    fn a_batch_is_never_sliced_and_the_turn_waits_on_its_channel() {
+        let mut inp = inputs(vec![vec![data(0, 5), data(5, 3)], vec![data(0, 2)]]);
+        let mut m = LiveRobin::new(2);
+        assert_eq!(m.next(&mut inp), Some(d(0, 0, 5)), "all 5 rows in one turn");
+        assert_eq!(m.next(&mut inp), Some(d(1, 0, 2)));
+        assert_eq!(m.next(&mut inp), Some(d(0, 5, 3)));
+        assert_eq!(m.next(&mut inp), None, "channel 1's turn, and it is empty");
         assert_eq!(m.waiting_on(), Some(1));
+        inp[0].push_back(data(8, 1));
+        assert_eq!(
+            m.next(&mut inp),
+            None,
+            "a ready batch on channel 0 does not jump the turn"
+        );
+        inp[1].push_back(data(2, 4));
+        assert_eq!(m.next(&mut inp), Some(d(1, 2, 4)));
+        assert_eq!(m.next(&mut inp), Some(d(0, 8, 1)));
+        assert_eq!(m.waiting_on(), Some(1));
+    }
+
+    #[test]
+    fn a_heartbeat_is_a_turn_of_its_own() {
+        let mut inp = inputs(vec![
+            vec![data(0, 1), hb(1, 1), data(2, 9)],
+            vec![data(0, 9), data(9, 9)],
+        ]);
+        let mut m = LiveRobin::new(2);
+        assert_eq!(m.next(&mut inp), Some(d(0, 0, 1)));
+        assert_eq!(m.next(&mut inp), Some(d(1, 0, 9)));
+        assert_eq!(m.next(&mut inp), Some(h(0, 1, true)));
+        assert_eq!(
+            m.next(&mut inp),
+            Some(d(1, 9, 9)),
+            "channel 1 alone in the cycle"
+        );
+        assert_eq!(m.next(&mut inp), None);
+        assert_eq!(
+            m.waiting_on(),
+            Some(1),
+            "channel 0 waits for the next cycle"
+        );
+    }
+
+    #[test]
+    fn empty_batches_take_no_turn() {
+        let mut inp = inputs(vec![
+            vec![data(0, 0), data(0, 2), data(2, 0)],
+            vec![data(0, 0), data(0, 1), hb(1, 1)],
+        ]);
+        let mut m = LiveRobin::new(2);
+        assert_eq!(m.next(&mut inp), Some(d(0, 0, 2)));
+        assert_eq!(m.next(&mut inp), Some(d(1, 0, 1)));
+        assert_eq!(
+            m.next(&mut inp),
+            None,
+            "the trailing empty batch was dropped"
+        );
+        assert_eq!(m.waiting_on(), Some(0));
+        assert!(inp[0].is_empty());
+        let mut one = inputs(vec![vec![data(0, 0), hb(0, 4)]]);
+        assert_eq!(LiveRobin::new(1).next(&mut one), Some(h(0, 4, true)));
     }
 
     #[test]
@@ -289,7 +346,7 @@ mod tests {
         // Channel 0 is fast: with the printed algorithm its non-first heartbeat would keep
         // it active and it would run into cycle 2 before channel 1's cycle-1 data.
         let mut inp = inputs(vec![vec![hb(0, 1), data(1, 3), hb(4, 2)], vec![data(0, 1)]]);
-        let mut m = LiveRobin::new(2, 1);
+        let mut m = LiveRobin::new(2);
         assert_eq!(m.next(&mut inp), Some(h(0, 1, true)));
         assert_eq!(m.active_channels(), vec![1]);
         assert_eq!(m.next(&mut inp), Some(d(1, 0, 1)));
@@ -303,51 +360,7 @@ mod tests {
             vec![0, 1],
             "cycle complete, both active again"
         );
-        assert_eq!(m.next(&mut inp), Some(d(0, 1, 1)));
-    }
-
-    #[test]
-    fn quantum_limits_a_turn_and_partial_rows_go_out_at_once() {
-        let mut inp = inputs(vec![vec![data(0, 5)], vec![data(0, 2)]]);
-        let mut m = LiveRobin::new(2, 3);
-        assert_eq!(m.next(&mut inp), Some(d(0, 0, 3)));
-        assert_eq!(
-            m.next(&mut inp),
-            Some(d(1, 0, 2)),
-            "partial: 2 rows available now"
-        );
-        assert_eq!(m.next(&mut inp), None, "the turn stays on channel 1");
-        assert_eq!(m.waiting_on(), Some(1));
-        inp[1].push_back(data(2, 4));
-        assert_eq!(
-            m.next(&mut inp),
-            Some(d(1, 2, 1)),
-            "completes the quantum of 3"
-        );
-        assert_eq!(
-            m.next(&mut inp),
-            Some(d(0, 3, 2)),
-            "remainder kept for channel 0"
-        );
-        assert_eq!(m.next(&mut inp), None);
-        assert_eq!(m.waiting_on(), Some(0));
-    }
-
-    #[test]
-    fn a_turn_never_crosses_a_heartbeat() {
-        let mut inp = inputs(vec![
-            vec![data(0, 1), hb(1, 1), data(2, 9)],
-            vec![data(0, 9)],
-        ]);
-        let mut m = LiveRobin::new(2, 4);
-        assert_eq!(m.next(&mut inp), Some(d(0, 0, 1)));
-        assert_eq!(m.next(&mut inp), Some(h(0, 1, true)));
-        assert_eq!(m.next(&mut inp), Some(d(1, 0, 4)));
-        assert_eq!(
-            m.next(&mut inp),
-            Some(d(1, 4, 4)),
-            "channel 1 alone in the cycle"
-        );
+        assert_eq!(m.next(&mut inp), Some(d(0, 1, 3)));
     }
 
     #[test]
@@ -362,7 +375,7 @@ mod tests {
                 Item::End { seq: 4 },
             ],
         ]);
-        let mut m = LiveRobin::new(2, 1);
+        let mut m = LiveRobin::new(2);
         assert_eq!(
             run(&mut m, &mut inp),
             vec![
@@ -383,7 +396,7 @@ mod tests {
     #[test]
     fn end_completing_a_cycle_starts_the_next() {
         let mut inp = inputs(vec![vec![hb(0, 1), data(1, 1)], vec![Item::End { seq: 0 }]]);
-        let mut m = LiveRobin::new(2, 1);
+        let mut m = LiveRobin::new(2);
         assert_eq!(m.next(&mut inp), Some(h(0, 1, true)));
         assert_eq!(m.next(&mut inp), Some(d(0, 1, 1)));
         assert_eq!(m.active_channels(), vec![0]);
@@ -397,7 +410,7 @@ mod tests {
             hb(101, 3),
             Item::End { seq: 102 },
         ]]);
-        let mut m = LiveRobin::new(1, 1);
+        let mut m = LiveRobin::new(1);
         assert_eq!(
             run(&mut m, &mut inp),
             vec![d(0, 0, 100), h(0, 3, true), h(0, 3, false), Delivery::End]
@@ -405,10 +418,10 @@ mod tests {
     }
 
     #[test]
-    fn zero_channels_and_zero_quantum() {
+    fn zero_channels_end_at_once() {
         let mut none: Vec<VecDeque<Item<Rows>>> = Vec::new();
-        assert_eq!(LiveRobin::new(0, 1).next(&mut none), Some(Delivery::End));
-        let mut inp = inputs(vec![vec![data(0, 2)], vec![]]);
-        assert_eq!(LiveRobin::new(2, 0).next(&mut inp), Some(d(0, 0, 1)));
+        let mut m = LiveRobin::new(0);
+        assert_eq!(m.next(&mut none), Some(Delivery::End));
+        assert_eq!(m.waiting_on(), None);
     }
 }

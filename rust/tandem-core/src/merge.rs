@@ -4,14 +4,21 @@
 //! partition must consume in the same order, so the order may depend only on the
 //! *contents* of the channels (identical at every replica), never on arrival timing:
 //!
-//! * [`crate::liverobin::LiveRobin`] — Algorithm 1 of the paper, leaderless;
+//! * [`crate::liverobin::LiveRobin`] — Algorithm 1 of the paper, leaderless, one whole
+//!   batch (or heartbeat, or end marker) per turn;
 //! * [`Positional`] — follows an order decided elsewhere ("consume channel `c` up to seq
 //!   `s`"), the follower side of KaZoo;
 //! * [`Fcfs`] — the `none` baseline: whatever arrived first. Not deterministic across
 //!   replicas, which is exactly what the baseline is there to show.
 //!
+//! The batch is the unit of determinism (invariant 1): replicas of an upstream partition
+//! emit the same batches with the same sequence ranges, so every downstream replica's
+//! dedup queues hold the same batches, and a merge that decides at batch boundaries hands
+//! every replica's operator the same batches. LiveRobin and Fcfs never slice a batch.
+//!
 //! A merge pops only the channel it needs and keeps at most one split remainder per
-//! channel, so input memory stays bounded by the dedup queues (invariant 5).
+//! channel (only [`Positional`] ever splits), so input memory stays bounded by the dedup
+//! queues (invariant 5).
 
 use std::collections::VecDeque;
 
@@ -73,9 +80,9 @@ pub trait Merge<P: Chunk>: Send {
 pub enum OrderingMode {
     /// First come, first served ([`Fcfs`]).
     None,
-    /// [`LiveRobin`], taking at most `quantum_rows` rows per turn (1 = the paper's
-    /// per-event algorithm; 0 is treated as 1).
-    LiveRobin { quantum_rows: usize },
+    /// [`LiveRobin`]: one whole element (a data batch, a heartbeat or the end marker) per
+    /// turn, the paper's per-event algorithm with "event" = batch.
+    LiveRobin,
     /// Follow orders pushed with [`Positional::push_order`].
     Positional,
 }
@@ -86,9 +93,7 @@ pub enum OrderingMode {
 pub fn build<P: Chunk + Send + 'static>(mode: &OrderingMode, channels: usize) -> Box<dyn Merge<P>> {
     match mode {
         OrderingMode::None => Box::new(Fcfs::new(channels)),
-        OrderingMode::LiveRobin { quantum_rows } => {
-            Box::new(LiveRobin::new(channels, *quantum_rows))
-        }
+        OrderingMode::LiveRobin => Box::new(LiveRobin::new(channels)),
         OrderingMode::Positional => Box::new(Positional::new(channels)),
     }
 }
@@ -221,9 +226,14 @@ impl<P: Chunk> Merge<P> for Fcfs {
 
 /// The follower side of KaZoo: consume the channels in the order given by
 /// [`Positional::push_order`] entries, each "consume channel `c` until its next sequence
-/// number is `up_to_seq`". A chunk straddling the bound is sliced and its remainder waits
-/// for the next order on that channel. Orders are idempotent: one whose bound is at or
-/// before the channel's position is a no-op, so a replayed order log is harmless.
+/// number is `up_to_seq`". Orders are idempotent: one whose bound is at or before the
+/// channel's position is a no-op, so a replayed order log is harmless.
+///
+/// The leader orders what its own dedup queues hold, whole frames, so every bound falls on
+/// a batch boundary (DESIGN §2.3) and the follower hands its operator the same batches as
+/// the leader. A chunk straddling a bound can only come from an order log that does not
+/// match the channel's batches; it is sliced defensively, its remainder waiting for the
+/// next order on that channel, so no row is lost or delivered twice.
 #[derive(Debug)]
 pub struct Positional<P> {
     orders: VecDeque<(usize, u64)>,
@@ -526,8 +536,16 @@ mod tests {
     #[test]
     fn build_returns_each_mode() {
         let mut inp = inputs(vec![vec![data(0, 5)]]);
-        let mut m = build::<Rows>(&OrderingMode::LiveRobin { quantum_rows: 2 }, 1);
-        assert!(matches!(m.next(&mut inp), Some(Delivery::Data { .. })));
+        let mut m = build::<Rows>(&OrderingMode::LiveRobin, 1);
+        assert_eq!(
+            m.next(&mut inp),
+            Some(Delivery::Data {
+                channel: 0,
+                first_seq: 0,
+                payload: Rows { start: 0, len: 5 }
+            }),
+            "the whole batch"
+        );
         let mut f = build::<Rows>(&OrderingMode::None, 1);
         assert_eq!(f.next(&mut inputs(vec![vec![]])), None);
         let mut p = build::<Rows>(&OrderingMode::Positional, 1);

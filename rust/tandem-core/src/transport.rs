@@ -75,8 +75,8 @@ pub struct InboxConfig {
 }
 
 impl InboxConfig {
-    /// Defaults: LiveRobin with 1,024-row quanta, 1,024 queued frames per channel, the wire's
-    /// default frame limit, 127.0.0.1, any port, 2 s handshake timeout.
+    /// Defaults: LiveRobin (one whole batch per turn), 1,024 queued frames per channel, the
+    /// wire's default frame limit, 127.0.0.1, any port, 2 s handshake timeout.
     pub fn new(
         job: impl Into<String>,
         secret: impl Into<Vec<u8>>,
@@ -86,7 +86,7 @@ impl InboxConfig {
             job: job.into(),
             secret: secret.into(),
             upstreams,
-            ordering: OrderingMode::LiveRobin { quantum_rows: 1024 },
+            ordering: OrderingMode::LiveRobin,
             queue_capacity: 1024,
             max_frame_bytes: wire::DEFAULT_MAX_FRAME_BYTES,
             host: IpAddr::from([127, 0, 0, 1]),
@@ -1047,56 +1047,72 @@ mod tests {
         }
     }
 
-    /// Consume until End (or fail after `limit`).
+    /// Consume until End (or fail after `limit`), one event per row.
     fn drain(inbox: &mut Inbox, limit: Duration) -> Vec<Ev> {
+        let mut out = Vec::new();
+        for d in drain_deliveries(inbox, limit) {
+            flatten(d, &mut out);
+        }
+        out
+    }
+
+    /// Consume until End (or fail after `limit`), batches as delivered.
+    fn drain_deliveries(inbox: &mut Inbox, limit: Duration) -> Vec<Delivery<RecordBatch>> {
         let deadline = Instant::now() + limit;
         let mut out = Vec::new();
         while Instant::now() < deadline {
             match inbox.next(Duration::from_millis(200)).unwrap() {
                 Some(Delivery::End) => {
-                    out.push(Ev::End);
+                    out.push(Delivery::End);
                     return out;
                 }
-                Some(d) => flatten(d, &mut out),
+                Some(d) => out.push(d),
                 None => {}
             }
         }
         panic!(
-            "no End within {limit:?}; got {} events; stats {:#?}",
+            "no End within {limit:?}; got {} deliveries; stats {:#?}",
             out.len(),
             inbox.stats()
         );
     }
 
-    /// The consumption a merge in `mode` produces from the complete streams, fed in one go.
-    fn reference(mode: &OrderingMode, partitions: u32, plan: Plan) -> Vec<Ev> {
-        let mut inputs: Vec<VecDeque<Item<RecordBatch>>> = (0..partitions)
-            .map(|p| {
-                let mut q = VecDeque::new();
-                let mut seq = 0u64;
-                let b = base(p);
-                let mut i = 0;
-                while i < plan.total {
-                    let n = plan.hb_every.min(plan.total - i);
-                    q.push_back(Item::Data {
-                        first_seq: seq,
-                        payload: rows(b + i..b + i + n),
+    /// The consumption a merge in `mode` produces when every channel's elements, as `got`
+    /// delivered them (the same batches, in channel order), are present from the start.
+    /// LiveRobin decides from the channels' batch sequences alone, so this must equal what
+    /// the inbox consumed under real arrival timing.
+    fn reference(mode: &OrderingMode, channels: usize, got: &[Delivery<RecordBatch>]) -> Vec<Ev> {
+        let mut inputs: Vec<VecDeque<Item<RecordBatch>>> =
+            (0..channels).map(|_| VecDeque::new()).collect();
+        let mut next = vec![0u64; channels];
+        for d in got {
+            match d {
+                Delivery::Data {
+                    channel,
+                    first_seq,
+                    payload,
+                } => {
+                    assert_eq!(*first_seq, next[*channel], "channel {channel} skipped seqs");
+                    next[*channel] += payload.num_rows() as u64;
+                    inputs[*channel].push_back(Item::Data {
+                        first_seq: *first_seq,
+                        payload: payload.clone(),
                     });
-                    seq += n as u64;
-                    i += n;
-                    if i % plan.hb_every == 0 {
-                        q.push_back(Item::Heartbeat {
-                            seq,
-                            epoch: (i / plan.hb_every) as u64,
-                        });
-                        seq += 1;
-                    }
                 }
-                q.push_back(Item::End { seq });
-                q
-            })
-            .collect();
-        let mut m = merge::build::<RecordBatch>(mode, partitions as usize);
+                Delivery::Heartbeat { channel, epoch, .. } => {
+                    inputs[*channel].push_back(Item::Heartbeat {
+                        seq: next[*channel],
+                        epoch: *epoch,
+                    });
+                    next[*channel] += 1;
+                }
+                Delivery::End => {}
+            }
+        }
+        for (q, &seq) in inputs.iter_mut().zip(&next) {
+            q.push_back(Item::End { seq });
+        }
+        let mut m = merge::build::<RecordBatch>(mode, channels);
         let mut out = Vec::new();
         loop {
             match m.next(&mut inputs) {
@@ -1122,7 +1138,7 @@ mod tests {
 
     #[test]
     fn liverobin_over_two_replicated_partitions_masks_an_abrupt_crash() {
-        let mode = OrderingMode::LiveRobin { quantum_rows: 64 };
+        let mode = OrderingMode::LiveRobin;
         let mut ib = inbox(2, mode.clone(), 64);
         let addr = ib.local_addr();
         let plan = Plan {
@@ -1132,6 +1148,13 @@ mod tests {
             batch_rows: 50,
             crash_after: None,
         };
+        // The replicas of a partition send the same batches (DESIGN §2 invariant 1); the
+        // two partitions cut theirs differently.
+        let plan1 = Plan {
+            emit_rows: 101,
+            batch_rows: 64,
+            ..plan
+        };
         let threads = vec![
             upstream(addr, 0, 0, plan),
             // Replica 1 of partition 0 dies mid-stream: its sockets are cut, queued frames lost.
@@ -1140,33 +1163,18 @@ mod tests {
                 0,
                 1,
                 Plan {
-                    batch_rows: 23,
                     crash_after: Some(2500),
                     ..plan
                 },
             ),
-            upstream(
-                addr,
-                1,
-                0,
-                Plan {
-                    emit_rows: 101,
-                    batch_rows: 64,
-                    ..plan
-                },
-            ),
-            upstream(
-                addr,
-                1,
-                1,
-                Plan {
-                    emit_rows: 13,
-                    batch_rows: 17,
-                    ..plan
-                },
-            ),
+            upstream(addr, 1, 0, plan1),
+            upstream(addr, 1, 1, plan1),
         ];
-        let got = drain(&mut ib, Duration::from_secs(60));
+        let deliveries = drain_deliveries(&mut ib, Duration::from_secs(60));
+        let mut got = Vec::new();
+        for d in deliveries.iter().cloned() {
+            flatten(d, &mut got);
+        }
         for t in threads {
             t.join().unwrap();
         }
@@ -1180,8 +1188,8 @@ mod tests {
         }
         assert_eq!(
             got,
-            reference(&mode, 2, plan),
-            "LiveRobin order is a function of the content"
+            reference(&mode, 2, &deliveries),
+            "LiveRobin order is a function of the channels' batches"
         );
         let stats = ib.stats();
         for (c, s) in stats.channels.iter().enumerate() {
@@ -1331,13 +1339,7 @@ mod tests {
         const CAPACITY: usize = 4;
         const BATCH: usize = 16;
         const TOTAL: i64 = 8000; // ≈ 8 MiB of payload: more than the socket buffers hold
-        let mut ib = inbox(
-            1,
-            OrderingMode::LiveRobin {
-                quantum_rows: BATCH,
-            },
-            CAPACITY,
-        );
+        let mut ib = inbox(1, OrderingMode::LiveRobin, CAPACITY);
         let addr = ib.local_addr();
         let sent = Arc::new(AtomicUsize::new(0));
         let producer = {
@@ -1396,7 +1398,7 @@ mod tests {
 
     #[test]
     fn bad_connections_are_rejected_while_a_good_one_flows() {
-        let mut ib = inbox(1, OrderingMode::LiveRobin { quantum_rows: 1024 }, 16);
+        let mut ib = inbox(1, OrderingMode::LiveRobin, 16);
         let addr = ib.local_addr();
         let plan = Plan {
             total: 3000,
@@ -1473,7 +1475,7 @@ mod tests {
 
     #[test]
     fn a_sender_on_another_wire_channel_is_cut_off() {
-        let mut ib = inbox(1, OrderingMode::LiveRobin { quantum_rows: 8 }, 8);
+        let mut ib = inbox(1, OrderingMode::LiveRobin, 8);
         let addr = ib.local_addr();
         let dial = |replica| {
             let mut s = TcpStream::connect(addr).unwrap();
@@ -1523,7 +1525,7 @@ mod tests {
 
     #[test]
     fn close_does_not_hang_on_silent_or_blocked_peers() {
-        let mut ib = inbox(1, OrderingMode::LiveRobin { quantum_rows: 8 }, 1);
+        let mut ib = inbox(1, OrderingMode::LiveRobin, 1);
         let addr = ib.local_addr();
         // A peer that connects and says nothing (stuck in the handshake).
         let _silent = TcpStream::connect(addr).unwrap();

@@ -1,19 +1,20 @@
 //! Property tests of the consumption orders over real dedup channels.
 //!
-//! Setting: `n` logical input channels, each sent by `r` upstream replicas that cut the
-//! same content at their own random batch boundaries; one upstream replica may crash (its
-//! stream stops at a random point). Arrivals reach a downstream replica in a random
-//! interleaving, and the merge runs at random moments in between. Whatever happens,
-//! LiveRobin must consume exactly the sequence an independent per-event model of
-//! Algorithm 1 (with the cycle fix and the quantum generalisation) computes from the
-//! channels' contents alone — so two downstream replicas agree.
+//! Setting (DESIGN §2 invariant 1): `n` logical input channels, each channel's content cut
+//! into batches once, and every one of the `r` upstream replicas of the channel sending
+//! those same batches (same seq ranges); one upstream replica may crash (its stream stops
+//! at a random point). Arrivals reach a downstream replica in a random interleaving, and
+//! the merge runs at random moments in between. Whatever happens, LiveRobin must deliver
+//! exactly the sequence an independent per-element model of Algorithm 1 (with the cycle
+//! fix) computes from the channels' batches — *batch boundaries included* — so two
+//! downstream replicas hand their operators the same batches in the same order.
 
 mod common;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use common::{channel_content, replica_stream, Elem, Rng};
+use common::{channel_content, replica_stream, Rng};
 use proptest::prelude::*;
 use tandem_core::dedup::{channel, DedupReceiver, DedupSender, Offer};
 use tandem_core::item::Rows;
@@ -22,12 +23,14 @@ use tandem_core::merge::{Fcfs, Merge, Positional};
 use tandem_core::sync::Doorbell;
 use tandem_core::{Chunk, Delivery, Item};
 
-/// One consumed element, independent of batch boundaries.
+/// One delivery, with its batch boundaries: a data delivery is `rows` rows of `channel`
+/// starting at `first_seq`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Ev {
-    Row {
+    Data {
         channel: usize,
-        seq: u64,
+        first_seq: u64,
+        rows: usize,
     },
     Heartbeat {
         channel: usize,
@@ -37,18 +40,18 @@ enum Ev {
     End,
 }
 
-/// Algorithm 1, per event, straight from the paper plus the documented changes: a channel
-/// leaves A on *every* heartbeat; `gen` starts as "none"; a turn is up to `quantum` rows or
-/// ends with the heartbeat/end that stops it; ended channels leave for good.
-fn model(contents: &[Vec<Elem>], quantum: usize) -> Vec<Ev> {
-    let n = contents.len();
+/// Algorithm 1 straight from the paper, one element (a whole batch, a heartbeat or the end
+/// marker) per turn, plus the documented changes: a channel leaves A on *every* heartbeat;
+/// `gen` starts as "none"; an ended channel leaves for good and its end takes no turn.
+/// `channels[c]` is channel `c`'s complete element list, ending with its End.
+fn model(channels: &[Vec<Item<Rows>>]) -> Vec<Ev> {
+    let n = channels.len();
     let mut out = Vec::new();
     let mut pos = vec![0usize; n];
     let mut active = vec![true; n];
     let mut ended = vec![false; n];
     let mut gen: Option<u64> = None;
     let mut next = 0usize;
-    let mut taken = 0usize;
     let leave = |active: &mut Vec<bool>, ended: &Vec<bool>, c: usize| {
         active[c] = false;
         if active.iter().all(|a| !a) {
@@ -69,46 +72,43 @@ fn model(contents: &[Vec<Elem>], quantum: usize) -> Vec<Ev> {
             return out;
         }
         let c = next;
-        match contents[c].get(pos[c]) {
-            Some(Elem::Row) => {
-                out.push(Ev::Row {
+        let item = channels[c]
+            .get(pos[c])
+            .unwrap_or_else(|| panic!("channel {c} has no End element"));
+        pos[c] += 1;
+        match *item {
+            Item::Data { first_seq, payload } => {
+                out.push(Ev::Data {
                     channel: c,
-                    seq: pos[c] as u64,
+                    first_seq,
+                    rows: payload.len,
                 });
-                pos[c] += 1;
-                taken += 1;
-                if taken == quantum {
-                    taken = 0;
-                    next = advance(&active, next);
-                }
+                next = advance(&active, next);
             }
-            Some(Elem::Heartbeat(epoch)) => {
-                let first = gen.is_none_or(|g| *epoch > g);
+            Item::Heartbeat { epoch, .. } => {
+                let first = gen.is_none_or(|g| epoch > g);
                 if first {
-                    gen = Some(*epoch);
+                    gen = Some(epoch);
                 }
                 out.push(Ev::Heartbeat {
                     channel: c,
-                    epoch: *epoch,
+                    epoch,
                     first,
                 });
-                pos[c] += 1;
                 leave(&mut active, &ended, c);
-                taken = 0;
                 next = advance(&active, next);
             }
-            None => {
+            Item::End { .. } => {
                 ended[c] = true;
                 leave(&mut active, &ended, c);
-                taken = 0;
                 next = advance(&active, next);
             }
         }
     }
 }
 
-fn flatten(d: Delivery<Rows>, out: &mut Vec<Ev>) {
-    match d {
+fn record(d: Delivery<Rows>, out: &mut Vec<Ev>) {
+    out.push(match d {
         Delivery::Data {
             channel,
             first_seq,
@@ -119,57 +119,54 @@ fn flatten(d: Delivery<Rows>, out: &mut Vec<Ev>) {
                 "payload is not the slice it claims to be"
             );
             assert!(payload.rows() > 0, "empty data delivery");
-            for k in 0..payload.rows() as u64 {
-                out.push(Ev::Row {
-                    channel,
-                    seq: first_seq + k,
-                });
+            Ev::Data {
+                channel,
+                first_seq,
+                rows: payload.rows(),
             }
         }
         Delivery::Heartbeat {
             channel,
             epoch,
             first,
-        } => out.push(Ev::Heartbeat {
+        } => Ev::Heartbeat {
             channel,
             epoch,
             first,
-        }),
-        Delivery::End => out.push(Ev::End),
-    }
+        },
+        Delivery::End => Ev::End,
+    });
 }
 
-/// What every downstream replica of a task partition receives: per channel, the streams of
-/// the r upstream replicas (one possibly cut short by a crash).
+/// What every downstream replica of a task partition receives.
 struct Workload {
-    contents: Vec<Vec<Elem>>,
+    /// Per channel: the batches its upstream partition emits, cut once, ending with End.
+    batches: Vec<Vec<Item<Rows>>>,
+    /// Per channel, per upstream replica: what that replica sent — `batches`, or a prefix
+    /// of it for the replica that crashed.
     streams: Vec<Vec<Vec<Item<Rows>>>>,
 }
 
 fn workload(seed: u64, channels: usize, replicas: usize, crash: bool) -> Workload {
     let mut rng = Rng::new(seed);
-    let contents: Vec<_> = (0..channels)
-        .map(|_| channel_content(&mut rng, 4, 12))
-        .collect();
-    let mut streams: Vec<Vec<_>> = contents
-        .iter()
-        .map(|c| {
-            (0..replicas)
-                .map(|_| replica_stream(&mut rng, c, 5))
-                .collect()
+    let batches: Vec<Vec<Item<Rows>>> = (0..channels)
+        .map(|_| {
+            let content = channel_content(&mut rng, 4, 12);
+            replica_stream(&mut rng, &content, 5)
         })
         .collect();
+    let mut streams: Vec<Vec<_>> = batches.iter().map(|b| vec![b.clone(); replicas]).collect();
     if crash && replicas > 1 {
         let ch = rng.below(channels);
         let victim = rng.below(replicas);
         let keep = rng.below(streams[ch][victim].len() + 1);
         streams[ch][victim].truncate(keep);
     }
-    Workload { contents, streams }
+    Workload { batches, streams }
 }
 
 /// Deliver the workload's arrivals to one downstream replica in an interleaving drawn from
-/// `seed`, running `merge` at random moments; returns what it consumed, up to End.
+/// `seed`, running `merge` at random moments; returns what it delivered, up to End.
 fn consume(w: &Workload, merge: &mut dyn Merge<Rows>, seed: u64, capacity: usize) -> Vec<Ev> {
     let mut rng = Rng::new(seed);
     let bell = Arc::new(Doorbell::new());
@@ -191,7 +188,7 @@ fn consume(w: &Workload, merge: &mut dyn Merge<Rows>, seed: u64, capacity: usize
         if live.is_empty() || rng.chance(30) {
             if let Some(d) = merge.next(&mut receivers) {
                 let end = d == Delivery::End;
-                flatten(d, &mut out);
+                record(d, &mut out);
                 if end {
                     return out;
                 }
@@ -212,12 +209,17 @@ fn consume(w: &Workload, merge: &mut dyn Merge<Rows>, seed: u64, capacity: usize
 }
 
 /// The orders a KaZoo leader would publish for a consumption sequence: one "channel c up to
-/// seq s" entry per run of consecutive elements from the same channel.
+/// seq s" entry per run of consecutive data deliveries from the same channel, each bound at
+/// the end of a batch.
 fn orders_of(seq: &[Ev]) -> Vec<(usize, u64)> {
     let mut orders: Vec<(usize, u64)> = Vec::new();
     for ev in seq {
         let (c, s) = match *ev {
-            Ev::Row { channel, seq } => (channel, seq + 1),
+            Ev::Data {
+                channel,
+                first_seq,
+                rows,
+            } => (channel, first_seq + rows as u64),
             Ev::Heartbeat { .. } | Ev::End => continue,
         };
         match orders.last_mut() {
@@ -252,7 +254,7 @@ fn follow(w: &Workload, follower: &mut Positional<Rows>, arrival: u64) -> Vec<Ev
             .collect();
         if live.is_empty() || rng.chance(40) {
             match follower.next(&mut rx) {
-                Some(d) => flatten(d, &mut got),
+                Some(d) => record(d, &mut got),
                 None if live.is_empty() => return got,
                 None => {}
             }
@@ -266,18 +268,19 @@ fn follow(w: &Workload, follower: &mut Positional<Rows>, arrival: u64) -> Vec<Ev
     }
 }
 
-fn rows_only(seq: &[Ev]) -> Vec<Ev> {
+fn data_only(seq: &[Ev]) -> Vec<Ev> {
     seq.iter()
-        .filter(|e| matches!(e, Ev::Row { .. }))
+        .filter(|e| matches!(e, Ev::Data { .. }))
         .copied()
         .collect()
 }
 
-/// The events of channel `c` in a consumed sequence, heartbeats without their `first` flag.
+/// The deliveries of channel `c` in a consumed sequence, heartbeats without their `first`
+/// flag.
 fn channel_events(seq: &[Ev], c: usize) -> Vec<Ev> {
     seq.iter()
         .filter_map(|e| match *e {
-            Ev::Row { channel, .. } if channel == c => Some(*e),
+            Ev::Data { channel, .. } if channel == c => Some(*e),
             Ev::Heartbeat { channel, epoch, .. } if channel == c => Some(Ev::Heartbeat {
                 channel,
                 epoch,
@@ -288,21 +291,23 @@ fn channel_events(seq: &[Ev], c: usize) -> Vec<Ev> {
         .collect()
 }
 
-/// The events of a channel's content, as [`channel_events`] presents them.
-fn channel_events_of_content(content: &[Elem], c: usize) -> Vec<Ev> {
-    content
+/// A channel's batches, as [`channel_events`] presents them (the End is not a delivery of
+/// its own).
+fn channel_events_of_batches(batches: &[Item<Rows>], c: usize) -> Vec<Ev> {
+    batches
         .iter()
-        .enumerate()
-        .map(|(i, e)| match e {
-            Elem::Row => Ev::Row {
+        .filter_map(|item| match *item {
+            Item::Data { first_seq, payload } => Some(Ev::Data {
                 channel: c,
-                seq: i as u64,
-            },
-            Elem::Heartbeat(epoch) => Ev::Heartbeat {
+                first_seq,
+                rows: payload.len,
+            }),
+            Item::Heartbeat { epoch, .. } => Some(Ev::Heartbeat {
                 channel: c,
-                epoch: *epoch,
+                epoch,
                 first: false,
-            },
+            }),
+            Item::End { .. } => None,
         })
         .collect()
 }
@@ -311,22 +316,21 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
 
     #[test]
-    fn liverobin_consumes_the_reference_sequence_under_any_interleaving(
+    fn liverobin_delivers_the_reference_batches_under_any_interleaving(
         seed in any::<u64>(),
         channels in 1usize..=3,
         replicas in 1usize..=3,
         crash in any::<bool>(),
-        quantum in prop::sample::select(vec![1usize, 2, 3, 7, 1024]),
         capacity in 1usize..=6,
         arrival_a in any::<u64>(),
         arrival_b in any::<u64>(),
     ) {
         let w = workload(seed, channels, replicas, crash);
-        let reference = model(&w.contents, quantum);
-        let a = consume(&w, &mut LiveRobin::new(channels, quantum), arrival_a, capacity);
+        let reference = model(&w.batches);
+        let a = consume(&w, &mut LiveRobin::new(channels), arrival_a, capacity);
         prop_assert_eq!(&a, &reference);
-        let b = consume(&w, &mut LiveRobin::new(channels, quantum), arrival_b, capacity);
-        prop_assert_eq!(&a, &b, "two downstream replicas consumed different sequences");
+        let b = consume(&w, &mut LiveRobin::new(channels), arrival_b, capacity);
+        prop_assert_eq!(&a, &b, "two downstream replicas delivered different batch sequences");
     }
 
     #[test]
@@ -338,8 +342,10 @@ proptest! {
         arrival in any::<u64>(),
     ) {
         let w = workload(seed, channels, replicas, crash);
-        // The leader's decided order: here, LiveRobin's. Rows only (heartbeats ride along).
-        let leader = model(&w.contents, 2);
+        // The leader's decided order: here, LiveRobin's. Its bounds fall on batch
+        // boundaries, so the follower delivers the leader's very batches (heartbeats ride
+        // along wherever the next order on their channel takes them).
+        let leader = model(&w.batches);
         let mut follower = Positional::new(channels);
         for (c, s) in orders_of(&leader) {
             follower.push_order(c, s).unwrap();
@@ -349,11 +355,11 @@ proptest! {
             follower.push_order(c, s).unwrap();
         }
         let got = follow(&w, &mut follower, arrival);
-        prop_assert_eq!(rows_only(&got), rows_only(&leader));
+        prop_assert_eq!(data_only(&got), data_only(&leader));
     }
 
     #[test]
-    fn fcfs_loses_nothing_and_keeps_each_channels_order(
+    fn fcfs_loses_nothing_and_keeps_each_channels_batches(
         seed in any::<u64>(),
         channels in 1usize..=3,
         replicas in 1usize..=3,
@@ -363,7 +369,10 @@ proptest! {
         let w = workload(seed, channels, replicas, crash);
         let got = consume(&w, &mut Fcfs::new(channels), arrival, 4);
         for c in 0..channels {
-            prop_assert_eq!(channel_events(&got, c), channel_events_of_content(&w.contents[c], c));
+            prop_assert_eq!(
+                channel_events(&got, c),
+                channel_events_of_batches(&w.batches[c], c)
+            );
         }
         prop_assert_eq!(got.last(), Some(&Ev::End));
     }
@@ -386,9 +395,9 @@ fn fcfs_order_depends_on_arrival_timing() {
         let mut out = Vec::new();
         // Replica X sees channel `first_channel`'s row arrive first, replica Y the other.
         tx[first_channel].offer(a(0));
-        flatten(Merge::<Rows>::next(&mut fcfs, &mut rx).unwrap(), &mut out);
+        record(Merge::<Rows>::next(&mut fcfs, &mut rx).unwrap(), &mut out);
         tx[1 - first_channel].offer(a(0));
-        flatten(Merge::<Rows>::next(&mut fcfs, &mut rx).unwrap(), &mut out);
+        record(Merge::<Rows>::next(&mut fcfs, &mut rx).unwrap(), &mut out);
         out
     };
     let x = run(0);
@@ -400,43 +409,96 @@ fn fcfs_order_depends_on_arrival_timing() {
         let bell = Arc::new(Doorbell::new());
         let (tx, mut rx): (Vec<DedupSender<Rows>>, Vec<DedupReceiver<Rows>>) =
             (0..2).map(|_| channel(8, Arc::clone(&bell))).unzip();
-        let mut lr = LiveRobin::new(2, 1);
+        let mut lr = LiveRobin::new(2);
         let mut out = Vec::new();
         tx[first_channel].offer(a(0));
         while let Some(d) = lr.next(&mut rx) {
-            flatten(d, &mut out);
+            record(d, &mut out);
         }
         tx[1 - first_channel].offer(a(0));
         while let Some(d) = lr.next(&mut rx) {
-            flatten(d, &mut out);
+            record(d, &mut out);
         }
         out
     };
     assert_eq!(run_lr(0), run_lr(1));
 }
 
+/// The same on the property workloads: two downstream replicas running `none` over the
+/// same batches deliver different sequences for some arrival interleavings, where
+/// LiveRobin never does (the first property).
+#[test]
+fn fcfs_diverges_on_the_property_workloads() {
+    let diverged = (0..200u64).find(|&seed| {
+        let w = workload(seed, 2, 2, seed % 2 == 0);
+        let a = consume(&w, &mut Fcfs::new(2), seed.wrapping_mul(3), 4);
+        let b = consume(&w, &mut Fcfs::new(2), seed.wrapping_mul(7) + 1, 4);
+        a != b
+    });
+    assert!(
+        diverged.is_some(),
+        "fcfs agreed on 200 workloads: the workloads no longer exercise ordering"
+    );
+}
+
 #[test]
 fn the_model_reproduces_the_paper_on_a_hand_example() {
-    use Elem::{Heartbeat as H, Row as R};
-    let contents = vec![vec![R, R, H(1), R], vec![R, H(1), R]];
-    assert_eq!(
-        model(&contents, 1),
+    let data = |first_seq, len| Item::Data {
+        first_seq,
+        payload: Rows {
+            start: first_seq,
+            len,
+        },
+    };
+    let hb = |seq, epoch| Item::Heartbeat { seq, epoch };
+    let d = |channel, first_seq, rows| Ev::Data {
+        channel,
+        first_seq,
+        rows,
+    };
+    let h = |channel, epoch, first| Ev::Heartbeat {
+        channel,
+        epoch,
+        first,
+    };
+    // One row per batch: the paper's per-event algorithm exactly.
+    let single_rows = vec![
         vec![
-            Ev::Row { channel: 0, seq: 0 },
-            Ev::Row { channel: 1, seq: 0 },
-            Ev::Row { channel: 0, seq: 1 },
-            Ev::Heartbeat {
-                channel: 1,
-                epoch: 1,
-                first: true
-            },
-            Ev::Heartbeat {
-                channel: 0,
-                epoch: 1,
-                first: false
-            },
-            Ev::Row { channel: 1, seq: 2 },
-            Ev::Row { channel: 0, seq: 3 },
+            data(0, 1),
+            data(1, 1),
+            hb(2, 1),
+            data(3, 1),
+            Item::End { seq: 4 },
+        ],
+        vec![data(0, 1), hb(1, 1), data(2, 1), Item::End { seq: 3 }],
+    ];
+    assert_eq!(
+        model(&single_rows),
+        vec![
+            d(0, 0, 1),
+            d(1, 0, 1),
+            d(0, 1, 1),
+            h(1, 1, true),
+            h(0, 1, false),
+            d(1, 2, 1),
+            d(0, 3, 1),
+            Ev::End,
+        ]
+    );
+    // The same content with channel 0's first two rows in one batch: one turn for both.
+    let batched = vec![
+        vec![data(0, 2), hb(2, 1), data(3, 1), Item::End { seq: 4 }],
+        vec![data(0, 1), hb(1, 1), data(2, 1), Item::End { seq: 3 }],
+    ];
+    assert_eq!(
+        model(&batched),
+        vec![
+            d(0, 0, 2),
+            d(1, 0, 1),
+            h(0, 1, true),
+            h(1, 1, false),
+            d(0, 3, 1),
+            d(1, 2, 1),
             Ev::End,
         ]
     );
@@ -444,7 +506,8 @@ fn the_model_reproduces_the_paper_on_a_hand_example() {
 
 /// End to end with real threads: one I/O thread per (channel, upstream replica) offering
 /// into the dedup channels, one task thread running LiveRobin and sleeping on the consumer
-/// bell when it must wait. The consumed sequence is still exactly the model's.
+/// bell when it must wait. The delivered sequence, batches included, is still exactly the
+/// model's.
 #[test]
 fn liverobin_over_threaded_dedup_matches_the_model() {
     use std::thread;
@@ -455,9 +518,8 @@ fn liverobin_over_threaded_dedup_matches_the_model() {
         let seed = 0x7A5C_0000 + i;
         let channels = 1 + (i as usize % 3);
         let replicas = 1 + (i as usize / 3 % 3);
-        let quantum = [1, 3, 1024][i as usize % 3];
         let w = workload(seed, channels, replicas, i % 2 == 0);
-        let expected = model(&w.contents, quantum);
+        let expected = model(&w.batches);
 
         let bell = Arc::new(Doorbell::new());
         let (senders, mut receivers): (Vec<DedupSender<Rows>>, Vec<DedupReceiver<Rows>>) =
@@ -486,7 +548,7 @@ fn liverobin_over_threaded_dedup_matches_the_model() {
             })
             .collect();
 
-        let mut merge = LiveRobin::new(channels, quantum);
+        let mut merge = LiveRobin::new(channels);
         let mut got = Vec::new();
         loop {
             let seen = bell.generation();
@@ -495,7 +557,7 @@ fn liverobin_over_threaded_dedup_matches_the_model() {
                     got.push(Ev::End);
                     break;
                 }
-                Some(d) => flatten(d, &mut got),
+                Some(d) => record(d, &mut got),
                 None => {
                     assert!(
                         bell.wait(seen, Duration::from_secs(10)),

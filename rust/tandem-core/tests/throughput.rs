@@ -113,7 +113,7 @@ fn liverobin_four_channels_with_heartbeats() {
             .iter()
             .map(|c| c.iter().cloned().collect())
             .collect();
-        let mut merge = LiveRobin::new(channels, BATCH_ROWS);
+        let mut merge = LiveRobin::new(channels);
         let mut rows = 0u64;
         loop {
             match merge.next(&mut inputs) {

@@ -24,9 +24,6 @@ use tandem_core::{Delivery, Item};
 use crate::dedup::{arg_batch, arg_channel, arg_positive, arg_u64, check_range};
 use crate::errors::{ConfigError, IntoPyResult};
 
-/// Rows per LiveRobin turn when none is given (the `batch_rows` default of DESIGN §5).
-const DEFAULT_QUANTUM_ROWS: usize = 1024;
-
 /// A merge and the channels it reads.
 struct State<M> {
     merge: M,
@@ -202,7 +199,8 @@ macro_rules! merge_class {
 }
 
 /// LiveRobin (Algorithm 1 of the paper): deterministic round-robin over the channels still
-/// active in the current heartbeat cycle.
+/// active in the current heartbeat cycle, one whole element (a batch, never sliced, or a
+/// heartbeat or end marker) per turn.
 #[pyclass(frozen, module = "tandem._core")]
 pub(crate) struct LiveRobin {
     state: Mutex<State<CoreLiveRobin<RecordBatch>>>,
@@ -210,18 +208,10 @@ pub(crate) struct LiveRobin {
 
 merge_class!(LiveRobin, {
     #[new]
-    #[pyo3(signature = (channels, quantum_rows = None))]
-    fn new(channels: &Bound<'_, PyAny>, quantum_rows: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+    fn new(channels: &Bound<'_, PyAny>) -> PyResult<Self> {
         let channels = arg_positive(channels, "channels")?;
-        let quantum_rows = match quantum_rows {
-            Some(q) => arg_positive(q, "quantum_rows")?,
-            None => DEFAULT_QUANTUM_ROWS,
-        };
         Ok(Self {
-            state: Mutex::new(State::new(
-                CoreLiveRobin::new(channels, quantum_rows),
-                channels,
-            )),
+            state: Mutex::new(State::new(CoreLiveRobin::new(channels), channels)),
         })
     }
 

@@ -167,9 +167,9 @@ pub struct Inbox {
 #[pymethods]
 impl Inbox {
     #[new]
-    #[pyo3(signature = (job, secret, upstreams, ordering = "liverobin", quantum_rows = 1024,
-                        queue_capacity = 1024, max_frame_bytes = DEFAULT_MAX_FRAME_BYTES as i64,
-                        host = "127.0.0.1", port = 0, handshake_timeout = 2.0))]
+    #[pyo3(signature = (job, secret, upstreams, ordering = "liverobin", queue_capacity = 1024,
+                        max_frame_bytes = DEFAULT_MAX_FRAME_BYTES as i64, host = "127.0.0.1",
+                        port = 0, handshake_timeout = 2.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -177,16 +177,14 @@ impl Inbox {
         secret: &[u8],
         upstreams: Vec<(i64, i64)>,
         ordering: &str,
-        quantum_rows: i64,
         queue_capacity: i64,
         max_frame_bytes: i64,
         host: &str,
         port: i64,
         handshake_timeout: f64,
     ) -> PyResult<Self> {
-        let quantum_rows = arg_at_least_1("quantum_rows", quantum_rows)?;
         let ordering = match ordering {
-            "liverobin" => OrderingMode::LiveRobin { quantum_rows },
+            "liverobin" => OrderingMode::LiveRobin,
             "none" => OrderingMode::None,
             "kazoo" => OrderingMode::Positional,
             other => {

@@ -53,8 +53,12 @@ pub fn channel_content(rng: &mut Rng, cycles: u64, max_rows: usize) -> Vec<Elem>
     out
 }
 
-/// How one upstream replica sends a channel's content: runs of rows cut at random
-/// boundaries (at most `max_batch` rows), heartbeats on their own, then End.
+/// How an upstream replica sends a channel's content: runs of rows cut into batches at
+/// random boundaries (at most `max_batch` rows), heartbeats on their own, then End.
+///
+/// Under DESIGN §2 invariant 1 the batches are cut once per channel and every replica of
+/// the upstream partition sends that same list (`order_props`); `dedup_stress` draws one
+/// list per replica to exercise the trimming of overlapping copies as well.
 pub fn replica_stream(rng: &mut Rng, content: &[Elem], max_batch: usize) -> Vec<Item<Rows>> {
     let mut out = Vec::new();
     let mut seq = 0u64;
