@@ -379,8 +379,10 @@ def test_sources_cut_batches_at_windows_heartbeats_and_multiples_of_batch_rows()
     plan = job.plan()
     # Partition 1 releases local row j (global 2j+1) at 2j+1 ms. Windows of 5 ms; a batch
     # is due when its window closes; cuts also where j is a multiple of batch_rows = 3.
-    steps = [(s.kind, s.j0, s.j1, s.epoch, s.at_ns // 1_000_000) for s in
-             plan.source_schedule(0, 1, 0.03)]
+    steps = [
+        (s.kind, s.j0, s.j1, s.epoch, s.at_ns // 1_000_000)
+        for s in plan.source_schedule(0, 1, 0.03)
+    ]
     assert steps == [
         ("rows", 0, 2, 0, 5),  # 1, 3 ms
         ("rows", 2, 3, 0, 10),  # 5 ms | cut at j = 3

@@ -9,11 +9,9 @@ given batch makes the job fail with ``DeterminismError`` (unless ``on_divergence
 
 from __future__ import annotations
 
-import os
 import random
 import time
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -23,36 +21,13 @@ from hypothesis import strategies as st
 import tandem as td
 from tandem.engines.local import multiset_diff
 from tandem.reference import canonical
+from tandem.testing import BATCH_FUNCTIONS, noisy, two_thresholds
 
 RATE = 1_500
 DURATION = 2.5
 
 
-# -- functions of a whole batch (module level: they travel to the replica processes) -------
-
-
-def with_batch_rows(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Adds the batch's row count to every row."""
-    return batch.append_column("batch_rows", pa.array(np.full(batch.num_rows, batch.num_rows)))
-
-
-def with_batch_mean(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Adds the batch's mean value to every row."""
-    mean = pc.mean(batch.column("value")).as_py() or 0.0
-    return batch.append_column("batch_mean", pa.array(np.full(batch.num_rows, mean)))
-
-
-def with_rank(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Adds each row's rank by value within its batch."""
-    return batch.append_column("rank", pc.rank(batch.column("value"), sort_keys="ascending"))
-
-
-def two_thresholds(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Alerts over two thresholds: filters twice and concatenates the results, so a row
-    over both comes out twice, the second copy after every first-threshold alert."""
-    low = batch.filter(pc.greater(batch.column("value"), 0.5))
-    high = batch.filter(pc.greater(batch.column("value"), 0.8))
-    return pa.concat_batches([low, high]) if high.num_rows else low
+# -- functions (module level: they travel to the replica processes) -------------------------
 
 
 def jittery(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -62,22 +37,11 @@ def jittery(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch
 
 
-def noisy(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Not deterministic: a column of fresh random numbers at every replica."""
-    return batch.append_column("noise", pa.array(np.frombuffer(os.urandom(8 * batch.num_rows))))
-
-
 def noisy_schema() -> pa.Schema:
     return td.sources.Synthetic(rate=1).schema().append(pa.field("noise", pa.float64()))
 
 
-BATCH_FNS = {
-    "rows": ("map", with_batch_rows),
-    "mean": ("map", with_batch_mean),
-    "rank": ("map", with_rank),
-    "thresholds": ("flat_map", two_thresholds),
-    "jitter": ("map", jittery),
-}
+BATCH_FNS = {**BATCH_FUNCTIONS, "jitter": ("map", jittery)}
 
 
 def pipeline(stages: list[str], replication: int, **knobs) -> td.Job:
@@ -200,9 +164,7 @@ def test_bad_on_divergence_is_a_config_error():
     fault=st.sampled_from(["none", "kill", "pause"]),
     seed=st.integers(0, 1_000),
 )
-def test_random_pipelines_of_batch_functions_equal_the_reference(
-    stages, replication, fault, seed
-):
+def test_random_pipelines_of_batch_functions_equal_the_reference(stages, replication, fault, seed):
     """Random pipelines of batch-dependent functions, with a replica killed or frozen for
     a while at a random moment: replicas agree and the output is the reference's."""
     job = pipeline(stages, replication)

@@ -275,11 +275,14 @@ def test_union_interleaves_in_liverobin_order(tmp_path):
     b = job.source(td.sources.Synthetic(rate=500, keys=5, seed=2), name="b")
     a.union(b).map(identity, name="merge").sink(td.sinks.Collect())
     r = job.run_reference(duration=0.02)
-    # a: rows 0..9 before hb1, 10..19 before hb2; b (2 ms apart): 0..4, then 5..9.
-    # Quantum 3; a channel leaves the cycle at its heartbeat; cycle 2 starts after the
-    # channel that closed cycle 1 (a), i.e. with b.
-    cycle1 = [*[0, 1, 2], *[0, 1, 2], *[3, 4, 5], *[3, 4], *[6, 7, 8], 9]
-    cycle2 = [*[5, 6, 7], *[10, 11, 12], *[8, 9], *range(13, 20)]
+    # Batches (5 ms windows, cut where the row index is a multiple of 3):
+    #   a (1 ms apart): [0 1 2] [3 4] | [5] [6 7 8] [9] hb1 [10 11] [12 13 14] | [15 16 17]
+    #                   [18 19] hb2
+    #   b (2 ms apart): [0 1 2] | [3 4] hb1 [5] [6 7] | [8] [9] hb2
+    # One whole batch per turn; a channel leaves the cycle at its heartbeat; cycle 2
+    # starts after the channel that closed cycle 1 (a), i.e. with b.
+    cycle1 = [0, 1, 2, 0, 1, 2, 3, 4, 3, 4, 5, 6, 7, 8, 9]
+    cycle2 = [5, 10, 11, 6, 7, 12, 13, 14, 8, 15, 16, 17, 9, 18, 19]
     assert r.output["source_seq"].to_pylist() == cycle1 + cycle2
     assert r.events_in == r.events_out == 30
 

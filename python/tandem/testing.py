@@ -33,17 +33,31 @@ Typical use::
     channels = deduplicate(arrivals, len(contents))  # per-channel element lists
     expected = ReferenceLiveRobin(len(contents)).run(channels)
     # a tandem._core.LiveRobin fed the same channels: batches(lr.drain()) == expected
+
+Functions of a whole batch
+    :func:`with_batch_rows`, :func:`with_batch_mean`, :func:`with_rank` and
+    :func:`two_thresholds` are operator functions whose output depends on how the rows are
+    cut into batches — deterministic for a given batch, as the contract asks, and wrong
+    the moment two replicas see different batches; :func:`noisy` is not deterministic at
+    all. Put them in a job to check that a deployment keeps its replicas in step (and that
+    the divergence check fires).
 """
 
 from __future__ import annotations
 
+import os
 import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 __all__ = [
+    "BATCH_FUNCTIONS",
     "Data",
     "End",
     "Heartbeat",
@@ -55,8 +69,13 @@ __all__ = [
     "deduplicate",
     "flatten",
     "interleave",
+    "noisy",
     "queue_entries",
     "replica_streams",
+    "two_thresholds",
+    "with_batch_mean",
+    "with_batch_rows",
+    "with_rank",
 ]
 
 
@@ -464,3 +483,48 @@ def flatten(deliveries: Iterable[tuple[Any, ...]], column: str = "seq") -> list[
         else:
             out.append(tuple(d))
     return out
+
+
+# -- functions of a whole batch ------------------------------------------------------------
+
+
+def with_batch_rows(batch):
+    """Map: adds column ``batch_rows``, the batch's row count, to every row."""
+    return batch.append_column("batch_rows", pa.array(np.full(batch.num_rows, batch.num_rows)))
+
+
+def with_batch_mean(batch, column: str = "value"):
+    """Map: adds column ``batch_mean``, the mean of ``column`` over the batch."""
+    mean = pc.mean(batch.column(column)).as_py() or 0.0
+    return batch.append_column("batch_mean", pa.array(np.full(batch.num_rows, mean)))
+
+
+def with_rank(batch, column: str = "value"):
+    """Map: adds column ``rank``, each row's rank by ``column`` within its batch."""
+    return batch.append_column("rank", pc.rank(batch.column(column), sort_keys="ascending"))
+
+
+def two_thresholds(batch, column: str = "value"):
+    """Flat map: alerts over two thresholds — the rows over 0.5, then the rows over 0.8
+    (filtered twice and concatenated), so a row over both comes out twice, its second
+    copy after every first-threshold alert of the batch."""
+    low = batch.filter(pc.greater(batch.column(column), 0.5))
+    high = batch.filter(pc.greater(batch.column(column), 0.8))
+    return pa.concat_batches([low, high]) if high.num_rows else low
+
+
+def noisy(batch):
+    """Map that is *not* deterministic: adds a column ``noise`` of fresh random floats at
+    every call. Replicas running it diverge at once (declare its output schema: the
+    input's plus ``noise: double``)."""
+    return batch.append_column("noise", pa.array(np.frombuffer(os.urandom(8 * batch.num_rows))))
+
+
+BATCH_FUNCTIONS = {
+    "rows": ("map", with_batch_rows),
+    "mean": ("map", with_batch_mean),
+    "rank": ("map", with_rank),
+    "thresholds": ("flat_map", two_thresholds),
+}
+"""The batch-dependent functions above by short name, with the ``Stream`` method that
+takes each (``map`` or ``flat_map``)."""
