@@ -65,7 +65,8 @@ def test_cost_bench_quick_r1_r2_reports_every_figure_from_one_run(tmp_path, caps
         # Nothing arrives before t0, which is STARTUP_S after every replica listens; and
         # the first output comes while the run is on.
         assert local.STARTUP_S < r["first_output_s"] < r["wall_s"], where
-        assert r["steady_wall_s"] == pytest.approx(r["duration_s"] - r["warmup_s"], abs=0.5)
+        steady = r["duration_s"] - r["warmup_s"]
+        assert r["steady_wall_s"] == pytest.approx(steady, abs=0.6), where
         assert r["rss_mb_total"] > r["rss_mb_max"] > 0, where
         assert r["p99_ms"] >= r["p50_ms"] > 0, where
         assert r["zookeeper_cpu_s"] is None and r["kafka_cpu_s"] is None, where
@@ -206,6 +207,16 @@ def test_ratios_and_targets_compare_with_r1_of_the_same_workload_and_phase():
     )
 
 
+def test_a_saturated_machine_is_called_out():
+    cores = os.cpu_count()
+    calm = [_row("r1", "load", steady_core_share=0.5 * cores)]
+    assert "Saturated" not in bench.cost_markdown(calm)
+    busy = [*calm, _row("r2", "load", steady_core_share=0.9 * cores)]
+    assert f"Saturated: demo r2 load kept more than 80% of this machine's {cores} cores" in (
+        bench.cost_markdown(busy)
+    )
+
+
 def test_without_r1_there_are_no_ratios():
     rows = [_row("r2", "load"), _row("r3", "load")]
     bench._add_ratios(rows)
@@ -214,11 +225,6 @@ def test_without_r1_there_are_no_ratios():
     assert "| demo | r3 | 25 |" in bench.cost_markdown(rows)
 
 
-def test_a_plain_run_reports_its_cost():
-    job = bench.cost_job("mib1", "r1", rate=500, kazoo=None)
-    res = job.run(duration=2.0, warmup=0.5, progress=False, check=False)
-    assert res.processes == 2 + 3 * 2 + 1
-    assert 0 < res.steady_cpu_s < res.cpu_s and res.coordinator_cpu_s > 0
-    assert res.steady_wall_s == pytest.approx(1.5, abs=0.3)
-    assert local.STARTUP_S < res.first_output_s < res.wall_s
-    assert td.Result().cpu_s is None  # engines that do not measure say so
+def test_engines_that_do_not_measure_cost_say_so():
+    r = td.Result()
+    assert (r.processes, r.cpu_s, r.steady_cpu_s, r.first_output_s) == (None, None, None, None)

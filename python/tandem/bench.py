@@ -641,6 +641,11 @@ def cost_targets(rows: list[CostRow]) -> list[dict]:
     return checks
 
 
+SATURATED = 0.8
+"""A steady-state CPU share above this fraction of the machine's cores marks a run whose
+figures the machine itself bent (see :func:`cost_markdown`)."""
+
+
 def _num(v, digits: int = 1, suffix: str = "") -> str:
     if v is None:
         return "—"
@@ -700,6 +705,17 @@ def cost_markdown(rows: list[CostRow]) -> str:
                 f"| {_num(None if share is None else share * 100, 0, ' %')} "
                 f"| {_num(r.rss_mb_total, 0)} |"
             )
+    busy = [r for r in rows if r.steady_core_share > SATURATED * (os.cpu_count() or 1)]
+    if busy:
+        names = ", ".join(f"{r.workload} {r.config} {r.phase}" for r in busy)
+        out += [
+            "",
+            f"Saturated: {names} kept more than {SATURATED:.0%} of this machine's "
+            f"{os.cpu_count()} cores busy in the steady state: their latency includes "
+            "waiting for a core, and their CPU is capped by the cores and bent by contention "
+            "(in either direction), so compare them with care; measure them again at a "
+            "lower rate, or on more cores.",
+        ]
     checks = cost_targets(rows)
     if checks:
         out += [
@@ -768,9 +784,9 @@ def plot_cost(rows: list[CostRow], path: str) -> None:
         ax.set_xticks(x, workloads)
         ax.set_ylabel(label, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    axes[-1].legend(fontsize=8)
-    fig.suptitle("tandem bench cost: what replication costs", fontsize=10)
-    fig.tight_layout()
+    handles, labels = axes[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=len(labels), fontsize=8, frameon=False)
+    fig.suptitle("tandem bench cost: what replication costs", fontsize=10, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(path)
     plt.close(fig)
