@@ -228,3 +228,16 @@ def test_without_r1_there_are_no_ratios():
 def test_engines_that_do_not_measure_cost_say_so():
     r = td.Result()
     assert (r.processes, r.cpu_s, r.steady_cpu_s, r.first_output_s) == (None, None, None, None)
+
+
+def test_service_pids_are_the_servers_kazoo_uses(zookeeper, kafka):
+    config = td.KazooConfig(zk_hosts=zookeeper.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap)
+    pids = bench.service_pids(config)
+    assert pids == {
+        "zookeeper": bench.listener_pid(zookeeper.zk_port),
+        "kafka": bench.listener_pid(kafka.kafka_port),
+    }
+    for name, pid in pids.items():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert b"java" in f.read(), name
+        assert local.process_cpu_s(pid) > 0, name

@@ -412,7 +412,7 @@ def listener_pid(port: int) -> int | None:
     return None
 
 
-def service_pids(kazoo: td.KazooConfig) -> dict[str, int]:
+def service_pids(kazoo: td.KazooConfig, log=None) -> dict[str, int]:
     """The PIDs of the ZooKeeper and Kafka servers ``kazoo`` points at: the ones
     ``scripts/services.sh`` started (its PID files), else whoever listens on the port (a
     server started from another checkout, or by hand)."""
@@ -425,7 +425,10 @@ def service_pids(kazoo: td.KazooConfig) -> dict[str, int]:
         states = Services(zk_port=ports["zookeeper"], kafka_port=ports["kafka"]).status()
         pids = {name: s.pid for name, s in states.items() if s.up and s.pid}
     except td.TandemError as exc:  # no script here: fall back to the listeners
-        print(f"cost: scripts/services.sh status failed ({exc}); using the ports", file=sys.stderr)
+        print(
+            f"cost: scripts/services.sh status failed ({exc}); using the ports",
+            file=log or sys.stderr,
+        )
     for name, port in ports.items():
         if name not in pids:
             pid = listener_pid(port)
@@ -446,6 +449,7 @@ def _cost_row(
     duration: float,
     warmup: float,
     kazoo: td.KazooConfig | None,
+    log,
 ) -> CostRow:
     """Run one configuration once and measure it."""
     from tandem.engines.local import process_cpu_s
@@ -458,7 +462,7 @@ def _cost_row(
         for t in plan.sources()
         for p in range(t.parallelism)
     )
-    pids = service_pids(kazoo or td.KazooConfig()) if opts["ordering"] == "kazoo" else {}
+    pids = service_pids(kazoo or td.KazooConfig(), log) if opts["ordering"] == "kazoo" else {}
     before = {name: process_cpu_s(pid) for name, pid in pids.items()}
     res = job.run(duration=duration, warmup=warmup, progress=False, check=True)
     used = {}
@@ -468,7 +472,10 @@ def _cost_row(
     if opts["ordering"] == "kazoo":
         missing = [n for n in ("zookeeper", "kafka") if used.get(n) is None]
         if missing:
-            print(f"  (no CPU figure for {', '.join(missing)}: its process was not found)")
+            print(
+                f"  (no CPU figure for {', '.join(missing)}: its process was not found)",
+                file=log,
+            )
     return CostRow(
         workload=workload,
         config=config,
@@ -557,7 +564,7 @@ def cost(
                     file=log,
                     flush=True,
                 )
-                row = _cost_row(workload, config, phase, r, d, w, kazoo)
+                row = _cost_row(workload, config, phase, r, d, w, kazoo, log)
                 print(
                     f"  {row.processes} processes, p99 {row.p99_ms} ms, lost {row.lost}, "
                     f"duplicates {row.duplicates}, CPU {row.cpu_s:.2f} s "
