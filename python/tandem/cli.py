@@ -93,9 +93,10 @@ def _kazoo_services(needed: bool, session_timeout: float):
         )
     finally:
         if services.started:
+            started = services.started  # stop() empties it
             services.stop()
             print(
-                f"stopped {', '.join(services.started)} (started for this command; "
+                f"stopped {', '.join(started)} (started for this command; "
                 "`make services` keeps them running between runs)"
             )
 
