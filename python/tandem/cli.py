@@ -227,8 +227,9 @@ COST_DEFAULTS = {
     "idle_duration": 10.0,
 }
 COST_QUICK = {"rate": 1_000, "duration": 3.0, "warmup": 1.0, "idle_rate": 10, "idle_duration": 3.0}
-"""``tandem bench cost`` and ``tandem bench cost --quick`` (about a minute, for CI);
-flags given explicitly win over both."""
+"""``tandem bench cost`` and ``tandem bench cost --quick`` (short runs, for CI: 16 runs of
+3 s, about 3 minutes on 2 cores, mostly process start-up); flags given explicitly win over
+both."""
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -469,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="cost: 1000 ev/s for 3 s (warm-up 1 s), idle 3 s: about a minute, for CI",
+        help="cost: 1000 ev/s for 3 s (warm-up 1 s), idle 3 s: short runs for CI (about "
+        "3 min on 2 cores, mostly process start-up)",
     )
     bench.add_argument("--measure", type=float, default=30.0, metavar="S")
     bench.add_argument("--master", metavar="URL", help="Spark master for the spark experiment")
