@@ -629,6 +629,17 @@ class Result:
     process (engines that measure it). ``leaders``, for KaZoo-ordered partitions (by
     ``"task[partition]"``): who led, in epoch order — ``{"replica", "epoch", "from_s",
     "until_s"}``, seconds from the run's start.
+
+    What the run cost the machine (engines that measure it, the local engine; None
+    otherwise; not in JSON — ``tandem bench cost`` reports them): ``processes``, the OS
+    processes the run started; ``cpu_s``, the CPU-seconds (user + system) those processes
+    used from start to exit; ``steady_cpu_s``, the part of it used in the steady state,
+    from ``warmup`` seconds after t0 to the end of the stream (t0 + duration), start-up
+    and shutdown left out, and ``steady_wall_s`` the length of that span as measured;
+    ``coordinator_cpu_s``, the CPU of the calling process while it started and watched
+    the replicas (not the result assembly nor the reference check); ``wall_s``, seconds
+    from the engine's ``run()`` call until every process had exited; ``first_output_s``,
+    seconds from the engine's ``run()`` call to the first row received by a sink.
     """
 
     events_in: int = 0
@@ -649,6 +660,13 @@ class Result:
     rss_mb: dict[str, float] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict, repr=False)
     t0_ns: int = 0
+    processes: int | None = None
+    cpu_s: float | None = None
+    steady_cpu_s: float | None = None
+    steady_wall_s: float | None = None
+    coordinator_cpu_s: float | None = None
+    wall_s: float | None = None
+    first_output_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in JSON_FIELDS}

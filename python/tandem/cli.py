@@ -1,5 +1,6 @@
 """The ``tandem`` command line: ``tandem demo``, ``tandem run path/to/job.py`` (each on the
-local or the Spark engine) and ``tandem bench``."""
+local or the Spark engine) and ``tandem bench`` (the paper's experiments, and ``cost``:
+what replication costs the machine)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import contextlib
 import importlib
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -91,9 +93,10 @@ def _kazoo_services(needed: bool, session_timeout: float):
         )
     finally:
         if services.started:
+            started = services.started  # stop() empties it
             services.stop()
             print(
-                f"stopped {', '.join(services.started)} (started for this command; "
+                f"stopped {', '.join(started)} (started for this command; "
                 "`make services` keeps them running between runs)"
             )
 
@@ -214,9 +217,36 @@ def print_summary(r: tandem.Result) -> None:
         print("\n  " + ("fault masked." if masked else "fault NOT masked."))
 
 
+COST_ONLY_FLAGS = ("quick", "idle_rate", "idle_duration", "workloads")
+
+COST_DEFAULTS = {
+    "rate": 5_000,
+    "duration": 15.0,
+    "warmup": 5.0,
+    "idle_rate": 10,
+    "idle_duration": 10.0,
+}
+COST_QUICK = {"rate": 1_000, "duration": 3.0, "warmup": 1.0, "idle_rate": 10, "idle_duration": 3.0}
+"""``tandem bench cost`` and ``tandem bench cost --quick`` (short runs, for CI: 16 runs of
+3 s, about 3 minutes on 2 cores, mostly process start-up); flags given explicitly win over
+both."""
+
+
 def _bench(args: argparse.Namespace) -> int:
     from tandem import bench
 
+    if args.experiment == "cost":
+        return _bench_cost(args, bench)
+    given = [
+        f"--{f.replace('_', '-')}" for f in COST_ONLY_FLAGS if getattr(args, f) not in (None, False)
+    ]
+    if given:
+        raise tandem.ConfigError(
+            f"{', '.join(given)}: for `tandem bench cost` only, not `tandem bench "
+            f"{args.experiment}`"
+        )
+    args.rate = 5_000 if args.rate is None else args.rate
+    args.warmup = 30.0 if args.warmup is None else args.warmup
     if args.experiment == "spark":
         spark_bench = _spark_bench()
         out = spark_bench.run(
@@ -287,6 +317,73 @@ def _bench_run(args: argparse.Namespace, bench, configs: tuple, kazoo) -> int:
     return 0
 
 
+def _bench_cost(args: argparse.Namespace, bench) -> int:
+    defaults = COST_QUICK if args.quick else COST_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    configs = tuple(args.configs.split(",")) if args.configs else tuple(bench.COST_CONFIGS)
+    workloads = tuple(args.workloads.split(",")) if args.workloads else bench.COST_WORKLOADS
+    # Every option checked before the services start or anything runs.
+    bench.check_cost_options(
+        configs,
+        workloads,
+        args.rate,
+        args.duration,
+        args.warmup,
+        args.idle_rate,
+        args.idle_duration,
+    )
+    print(
+        f"tandem {tandem.__version__} ({tandem.build_profile} build) bench cost: "
+        f"{', '.join(workloads)} x {', '.join(configs)}; {args.rate} ev/s for "
+        f"{args.duration:g} s (warm-up {args.warmup:g} s), then {args.idle_rate} ev/s for "
+        f"{args.idle_duration:g} s",
+        flush=True,
+    )
+    if tandem.build_profile != "release":
+        print("warning: a debug build: its costs say nothing about a release build", flush=True)
+    with _kazoo_services("r2-kazoo" in configs, args.session_timeout) as kazoo:
+        rows = bench.cost(
+            configs=configs,
+            workloads=workloads,
+            rate=args.rate,
+            duration=args.duration,
+            warmup=args.warmup,
+            idle_rate=args.idle_rate,
+            idle_duration=args.idle_duration,
+            kazoo=kazoo,
+        )
+    print()
+    print(bench.cost_markdown(rows))
+    out = {
+        "experiment": "cost",
+        "tandem": tandem.__version__,
+        "build": tandem.build_profile,
+        "cpus": os.cpu_count(),
+        "settings": {
+            "rate": args.rate,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "idle_rate": args.idle_rate,
+            "idle_duration_s": args.idle_duration,
+            "session_timeout_s": args.session_timeout,
+        },
+        "targets": bench.COST_TARGETS,
+        "rows": [vars(r) for r in rows],
+        "checks": bench.cost_targets(rows),
+    }
+    _write_json(args.json, out)
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            bench.plot_cost(rows, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print("(no plot: matplotlib is not installed; pip install 'tandem-stream[plot]')")
+    return 0
+
+
 def _spark_bench():
     engines.get("spark")  # the clear error when tandem_spark or pyspark is missing
     from tandem_spark import bench
@@ -332,17 +429,23 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="end-to-end experiments of the paper (§VII)")
     bench.add_argument(
         "experiment",
-        choices=["mib1", "throughput", "failover", "spark"],
+        choices=["mib1", "throughput", "failover", "spark", "cost"],
         help="failover: the paper's fault experiment (LiveRobin, KaZoo leader and follower "
         "kills); spark: MiB1 length 3 on the local engine, the Spark engine (with a replica "
-        "kill) and Spark Structured Streaming (with a driver kill)",
+        "kill) and Spark Structured Streaming (with a driver kill); cost: CPU, memory and "
+        "time to first output of the demo and MiB1 length 3 at r = 1, 2 (LiveRobin, KaZoo) "
+        "and 3, under load and idle",
     )
-    bench.add_argument("--configs", help="mib1 configurations, comma-separated (default: all)")
+    bench.add_argument(
+        "--configs",
+        help="mib1 or cost configurations, comma-separated (default: all; cost: r1,r2,r2-kazoo,r3)",
+    )
     bench.add_argument(
         "--duration",
         type=float,
         metavar="S",
-        help="failover run length (default 100; kill at half)",
+        help="failover run length (default 100; kill at half); cost: the loaded runs' "
+        "length (default 15)",
     )
     bench.add_argument(
         "--session-timeout",
@@ -351,10 +454,25 @@ def main(argv: list[str] | None = None) -> int:
         metavar="S",
         help="KaZoo ZooKeeper session timeout for the benchmarks (default 0.5)",
     )
-    bench.add_argument("--plot", metavar="PATH", help="failover: PNG path")
+    bench.add_argument("--plot", metavar="PATH", help="failover, cost: PNG path")
     bench.add_argument("--lengths", default="1,2,3,4", help="mib1 pipeline lengths")
-    bench.add_argument("--rate", type=int, default=5_000, metavar="EV_PER_S")
-    bench.add_argument("--warmup", type=float, default=30.0, metavar="S")
+    bench.add_argument("--rate", type=int, metavar="EV_PER_S", help="default 5000")
+    bench.add_argument(
+        "--warmup", type=float, metavar="S", help="default 30; cost: 5 (left out of latency)"
+    )
+    bench.add_argument(
+        "--idle-rate", type=int, metavar="EV_PER_S", help="cost: the idle runs' rate (10)"
+    )
+    bench.add_argument(
+        "--idle-duration", type=float, metavar="S", help="cost: the idle runs' length (10)"
+    )
+    bench.add_argument("--workloads", help="cost: comma-separated, from demo,mib1 (default: both)")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="cost: 1000 ev/s for 3 s (warm-up 1 s), idle 3 s: short runs for CI (about "
+        "3 min on 2 cores, mostly process start-up)",
+    )
     bench.add_argument("--measure", type=float, default=30.0, metavar="S")
     bench.add_argument("--master", metavar="URL", help="Spark master for the spark experiment")
     bench.add_argument("--json", metavar="PATH")

@@ -17,6 +17,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import resource
 import signal
 import sys
 import time
@@ -82,6 +83,86 @@ def _child(plan: Plan, rid: ReplicaId, secret: bytes, conn, kazoo: KazooRun | No
     conn.send(("done", replica.run(addresses, t0_ns, duration)))
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU-seconds of process ``pid`` so far (all its threads), from
+    ``/proc/<pid>/stat``; None if there is no such process (or no /proc). Resolution: one
+    clock tick (10 ms on Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Fields after the command name (which may hold spaces): state is field 3, utime 14,
+    # stime 15 (proc(5)).
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _self_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+class _CostMeter:
+    """What a run costs this machine, for ``tandem bench cost`` (see the cost fields of
+    :class:`~tandem.api.Result`).
+
+    The replica processes are children of the coordinator, and it reaps every one of them
+    before the run returns (:meth:`_Run.stop`), so the CPU they used — start-up, run,
+    shutdown — is exactly the growth of ``getrusage(RUSAGE_CHILDREN)`` across the run.
+    The steady state is bracketed by two readings of the CPU used so far (reaped children
+    from rusage, live ones from ``/proc``): when the warm-up ends and when the stream does
+    (t0 + duration), which leaves process start-up and shutdown out. Only the coordinator
+    thread reaps children, so nothing is counted twice or missed within a reading.
+    """
+
+    def __init__(self, warmup: float) -> None:
+        self.warmup = warmup
+        self.called_ns = time.time_ns()
+        self._children0 = _children_cpu_s()
+        self._self0 = _self_cpu_s()
+        self.steady: list[tuple[int, float]] = []  # (time_ns, CPU so far): from, to
+        self.end_ns = 0
+        self.cpu_s = self.coordinator_cpu_s = 0.0
+
+    def due(self, now_s: float, duration: float) -> float | None:
+        """Seconds until the next steady-state reading (<= 0: take it now); None: done."""
+        if len(self.steady) >= 2:
+            return None
+        return (self.warmup if not self.steady else duration) - now_s
+
+    def read(self, pids: list[int]) -> None:
+        """Take a steady-state reading (``pids``: every process the run started)."""
+        live = [process_cpu_s(pid) for pid in pids]  # None: already reaped
+        reaped = _children_cpu_s() - self._children0
+        self.steady.append((time.time_ns(), reaped + sum(c for c in live if c is not None)))
+
+    def finish(self) -> None:
+        """Read the totals; call once every replica process has been reaped."""
+        self.end_ns = time.time_ns()
+        self.cpu_s = _children_cpu_s() - self._children0
+        self.coordinator_cpu_s = _self_cpu_s() - self._self0
+
+    def apply(self, res: Result, processes: int, sink_reports: list[ReplicaReport]) -> None:
+        """Fill in the cost fields of ``res``."""
+        res.processes = processes
+        res.cpu_s = self.cpu_s
+        res.coordinator_cpu_s = self.coordinator_cpu_s
+        res.wall_s = (self.end_ns - self.called_ns) / 1e9
+        if len(self.steady) == 2:
+            (from_ns, cpu_from), (to_ns, cpu_to) = self.steady
+            res.steady_cpu_s = max(0.0, cpu_to - cpu_from)
+            res.steady_wall_s = (to_ns - from_ns) / 1e9
+        firsts = [int(r.receive_ns.min()) for r in sink_reports if r.receive_ns is not None]
+        if firsts:
+            res.first_output_s = (min(firsts) - self.called_ns) / 1e9
+
+
 class LocalEngine:
     """Runs a plan with one OS process per replica on 127.0.0.1."""
 
@@ -108,16 +189,21 @@ class LocalEngine:
         """
         if progress is None:
             progress = sys.stderr.isatty()
+        cost = _CostMeter(warmup)
         check_options(self.name, duration, warmup, faults, kinds=(Kill, Pause), roles=True)
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         run = _Run(plan, duration, list(faults), progress, host, zoo)
         try:
             try:
                 run.start()
-                run.watch(timeout if timeout is not None else duration + 60.0)
+                run.watch(timeout if timeout is not None else duration + 60.0, cost)
             finally:
                 run.stop()
-            return run.result(warmup, check)
+            cost.finish()
+            result = run.result(warmup, check)
+            sinks = [r for (t, _, _), r in run.reports.items() if plan.tasks[t].kind == "sink"]
+            cost.apply(result, len(run.procs), sinks)
+            return result
         finally:
             if zoo is not None:
                 kazoo.cleanup(zoo)
@@ -183,12 +269,18 @@ class _Run:
         for conn in self.conns.values():
             conn.send(("go", addresses, self.t0_ns, self.duration))
 
-    def watch(self, timeout: float) -> None:
+    def watch(self, timeout: float, cost: _CostMeter | None = None) -> None:
+        """Inject the faults, sample memory, take ``cost``'s readings, collect the reports
+        until every replica has finished or died."""
         deadline = time.monotonic() + STARTUP_S + timeout
         faults = list(self.faults)
         running = set(self.procs)
         while running:
             now_s = (time.time_ns() - self.t0_ns) / 1e9
+            reading = cost.due(now_s, self.duration) if cost is not None else None
+            if reading is not None and reading <= 0:
+                cost.read([p.pid for p in self.procs.values()])
+                reading = cost.due(now_s, self.duration)
             while faults and faults[0].at <= now_s:
                 self._inject(faults.pop(0), now_s, faults)
                 running -= set(self.killed)
@@ -197,6 +289,8 @@ class _Run:
             waitables = {self.conns[r]: r for r in running}
             waitables.update({self.procs[r].sentinel: r for r in running})
             next_fault = (faults[0].at - now_s) if faults else 0.2
+            if reading is not None:
+                next_fault = min(next_fault, reading)
             for obj in wait(list(waitables), timeout=max(0.0, min(0.2, next_fault))):
                 rid = waitables[obj]
                 if rid not in running:
