@@ -18,6 +18,7 @@ from tandem.bench import mib1_job
 from tandem.cli import main
 from tandem.engines.common import multiset_diff
 from tandem.reference import canonical
+from tandem.testing import two_thresholds, with_batch_rows
 
 pytestmark = pytest.mark.spark
 
@@ -121,3 +122,23 @@ def test_kazoo_ordering_runs_on_spark(spark, zookeeper, kafka):
     assert res.lost == 0 and res.duplicates == 0 and res.digests_match
     assert res.events_out == res.events_in == RATE * DURATION
     assert sorted(res.leaders) == [f"map{i}[{p}]" for i in (1, 2, 3) for p in (0, 1)]
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["no-fault", "kill"])
+def test_functions_of_a_whole_batch_agree_on_spark(spark, kill):
+    """A batch's row count and two filters concatenated, each after a keyed merge: the
+    replica tasks are called with the same batches, so they agree, and the output is the
+    reference's row for row — with one replica task killed too."""
+    job = td.Job("batches", replication=2)
+    events = job.source(td.sources.Synthetic(rate=RATE, keys=40, seed=11), parallelism=2)
+    rows = events.key_by("key").map(with_batch_rows, parallelism=2, name="rows")
+    rows.key_by("key").flat_map(two_thresholds, parallelism=2, name="alert").sink(
+        td.sinks.Collect()
+    )
+    faults = [td.Kill("alert", partition=1, replica=0, at=1.5)] if kill else []
+    res = job.run(duration=DURATION, faults=faults, engine=tandem_spark.SparkEngine(spark))
+    assert res.lost == 0 and res.duplicates == 0 and res.digests_match
+    want = job.run_reference(duration=DURATION, t0_ns=res.t0_ns).output
+    assert multiset_diff(want, res.output) == (0, 0)
+    assert max(res.output.column("batch_rows").to_pylist()) > 1
+    assert len(res.lost_replicas) == len(faults)
