@@ -33,8 +33,12 @@ def encode_data_frame(channel: int, first_seq: int, batch: pyarrow.RecordBatch) 
     Raises ``tandem.ProtocolError`` for an empty batch or a sequence-number overflow.
     """
 
-def encode_heartbeat_frame(channel: int, seq: int, epoch: int) -> bytes:
-    """Encode the heartbeat of cycle ``epoch`` at seq ``seq`` of ``channel``."""
+def encode_heartbeat_frame(
+    channel: int, seq: int, epoch: int, digest: bytes | None = None
+) -> bytes:
+    """Encode the heartbeat of cycle ``epoch`` at seq ``seq`` of ``channel``, carrying
+    ``digest`` (the 16-byte cycle digest of the channel's data since its previous heartbeat)
+    if given. Raises ``tandem.ConfigError`` for a digest of another length."""
 
 def encode_end_frame(channel: int, seq: int) -> bytes:
     """Encode the end marker of ``channel`` at seq ``seq``."""
@@ -48,14 +52,16 @@ def decode_frame(
     data: bytes, max_frame_bytes: int = ...
 ) -> (
     tuple[Literal["data"], int, int, pyarrow.RecordBatch]
-    | tuple[Literal["heartbeat"], int, int, int]
+    | tuple[Literal["heartbeat"], int, int, int, bytes | None]
     | tuple[Literal["end"], int, int]
     | tuple[Literal["order"], int, int, int, list[tuple[int, int]]]
 ):
     """Decode exactly one frame.
 
-    Returns ``("data", channel, first_seq, batch)``, ``("heartbeat", channel, seq, epoch)``,
-    ``("end", channel, seq)`` or ``("order", channel, epoch, version, [(channel, up_to_seq)])``.
+    Returns ``("data", channel, first_seq, batch)``,
+    ``("heartbeat", channel, seq, epoch, digest)`` (``digest``: 16 bytes, or None if the frame
+    carries none), ``("end", channel, seq)`` or
+    ``("order", channel, epoch, version, [(channel, up_to_seq)])``.
     Raises ``tandem.ProtocolError`` naming the problem for malformed, truncated, oversized or
     trailing bytes.
     """
