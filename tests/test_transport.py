@@ -291,21 +291,54 @@ def test_next_times_out_with_none_and_delivery_fields():
         out.emit(rows(0, 1))
 
 
-def test_outbox_buffer_timeout_and_flush_due():
-    with _core.Inbox(JOB, SECRET, [(TASK, 0)]) as ib:
-        out = _core.Outbox(
-            JOB, SECRET, (TASK, 0, 0), [[(HOST, ib.port)]], batch_rows=1000, buffer_timeout_ms=20
-        )
-        assert out.deadline() is None
-        out.emit(rows(0, 5))
-        left = out.deadline()
-        assert left is not None and 0 <= left <= 0.02
-        assert ib.next(timeout=0.1) is None, "still buffered"
-        time.sleep(left)
-        out.flush_due()
+def test_outbox_sends_each_emit_at_once_in_frames_cut_at_fixed_offsets():
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)], ordering="none") as ib:
+        out = _core.Outbox(JOB, SECRET, (TASK, 0, 0), [[(HOST, ib.port)]], batch_rows=4)
+        out.emit(rows(0, 3))
         d = ib.next(timeout=10)
-        assert d is not None and d.kind == "data" and d.batch.num_rows == 5
+        assert d is not None and (d.first_seq, d.batch.num_rows) == (0, 3), "no timer to wait for"
+        out.emit(rows(3, 10))
+        got = [ib.next(timeout=10) for _ in range(3)]
+        assert [(d.first_seq, d.batch.num_rows) for d in got] == [(3, 4), (7, 4), (11, 2)]
         out.close()
+
+
+def emit_all(out: _core.Outbox, cuts: list[int]) -> list[tuple[int, int, bytes]]:
+    """Emit rows 0.. in batches of ``cuts`` rows, a heartbeat after each, then end; return
+    the digests."""
+    start = 0
+    for epoch, n in enumerate(cuts, start=1):
+        out.emit(rows(start, n))
+        out.heartbeat(epoch)
+        start += n
+    out.end()
+    return out.digests()
+
+
+def test_outbox_digests_follow_rows_and_batch_boundaries():
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)], queue_capacity=64) as ib:
+        outs = [
+            _core.Outbox(JOB, SECRET, (TASK, 0, r), [[(HOST, ib.port)]], batch_rows=4)
+            for r in range(3)
+        ]
+        a = emit_all(outs[0], [5, 3])
+        b = emit_all(outs[1], [5, 3])
+        assert [(c, e) for c, e, _ in a] == [(0, 1), (0, 2), (0, 2**64 - 1)]
+        assert all(isinstance(d, bytes) and len(d) == 16 for _, _, d in a)
+        assert a == b, "the same batches give the same digests"
+        assert outs[0].digests() == [], "digests() drains"
+        # Cycle 1's rows emitted as 2 + 3 (frames of 2 and 3 rows, not 4 and 1): only that
+        # cycle's digest differs.
+        outs[2].emit(rows(0, 2))
+        outs[2].emit(rows(2, 3))
+        outs[2].heartbeat(1)
+        outs[2].emit(rows(5, 3))
+        outs[2].heartbeat(2)
+        outs[2].end()
+        c = outs[2].digests()
+        assert c[0] != a[0] and c[1:] == a[1:]
+        for out in outs:
+            out.close()
 
 
 @pytest.mark.parametrize(
@@ -336,7 +369,6 @@ def test_inbox_bad_arguments_raise_config_error(kwargs, needle):
         ({"partitioner": "hash"}, "key"),
         ({"key": "k"}, "only meaningful"),
         ({"batch_rows": 0}, "batch_rows"),
-        ({"buffer_timeout_ms": -1.0}, "buffer_timeout_ms"),
         ({"me": (1, -2, 0)}, "partition"),
         ({"downstream": []}, "downstream"),
         ({"downstream": [[]]}, r"downstream\[0\]"),
@@ -398,7 +430,6 @@ def test_close_joins_every_io_thread():
     silent = socket.create_connection((HOST, ib.port), timeout=5)  # stuck in the handshake
     for out in outs:
         out.emit(rows(0, 10))
-        out.flush()
     assert ib.next(timeout=10) is not None
     deadline = time.monotonic() + 5
     while len(ib.stats()["connections"]) < 3 and time.monotonic() < deadline:

@@ -280,10 +280,14 @@ class Outbox:
     """The output of one task partition replica.
 
     Partitions emitted rows over the output channels (one per downstream partition),
-    gives every row, heartbeat and end marker the channel's next sequence number, buffers
-    up to ``batch_rows`` rows or ``buffer_timeout_ms``, and sends each frame to every
-    replica of the channel's downstream partition. A replica whose connection fails is
-    dropped (logged); only a channel with no live replica raises ``tandem.ChannelClosed``.
+    gives every row, heartbeat and end marker the channel's next sequence number, and sends
+    each emitted batch's part of a channel at once, as frames of at most ``batch_rows`` rows
+    cut at offsets ``0, batch_rows, 2 * batch_rows, ...`` of that part (no timer: replicas
+    that emit the same batches send identical frames), to every replica of the channel's
+    downstream partition. Each channel keeps a cycle digest of the data it sent since its
+    last heartbeat; the heartbeat carries it, so receivers can compare replicas. A replica
+    whose connection fails is dropped (logged); only a channel with no live replica raises
+    ``tandem.ChannelClosed``.
 
     ``partitioner``: ``"forward"`` (exactly one channel: the downstream partition with this
     partition's index), ``"hash"`` (needs ``key``: an int, string or binary column; nulls go
@@ -302,7 +306,6 @@ class Outbox:
         partitioner: Literal["forward", "hash", "rebalance", "broadcast"] = "forward",
         key: str | None = None,
         batch_rows: int = 1024,
-        buffer_timeout_ms: float = 5.0,
         connect_timeout: float = 10.0,
         queue_frames: int = 256,
     ) -> None:
@@ -310,28 +313,30 @@ class Outbox:
         each replica of downstream partition ``c``. ``queue_frames``: frames queued per
         connection before ``emit`` blocks."""
     def emit(self, batch: pa.RecordBatch) -> None:
-        """Partition and buffer ``batch``; send full buffers. Blocks (GIL released) while a
+        """Partition ``batch`` and send each channel's part now. A batch that cannot be
+        encoded or digested is refused whole (nothing sent). Blocks (GIL released) while a
         downstream is slow."""
     def heartbeat(self, epoch: int) -> None:
-        """Send buffered rows, then a heartbeat of cycle ``epoch`` on every channel."""
-    def flush(self) -> None:
-        """Send every buffered row now."""
-    def flush_due(self) -> None:
-        """Send the buffers whose oldest row waited ``buffer_timeout_ms``."""
-    def deadline(self) -> float | None:
-        """Seconds until the oldest buffered row is due; None if nothing is buffered."""
+        """Send a heartbeat of cycle ``epoch`` on every channel, carrying the channel's
+        digest of the data sent since its previous heartbeat."""
     def end(self) -> None:
-        """Send buffered rows, then the end marker on every channel."""
+        """Send the end marker on every channel (the digest of the data after the last
+        heartbeat is recorded under epoch ``2**64 - 1``)."""
+    def digests(self) -> list[tuple[int, int, bytes]]:
+        """The cycle digests closed since the last call, oldest first: ``(channel, epoch,
+        digest)`` with a 16-byte digest, one per channel per heartbeat, plus one per
+        channel under epoch ``2**64 - 1`` once ``end()`` ran. Drains them (at most 65,536
+        are kept between calls; the oldest are dropped first)."""
     def close(self) -> None:
-        """Send buffered rows and close the connections after they delivered what was
-        queued. Without ``end()`` first, receivers see this replica stop mid-stream."""
+        """Close the connections after they delivered what was queued. Without ``end()``
+        first, receivers see this replica stop mid-stream. Idempotent."""
     def abort(self) -> None:
-        """Cut every connection now, dropping what is buffered or queued (a crash, for
-        fault injection)."""
+        """Cut every connection now, dropping what is queued (a crash, for fault
+        injection)."""
     @property
     def next_seqs(self) -> list[int]:
-        """The seq the next element of each channel takes (buffered rows count), as of the
-        last completed call; never blocks, even while another thread is inside ``emit``."""
+        """The seq the next element of each channel takes, as of the last completed call;
+        never blocks, even while another thread is inside ``emit``."""
     def __enter__(self) -> Outbox: ...
     def __exit__(
         self,

@@ -994,7 +994,6 @@ mod tests {
             let me = identity(partition, replica);
             let cfg = OutboxConfig {
                 batch_rows: plan.batch_rows,
-                buffer_timeout: Duration::from_millis(5),
             };
             let mut ob =
                 Outbox::new(Partitioner::Forward, vec![vec![link(addr, &me)]], cfg).unwrap();
@@ -1018,7 +1017,7 @@ mod tests {
                 }
             }
             ob.end().unwrap();
-            ob.close().unwrap();
+            ob.close();
         })
     }
 
@@ -1343,10 +1342,7 @@ mod tests {
         let producer = {
             let sent = Arc::clone(&sent);
             std::thread::spawn(move || {
-                let cfg = OutboxConfig {
-                    batch_rows: BATCH,
-                    buffer_timeout: Duration::from_millis(5),
-                };
+                let cfg = OutboxConfig { batch_rows: BATCH };
                 let links = vec![vec![link(addr, &identity(0, 0))]];
                 let mut ob = Outbox::new(Partitioner::Forward, links, cfg).unwrap();
                 for i in (0..TOTAL).step_by(BATCH) {
@@ -1354,7 +1350,7 @@ mod tests {
                     sent.store((i as usize) + BATCH, Ordering::SeqCst);
                 }
                 ob.end().unwrap();
-                ob.close().unwrap();
+                ob.close();
             })
         };
         // Consume nothing for a while: the producer must stall, the queue must stay bounded.
@@ -1531,10 +1527,7 @@ mod tests {
         let mut ob = Outbox::new(
             Partitioner::Forward,
             vec![vec![link(addr, &identity(0, 0))]],
-            OutboxConfig {
-                batch_rows: 1,
-                buffer_timeout: Duration::from_millis(5),
-            },
+            OutboxConfig { batch_rows: 1 },
         )
         .unwrap();
         for i in 0..20 {

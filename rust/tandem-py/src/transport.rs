@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3_arrow::PyRecordBatch;
 use tandem_core::merge::OrderingMode;
 use tandem_core::outbox::{Link, Outbox as CoreOutbox, OutboxConfig, Partitioner};
@@ -390,8 +390,10 @@ impl OrderFeed {
 // ───────────────────────────── Outbox ─────────────────────────────
 
 /// The output of one task partition replica: partitions emitted rows over the downstream
-/// partitions (channels), numbers every row and marker, and sends each frame to every
-/// replica of the channel's downstream partition.
+/// partitions (channels), numbers every row and marker, sends each emitted batch's part of
+/// a channel at once (frames of at most `batch_rows` rows cut at fixed offsets of that part)
+/// to every replica of the channel's downstream partition, and keeps each channel's cycle
+/// digest, which its heartbeats carry.
 ///
 /// `me` is `(task, partition, replica)`; `downstream[c]` lists the `(host, port)` of the
 /// replicas of downstream partition `c`. Construction dials them all (in parallel, retrying
@@ -429,8 +431,7 @@ impl Outbox {
 impl Outbox {
     #[new]
     #[pyo3(signature = (job, secret, me, downstream, partitioner = "forward", key = None,
-                        batch_rows = 1024, buffer_timeout_ms = 5.0, connect_timeout = 10.0,
-                        queue_frames = 256))]
+                        batch_rows = 1024, connect_timeout = 10.0, queue_frames = 256))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -441,7 +442,6 @@ impl Outbox {
         partitioner: &str,
         key: Option<&str>,
         batch_rows: i64,
-        buffer_timeout_ms: f64,
         connect_timeout: f64,
         queue_frames: i64,
     ) -> PyResult<Self> {
@@ -454,7 +454,6 @@ impl Outbox {
         };
         let cfg = OutboxConfig {
             batch_rows: arg_at_least_1("batch_rows", batch_rows)?,
-            buffer_timeout: arg_seconds("buffer_timeout_ms", buffer_timeout_ms / 1000.0)?,
         };
         let link_cfg = LinkConfig {
             queue_frames: arg_at_least_1("queue_frames", queue_frames)?,
@@ -500,56 +499,53 @@ impl Outbox {
         })
     }
 
-    /// Partition and buffer the rows of `batch` (a pyarrow.RecordBatch or anything with
-    /// `__arrow_c_array__`); sends every channel whose buffer reached `batch_rows`. Blocks
-    /// (GIL released) while a downstream queue is full.
+    /// Partition the rows of `batch` (a pyarrow.RecordBatch or anything with
+    /// `__arrow_c_array__`) and send each channel's part now, as frames of at most
+    /// `batch_rows` rows. A batch that cannot be encoded or digested is refused whole
+    /// (nothing sent). Blocks (GIL released) while a downstream queue is full.
     fn emit(&self, py: Python<'_>, batch: PyRecordBatch) -> PyResult<()> {
         let batch = batch.into_inner();
         self.with(py, "emit", move |ob| ob.emit(&batch))
     }
 
-    /// Send buffered rows, then a heartbeat of cycle `epoch` on every channel.
+    /// Send a heartbeat of cycle `epoch` on every channel, carrying the channel's digest of
+    /// the data sent since its previous heartbeat.
     fn heartbeat(&self, py: Python<'_>, epoch: u64) -> PyResult<()> {
         self.with(py, "heartbeat", move |ob| ob.heartbeat(epoch))
     }
 
-    /// Send every buffered row now.
-    fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, "flush", CoreOutbox::flush)
-    }
-
-    /// Send the buffers whose oldest row has waited `buffer_timeout_ms`.
-    fn flush_due(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, "flush_due", |ob| ob.flush_due(Instant::now()))
-    }
-
-    /// Seconds until the oldest buffered row is due (None if nothing is buffered): the
-    /// longest a worker loop may wait for input before calling `flush_due()`.
-    fn deadline(&self, py: Python<'_>) -> PyResult<Option<f64>> {
-        self.with(py, "deadline", |ob| {
-            Ok(ob
-                .deadline()
-                .map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64()))
-        })
-    }
-
-    /// Send buffered rows, then the end marker on every channel.
+    /// Send the end marker on every channel (the digest of the data after the last
+    /// heartbeat is recorded under epoch 2**64 - 1).
     fn end(&self, py: Python<'_>) -> PyResult<()> {
         self.with(py, "end", CoreOutbox::end)
     }
 
-    /// Send what is buffered and close the connections (each delivers what it queued).
-    /// Without a prior `end()`, receivers see this replica stop mid-stream. Idempotent.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| match self.inner.lock().take() {
-            Some(mut ob) => ob.close(),
-            None => Ok(()),
-        })
-        .py()
+    /// The cycle digests closed since the last call, oldest first: `(channel, epoch,
+    /// digest)` with a 16-byte `digest`, one per channel per heartbeat, plus one per channel
+    /// under epoch 2**64 - 1 once `end()` ran. Drains them.
+    fn digests<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let taken = self.with(py, "digests", |ob| Ok(ob.take_digests()))?;
+        PyList::new(
+            py,
+            taken
+                .into_iter()
+                .map(|(c, epoch, d)| (c, epoch, PyBytes::new(py, &d))),
+        )
     }
 
-    /// Cut every connection now, dropping buffered and queued frames: a crash of this
-    /// replica as the receivers see it (fault injection). Idempotent.
+    /// Close the connections (each delivers what it queued first; nothing else is
+    /// pending, `emit` sends at once). Without a prior `end()`, receivers see this replica
+    /// stop mid-stream. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            if let Some(mut ob) = self.inner.lock().take() {
+                ob.close();
+            }
+        });
+    }
+
+    /// Cut every connection now, dropping queued frames: a crash of this replica as the
+    /// receivers see it (fault injection). Idempotent.
     fn abort(&self, py: Python<'_>) {
         py.detach(|| {
             if let Some(mut ob) = self.inner.lock().take() {
@@ -558,8 +554,8 @@ impl Outbox {
         });
     }
 
-    /// The seq the next element of each channel takes (buffered rows already count), as
-    /// of the last completed call. Never blocks, even while another thread is in `emit`.
+    /// The seq the next element of each channel takes, as of the last completed call.
+    /// Never blocks, even while another thread is in `emit`.
     #[getter]
     fn next_seqs(&self) -> Vec<u64> {
         self.seqs.lock().clone()
@@ -575,8 +571,8 @@ impl Outbox {
         _exc_type: Option<&Bound<'_, PyAny>>,
         _exc: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        self.close(py)
+    ) {
+        self.close(py);
     }
 }
 
