@@ -142,21 +142,13 @@ def test_a_crashed_upstream_replica_is_masked_and_replicas_agree(inboxes, kill):
     ports = [ib.port for ib in inboxes]
     total, hb = 12_000, 1_000
     senders = Threads()
-    common = {"total": total, "hb_every": hb}
-    senders.start(run_upstream, ports, 0, 0, emit_rows=37, batch_rows=64, **common)
-    senders.start(
-        run_upstream,
-        ports,
-        0,
-        1,
-        emit_rows=50,
-        batch_rows=29,
-        kill_after=5_000,
-        kill=kill,
-        **common,
-    )
-    senders.start(run_upstream, ports, 1, 0, emit_rows=101, batch_rows=128, **common)
-    senders.start(run_upstream, ports, 1, 1, emit_rows=13, batch_rows=17, **common)
+    # The replicas of a partition emit the same batches; the two partitions cut differently.
+    p0 = {"total": total, "hb_every": hb, "emit_rows": 37, "batch_rows": 29}
+    p1 = {"total": total, "hb_every": hb, "emit_rows": 101, "batch_rows": 64}
+    senders.start(run_upstream, ports, 0, 0, **p0)
+    senders.start(run_upstream, ports, 0, 1, kill_after=5_000, kill=kill, **p0)
+    senders.start(run_upstream, ports, 1, 0, **p1)
+    senders.start(run_upstream, ports, 1, 1, **p1)
 
     results: list[list[tuple] | None] = [None, None]
 
@@ -181,6 +173,7 @@ def test_a_crashed_upstream_replica_is_masked_and_replicas_agree(inboxes, kill):
     for ib in inboxes:
         st = ib.stats()
         assert st["rejected_connections"] == 0
+        assert (st["divergence_count"], st["divergences"]) == (0, [])
         assert [c["accepted_rows"] for c in st["channels"]] == [total, total]
         assert [c["upstream"] for c in st["channels"]] == [(TASK, 0), (TASK, 1)]
         crashed = [
@@ -341,6 +334,93 @@ def test_outbox_digests_follow_rows_and_batch_boundaries():
             out.close()
 
 
+def run_twin(port: int, replica: int, differ_in: int | None = None) -> None:
+    """Replica ``replica`` of upstream partition 0: heartbeat cycles 1..3 of 10 rows each,
+    then end. In cycle ``differ_in``, replica 1 emits other values (as a non-deterministic
+    operator would)."""
+    out = _core.Outbox(JOB, SECRET, (TASK, 0, replica), [[(HOST, port)]], batch_rows=4)
+    for epoch in (1, 2, 3):
+        shift = 1000 if replica == 1 and epoch == differ_in else 0
+        out.emit(rows(10 * (epoch - 1) + shift, 10))
+        out.heartbeat(epoch)
+    out.end()
+    out.close()
+
+
+def all_closed(ib: _core.Inbox, connections: int = 2) -> dict:
+    """``ib.stats()`` once its ``connections`` connections were read to their end."""
+    deadline = time.monotonic() + 10
+    while True:
+        st = ib.stats()
+        if sum(not c["open"] for c in st["connections"]) == connections:
+            return st
+        assert time.monotonic() < deadline, f"connections stay open: {st}"
+        time.sleep(0.01)
+
+
+def test_replicas_with_equal_output_pass_the_determinism_check():
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)]) as ib:
+        senders = Threads()
+        for r in (0, 1):
+            senders.start(run_twin, ib.port, r)
+        events = consume(ib)
+        senders.join()
+        assert rows_of(events, 0) == list(range(30))
+        st = all_closed(ib)
+        assert (st["divergence_count"], st["divergences"]) == (0, [])
+        assert st["channels"][0]["duplicate_rows"] > 0, "both replicas were compared"
+
+
+def test_divergent_replicas_make_next_raise_determinism_error():
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)], on_divergence="fail") as ib:
+        senders = Threads()
+        for r in (0, 1):
+            senders.start(run_twin, ib.port, r, differ_in=2)
+        deadline = time.monotonic() + 30
+        with pytest.raises(tandem.DeterminismError) as info:
+            while time.monotonic() < deadline:
+                ib.next(timeout=0.2)
+        senders.join()
+        assert isinstance(info.value, tandem.TandemError)
+        (d,) = ib.stats()["divergences"]
+        assert (d["channel"], d["upstream"], d["epoch"]) == (0, (TASK, 0), 2)
+        assert sorted(d["replicas"]) == [0, 1]
+        a, b = d["replicas"]
+        msg = str(info.value)
+        for needle in (
+            f"replicas {a} and {b} of upstream task {TASK} partition 0",
+            "heartbeat cycle 2",
+            *d["digests"],
+            "not deterministic for a given input batch",
+            'on_divergence="log"',
+        ):
+            assert needle in msg, (needle, msg)
+        with pytest.raises(tandem.DeterminismError):
+            ib.next(timeout=0)
+        assert all_closed(ib)["divergence_count"] == 1, "cycles 1 and 3 agree"
+
+
+def test_divergent_replicas_under_log_are_reported_and_delivery_goes_on(capfd):
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)], on_divergence="log") as ib:
+        senders = Threads()
+        for r in (0, 1):
+            senders.start(run_twin, ib.port, r, differ_in=2)
+        events = consume(ib)
+        senders.join()
+        assert len(rows_of(events, 0)) == 30 and events[-1] == ("end",)
+        st = all_closed(ib)
+        assert st["divergence_count"] == 1
+        (d,) = st["divergences"]
+        assert (d["channel"], d["upstream"], d["epoch"]) == (0, (TASK, 0), 2)
+        assert sorted(d["replicas"]) == [0, 1]
+        first, second = d["digests"]
+        assert len(first) == len(second) == 32 and first != second
+    lines = [
+        line for line in capfd.readouterr().err.splitlines() if "different output digests" in line
+    ]
+    assert len(lines) == 1 and "heartbeat cycle 2" in lines[0], lines
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
@@ -353,6 +433,7 @@ def test_outbox_digests_follow_rows_and_batch_boundaries():
         ({"upstreams": [(1, 0), (1, 0)]}, "twice"),
         ({"upstreams": [(-1, 0)]}, "task"),
         ({"max_frame_bytes": 0}, "max_frame_bytes"),
+        ({"on_divergence": "warn"}, "'fail' or 'log', got \"warn\""),
     ],
 )
 def test_inbox_bad_arguments_raise_config_error(kwargs, needle):
@@ -407,8 +488,8 @@ def test_ordering_none_delivers_every_channel_completely():
                     r,
                     total=4_000,
                     hb_every=500,
-                    emit_rows=33 + 10 * r,
-                    batch_rows=40 + 7 * r,
+                    emit_rows=33 + 10 * p,
+                    batch_rows=40 + 7 * p,
                 )
         events = consume(ib)
         senders.join()

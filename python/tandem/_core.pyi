@@ -198,6 +198,13 @@ class Inbox:
     served (``"none"``). Bad connections (garbage, failed handshake, unknown sender,
     malformed frames) are closed on their own and counted in ``stats()``.
 
+    Determinism is checked as data arrives: heartbeats carry each upstream replica's digest
+    of its output for the cycle, and two replicas of one upstream partition that disagree
+    are a divergence. ``on_divergence="fail"`` (the default) makes ``next()`` raise
+    ``tandem.DeterminismError`` naming the partition, replicas, cycle and digests;
+    ``"log"`` logs the first divergence per input and keeps delivering. ``stats()`` reports
+    them either way.
+
     Raises ``tandem.ConfigError`` for bad arguments, ``OSError`` if the port cannot be bound.
     """
 
@@ -213,6 +220,7 @@ class Inbox:
         host: str = "127.0.0.1",
         port: int = 0,
         handshake_timeout: float = 2.0,
+        on_divergence: Literal["fail", "log"] = "fail",
     ) -> None:
         """``upstreams``: ``(task, partition)`` pairs; the position is the channel index.
         ``queue_capacity``: frames queued per channel before the readers stop reading (the
@@ -222,13 +230,17 @@ class Inbox:
     def next(self, timeout: float | None = None) -> Delivery | None:
         """The next delivery, or None after ``timeout`` seconds (None = wait until one
         arrives). Releases the GIL while waiting; Ctrl-C interrupts. Raises
-        ``tandem.ChannelClosed`` after ``close()``."""
+        ``tandem.ChannelClosed`` after ``close()``, and ``tandem.DeterminismError`` on every
+        call once upstream replicas diverged under ``on_divergence="fail"``."""
     def order_feed(self) -> OrderFeed | None:
         """The inbox's side of the KaZoo order log (``ordering="kazoo"`` only, else None)."""
     def stats(self) -> dict[str, Any]:
         """``{"channels": [{"upstream", "accepted_rows", "duplicate_rows", "next_seq",
         "queued_seqs"}], "connections": [{"peer", "identity", "frames", "bytes", "open",
-        "error"}], "rejected_connections": int}``."""
+        "error"}], "rejected_connections": int, "divergences": [{"channel", "upstream",
+        "epoch", "replicas", "digests"}], "divergence_count": int}``. ``divergences`` holds
+        the first 16 found: ``replicas`` is (the replica whose heartbeat came first, the one
+        that differed), ``digests`` their digests in hex, in that order."""
     def close(self) -> None:
         """Stop listening, close every connection, join the I/O threads. Idempotent."""
     def __enter__(self) -> Inbox: ...

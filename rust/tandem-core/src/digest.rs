@@ -44,6 +44,11 @@ pub const DIGEST_LEN: usize = 16;
 /// A finished cycle digest (the xxh3-128 hash, big-endian).
 pub type Digest = [u8; DIGEST_LEN];
 
+/// `digest` as 32 lowercase hex digits (how logs and error messages show it).
+pub fn to_hex(digest: &Digest) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Tags that keep the encodings of the two column paths apart in the hashed stream.
 const TAG_RAW: u8 = 1;
 const TAG_ROWS: u8 = 2;
@@ -461,6 +466,12 @@ mod tests {
         // Field names are part of the digest.
         let renamed = batch(vec![("w", Arc::new(Int64Array::from(vec![Some(0)])))]);
         assert_ne!(one(&zero), one(&renamed));
+    }
+
+    #[test]
+    fn hex_spells_every_byte() {
+        let d: Digest = std::array::from_fn(|i| (i as u8) * 16 + 1);
+        assert_eq!(to_hex(&d), "01112131415161718191a1b1c1d1e1f1");
     }
 
     #[test]

@@ -12,10 +12,11 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3_arrow::PyRecordBatch;
+use tandem_core::digest::to_hex;
 use tandem_core::merge::OrderingMode;
 use tandem_core::outbox::{Link, Outbox as CoreOutbox, OutboxConfig, Partitioner};
 use tandem_core::transport::{
-    Inbox as CoreInbox, InboxConfig, LinkConfig, OrderFeed as CoreOrderFeed, TcpLink,
+    Inbox as CoreInbox, InboxConfig, LinkConfig, OnDivergence, OrderFeed as CoreOrderFeed, TcpLink,
 };
 use tandem_core::wire::{Identity, DEFAULT_MAX_FRAME_BYTES};
 use tandem_core::{Delivery as CoreDelivery, Error};
@@ -158,6 +159,11 @@ fn delivery_to_py(py: Python<'_>, d: CoreDelivery<arrow_array::RecordBatch>) -> 
 ///
 /// `upstreams` lists the upstream partitions `(task, partition)`; the position in the
 /// list is the channel index deliveries report (identical at every replica).
+///
+/// The heartbeats of the replicas of each upstream partition carry digests of their output;
+/// when two replicas disagree on a cycle, `on_divergence="fail"` makes `next()` raise
+/// `tandem.DeterminismError`, `"log"` logs it (once per input) and keeps going. Either way
+/// `stats()` reports it.
 #[pyclass(frozen, module = "tandem._core")]
 pub struct Inbox {
     inner: Mutex<Option<CoreInbox>>,
@@ -169,7 +175,8 @@ impl Inbox {
     #[new]
     #[pyo3(signature = (job, secret, upstreams, ordering = "liverobin", quantum_rows = 1024,
                         queue_capacity = 1024, max_frame_bytes = DEFAULT_MAX_FRAME_BYTES as i64,
-                        host = "127.0.0.1", port = 0, handshake_timeout = 2.0))]
+                        host = "127.0.0.1", port = 0, handshake_timeout = 2.0,
+                        on_divergence = "fail"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -183,6 +190,7 @@ impl Inbox {
         host: &str,
         port: i64,
         handshake_timeout: f64,
+        on_divergence: &str,
     ) -> PyResult<Self> {
         let quantum_rows = arg_at_least_1("quantum_rows", quantum_rows)?;
         let ordering = match ordering {
@@ -223,6 +231,7 @@ impl Inbox {
         cfg.host = host;
         cfg.port = port;
         cfg.handshake_timeout = arg_seconds("handshake_timeout", handshake_timeout)?;
+        cfg.on_divergence = OnDivergence::parse(on_divergence).py()?;
         let inbox = py.detach(|| CoreInbox::bind(cfg)).py()?;
         let port = inbox.local_addr().port();
         Ok(Inbox {
@@ -239,6 +248,8 @@ impl Inbox {
 
     /// The next delivery, waiting at most `timeout` seconds (None = until one arrives).
     /// Returns None on timeout. The GIL is released while waiting; Ctrl-C interrupts.
+    /// Raises `tandem.DeterminismError` once upstream replicas diverged under
+    /// `on_divergence="fail"`.
     #[pyo3(signature = (timeout = None))]
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Delivery>> {
         let deadline = match timeout {
@@ -272,7 +283,8 @@ impl Inbox {
     }
 
     /// Counters: per channel accepted/duplicate rows, dedup position and backlog; per
-    /// connection peer, identity, frames, bytes, state; rejected connections.
+    /// connection peer, identity, frames, bytes, state; rejected connections; the first 16
+    /// divergences between upstream replicas and their count.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // Locks are taken with the GIL released: another thread may hold this one for a
         // moment inside `next()` and must not then wait for a GIL we would be holding.
@@ -315,6 +327,18 @@ impl Inbox {
         out.set_item("channels", channels)?;
         out.set_item("connections", conns)?;
         out.set_item("rejected_connections", stats.rejected_connections)?;
+        let divergences = PyList::empty(py);
+        for v in stats.divergences {
+            let d = PyDict::new(py);
+            d.set_item("channel", v.channel)?;
+            d.set_item("upstream", v.upstream)?;
+            d.set_item("epoch", v.epoch)?;
+            d.set_item("replicas", v.replicas)?;
+            d.set_item("digests", (to_hex(&v.digests.0), to_hex(&v.digests.1)))?;
+            divergences.append(d)?;
+        }
+        out.set_item("divergences", divergences)?;
+        out.set_item("divergence_count", stats.divergence_count)?;
         Ok(out)
     }
 
