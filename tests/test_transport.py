@@ -142,10 +142,9 @@ def test_a_crashed_upstream_replica_is_masked_and_replicas_agree(inboxes, kill):
     ports = [ib.port for ib in inboxes]
     total, hb = 12_000, 1_000
     senders = Threads()
-    common = {"total": total, "hb_every": hb}
-    # The replicas of a partition send the same batches (DESIGN §2 invariant 1).
-    p0 = {"emit_rows": 37, "batch_rows": 64, **common}
-    p1 = {"emit_rows": 101, "batch_rows": 128, **common}
+    # The replicas of a partition emit the same batches; the two partitions cut differently.
+    p0 = {"total": total, "hb_every": hb, "emit_rows": 37, "batch_rows": 29}
+    p1 = {"total": total, "hb_every": hb, "emit_rows": 101, "batch_rows": 64}
     senders.start(run_upstream, ports, 0, 0, **p0)
     senders.start(run_upstream, ports, 0, 1, kill_after=5_000, kill=kill, **p0)
     senders.start(run_upstream, ports, 1, 0, **p1)
@@ -174,6 +173,7 @@ def test_a_crashed_upstream_replica_is_masked_and_replicas_agree(inboxes, kill):
     for ib in inboxes:
         st = ib.stats()
         assert st["rejected_connections"] == 0
+        assert (st["divergence_count"], st["divergences"]) == (0, [])
         assert [c["accepted_rows"] for c in st["channels"]] == [total, total]
         assert [c["upstream"] for c in st["channels"]] == [(TASK, 0), (TASK, 1)]
         crashed = [
@@ -284,21 +284,141 @@ def test_next_times_out_with_none_and_delivery_fields():
         out.emit(rows(0, 1))
 
 
-def test_outbox_buffer_timeout_and_flush_due():
-    with _core.Inbox(JOB, SECRET, [(TASK, 0)]) as ib:
-        out = _core.Outbox(
-            JOB, SECRET, (TASK, 0, 0), [[(HOST, ib.port)]], batch_rows=1000, buffer_timeout_ms=20
-        )
-        assert out.deadline() is None
-        out.emit(rows(0, 5))
-        left = out.deadline()
-        assert left is not None and 0 <= left <= 0.02
-        assert ib.next(timeout=0.1) is None, "still buffered"
-        time.sleep(left)
-        out.flush_due()
+def test_outbox_sends_each_emit_at_once_in_frames_cut_at_fixed_offsets():
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)], ordering="none") as ib:
+        out = _core.Outbox(JOB, SECRET, (TASK, 0, 0), [[(HOST, ib.port)]], batch_rows=4)
+        out.emit(rows(0, 3))
         d = ib.next(timeout=10)
-        assert d is not None and d.kind == "data" and d.batch.num_rows == 5
+        assert d is not None and (d.first_seq, d.batch.num_rows) == (0, 3), "no timer to wait for"
+        out.emit(rows(3, 10))
+        got = [ib.next(timeout=10) for _ in range(3)]
+        assert [(d.first_seq, d.batch.num_rows) for d in got] == [(3, 4), (7, 4), (11, 2)]
         out.close()
+
+
+def emit_all(out: _core.Outbox, cuts: list[int]) -> list[tuple[int, int, bytes]]:
+    """Emit rows 0.. in batches of ``cuts`` rows, a heartbeat after each, then end; return
+    the digests."""
+    start = 0
+    for epoch, n in enumerate(cuts, start=1):
+        out.emit(rows(start, n))
+        out.heartbeat(epoch)
+        start += n
+    out.end()
+    return out.digests()
+
+
+def test_outbox_digests_follow_rows_and_batch_boundaries():
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)], queue_capacity=64) as ib:
+        outs = [
+            _core.Outbox(JOB, SECRET, (TASK, 0, r), [[(HOST, ib.port)]], batch_rows=4)
+            for r in range(3)
+        ]
+        a = emit_all(outs[0], [5, 3])
+        b = emit_all(outs[1], [5, 3])
+        assert [(c, e) for c, e, _ in a] == [(0, 1), (0, 2), (0, 2**64 - 1)]
+        assert all(isinstance(d, bytes) and len(d) == 16 for _, _, d in a)
+        assert a == b, "the same batches give the same digests"
+        assert outs[0].digests() == [], "digests() drains"
+        # Cycle 1's rows emitted as 2 + 3 (frames of 2 and 3 rows, not 4 and 1): only that
+        # cycle's digest differs.
+        outs[2].emit(rows(0, 2))
+        outs[2].emit(rows(2, 3))
+        outs[2].heartbeat(1)
+        outs[2].emit(rows(5, 3))
+        outs[2].heartbeat(2)
+        outs[2].end()
+        c = outs[2].digests()
+        assert c[0] != a[0] and c[1:] == a[1:]
+        for out in outs:
+            out.close()
+
+
+def run_twin(port: int, replica: int, differ_in: int | None = None) -> None:
+    """Replica ``replica`` of upstream partition 0: heartbeat cycles 1..3 of 10 rows each,
+    then end. In cycle ``differ_in``, replica 1 emits other values (as a non-deterministic
+    operator would)."""
+    out = _core.Outbox(JOB, SECRET, (TASK, 0, replica), [[(HOST, port)]], batch_rows=4)
+    for epoch in (1, 2, 3):
+        shift = 1000 if replica == 1 and epoch == differ_in else 0
+        out.emit(rows(10 * (epoch - 1) + shift, 10))
+        out.heartbeat(epoch)
+    out.end()
+    out.close()
+
+
+def all_closed(ib: _core.Inbox, connections: int = 2) -> dict:
+    """``ib.stats()`` once its ``connections`` connections were read to their end."""
+    deadline = time.monotonic() + 10
+    while True:
+        st = ib.stats()
+        if sum(not c["open"] for c in st["connections"]) == connections:
+            return st
+        assert time.monotonic() < deadline, f"connections stay open: {st}"
+        time.sleep(0.01)
+
+
+def test_replicas_with_equal_output_pass_the_determinism_check():
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)]) as ib:
+        senders = Threads()
+        for r in (0, 1):
+            senders.start(run_twin, ib.port, r)
+        events = consume(ib)
+        senders.join()
+        assert rows_of(events, 0) == list(range(30))
+        st = all_closed(ib)
+        assert (st["divergence_count"], st["divergences"]) == (0, [])
+        assert st["channels"][0]["duplicate_rows"] > 0, "both replicas were compared"
+
+
+def test_divergent_replicas_make_next_raise_determinism_error():
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)], on_divergence="fail") as ib:
+        senders = Threads()
+        for r in (0, 1):
+            senders.start(run_twin, ib.port, r, differ_in=2)
+        deadline = time.monotonic() + 30
+        with pytest.raises(tandem.DeterminismError) as info:
+            while time.monotonic() < deadline:
+                ib.next(timeout=0.2)
+        senders.join()
+        assert isinstance(info.value, tandem.TandemError)
+        (d,) = ib.stats()["divergences"]
+        assert (d["channel"], d["upstream"], d["epoch"]) == (0, (TASK, 0), 2)
+        assert sorted(d["replicas"]) == [0, 1]
+        a, b = d["replicas"]
+        msg = str(info.value)
+        for needle in (
+            f"replicas {a} and {b} of upstream task {TASK} partition 0",
+            "heartbeat cycle 2",
+            *d["digests"],
+            "not deterministic for a given input batch",
+            'on_divergence="log"',
+        ):
+            assert needle in msg, (needle, msg)
+        with pytest.raises(tandem.DeterminismError):
+            ib.next(timeout=0)
+        assert all_closed(ib)["divergence_count"] == 1, "cycles 1 and 3 agree"
+
+
+def test_divergent_replicas_under_log_are_reported_and_delivery_goes_on(capfd):
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)], on_divergence="log") as ib:
+        senders = Threads()
+        for r in (0, 1):
+            senders.start(run_twin, ib.port, r, differ_in=2)
+        events = consume(ib)
+        senders.join()
+        assert len(rows_of(events, 0)) == 30 and events[-1] == ("end",)
+        st = all_closed(ib)
+        assert st["divergence_count"] == 1
+        (d,) = st["divergences"]
+        assert (d["channel"], d["upstream"], d["epoch"]) == (0, (TASK, 0), 2)
+        assert sorted(d["replicas"]) == [0, 1]
+        first, second = d["digests"]
+        assert len(first) == len(second) == 32 and first != second
+    lines = [
+        line for line in capfd.readouterr().err.splitlines() if "different output digests" in line
+    ]
+    assert len(lines) == 1 and "heartbeat cycle 2" in lines[0], lines
 
 
 @pytest.mark.parametrize(
@@ -312,6 +432,7 @@ def test_outbox_buffer_timeout_and_flush_due():
         ({"upstreams": [(1, 0), (1, 0)]}, "twice"),
         ({"upstreams": [(-1, 0)]}, "task"),
         ({"max_frame_bytes": 0}, "max_frame_bytes"),
+        ({"on_divergence": "warn"}, "'fail' or 'log', got \"warn\""),
     ],
 )
 def test_inbox_bad_arguments_raise_config_error(kwargs, needle):
@@ -328,7 +449,6 @@ def test_inbox_bad_arguments_raise_config_error(kwargs, needle):
         ({"partitioner": "hash"}, "key"),
         ({"key": "k"}, "only meaningful"),
         ({"batch_rows": 0}, "batch_rows"),
-        ({"buffer_timeout_ms": -1.0}, "buffer_timeout_ms"),
         ({"me": (1, -2, 0)}, "partition"),
         ({"downstream": []}, "downstream"),
         ({"downstream": [[]]}, r"downstream\[0\]"),
@@ -367,8 +487,8 @@ def test_ordering_none_delivers_every_channel_completely():
                     r,
                     total=4_000,
                     hb_every=500,
-                    emit_rows=33 + 10 * r,
-                    batch_rows=40 + 7 * r,
+                    emit_rows=33 + 10 * p,
+                    batch_rows=40 + 7 * p,
                 )
         events = consume(ib)
         senders.join()
@@ -390,7 +510,6 @@ def test_close_joins_every_io_thread():
     silent = socket.create_connection((HOST, ib.port), timeout=5)  # stuck in the handshake
     for out in outs:
         out.emit(rows(0, 10))
-        out.flush()
     assert ib.next(timeout=10) is not None
     deadline = time.monotonic() + 5
     while len(ib.stats()["connections"]) < 3 and time.monotonic() < deadline:

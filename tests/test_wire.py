@@ -43,7 +43,7 @@ def with_header(frame: bytes, **fields: int) -> bytes:
 def test_constants() -> None:
     assert _core.HEADER_LEN == HEADER.size == 32
     assert _core.DEFAULT_MAX_FRAME_BYTES == 64 << 20
-    assert _core.WIRE_VERSION == 1
+    assert _core.WIRE_VERSION == 2
 
 
 def test_data_round_trip() -> None:
@@ -64,7 +64,17 @@ def test_sliced_batch_round_trips_as_the_slice() -> None:
 
 
 def test_control_frames_round_trip() -> None:
-    assert _core.decode_frame(_core.encode_heartbeat_frame(2, 41, 9)) == ("heartbeat", 2, 41, 9)
+    assert _core.decode_frame(_core.encode_heartbeat_frame(2, 41, 9)) == (
+        "heartbeat",
+        2,
+        41,
+        9,
+        None,
+    )
+    digest = bytes(range(16))
+    frame = _core.encode_heartbeat_frame(2, 41, 9, digest)
+    assert len(frame) == 32 + 16
+    assert _core.decode_frame(frame) == ("heartbeat", 2, 41, 9, digest)
     assert _core.decode_frame(_core.encode_end_frame(2, 1000)) == ("end", 2, 1000)
     entries = [(0, 10), (1, 2**64 - 1)]
     frame = _core.encode_order_frame(5, 3, 77, entries)
@@ -80,7 +90,7 @@ def test_frame_written_by_pyarrow_ipc_decodes() -> None:
     with pa.ipc.new_stream(sink, batch.schema) as writer:
         writer.write_batch(batch)
     body = sink.getvalue().to_pybytes()
-    frame = HEADER.pack(MAGIC, 1, 1, 0, 4, 50, batch.num_rows, len(body)) + body
+    frame = HEADER.pack(MAGIC, _core.WIRE_VERSION, 1, 0, 4, 50, batch.num_rows, len(body)) + body
     kind, channel, first_seq, decoded = _core.decode_frame(frame)
     assert (kind, channel, first_seq) == ("data", 4, 50)
     assert decoded.equals(batch)
@@ -104,6 +114,19 @@ def test_out_of_range_integers_are_refused() -> None:
         _core.encode_end_frame(0, 2**64)
 
 
+@pytest.mark.parametrize("length", [0, 15, 17])
+def test_heartbeat_digest_must_be_16_bytes(length: int) -> None:
+    with pytest.raises(tandem.ConfigError, match=f"exactly 16 bytes, got {length}"):
+        _core.encode_heartbeat_frame(0, 1, 2, bytes(length))
+
+
+@pytest.mark.parametrize("length", [1, 8, 15, 17, 32])
+def test_heartbeat_body_is_empty_or_a_digest(length: int) -> None:
+    frame = with_header(_core.encode_heartbeat_frame(0, 1, 2), body_len=length) + bytes(length)
+    with pytest.raises(tandem.ProtocolError, match=f"body of {length} bytes; it must be empty"):
+        _core.decode_frame(frame)
+
+
 @pytest.mark.parametrize(
     "garbage",
     [b"GET / HTTP/1.1\r\n\r\n", bytes(64), b"\xff" * 100, b"TNDM" * 10],
@@ -124,7 +147,7 @@ def test_random_garbage_never_escapes_as_another_error() -> None:
 
 def test_garbage_body_under_a_valid_header() -> None:
     body = b"\xab" * 64
-    frame = HEADER.pack(MAGIC, 1, 1, 0, 0, 0, 3, len(body)) + body
+    frame = HEADER.pack(MAGIC, _core.WIRE_VERSION, 1, 0, 0, 0, 3, len(body)) + body
     with pytest.raises(tandem.ProtocolError, match="Arrow IPC"):
         _core.decode_frame(frame)
 
@@ -146,10 +169,11 @@ def test_mutated_frames_raise_protocol_error_or_decode(noise: bytes, at: int) ->
     [
         _core.encode_data_frame(0, 0, sample_batch(3)),
         _core.encode_heartbeat_frame(0, 1, 2),
+        _core.encode_heartbeat_frame(0, 1, 2, b"\x07" * 16),
         _core.encode_end_frame(0, 3),
         _core.encode_order_frame(0, 1, 1, [(0, 5), (1, 6)]),
     ],
-    ids=["data", "heartbeat", "end", "order"],
+    ids=["data", "heartbeat", "heartbeat-digest", "end", "order"],
 )
 def test_every_prefix_is_truncated(frame: bytes) -> None:
     for cut in range(len(frame)):
@@ -172,9 +196,11 @@ def test_wrong_magic() -> None:
         _core.decode_frame(frame)
 
 
-def test_wrong_version() -> None:
-    frame = with_header(_core.encode_heartbeat_frame(0, 1, 1), version=2)
-    with pytest.raises(tandem.ProtocolError, match="unsupported wire version 2"):
+@pytest.mark.parametrize("version", [1, 3])
+def test_wrong_version(version: int) -> None:
+    """Version 1 predates heartbeat digests: its frames are refused, not misread."""
+    frame = with_header(_core.encode_heartbeat_frame(0, 1, 1), version=version)
+    with pytest.raises(tandem.ProtocolError, match=f"unsupported wire version {version}"):
         _core.decode_frame(frame)
 
 

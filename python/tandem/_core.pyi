@@ -33,8 +33,12 @@ def encode_data_frame(channel: int, first_seq: int, batch: pyarrow.RecordBatch) 
     Raises ``tandem.ProtocolError`` for an empty batch or a sequence-number overflow.
     """
 
-def encode_heartbeat_frame(channel: int, seq: int, epoch: int) -> bytes:
-    """Encode the heartbeat of cycle ``epoch`` at seq ``seq`` of ``channel``."""
+def encode_heartbeat_frame(
+    channel: int, seq: int, epoch: int, digest: bytes | None = None
+) -> bytes:
+    """Encode the heartbeat of cycle ``epoch`` at seq ``seq`` of ``channel``, carrying
+    ``digest`` (the 16-byte cycle digest of the channel's data since its previous heartbeat)
+    if given. Raises ``tandem.ConfigError`` for a digest of another length."""
 
 def encode_end_frame(channel: int, seq: int) -> bytes:
     """Encode the end marker of ``channel`` at seq ``seq``."""
@@ -48,14 +52,16 @@ def decode_frame(
     data: bytes, max_frame_bytes: int = ...
 ) -> (
     tuple[Literal["data"], int, int, pyarrow.RecordBatch]
-    | tuple[Literal["heartbeat"], int, int, int]
+    | tuple[Literal["heartbeat"], int, int, int, bytes | None]
     | tuple[Literal["end"], int, int]
     | tuple[Literal["order"], int, int, int, list[tuple[int, int]]]
 ):
     """Decode exactly one frame.
 
-    Returns ``("data", channel, first_seq, batch)``, ``("heartbeat", channel, seq, epoch)``,
-    ``("end", channel, seq)`` or ``("order", channel, epoch, version, [(channel, up_to_seq)])``.
+    Returns ``("data", channel, first_seq, batch)``,
+    ``("heartbeat", channel, seq, epoch, digest)`` (``digest``: 16 bytes, or None if the frame
+    carries none), ``("end", channel, seq)`` or
+    ``("order", channel, epoch, version, [(channel, up_to_seq)])``.
     Raises ``tandem.ProtocolError`` naming the problem for malformed, truncated, oversized or
     trailing bytes.
     """
@@ -194,6 +200,13 @@ class Inbox:
     served (``"none"``). Bad connections (garbage, failed handshake, unknown sender,
     malformed frames) are closed on their own and counted in ``stats()``.
 
+    Determinism is checked as data arrives: heartbeats carry each upstream replica's digest
+    of its output for the cycle, and two replicas of one upstream partition that disagree
+    are a divergence. ``on_divergence="fail"`` (the default) makes ``next()`` raise
+    ``tandem.DeterminismError`` naming the partition, replicas, cycle and digests;
+    ``"log"`` logs the first divergence per input and keeps delivering. ``stats()`` reports
+    them either way.
+
     Raises ``tandem.ConfigError`` for bad arguments, ``OSError`` if the port cannot be bound.
     """
 
@@ -208,6 +221,7 @@ class Inbox:
         host: str = "127.0.0.1",
         port: int = 0,
         handshake_timeout: float = 2.0,
+        on_divergence: Literal["fail", "log"] = "fail",
     ) -> None:
         """``upstreams``: ``(task, partition)`` pairs; the position is the channel index.
         ``queue_capacity``: frames queued per channel before the readers stop reading (the
@@ -217,13 +231,17 @@ class Inbox:
     def next(self, timeout: float | None = None) -> Delivery | None:
         """The next delivery, or None after ``timeout`` seconds (None = wait until one
         arrives). Releases the GIL while waiting; Ctrl-C interrupts. Raises
-        ``tandem.ChannelClosed`` after ``close()``."""
+        ``tandem.ChannelClosed`` after ``close()``, and ``tandem.DeterminismError`` on every
+        call once upstream replicas diverged under ``on_divergence="fail"``."""
     def order_feed(self) -> OrderFeed | None:
         """The inbox's side of the KaZoo order log (``ordering="kazoo"`` only, else None)."""
     def stats(self) -> dict[str, Any]:
         """``{"channels": [{"upstream", "accepted_rows", "duplicate_rows", "next_seq",
         "queued_seqs"}], "connections": [{"peer", "identity", "frames", "bytes", "open",
-        "error"}], "rejected_connections": int}``."""
+        "error"}], "rejected_connections": int, "divergences": [{"channel", "upstream",
+        "epoch", "replicas", "digests"}], "divergence_count": int}``. ``divergences`` holds
+        the first 16 found: ``replicas`` is (the replica whose heartbeat came first, the one
+        that differed), ``digests`` their digests in hex, in that order."""
     def close(self) -> None:
         """Stop listening, close every connection, join the I/O threads. Idempotent."""
     def __enter__(self) -> Inbox: ...
@@ -275,10 +293,14 @@ class Outbox:
     """The output of one task partition replica.
 
     Partitions emitted rows over the output channels (one per downstream partition),
-    gives every row, heartbeat and end marker the channel's next sequence number, buffers
-    up to ``batch_rows`` rows or ``buffer_timeout_ms``, and sends each frame to every
-    replica of the channel's downstream partition. A replica whose connection fails is
-    dropped (logged); only a channel with no live replica raises ``tandem.ChannelClosed``.
+    gives every row, heartbeat and end marker the channel's next sequence number, and sends
+    each emitted batch's part of a channel at once, as frames of at most ``batch_rows`` rows
+    cut at offsets ``0, batch_rows, 2 * batch_rows, ...`` of that part (no timer: replicas
+    that emit the same batches send identical frames), to every replica of the channel's
+    downstream partition. Each channel keeps a cycle digest of the data it sent since its
+    last heartbeat; the heartbeat carries it, so receivers can compare replicas. A replica
+    whose connection fails is dropped (logged); only a channel with no live replica raises
+    ``tandem.ChannelClosed``.
 
     ``partitioner``: ``"forward"`` (exactly one channel: the downstream partition with this
     partition's index), ``"hash"`` (needs ``key``: an int, string or binary column; nulls go
@@ -297,7 +319,6 @@ class Outbox:
         partitioner: Literal["forward", "hash", "rebalance", "broadcast"] = "forward",
         key: str | None = None,
         batch_rows: int = 1024,
-        buffer_timeout_ms: float = 5.0,
         connect_timeout: float = 10.0,
         queue_frames: int = 256,
     ) -> None:
@@ -305,28 +326,30 @@ class Outbox:
         each replica of downstream partition ``c``. ``queue_frames``: frames queued per
         connection before ``emit`` blocks."""
     def emit(self, batch: pa.RecordBatch) -> None:
-        """Partition and buffer ``batch``; send full buffers. Blocks (GIL released) while a
+        """Partition ``batch`` and send each channel's part now. A batch that cannot be
+        encoded or digested is refused whole (nothing sent). Blocks (GIL released) while a
         downstream is slow."""
     def heartbeat(self, epoch: int) -> None:
-        """Send buffered rows, then a heartbeat of cycle ``epoch`` on every channel."""
-    def flush(self) -> None:
-        """Send every buffered row now."""
-    def flush_due(self) -> None:
-        """Send the buffers whose oldest row waited ``buffer_timeout_ms``."""
-    def deadline(self) -> float | None:
-        """Seconds until the oldest buffered row is due; None if nothing is buffered."""
+        """Send a heartbeat of cycle ``epoch`` on every channel, carrying the channel's
+        digest of the data sent since its previous heartbeat."""
     def end(self) -> None:
-        """Send buffered rows, then the end marker on every channel."""
+        """Send the end marker on every channel (the digest of the data after the last
+        heartbeat is recorded under epoch ``2**64 - 1``)."""
+    def digests(self) -> list[tuple[int, int, bytes]]:
+        """The cycle digests closed since the last call, oldest first: ``(channel, epoch,
+        digest)`` with a 16-byte digest, one per channel per heartbeat, plus one per
+        channel under epoch ``2**64 - 1`` once ``end()`` ran. Drains them (at most 65,536
+        are kept between calls; the oldest are dropped first)."""
     def close(self) -> None:
-        """Send buffered rows and close the connections after they delivered what was
-        queued. Without ``end()`` first, receivers see this replica stop mid-stream."""
+        """Close the connections after they delivered what was queued. Without ``end()``
+        first, receivers see this replica stop mid-stream. Idempotent."""
     def abort(self) -> None:
-        """Cut every connection now, dropping what is buffered or queued (a crash, for
-        fault injection)."""
+        """Cut every connection now, dropping what is queued (a crash, for fault
+        injection)."""
     @property
     def next_seqs(self) -> list[int]:
-        """The seq the next element of each channel takes (buffered rows count), as of the
-        last completed call; never blocks, even while another thread is inside ``emit``."""
+        """The seq the next element of each channel takes, as of the last completed call;
+        never blocks, even while another thread is inside ``emit``."""
     def __enter__(self) -> Outbox: ...
     def __exit__(
         self,

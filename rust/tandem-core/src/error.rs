@@ -25,6 +25,11 @@ pub enum Error {
     #[error("channel closed: {0}")]
     Closed(String),
 
+    /// Replicas of an upstream task partition sent different output for the same
+    /// heartbeat cycle (maps to `tandem.DeterminismError`).
+    #[error("determinism check failed: {0}")]
+    Determinism(String),
+
     /// A blocking call ran past its deadline.
     #[error("timed out after {0:?}")]
     Timeout(std::time::Duration),

@@ -11,13 +11,16 @@
 //!   positional order followed by KaZoo replicas ("consume channel c up to seq s").
 //! * [`orderlog`] — the KaZoo order log as a replica follows it: fencing by leader epoch,
 //!   replays ignored, positional entries handed to the merge.
-//! * [`outbox`] — partitioners, per-output-channel sequence numbers, flush policy.
+//! * [`outbox`] — partitioners, per-output-channel sequence numbers, frames cut once per
+//!   emitted batch.
+//! * [`digest`] — the per-channel cycle digest replicas compare to check determinism.
 //! * [`transport`] — TCP listener/dialers on I/O threads, bounded queues, blocking `next()`.
 //!
 //! Sequence numbers are `u64` and count *every* element of a channel, data rows and
 //! heartbeats alike (DESIGN §2, invariant 1).
 
 pub mod dedup;
+pub mod digest;
 pub mod error;
 pub mod item;
 pub mod liverobin;

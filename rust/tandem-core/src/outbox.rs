@@ -1,28 +1,36 @@
-//! The sending side of a task partition: partitioner, per-output-channel sequence numbers
-//! and the flush policy (DESIGN §2 invariant 1, §5 knobs `batch_rows` and
-//! `buffer_timeout_ms`).
+//! The sending side of a task partition: partitioner, per-output-channel sequence numbers,
+//! frame boundaries and cycle digests (DESIGN §2 invariants 1 and 4, §5 knob `batch_rows`).
 //!
 //! An output *channel* is one downstream partition. Every element put on a channel — each
 //! data row, each heartbeat, the end marker — takes the channel's next `u64` sequence
-//! number. Seqs are assigned when a row is emitted, in emit order; buffering only decides
-//! where frame boundaries fall, which receivers do not care about (dedup and the merge
-//! work on seqs). So two replicas that emit the same rows and heartbeats produce the same
-//! seq → row mapping on every channel even if their flush timing differs.
+//! number, in emit order.
+//!
+//! The batch is the unit of determinism: [`Outbox::emit`] sends its part of an operator's
+//! output batch on each channel at once, as frames of at most `batch_rows` rows cut at
+//! offsets `0, batch_rows, 2·batch_rows…` of that part. No timer coalesces or splits
+//! frames, so two replicas that emit the same batches and heartbeats send byte-identical
+//! frames with identical boundaries on every channel; only timing differs.
+//!
+//! Every channel keeps a [`CycleDigest`] of the Data frames it sent since its last heartbeat.
+//! [`Outbox::heartbeat`] closes it and sends it inside the heartbeat frame, so receivers can
+//! compare the replicas of this partition cycle by cycle; the digests are also recorded for
+//! [`Outbox::take_digests`].
 //!
 //! Every frame is encoded once per channel and the same `Arc<[u8]>` goes to every
 //! downstream replica of that channel (duplicate sending, DESIGN §2 invariant 2).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{
     Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type, UInt64Type, UInt8Type,
 };
 use arrow_array::{Array, ArrayRef, ArrowPrimitiveType, RecordBatch, UInt32Array};
-use arrow_schema::{DataType, SchemaRef};
+use arrow_schema::DataType;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::digest::{CycleDigest, Digest};
 use crate::wire;
 use crate::{Error, Result};
 
@@ -103,36 +111,40 @@ pub trait Link: Send {
     }
 }
 
-/// Flush policy of an [`Outbox`].
+/// Frame policy of an [`Outbox`].
 #[derive(Debug, Clone)]
 pub struct OutboxConfig {
-    /// A channel's buffer is sent as soon as it holds this many rows; frames never carry
-    /// more rows than this. Must be ≥ 1.
+    /// Frames never carry more rows than this: a channel's part of an emitted batch leaves
+    /// as frames cut at offsets `0, batch_rows, 2·batch_rows…` of that part (the last one
+    /// shorter). Must be ≥ 1.
     pub batch_rows: usize,
-    /// Upper bound on how long a buffered row waits before it is sent (see
-    /// [`Outbox::deadline`]).
-    pub buffer_timeout: Duration,
 }
 
 impl Default for OutboxConfig {
     fn default() -> Self {
-        OutboxConfig {
-            batch_rows: 1024,
-            buffer_timeout: Duration::from_millis(5),
-        }
+        OutboxConfig { batch_rows: 1024 }
     }
 }
 
-/// One output channel: its links, its next seq and its not-yet-sent rows.
+/// Closed cycle digests kept for [`Outbox::take_digests`] before the oldest are dropped
+/// (receivers compare digests online; this record only feeds reports, and must stay
+/// bounded when nobody takes it).
+pub const DIGESTS_KEPT: usize = 65_536;
+
+/// One output channel: its links, its next seq and the digest of its current cycle.
 struct Channel {
     links: Vec<Box<dyn Link>>,
-    /// Seq the next element emitted on this channel takes (buffered rows included).
+    /// Seq the next element emitted on this channel takes.
     next_seq: u64,
-    /// Buffered pieces, in emit order; they cover seqs `[next_seq - buffered_rows, next_seq)`.
-    pending: Vec<RecordBatch>,
-    buffered_rows: usize,
-    /// When the oldest buffered row was emitted.
-    oldest: Option<Instant>,
+    /// Digest of the Data frames sent since the last heartbeat.
+    digest: CycleDigest,
+}
+
+/// One Data frame of an emit, encoded but not yet sent.
+struct Outgoing {
+    first_seq: u64,
+    rows: RecordBatch,
+    bytes: Arc<[u8]>,
 }
 
 /// The output side of one task partition replica. See the module documentation.
@@ -144,6 +156,8 @@ pub struct Outbox {
     rows_emitted: u64,
     /// `next_seq` of every channel, kept contiguous for [`Outbox::next_seqs`].
     seqs: Vec<u64>,
+    /// Closed digests `(channel, epoch, digest)` not yet taken, oldest first.
+    digests: VecDeque<(usize, u64, Digest)>,
     ended: bool,
 }
 
@@ -182,9 +196,7 @@ impl Outbox {
             .map(|links| Channel {
                 links,
                 next_seq: 0,
-                pending: Vec::new(),
-                buffered_rows: 0,
-                oldest: None,
+                digest: CycleDigest::new(),
             })
             .collect();
         Ok(Outbox {
@@ -193,6 +205,7 @@ impl Outbox {
             cfg,
             rows_emitted: 0,
             seqs: vec![0; n],
+            digests: VecDeque::new(),
             ended: false,
         })
     }
@@ -207,8 +220,11 @@ impl Outbox {
         self.channels.get(channel).map_or(0, |c| c.links.len())
     }
 
-    /// Partition the rows of `batch` over the channels, buffer them (they take their seqs
-    /// now) and send every channel whose buffer reached `batch_rows`.
+    /// Partition the rows of `batch` over the channels and send each channel's part now, as
+    /// frames of at most `batch_rows` rows cut at fixed offsets of that part; its rows take
+    /// the channel's next seqs. Every frame is encoded (and its digest prepared) before any
+    /// is sent: a batch that cannot be encoded or digested is refused whole, sending
+    /// nothing and taking no seq. Blocks while a downstream queue is full.
     pub fn emit(&mut self, batch: &RecordBatch) -> Result<()> {
         self.check_open("emit")?;
         let rows = batch.num_rows();
@@ -216,119 +232,89 @@ impl Outbox {
             return Ok(());
         }
         let n = self.channels.len();
-        // A schema change starts a new frame: buffered pieces of the old schema go first,
-        // so a frame never mixes schemas and no seq is ever skipped.
-        let mut first_err = None;
-        for c in 0..n {
-            let stale = self.channels[c]
-                .pending
-                .first()
-                .is_some_and(|p| p.schema() != batch.schema());
-            if stale {
-                if let Err(e) = self.send_data(c, false) {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        let now = Instant::now();
-        match &self.partitioner {
-            Partitioner::Forward => self.buffer(0, batch.clone(), now),
-            Partitioner::Broadcast => {
-                for c in 0..n {
-                    self.buffer(c, batch.clone(), now);
-                }
-            }
+        let parts: Vec<(usize, RecordBatch)> = match &self.partitioner {
+            Partitioner::Forward => vec![(0, batch.clone())],
+            Partitioner::Broadcast => (0..n).map(|c| (c, batch.clone())).collect(),
             Partitioner::Hash { column } if n == 1 => {
                 // Nothing to route, but a bad key is still a configuration error, whatever
                 // the downstream parallelism.
                 key_column(batch, column)?;
-                self.buffer(0, batch.clone(), now);
+                vec![(0, batch.clone())]
             }
-            Partitioner::Rebalance if n == 1 => self.buffer(0, batch.clone(), now),
+            Partitioner::Rebalance if n == 1 => vec![(0, batch.clone())],
             Partitioner::Rebalance => {
                 let start = self.rows_emitted;
                 let targets = (0..rows).map(|i| ((start + i as u64) % n as u64) as usize);
-                self.scatter(batch, targets, now)?;
+                scatter(batch, targets, n)?
             }
             Partitioner::Hash { column } => {
                 let targets = hash_channels(batch, column, n)?;
-                self.scatter(batch, targets.iter().map(|&c| c as usize), now)?;
+                scatter(batch, targets.iter().map(|&c| c as usize), n)?
             }
+        };
+        let mut outgoing = Vec::with_capacity(parts.len());
+        for (c, part) in parts {
+            let ch = &mut self.channels[c];
+            ch.digest.prepare(part.schema_ref())?;
+            outgoing.push((c, frames(c, ch.next_seq, &part, self.cfg.batch_rows)?));
         }
         self.rows_emitted += rows as u64;
-        for c in 0..n {
-            if self.channels[c].buffered_rows >= self.cfg.batch_rows {
-                if let Err(e) = self.send_data(c, true) {
+        let mut first_err = None;
+        for (c, frames) in outgoing {
+            let ch = &mut self.channels[c];
+            for frame in frames {
+                ch.next_seq = frame.first_seq + frame.rows.num_rows() as u64;
+                if let Err(e) = ch.digest.add(frame.first_seq, &frame.rows) {
+                    first_err.get_or_insert(e);
+                }
+                if let Err(e) = send_all(c, &mut ch.links, frame.bytes) {
                     first_err.get_or_insert(e);
                 }
             }
+            self.seqs[c] = ch.next_seq;
         }
         first_err.map_or(Ok(()), Err)
     }
 
-    /// Send all buffered data, then one heartbeat of cycle `epoch` on every channel (each
-    /// takes one seq). The heartbeat therefore follows every row emitted before it.
+    /// Send one heartbeat of cycle `epoch` on every channel (each takes one seq), carrying
+    /// the channel's digest of the Data frames it sent since its previous heartbeat; the
+    /// digest is recorded for [`Outbox::take_digests`]. The heartbeat follows every row
+    /// emitted before it.
     pub fn heartbeat(&mut self, epoch: u64) -> Result<()> {
         self.check_open("heartbeat")?;
-        self.control(|ch, seq| wire::encode_heartbeat(ch, seq, epoch))
+        self.control(epoch, |ch, seq, digest| {
+            wire::encode_heartbeat_digest(ch, seq, epoch, digest)
+        })
     }
 
-    /// Send all buffered data, then the end marker on every channel. Later calls to
+    /// Send the end marker on every channel (an empty frame; the digest of the rows sent
+    /// since the last heartbeat is recorded under epoch `u64::MAX`). Later calls to
     /// `emit`, `heartbeat` or `end` fail with [`Error::Closed`].
     pub fn end(&mut self) -> Result<()> {
         self.check_open("end")?;
-        let res = self.control(wire::encode_end);
+        let res = self.control(u64::MAX, |ch, seq, _| wire::encode_end(ch, seq));
         self.ended = true;
         res
     }
 
-    /// Send every buffered row now ("no more input ready": waiting would only add latency).
-    pub fn flush(&mut self) -> Result<()> {
-        let mut first_err = None;
-        for c in 0..self.channels.len() {
-            if let Err(e) = self.send_data(c, false) {
-                first_err.get_or_insert(e);
-            }
-        }
-        first_err.map_or(Ok(()), Err)
-    }
-
-    /// When the oldest buffered row reaches `buffer_timeout` (None if nothing is buffered).
-    /// The caller sleeps at most until then and calls [`Outbox::flush_due`].
-    pub fn deadline(&self) -> Option<Instant> {
-        self.channels
-            .iter()
-            .filter_map(|c| c.oldest)
-            .min()
-            .map(|t| t + self.cfg.buffer_timeout)
-    }
-
-    /// Send the buffers of the channels whose oldest row has waited `buffer_timeout` by `now`.
-    pub fn flush_due(&mut self, now: Instant) -> Result<()> {
-        let mut first_err = None;
-        for c in 0..self.channels.len() {
-            let due = self.channels[c]
-                .oldest
-                .is_some_and(|t| t + self.cfg.buffer_timeout <= now);
-            if due {
-                if let Err(e) = self.send_data(c, false) {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        first_err.map_or(Ok(()), Err)
-    }
-
-    /// The seq the next element of each channel will take (buffered rows already count).
+    /// The seq the next element of each channel will take.
     pub fn next_seqs(&self) -> &[u64] {
         &self.seqs
     }
 
-    /// Send what is buffered, then close every link (each delivers what it queued).
-    /// Does not send the end marker: call [`Outbox::end`] first for a clean finish; closing
-    /// without it looks to the receivers like a crash of this replica.
-    pub fn close(&mut self) -> Result<()> {
-        let res = self.flush();
+    /// The closed cycle digests `(channel, epoch, digest)` recorded since the last call,
+    /// oldest first: one per channel per heartbeat, and one per channel under epoch
+    /// `u64::MAX` for the rows after the last heartbeat once `end()` ran. At most
+    /// [`DIGESTS_KEPT`] are kept between calls (the oldest are dropped first).
+    pub fn take_digests(&mut self) -> Vec<(usize, u64, Digest)> {
+        self.digests.drain(..).collect()
+    }
+
+    /// Close every link (each delivers what it queued). Nothing is left to send: `emit`
+    /// sends at once. Does not send the end marker: call [`Outbox::end`] first for a clean
+    /// finish; closing without it looks to the receivers like a crash of this replica. A
+    /// link that fails to close is logged.
+    pub fn close(&mut self) {
         for ch in &mut self.channels {
             for mut link in ch.links.drain(..) {
                 if let Err(e) = link.close() {
@@ -337,17 +323,13 @@ impl Outbox {
             }
         }
         self.ended = true;
-        res
     }
 
-    /// Drop every connection at once without sending what is buffered or queued — a crash
-    /// of this replica as the receivers see it (fault injection; the other replicas of this
+    /// Drop every connection at once without delivering what is queued — a crash of this
+    /// replica as the receivers see it (fault injection; the other replicas of this
     /// partition mask it).
     pub fn abort(&mut self) {
         for ch in &mut self.channels {
-            ch.pending.clear();
-            ch.buffered_rows = 0;
-            ch.oldest = None;
             for mut link in ch.links.drain(..) {
                 link.abort();
             }
@@ -365,101 +347,17 @@ impl Outbox {
         }
     }
 
-    /// Append `piece` to channel `c`'s buffer; its rows take the next seqs.
-    fn buffer(&mut self, c: usize, piece: RecordBatch, now: Instant) {
-        let rows = piece.num_rows();
-        if rows == 0 {
-            return;
-        }
-        let ch = &mut self.channels[c];
-        ch.pending.push(piece);
-        ch.buffered_rows += rows;
-        ch.next_seq += rows as u64;
-        ch.oldest.get_or_insert(now);
-        self.seqs[c] = ch.next_seq;
-    }
-
-    /// Route row `i` of `batch` to channel `targets[i]`: one `take` per non-empty channel.
-    fn scatter(
-        &mut self,
-        batch: &RecordBatch,
-        targets: impl Iterator<Item = usize>,
-        now: Instant,
-    ) -> Result<()> {
-        let n = self.channels.len();
-        // Counting pass first so every index vector is allocated once at its final size.
-        let targets: Vec<u32> = targets.map(|c| c as u32).collect();
-        let mut counts = vec![0usize; n];
-        for &c in &targets {
-            counts[c as usize] += 1;
-        }
-        if let Some(c) = counts.iter().position(|&k| k == targets.len()) {
-            // Everything goes to one channel: no copy at all.
-            self.buffer(c, batch.clone(), now);
-            return Ok(());
-        }
-        let mut indices: Vec<Vec<u32>> = counts.iter().map(|&k| Vec::with_capacity(k)).collect();
-        for (row, &c) in targets.iter().enumerate() {
-            indices[c as usize].push(row as u32);
-        }
-        for (c, idx) in indices.into_iter().enumerate() {
-            if idx.is_empty() {
-                continue;
-            }
-            let piece = arrow_select::take::take_record_batch(batch, &UInt32Array::from(idx))?;
-            self.buffer(c, piece, now);
-        }
-        Ok(())
-    }
-
-    /// Send channel `c`'s buffer as frames of at most `batch_rows` rows. With `only_full`,
-    /// a remainder smaller than `batch_rows` stays buffered.
-    fn send_data(&mut self, c: usize, only_full: bool) -> Result<()> {
-        let batch_rows = self.cfg.batch_rows;
-        let ch = &mut self.channels[c];
-        if ch.buffered_rows == 0 || (only_full && ch.buffered_rows < batch_rows) {
-            return Ok(());
-        }
-        let joined = join(&mut ch.pending)?;
-        let mut first_seq = ch.next_seq - ch.buffered_rows as u64;
-        let mut offset = 0;
-        let total = joined.num_rows();
-        let mut result = Ok(());
-        while offset < total {
-            let len = batch_rows.min(total - offset);
-            if only_full && len < batch_rows {
-                break;
-            }
-            let frame = match wire::encode_data(c as u32, first_seq, &joined.slice(offset, len)) {
-                Ok(f) => f,
-                Err(e) => {
-                    // Keep the unsent rows buffered: their seqs are taken, dropping them
-                    // would leave a hole receivers wait on forever.
-                    result = Err(e);
-                    break;
-                }
-            };
-            if let Err(e) = send_all(c, &mut ch.links, frame.into()) {
-                result = Err(e);
-            }
-            offset += len;
-            first_seq += len as u64;
-        }
-        ch.buffered_rows = total - offset;
-        if offset < total {
-            ch.pending.push(joined.slice(offset, total - offset));
-        } else {
-            ch.oldest = None;
-        }
-        result
-    }
-
-    /// Flush data, then send one control frame (built by `encode(channel, seq)`) per
-    /// channel, each taking one seq.
-    fn control(&mut self, encode: impl Fn(u32, u64) -> Vec<u8>) -> Result<()> {
-        let mut first_err = self.flush().err();
+    /// Close every channel's digest under `epoch` (recording it), then send one control
+    /// frame per channel, built by `encode(channel, seq, digest)`, each taking one seq.
+    fn control(&mut self, epoch: u64, encode: impl Fn(u32, u64, &Digest) -> Vec<u8>) -> Result<()> {
+        let mut first_err = None;
         for (c, ch) in self.channels.iter_mut().enumerate() {
-            let frame = encode(c as u32, ch.next_seq);
+            let digest = ch.digest.close(epoch);
+            if self.digests.len() == DIGESTS_KEPT {
+                self.digests.pop_front();
+            }
+            self.digests.push_back((c, epoch, digest));
+            let frame = encode(c as u32, ch.next_seq, &digest);
             ch.next_seq += 1;
             self.seqs[c] = ch.next_seq;
             if let Err(e) = send_all(c, &mut ch.links, frame.into()) {
@@ -470,16 +368,60 @@ impl Outbox {
     }
 }
 
-/// Concatenate the buffered pieces into one batch (zero-copy when there is a single piece).
-/// All pieces share one schema: `emit` sends the buffer before a schema change.
-fn join(pending: &mut Vec<RecordBatch>) -> Result<RecordBatch> {
-    if pending.len() == 1 {
-        return Ok(pending.pop().expect("one piece"));
+/// Route row `i` of `batch` to channel `targets[i]`: one `take` per non-empty channel, in
+/// channel order.
+fn scatter(
+    batch: &RecordBatch,
+    targets: impl Iterator<Item = usize>,
+    n: usize,
+) -> Result<Vec<(usize, RecordBatch)>> {
+    // Counting pass first so every index vector is allocated once at its final size.
+    let targets: Vec<u32> = targets.map(|c| c as u32).collect();
+    let mut counts = vec![0usize; n];
+    for &c in &targets {
+        counts[c as usize] += 1;
     }
-    let schema: SchemaRef = pending[0].schema();
-    let joined = arrow_select::concat::concat_batches(&schema, pending.iter())?;
-    pending.clear();
-    Ok(joined)
+    if let Some(c) = counts.iter().position(|&k| k == targets.len()) {
+        // Everything goes to one channel: no copy at all.
+        return Ok(vec![(c, batch.clone())]);
+    }
+    let mut indices: Vec<Vec<u32>> = counts.iter().map(|&k| Vec::with_capacity(k)).collect();
+    for (row, &c) in targets.iter().enumerate() {
+        indices[c as usize].push(row as u32);
+    }
+    let mut parts = Vec::with_capacity(n);
+    for (c, idx) in indices.into_iter().enumerate() {
+        if !idx.is_empty() {
+            let part = arrow_select::take::take_record_batch(batch, &UInt32Array::from(idx))?;
+            parts.push((c, part));
+        }
+    }
+    Ok(parts)
+}
+
+/// Encode `part` as the Data frames of channel `c` starting at seq `first_seq`: slices of
+/// `batch_rows` rows at offsets `0, batch_rows, 2·batch_rows…` (the last one shorter).
+fn frames(
+    c: usize,
+    first_seq: u64,
+    part: &RecordBatch,
+    batch_rows: usize,
+) -> Result<Vec<Outgoing>> {
+    let total = part.num_rows();
+    let mut out = Vec::with_capacity(total.div_ceil(batch_rows));
+    let mut seq = first_seq;
+    for offset in (0..total).step_by(batch_rows) {
+        let rows = part.slice(offset, batch_rows.min(total - offset));
+        let bytes = wire::encode_data(c as u32, seq, &rows)?.into();
+        let next = seq + rows.num_rows() as u64;
+        out.push(Outgoing {
+            first_seq: seq,
+            rows,
+            bytes,
+        });
+        seq = next;
+    }
+    Ok(out)
 }
 
 /// Send `frame` to every link of channel `c`; a link that fails is dropped (logged). Only
@@ -608,6 +550,7 @@ fn unhashable(column: &str, found: &DataType) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arrow_array::types::Int32Type;
     use arrow_array::{BinaryArray, Int32Array, Int64Array, LargeStringArray, StringArray};
     use arrow_schema::{Field, Schema};
     use parking_lot::Mutex;
@@ -676,11 +619,7 @@ mod tests {
                     .collect()
             })
             .collect();
-        let cfg = OutboxConfig {
-            batch_rows,
-            buffer_timeout: Duration::from_millis(5),
-        };
-        Outbox::new(p, links, cfg).unwrap()
+        Outbox::new(p, links, OutboxConfig { batch_rows }).unwrap()
     }
 
     fn mem(channels: usize, replicas: usize) -> Vec<Vec<MemLink>> {
@@ -690,32 +629,27 @@ mod tests {
     }
 
     #[test]
-    fn seqs_count_rows_and_markers_and_flush_on_batch_rows() {
+    fn emit_sends_at_once_in_frames_cut_at_fixed_offsets_and_seqs_count_markers() {
         let links = mem(1, 1);
         let mut ob = outbox(Partitioner::Forward, &links, 4);
         ob.emit(&batch(0..3)).unwrap();
-        assert!(
-            links[0][0].frames.lock().is_empty(),
-            "3 < batch_rows: still buffered"
-        );
-        assert_eq!(
-            ob.next_seqs(),
-            &[3],
-            "buffered rows already took their seqs"
-        );
-        ob.emit(&batch(3..10)).unwrap();
-        // 10 rows buffered → two full frames of 4, 2 rows stay.
         assert_eq!(
             links[0][0].summary(),
-            vec![('D', 0, 4, vec![0, 1, 2, 3]), ('D', 4, 4, vec![4, 5, 6, 7])]
+            vec![('D', 0, 3, vec![0, 1, 2])],
+            "fewer than batch_rows rows leave at once, as one frame"
         );
+        assert_eq!(ob.next_seqs(), &[3]);
+        // 7 rows → frames of 4 and 3, cut at offsets 0 and 4 of this batch (not of the
+        // channel's row count, which is 3 here).
+        ob.emit(&batch(3..10)).unwrap();
         ob.heartbeat(7).unwrap();
         ob.emit(&batch(10..11)).unwrap();
         ob.end().unwrap();
         assert_eq!(
-            links[0][0].summary()[2..],
+            links[0][0].summary()[1..],
             [
-                ('D', 8, 2, vec![8, 9]),
+                ('D', 3, 4, vec![3, 4, 5, 6]),
+                ('D', 7, 3, vec![7, 8, 9]),
                 ('H', 10, 7, vec![]),
                 ('D', 11, 1, vec![10]),
                 ('E', 12, 0, vec![]),
@@ -727,43 +661,144 @@ mod tests {
     }
 
     #[test]
-    fn flush_sends_partial_buffers_and_every_replica_gets_the_same_bytes() {
+    fn every_replica_of_a_channel_gets_the_same_bytes() {
         let links = mem(1, 3);
         let mut ob = outbox(Partitioner::Forward, &links, 1024);
         ob.emit(&batch(0..5)).unwrap();
-        ob.emit(&batch(5..7)).unwrap();
-        assert!(links[0][0].frames.lock().is_empty());
-        ob.flush().unwrap();
-        assert_eq!(links[0][0].summary(), vec![('D', 0, 7, (0..7).collect())]);
-        let f0 = links[0][0].frames.lock()[0].clone();
-        for l in &links[0][1..] {
-            let f = l.frames.lock()[0].clone();
-            assert!(Arc::ptr_eq(&f0, &f), "one encoding shared by every replica");
+        ob.heartbeat(1).unwrap();
+        for (i, f0) in links[0][0].frames.lock().iter().enumerate() {
+            for l in &links[0][1..] {
+                let f = l.frames.lock()[i].clone();
+                assert!(Arc::ptr_eq(f0, &f), "one encoding shared by every replica");
+            }
         }
-        ob.flush().unwrap();
-        assert_eq!(
-            links[0][0].frames.lock().len(),
-            1,
-            "nothing buffered → nothing sent"
-        );
+    }
+
+    /// Two outboxes standing for two replicas: the same emits and heartbeats, whatever the
+    /// timing between them, give the same bytes on every channel and the same digests.
+    #[test]
+    fn replicas_emitting_the_same_batches_send_identical_frames_and_digests() {
+        let run = |pause: bool| {
+            let links = mem(3, 1);
+            let mut ob = outbox(Partitioner::Rebalance, &links, 5);
+            for (k, n) in [(0, 7), (7, 12), (19, 1), (20, 30)] {
+                ob.emit(&batch(k..k + n)).unwrap();
+                if pause {
+                    std::thread::sleep(std::time::Duration::from_millis(3));
+                }
+                if k == 19 {
+                    ob.heartbeat(1).unwrap();
+                }
+            }
+            ob.end().unwrap();
+            let frames: Vec<Vec<Vec<u8>>> = links
+                .iter()
+                .map(|ch| ch[0].frames.lock().iter().map(|f| f.to_vec()).collect())
+                .collect();
+            (frames, ob.take_digests())
+        };
+        let (frames_a, digests_a) = run(false);
+        let (frames_b, digests_b) = run(true);
+        assert_eq!(frames_a, frames_b);
+        assert_eq!(digests_a, digests_b);
+        assert_eq!(digests_a.len(), 6, "3 channels × (one heartbeat + end)");
     }
 
     #[test]
-    fn deadline_tracks_the_oldest_buffered_row() {
+    fn heartbeats_carry_the_digest_of_the_frames_since_the_previous_one() {
         let links = mem(2, 1);
-        let mut ob = outbox(Partitioner::Broadcast, &links, 1024);
-        assert_eq!(ob.deadline(), None);
-        let before = Instant::now();
+        let mut ob = outbox(Partitioner::Broadcast, &links, 4);
+        ob.emit(&batch(0..6)).unwrap();
+        ob.heartbeat(1).unwrap();
+        ob.heartbeat(2).unwrap();
+        ob.emit(&batch(6..7)).unwrap();
+        ob.end().unwrap();
+        // The same frames, digested independently.
+        let mut want = CycleDigest::new();
+        want.add(0, &batch(0..4)).unwrap();
+        want.add(4, &batch(4..6)).unwrap();
+        let cycle1 = want.close(1);
+        let empty2 = want.close(2);
+        want.add(8, &batch(6..7)).unwrap();
+        let tail = want.close(u64::MAX);
+        for (c, ch) in links.iter().enumerate() {
+            let digests: Vec<Option<Digest>> = ch[0]
+                .decoded()
+                .into_iter()
+                .filter_map(|f| match f {
+                    Frame::Heartbeat { digest, .. } => Some(digest),
+                    Frame::End { .. } => Some(None),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(
+                digests,
+                [Some(cycle1), Some(empty2), None],
+                "channel {c}: end frames stay empty"
+            );
+        }
+        assert_eq!(
+            ob.take_digests(),
+            [
+                (0, 1, cycle1),
+                (1, 1, cycle1),
+                (0, 2, empty2),
+                (1, 2, empty2),
+                (0, u64::MAX, tail),
+                (1, u64::MAX, tail),
+            ]
+        );
+        assert!(ob.take_digests().is_empty(), "take_digests drains");
+        // Other batch boundaries over the same rows → another digest.
+        let links = mem(1, 1);
+        let mut other = outbox(Partitioner::Forward, &links, 4);
+        other.emit(&batch(0..3)).unwrap();
+        other.emit(&batch(3..6)).unwrap();
+        other.heartbeat(1).unwrap();
+        assert_ne!(other.take_digests(), [(0, 1, cycle1)]);
+    }
+
+    #[test]
+    fn the_digest_record_stays_bounded() {
+        let links = mem(1, 1);
+        let mut ob = outbox(Partitioner::Forward, &links, 4);
+        for epoch in 0..DIGESTS_KEPT as u64 + 10 {
+            ob.heartbeat(epoch).unwrap();
+        }
+        let kept = ob.take_digests();
+        assert_eq!(kept.len(), DIGESTS_KEPT);
+        assert_eq!(kept[0].1, 10, "the oldest were dropped first");
+    }
+
+    #[test]
+    fn a_batch_that_cannot_be_digested_is_refused_whole() {
+        let links = mem(2, 1);
+        let mut ob = outbox(Partitioner::Broadcast, &links, 4);
         ob.emit(&batch(0..2)).unwrap();
-        let d = ob.deadline().expect("rows buffered");
-        assert!(d >= before + Duration::from_millis(5));
-        assert!(d <= Instant::now() + Duration::from_millis(5));
-        ob.flush_due(d - Duration::from_millis(1)).unwrap();
-        assert!(links[0][0].frames.lock().is_empty(), "not due yet");
-        ob.flush_due(d).unwrap();
-        assert_eq!(links[0][0].summary(), vec![('D', 0, 2, vec![0, 1])]);
-        assert_eq!(links[1][0].summary(), vec![('D', 0, 2, vec![0, 1])]);
-        assert_eq!(ob.deadline(), None);
+        // A struct holding a dictionary of lists: the row format cannot encode it.
+        let lists = arrow_array::ListArray::from_iter_primitive::<Int32Type, _, _>(vec![Some(
+            vec![Some(1)],
+        )]);
+        let dict =
+            arrow_array::DictionaryArray::<Int32Type>::try_new(vec![0, 0].into(), Arc::new(lists))
+                .unwrap();
+        let dict_field = Field::new("d", dict.data_type().clone(), false);
+        let strukt = arrow_array::StructArray::new(
+            vec![Arc::new(dict_field)].into(),
+            vec![Arc::new(dict) as ArrayRef],
+            None,
+        );
+        let bad = RecordBatch::try_from_iter([("st", Arc::new(strukt) as ArrayRef)]).unwrap();
+        let err = ob.emit(&bad).unwrap_err();
+        assert!(
+            matches!(&err, Error::Config(m) if m.contains("\"st\"")),
+            "{err}"
+        );
+        assert_eq!(ob.next_seqs(), &[2, 2], "no seq taken");
+        assert_eq!(links[0][0].frames.lock().len(), 1, "nothing sent");
+        assert_eq!(links[1][0].frames.lock().len(), 1, "nothing sent");
+        ob.emit(&batch(2..3)).unwrap();
+        assert_eq!(links[1][0].summary()[1], ('D', 2, 1, vec![2]));
     }
 
     #[test]
@@ -792,9 +827,18 @@ mod tests {
         ob.emit(&batch(0..3)).unwrap(); // rows 0,1,2 → 0,1,0
         ob.emit(&batch(3..4)).unwrap(); // row 3 → 1 (a single-channel emit: no take)
         ob.emit(&batch(4..6)).unwrap(); // rows 4,5 → 0,1
-        ob.flush().unwrap();
-        assert_eq!(links[0][0].summary(), vec![('D', 0, 3, vec![0, 2, 4])]);
-        assert_eq!(links[1][0].summary(), vec![('D', 0, 3, vec![1, 3, 5])]);
+        assert_eq!(
+            links[0][0].summary(),
+            vec![('D', 0, 2, vec![0, 2]), ('D', 2, 1, vec![4])]
+        );
+        assert_eq!(
+            links[1][0].summary(),
+            vec![
+                ('D', 0, 1, vec![1]),
+                ('D', 1, 1, vec![3]),
+                ('D', 2, 1, vec![5])
+            ]
+        );
     }
 
     #[test]
@@ -899,7 +943,6 @@ mod tests {
         );
         let b = keyed(Arc::new(Int64Array::from_iter_values(0..16)));
         ob.emit(&b).unwrap();
-        ob.flush().unwrap();
         for (c, ch) in links.iter().enumerate() {
             let want: Vec<i64> = (0..16)
                 .filter(|&i| GOLDEN_INT_4[i as usize] == c as u32)
@@ -1004,10 +1047,7 @@ mod tests {
         ];
         let fwd = Outbox::new(Partitioner::Forward, two, cfg);
         assert!(matches!(fwd, Err(Error::Config(m)) if m.contains("got 2")));
-        let zero = OutboxConfig {
-            batch_rows: 0,
-            ..OutboxConfig::default()
-        };
+        let zero = OutboxConfig { batch_rows: 0 };
         let one = vec![vec![Box::new(MemLink::default()) as Box<dyn Link>]];
         assert!(matches!(
             Outbox::new(Partitioner::Forward, one, zero),
@@ -1028,14 +1068,21 @@ mod tests {
     }
 
     #[test]
-    fn schema_change_sends_the_old_buffer_first_and_keeps_seqs_contiguous() {
+    fn a_schema_change_keeps_seqs_contiguous() {
         let links = mem(1, 1);
         let mut ob = outbox(Partitioner::Forward, &links, 1024);
         ob.emit(&batch(0..2)).unwrap();
         let other = keyed(Arc::new(Int64Array::from_iter_values(0..3)));
         ob.emit(&other).unwrap();
-        ob.flush().unwrap();
+        ob.heartbeat(1).unwrap();
         let s = links[0][0].summary();
-        assert_eq!(s, vec![('D', 0, 2, vec![0, 1]), ('D', 2, 3, vec![0, 1, 2])]);
+        assert_eq!(
+            s,
+            vec![
+                ('D', 0, 2, vec![0, 1]),
+                ('D', 2, 3, vec![0, 1, 2]),
+                ('H', 5, 1, vec![])
+            ]
+        );
     }
 }

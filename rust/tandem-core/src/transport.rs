@@ -20,7 +20,15 @@
 //! connects and sends the same sequence; dedup keeps the first copy. A connection that
 //! misbehaves (bad handshake, unknown sender, malformed frame) is closed on its own: the
 //! other connections, and therefore the other replicas, are unaffected.
+//!
+//! Determinism is checked online (DESIGN §2 invariant 4): a heartbeat frame carries the
+//! sender's digest of its channel's Data frames since the previous heartbeat. The reader of
+//! every connection compares it with the digest of the same cycle from the replica whose
+//! copy came first; a difference is a [`Divergence`], which fails [`Inbox::next`] or is
+//! logged ([`OnDivergence`]). Only heartbeat frames touch the digest table.
 
+use std::collections::BTreeMap;
+use std::fmt;
 use std::io::{self, BufWriter, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -33,6 +41,7 @@ use arrow_array::RecordBatch;
 use parking_lot::Mutex;
 
 use crate::dedup::{self, DedupReceiver, DedupSender, Offer};
+use crate::digest::{to_hex, Digest};
 use crate::merge::{self, Merge, OrderingMode};
 use crate::orderlog::{OrderLog, OrderLogStats, Verdict};
 use crate::outbox::Link;
@@ -47,8 +56,114 @@ const ACCEPT_POLL: Duration = Duration::from_millis(5);
 /// Closed connections kept for [`Inbox::stats`]; older ones are forgotten so a stream of
 /// bad connections cannot grow memory.
 const CLOSED_CONNECTIONS_KEPT: usize = 64;
+/// Heartbeat cycles per logical channel whose first digest is kept for comparison: a copy
+/// arriving more than this many cycles after the first one is not checked.
+pub const DIGEST_EPOCHS_KEPT: usize = 4096;
+/// Divergences kept in [`InboxStats::divergences`] (all are counted).
+pub const DIVERGENCES_KEPT: usize = 16;
 
 // ───────────────────────────── receiving side ─────────────────────────────
+
+/// What an [`Inbox`] does when two replicas of an upstream partition send different digests
+/// for the same heartbeat cycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnDivergence {
+    /// [`Inbox::next`] fails with [`Error::Determinism`] from then on: the output may
+    /// already mix both replicas' versions, so the job should stop.
+    #[default]
+    Fail,
+    /// Log one line per input channel (the first divergence on it), count every divergence
+    /// in [`InboxStats`], and keep delivering.
+    Log,
+}
+
+impl OnDivergence {
+    /// Parse the Python-facing name (`"fail"` or `"log"`).
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "fail" => Ok(OnDivergence::Fail),
+            "log" => Ok(OnDivergence::Log),
+            other => Err(Error::Config(format!(
+                "on_divergence must be 'fail' or 'log', got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// Two replicas of one upstream partition sent different digests for one heartbeat cycle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Divergence {
+    /// Logical input channel (the upstream's index in [`InboxConfig::upstreams`]).
+    pub channel: usize,
+    /// The upstream partition `(task, partition)`.
+    pub upstream: (u32, u32),
+    /// The heartbeat cycle.
+    pub epoch: u64,
+    /// The replica whose copy of the heartbeat arrived first, and the one that differed.
+    pub replicas: (u32, u32),
+    /// Their digests, in the order of `replicas`.
+    pub digests: (Digest, Digest),
+}
+
+impl fmt::Display for Divergence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (task, partition) = self.upstream;
+        let (a, b) = self.replicas;
+        write!(
+            f,
+            "replicas {a} and {b} of upstream task {task} partition {partition} (input channel \
+             {}) sent different output digests for heartbeat cycle {}: {} (replica {a}) vs {} \
+             (replica {b})",
+            self.channel,
+            self.epoch,
+            to_hex(&self.digests.0),
+            to_hex(&self.digests.1),
+        )
+    }
+}
+
+impl Divergence {
+    /// The error [`Inbox::next`] fails with under [`OnDivergence::Fail`].
+    fn error(&self) -> Error {
+        Error::Determinism(format!(
+            "{self}. The replicas' outputs differ, so the operator of task {} is not \
+             deterministic for a given input batch: it must compute the same output batches \
+             from the same input batch (no clocks, randomness or iteration over unordered \
+             collections), and the output downstream may already mix both versions. To keep \
+             the job running and only log divergences, use on_divergence=\"log\".",
+            self.upstream.0
+        ))
+    }
+}
+
+/// The first digest of each recent heartbeat cycle of one logical channel, with the replica
+/// that sent it: what the copies from the other replicas are compared with.
+#[derive(Default)]
+struct CycleDigests {
+    /// epoch → (replica, digest) of the first copy; the last [`DIGEST_EPOCHS_KEPT`] epochs.
+    first: BTreeMap<u64, (u32, Digest)>,
+}
+
+impl CycleDigests {
+    /// Record or compare the digest of cycle `epoch` sent by `replica`. Returns the first
+    /// copy `(replica, digest)` when it came from another replica and differs.
+    fn check(&mut self, epoch: u64, replica: u32, digest: Digest) -> Option<(u32, Digest)> {
+        use std::collections::btree_map::Entry;
+        match self.first.entry(epoch) {
+            Entry::Occupied(e) => {
+                let (r, d) = *e.get();
+                (r != replica && d != digest).then_some((r, d))
+            }
+            Entry::Vacant(v) => {
+                v.insert((replica, digest));
+                if self.first.len() > DIGEST_EPOCHS_KEPT {
+                    self.first.pop_first();
+                }
+                None
+            }
+        }
+    }
+}
 
 /// Settings of an [`Inbox`].
 #[derive(Debug, Clone)]
@@ -72,11 +187,14 @@ pub struct InboxConfig {
     pub port: u16,
     /// Read/write timeout during the handshake: a silent peer is dropped after this.
     pub handshake_timeout: Duration,
+    /// What a divergence between upstream replicas does (see [`OnDivergence`]).
+    pub on_divergence: OnDivergence,
 }
 
 impl InboxConfig {
     /// Defaults: LiveRobin (one whole batch per turn), 1,024 queued frames per channel, the
-    /// wire's default frame limit, 127.0.0.1, any port, 2 s handshake timeout.
+    /// wire's default frame limit, 127.0.0.1, any port, 2 s handshake timeout, a divergence
+    /// between upstream replicas fails the inbox.
     pub fn new(
         job: impl Into<String>,
         secret: impl Into<Vec<u8>>,
@@ -92,6 +210,7 @@ impl InboxConfig {
             host: IpAddr::from([127, 0, 0, 1]),
             port: 0,
             handshake_timeout: Duration::from_secs(2),
+            on_divergence: OnDivergence::Fail,
         }
     }
 
@@ -168,6 +287,11 @@ pub struct InboxStats {
     /// Connections refused: failed handshake, unknown sender, or a protocol error
     /// before the first valid frame.
     pub rejected_connections: u64,
+    /// The first [`DIVERGENCES_KEPT`] divergences between upstream replicas, in the order
+    /// they were found.
+    pub divergences: Vec<Divergence>,
+    /// Every divergence found.
+    pub divergence_count: u64,
 }
 
 #[derive(Default)]
@@ -210,6 +334,15 @@ struct Shared {
     conns: Mutex<Vec<Conn>>,
     rejected: AtomicU64,
     order_frames_logged: AtomicBool,
+    on_divergence: OnDivergence,
+    /// Per logical channel, its recent cycles' first digests (touched by heartbeats only).
+    cycle_digests: Vec<Mutex<CycleDigests>>,
+    /// Per logical channel, whether a divergence on it was logged already.
+    divergence_logged: Vec<AtomicBool>,
+    divergences: Mutex<Vec<Divergence>>,
+    divergence_count: AtomicU64,
+    /// Wakes the consumer when a divergence must fail it.
+    bell: Arc<Doorbell>,
 }
 
 /// The receiving side of one task partition replica. See the module documentation.
@@ -259,6 +392,12 @@ impl Inbox {
             conns: Mutex::new(Vec::new()),
             rejected: AtomicU64::new(0),
             order_frames_logged: AtomicBool::new(false),
+            on_divergence: cfg.on_divergence,
+            cycle_digests: (0..n).map(|_| Mutex::default()).collect(),
+            divergence_logged: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            divergences: Mutex::new(Vec::new()),
+            divergence_count: AtomicU64::new(0),
+            bell: Arc::clone(&bell),
         });
         let accept = {
             let shared = Arc::clone(&shared);
@@ -286,12 +425,21 @@ impl Inbox {
 
     /// The next delivery in this replica's consumption order, waiting up to `timeout` for
     /// input. `Ok(None)` on timeout. After every upstream ended, returns `Delivery::End`.
+    /// Under [`OnDivergence::Fail`], fails with [`Error::Determinism`] (naming the first
+    /// divergence) as soon as one has been found, and on every call after.
     pub fn next(&mut self, timeout: Duration) -> Result<Option<Delivery<RecordBatch>>> {
         let deadline = Instant::now().checked_add(timeout);
         loop {
             // Read the generation before looking, so an arrival between the look and the
             // sleep still wakes us.
             let seen = self.bell.generation();
+            if self.shared.on_divergence == OnDivergence::Fail
+                && self.shared.divergence_count.load(Ordering::SeqCst) > 0
+            {
+                if let Some(d) = self.shared.divergences.lock().first() {
+                    return Err(d.error());
+                }
+            }
             if let Some(log) = &self.orders {
                 for (channel, up_to_seq) in log.lock().drain() {
                     self.merge.push_order(channel, up_to_seq)?;
@@ -362,6 +510,8 @@ impl Inbox {
             channels,
             connections,
             rejected_connections: self.shared.rejected.load(Ordering::Relaxed),
+            divergences: self.shared.divergences.lock().clone(),
+            divergence_count: self.shared.divergence_count.load(Ordering::SeqCst),
         }
     }
 
@@ -578,6 +728,7 @@ fn serve_inner(shared: &Shared, stream: TcpStream, counters: &ConnCounters) -> C
             identity.task, identity.partition, identity.replica, shared.upstreams
         ));
     };
+    let replica = identity.replica;
     *counters.identity.lock() = Some(identity);
     // From here on, reads block until data, EOF or close() shuts the socket down; a read
     // timeout inside a frame would corrupt the stream position.
@@ -603,11 +754,22 @@ fn serve_inner(shared: &Shared, stream: TcpStream, counters: &ConnCounters) -> C
             }
             continue;
         }
+        let digest = match &frame {
+            Frame::Heartbeat {
+                epoch,
+                digest: Some(d),
+                ..
+            } => Some((*epoch, *d)),
+            _ => None,
+        };
         let Some((wire_channel, item)) = frame.into_item() else {
             continue;
         };
         if let Err(why) = check_wire_channel(&shared.channels[idx], wire_channel) {
             return ConnEnd::Failed(why);
+        }
+        if let Some((epoch, digest)) = digest {
+            check_digest(shared, idx, replica, epoch, digest);
         }
         if !deliver(shared, idx, item) {
             return ConnEnd::Stopped;
@@ -629,6 +791,44 @@ fn check_wire_channel(c: &ChannelCounters, wire_channel: u32) -> std::result::Re
             "frame on wire channel {wire_channel}, but this upstream partition sends on wire \
              channel {seen}: the sender is wired to the wrong downstream partition"
         )),
+    }
+}
+
+/// Compare the digest of cycle `epoch` that `replica` sent on logical channel `idx` with
+/// the first copy's; record (and log or signal) a divergence.
+fn check_digest(shared: &Shared, idx: usize, replica: u32, epoch: u64, digest: Digest) {
+    let Some((first, first_digest)) = shared.cycle_digests[idx]
+        .lock()
+        .check(epoch, replica, digest)
+    else {
+        return;
+    };
+    let d = Divergence {
+        channel: idx,
+        upstream: shared.upstreams[idx],
+        epoch,
+        replicas: (first, replica),
+        digests: (first_digest, digest),
+    };
+    {
+        let mut kept = shared.divergences.lock();
+        if kept.len() < DIVERGENCES_KEPT {
+            kept.push(d.clone());
+        }
+        shared.divergence_count.fetch_add(1, Ordering::SeqCst);
+    }
+    match shared.on_divergence {
+        OnDivergence::Fail => shared.bell.ring(),
+        OnDivergence::Log => {
+            if !shared.divergence_logged[idx].swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "tandem inbox: {d}; the operator of task {} is not deterministic for a \
+                     given input batch (on_divergence=\"log\": the job keeps running; later \
+                     divergences on this input are only counted)",
+                    d.upstream.0
+                );
+            }
+        }
     }
 }
 
@@ -914,6 +1114,7 @@ mod tests {
     use arrow_array::{BinaryArray, Int64Array};
     use arrow_schema::{DataType, Field, Schema};
 
+    use crate::digest::to_hex;
     use crate::outbox::{Outbox, OutboxConfig, Partitioner};
 
     const JOB: &str = "job-7";
@@ -994,7 +1195,6 @@ mod tests {
             let me = identity(partition, replica);
             let cfg = OutboxConfig {
                 batch_rows: plan.batch_rows,
-                buffer_timeout: Duration::from_millis(5),
             };
             let mut ob =
                 Outbox::new(Partitioner::Forward, vec![vec![link(addr, &me)]], cfg).unwrap();
@@ -1018,7 +1218,7 @@ mod tests {
                 }
             }
             ob.end().unwrap();
-            ob.close().unwrap();
+            ob.close();
         })
     }
 
@@ -1148,9 +1348,9 @@ mod tests {
             batch_rows: 50,
             crash_after: None,
         };
-        // The replicas of a partition send the same batches (DESIGN §2 invariant 1); the
-        // two partitions cut theirs differently.
-        let plan1 = Plan {
+        // The replicas of a partition emit the same batches (DESIGN §2 invariant 1); the two
+        // partitions cut theirs differently.
+        let other = Plan {
             emit_rows: 101,
             batch_rows: 64,
             ..plan
@@ -1167,8 +1367,8 @@ mod tests {
                     ..plan
                 },
             ),
-            upstream(addr, 1, 0, plan1),
-            upstream(addr, 1, 1, plan1),
+            upstream(addr, 1, 0, other),
+            upstream(addr, 1, 1, other),
         ];
         let deliveries = drain_deliveries(&mut ib, Duration::from_secs(60));
         let mut got = Vec::new();
@@ -1200,6 +1400,11 @@ mod tests {
             );
         }
         assert_eq!(stats.rejected_connections, 0);
+        assert_eq!(
+            (stats.divergence_count, stats.divergences.len()),
+            (0, 0),
+            "replicas emitting the same batches agree on every cycle"
+        );
         assert_eq!(stats.connections.len(), 4);
         assert!(stats
             .connections
@@ -1250,17 +1455,20 @@ mod tests {
             batch_rows: 40,
             crash_after: None,
         };
-        // Two downstream replicas, each fed by both replicas of two upstream partitions
-        // (different batch sizes: different frame boundaries at each).
+        // Two downstream replicas, each fed by both replicas of two upstream partitions. The
+        // upstream replicas feeding X cut frames of 29 rows (one per emit), those feeding Y
+        // of 23 + 6: the orders, positions published after what X received, must work at Y
+        // whatever its frame boundaries. (Each inbox sees replicas that agree, as the
+        // determinism check requires.)
         let mut x = inbox(2, OrderingMode::Positional, 64);
         let mut y = inbox(2, OrderingMode::Positional, 64);
         let (fx, fy) = (x.order_feed().unwrap(), y.order_feed().unwrap());
         let mut threads = Vec::new();
-        for (addr, sizes) in [(x.local_addr(), [40, 17]), (y.local_addr(), [23, 64])] {
+        for (addr, batch_rows) in [(x.local_addr(), 40), (y.local_addr(), 23)] {
             for p in 0..2 {
-                for (r, batch_rows) in sizes.into_iter().enumerate() {
+                for r in 0..2 {
                     let plan = Plan { batch_rows, ..plan };
-                    threads.push(upstream(addr, p, r as u32, plan));
+                    threads.push(upstream(addr, p, r, plan));
                 }
             }
         }
@@ -1345,10 +1553,7 @@ mod tests {
         let producer = {
             let sent = Arc::clone(&sent);
             std::thread::spawn(move || {
-                let cfg = OutboxConfig {
-                    batch_rows: BATCH,
-                    buffer_timeout: Duration::from_millis(5),
-                };
+                let cfg = OutboxConfig { batch_rows: BATCH };
                 let links = vec![vec![link(addr, &identity(0, 0))]];
                 let mut ob = Outbox::new(Partitioner::Forward, links, cfg).unwrap();
                 for i in (0..TOTAL).step_by(BATCH) {
@@ -1356,7 +1561,7 @@ mod tests {
                     sent.store((i as usize) + BATCH, Ordering::SeqCst);
                 }
                 ob.end().unwrap();
-                ob.close().unwrap();
+                ob.close();
             })
         };
         // Consume nothing for a while: the producer must stall, the queue must stay bounded.
@@ -1533,10 +1738,7 @@ mod tests {
         let mut ob = Outbox::new(
             Partitioner::Forward,
             vec![vec![link(addr, &identity(0, 0))]],
-            OutboxConfig {
-                batch_rows: 1,
-                buffer_timeout: Duration::from_millis(5),
-            },
+            OutboxConfig { batch_rows: 1 },
         )
         .unwrap();
         for i in 0..20 {
@@ -1587,6 +1789,155 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(2));
     }
 
+    fn determinism_inbox(on_divergence: OnDivergence) -> Inbox {
+        let mut cfg = InboxConfig::new(JOB, SECRET, vec![(TASK, 0)]);
+        cfg.on_divergence = on_divergence;
+        Inbox::bind(cfg).unwrap()
+    }
+
+    /// Replicas 0 and 1 of upstream partition 0: cycles 1..=3 of 10 rows each (value
+    /// `10 * (cycle - 1) + i`), frames of 4 rows, then end. In cycle `differ`, replica 1
+    /// emits other values (as a non-deterministic operator would).
+    fn twin_replicas(addr: SocketAddr, differ: Option<u64>) -> Vec<JoinHandle<()>> {
+        (0..2)
+            .map(|replica| {
+                std::thread::spawn(move || {
+                    let links = vec![vec![link(addr, &identity(0, replica))]];
+                    let cfg = OutboxConfig { batch_rows: 4 };
+                    let mut ob = Outbox::new(Partitioner::Forward, links, cfg).unwrap();
+                    for epoch in 1..=3u64 {
+                        let k = 10 * (epoch as i64 - 1);
+                        let shift = if replica == 1 && differ == Some(epoch) {
+                            1000
+                        } else {
+                            0
+                        };
+                        ob.emit(&rows(k + shift..k + shift + 10)).unwrap();
+                        ob.heartbeat(epoch).unwrap();
+                    }
+                    ob.end().unwrap();
+                    ob.close();
+                })
+            })
+            .collect()
+    }
+
+    /// Wait until every connection of `ib` has been read to its end.
+    fn wait_all_closed(ib: &Inbox, connections: usize) -> InboxStats {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let stats = ib.stats();
+            let closed = stats.connections.iter().filter(|c| !c.open).count();
+            if closed == connections {
+                return stats;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "connections stay open: {stats:#?}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[test]
+    fn replicas_with_equal_output_pass_the_determinism_check() {
+        let mut ib = determinism_inbox(OnDivergence::Fail);
+        let threads = twin_replicas(ib.local_addr(), None);
+        let got = drain(&mut ib, Duration::from_secs(30));
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(rows_of(&got, 0), (0..30).collect::<Vec<_>>());
+        let stats = wait_all_closed(&ib, 2);
+        assert_eq!((stats.divergence_count, stats.divergences.len()), (0, 0));
+        assert!(
+            stats.channels[0].duplicate_rows > 0,
+            "both replicas were read: {stats:#?}"
+        );
+    }
+
+    #[test]
+    fn a_divergent_cycle_fails_next_naming_the_partition_replicas_cycle_and_digests() {
+        let mut ib = determinism_inbox(OnDivergence::Fail);
+        let threads = twin_replicas(ib.local_addr(), Some(2));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let msg = loop {
+            assert!(Instant::now() < deadline, "no divergence reported");
+            match ib.next(Duration::from_millis(200)) {
+                Ok(_) => {}
+                Err(Error::Determinism(msg)) => break msg,
+                Err(e) => panic!("unexpected error {e}"),
+            }
+        };
+        for t in threads {
+            t.join().unwrap();
+        }
+        let d = ib.stats().divergences[0].clone();
+        assert_eq!((d.channel, d.upstream, d.epoch), (0, (TASK, 0), 2));
+        assert!(d.replicas == (0, 1) || d.replicas == (1, 0), "{d:?}");
+        assert_ne!(d.digests.0, d.digests.1);
+        let (a, b) = d.replicas;
+        for needle in [
+            format!("replicas {a} and {b} of upstream task {TASK} partition 0"),
+            "heartbeat cycle 2".to_owned(),
+            to_hex(&d.digests.0),
+            to_hex(&d.digests.1),
+            "not deterministic for a given input batch".to_owned(),
+            "on_divergence=\"log\"".to_owned(),
+        ] {
+            assert!(msg.contains(&needle), "{needle:?} not in {msg:?}");
+        }
+        assert!(
+            matches!(ib.next(Duration::ZERO), Err(Error::Determinism(_))),
+            "every later call fails too"
+        );
+        let stats = wait_all_closed(&ib, 2);
+        assert_eq!(
+            stats.divergence_count, 1,
+            "cycles 1 and 3 agree: {stats:#?}"
+        );
+    }
+
+    #[test]
+    fn under_log_a_divergence_is_counted_and_delivery_goes_on() {
+        let mut ib = determinism_inbox(OnDivergence::Log);
+        let threads = twin_replicas(ib.local_addr(), Some(2));
+        let got = drain(&mut ib, Duration::from_secs(30));
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(rows_of(&got, 0).len(), 30, "every cycle delivered once");
+        let stats = wait_all_closed(&ib, 2);
+        assert_eq!(stats.divergence_count, 1, "{stats:#?}");
+        let d = &stats.divergences[0];
+        assert_eq!((d.channel, d.upstream, d.epoch), (0, (TASK, 0), 2));
+        assert_ne!(d.digests.0, d.digests.1);
+        assert_eq!(
+            ib.next(Duration::ZERO).unwrap(),
+            Some(Delivery::End),
+            "still delivering"
+        );
+    }
+
+    #[test]
+    fn the_digest_table_keeps_recent_cycles_and_compares_other_replicas_only() {
+        let mut t = CycleDigests::default();
+        assert_eq!(t.check(5, 0, [1; 16]), None);
+        assert_eq!(
+            t.check(5, 0, [2; 16]),
+            None,
+            "the first replica again: not compared"
+        );
+        assert_eq!(t.check(5, 1, [1; 16]), None, "equal");
+        assert_eq!(t.check(5, 2, [3; 16]), Some((0, [1; 16])));
+        for epoch in 6..6 + DIGEST_EPOCHS_KEPT as u64 {
+            assert_eq!(t.check(epoch, 0, [0; 16]), None);
+        }
+        assert_eq!(t.first.len(), DIGEST_EPOCHS_KEPT);
+        assert_eq!(t.check(5, 1, [9; 16]), None, "cycle 5 has left the window");
+        assert_eq!(t.first.len(), DIGEST_EPOCHS_KEPT, "and was not kept");
+    }
+
     #[test]
     fn bad_inbox_configurations_are_rejected() {
         let ok = InboxConfig::new(JOB, SECRET, vec![(1, 0)]);
@@ -1602,6 +1953,14 @@ mod tests {
         let mut c = ok.clone();
         c.ordering = OrderingMode::Positional;
         assert!(Inbox::bind(c).unwrap().order_feed().is_some());
+        assert_eq!(ok.on_divergence, OnDivergence::Fail);
+        assert_eq!(OnDivergence::parse("log").unwrap(), OnDivergence::Log);
+        assert_eq!(OnDivergence::parse("fail").unwrap(), OnDivergence::Fail);
+        let msg = OnDivergence::parse("warn").unwrap_err().to_string();
+        assert!(
+            msg.contains("'fail' or 'log'") && msg.contains("\"warn\""),
+            "{msg}"
+        );
         assert!(Inbox::bind(ok).unwrap().order_feed().is_none());
     }
 }

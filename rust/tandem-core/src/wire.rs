@@ -21,7 +21,10 @@
 //!   one record batch, the end-of-stream marker. The header repeats the row count so a
 //!   receiver can deduplicate (DESIGN §2, invariant 2) without trusting the body, and the
 //!   decoder checks the two agree.
-//! * **Heartbeat**, **End** — empty.
+//! * **Heartbeat** — empty, or exactly 16 bytes: the sender's cycle digest of the channel's
+//!   Data frames since its previous heartbeat ([`crate::digest`]), which the receiver
+//!   compares across the replicas of the sending partition (DESIGN §2, invariant 4).
+//! * **End** — empty.
 //! * **Order** — `epoch u64 | version u64 | count × (channel u32 | up_to_seq u64)`, so
 //!   `body_len == 16 + 12 · count`. The epoch is the KaZoo leader's fencing token.
 //!
@@ -43,14 +46,16 @@ use arrow_schema::{DataType, SchemaRef, UnionMode};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use crate::digest::Digest;
 use crate::error::{Error, ProtocolError, Result};
 use crate::item::Item;
 
 /// First four bytes of every frame: "TNDM" read as a little-endian `u32`.
 pub const MAGIC: u32 = 0x544E_444D;
 /// Wire version spoken by this build. Bumped on any incompatible change of the header,
-/// a body layout or the handshake.
-pub const VERSION: u16 = 1;
+/// a body layout or the handshake. Version 2: a heartbeat may carry a 16-byte cycle digest
+/// (version 1 receivers reject a heartbeat with a body).
+pub const VERSION: u16 = 2;
 /// Size of the fixed frame header in bytes.
 pub const HEADER_LEN: usize = 32;
 /// Default limit on a frame's body (64 MiB): a corrupt or hostile length cannot make a
@@ -61,6 +66,8 @@ pub const DEFAULT_MAX_FRAME_BYTES: u64 = 64 << 20;
 const ORDER_FIXED_LEN: u64 = 16;
 /// Bytes of one Order entry (channel u32, up_to_seq u64).
 const ORDER_ENTRY_LEN: u64 = 12;
+/// Bytes of a Heartbeat body that carries a cycle digest.
+pub const HEARTBEAT_DIGEST_LEN: usize = crate::digest::DIGEST_LEN;
 
 /// What a frame carries.
 #[repr(u8)]
@@ -137,8 +144,14 @@ pub enum Frame {
         first_seq: u64,
         batch: RecordBatch,
     },
-    /// The heartbeat of cycle `epoch` at seq `seq` of `channel`.
-    Heartbeat { channel: u32, seq: u64, epoch: u64 },
+    /// The heartbeat of cycle `epoch` at seq `seq` of `channel`, with the sender's digest of
+    /// the channel's Data frames since its previous heartbeat if it sent one.
+    Heartbeat {
+        channel: u32,
+        seq: u64,
+        epoch: u64,
+        digest: Option<Digest>,
+    },
     /// A consumption order; `epoch` is the publishing leader's fencing token.
     Order {
         channel: u32,
@@ -162,7 +175,9 @@ impl Frame {
     }
 
     /// The channel element this frame carries, with its channel id; `None` for an Order,
-    /// which is a control message of the KaZoo follower, not a channel element.
+    /// which is a control message of the KaZoo follower, not a channel element. A
+    /// heartbeat's digest is not part of the element (the merges never look at it): read it
+    /// off the frame first.
     pub fn into_item(self) -> Option<(u32, Item<RecordBatch>)> {
         match self {
             Frame::Data {
@@ -180,6 +195,7 @@ impl Frame {
                 channel,
                 seq,
                 epoch,
+                ..
             } => Some((channel, Item::Heartbeat { seq, epoch })),
             Frame::End { channel, seq } => Some((channel, Item::End { seq })),
             Frame::Order { .. } => None,
@@ -239,7 +255,8 @@ pub fn encode_data(channel: u32, first_seq: u64, batch: &RecordBatch) -> Result<
     Ok(out)
 }
 
-/// Encode a Heartbeat frame: the heartbeat of cycle `epoch` at seq `seq` of `channel`.
+/// Encode a Heartbeat frame without a digest: the heartbeat of cycle `epoch` at seq `seq`
+/// of `channel`.
 pub fn encode_heartbeat(channel: u32, seq: u64, epoch: u64) -> Vec<u8> {
     FrameHeader {
         kind: FrameKind::Heartbeat,
@@ -250,6 +267,22 @@ pub fn encode_heartbeat(channel: u32, seq: u64, epoch: u64) -> Vec<u8> {
     }
     .to_bytes()
     .to_vec()
+}
+
+/// Encode a Heartbeat frame carrying `digest`, the sender's cycle digest of `channel`'s Data
+/// frames since its previous heartbeat.
+pub fn encode_heartbeat_digest(channel: u32, seq: u64, epoch: u64, digest: &Digest) -> Vec<u8> {
+    let header = FrameHeader {
+        kind: FrameKind::Heartbeat,
+        channel,
+        first_seq: seq,
+        count: epoch,
+        body_len: HEARTBEAT_DIGEST_LEN as u32,
+    };
+    let mut out = Vec::with_capacity(header.frame_len());
+    out.extend_from_slice(&header.to_bytes());
+    out.extend_from_slice(digest);
+    out
 }
 
 /// Encode an End frame: `channel` ends with seq `seq`.
@@ -316,8 +349,8 @@ fn le_u64(b: &[u8], at: usize) -> u64 {
 ///
 /// Magic and version are checked as soon as their bytes are present, so a peer that does
 /// not speak this protocol is named as such even when it sent fewer than 32 bytes. Checks:
-/// flags == 0; known kind; `body_len <= max_body`; Heartbeat/End have no body; End has
-/// count 0; Data has count ≥ 1, a body, and `first_seq + count` fits `u64`; an Order body is
+/// flags == 0; known kind; `body_len <= max_body`; a Heartbeat body is empty or a 16-byte
+/// digest; End has no body and count 0; Data has count ≥ 1, a body, and `first_seq + count` fits `u64`; an Order body is
 /// exactly `16 + 12 · count` bytes and its `first_seq` is 0; a Heartbeat/End seq is below
 /// `u64::MAX` (the element covers `[seq, seq + 1)`).
 pub fn decode_header(buf: &[u8], max_body: u64) -> Result<FrameHeader, ProtocolError> {
@@ -403,9 +436,18 @@ pub fn decode_header(buf: &[u8], max_body: u64) -> Result<FrameHeader, ProtocolE
             } else {
                 "Heartbeat"
             };
-            if body_len != 0 {
+            if kind == FrameKind::End && body_len != 0 {
                 return Err(inconsistent(format!(
-                    "{name} frame on channel {channel} has a body of {body_len} bytes, must be empty"
+                    "End frame on channel {channel} has a body of {body_len} bytes, must be empty"
+                )));
+            }
+            if kind == FrameKind::Heartbeat
+                && body_len != 0
+                && body_len != HEARTBEAT_DIGEST_LEN as u64
+            {
+                return Err(inconsistent(format!(
+                    "Heartbeat frame on channel {channel} has a body of {body_len} bytes; it must \
+                     be empty or hold exactly the {HEARTBEAT_DIGEST_LEN}-byte cycle digest"
                 )));
             }
             if kind == FrameKind::End && count != 0 {
@@ -495,11 +537,30 @@ fn decode_body(header: &FrameHeader, body: Buffer) -> Result<Frame, ProtocolErro
 fn decode_control(header: &FrameHeader, body: &[u8]) -> Result<Frame, ProtocolError> {
     let channel = header.channel;
     match header.kind {
-        FrameKind::Heartbeat => Ok(Frame::Heartbeat {
-            channel,
-            seq: header.first_seq,
-            epoch: header.count,
-        }),
+        FrameKind::Heartbeat => {
+            // decode_header checked body_len is 0 or the digest length; the callers pass
+            // body_len bytes.
+            let digest = match body.len() {
+                0 => None,
+                HEARTBEAT_DIGEST_LEN => {
+                    let mut d = [0u8; HEARTBEAT_DIGEST_LEN];
+                    d.copy_from_slice(body);
+                    Some(d)
+                }
+                n => {
+                    return Err(inconsistent(format!(
+                        "Heartbeat frame on channel {channel} has a body of {n} bytes; it must \
+                         be empty or hold exactly the {HEARTBEAT_DIGEST_LEN}-byte cycle digest"
+                    )))
+                }
+            };
+            Ok(Frame::Heartbeat {
+                channel,
+                seq: header.first_seq,
+                epoch: header.count,
+                digest,
+            })
+        }
         FrameKind::End => Ok(Frame::End {
             channel,
             seq: header.first_seq,
@@ -1767,12 +1828,37 @@ mod tests {
             Frame::Heartbeat {
                 channel: 7,
                 seq: 41,
-                epoch: 9
+                epoch: 9,
+                digest: None
             }
         );
         assert_eq!(
             decode_one(&hb).into_item(),
             Some((7, Item::Heartbeat { seq: 41, epoch: 9 }))
+        );
+        let digest: Digest = std::array::from_fn(|i| i as u8 * 17);
+        let hb = encode_heartbeat_digest(7, 41, 9, &digest);
+        assert_eq!(hb.len(), HEADER_LEN + 16);
+        assert_eq!(
+            decode_one(&hb),
+            Frame::Heartbeat {
+                channel: 7,
+                seq: 41,
+                epoch: 9,
+                digest: Some(digest)
+            }
+        );
+        assert_eq!(
+            decode_frame_buffer(&Buffer::from_vec(hb.clone()), MAX)
+                .unwrap()
+                .0,
+            decode_one(&hb),
+            "both decoders read the digest"
+        );
+        assert_eq!(
+            decode_one(&hb).into_item(),
+            Some((7, Item::Heartbeat { seq: 41, epoch: 9 })),
+            "the element is the same with or without a digest"
         );
         let end = encode_end(2, 1000);
         assert_eq!(
@@ -1832,7 +1918,8 @@ mod tests {
                 Frame::Heartbeat {
                     channel: 1,
                     seq: 2,
-                    epoch: 3
+                    epoch: 3,
+                    digest: None
                 },
                 HEADER_LEN
             )
@@ -1927,10 +2014,23 @@ mod tests {
         let mut b = encode_heartbeat(0, 0, 0);
         b[7] = 1;
         expect_inconsistent(&b, "flags");
-        let mut b = encode_heartbeat(0, 0, 0);
-        b[28] = 4;
-        b.extend([0u8; 4]);
-        expect_inconsistent(&b, "must be empty");
+        // A heartbeat body is empty or a 16-byte digest: 4, 15 and 17 bytes are refused.
+        for len in [4u8, 15, 17] {
+            let mut b = encode_heartbeat(0, 0, 0);
+            b[28] = len;
+            b.extend(vec![0u8; len as usize]);
+            expect_inconsistent(
+                &b,
+                &format!("body of {len} bytes; it must be empty or hold exactly the 16-byte"),
+            );
+        }
+        let mut b = encode_end(0, 0);
+        b[28] = 16;
+        b.extend([0u8; 16]);
+        expect_inconsistent(
+            &b,
+            "End frame on channel 0 has a body of 16 bytes, must be empty",
+        );
         let mut b = encode_end(0, 0);
         set_u64(&mut b, 20, 3);
         expect_inconsistent(&b, "count 3");
@@ -2105,7 +2205,7 @@ mod tests {
             up_to_seq: 9,
         }];
         let parts = [
-            encode_heartbeat(0, 0, 1),
+            encode_heartbeat_digest(0, 0, 1, &[0xD1; 16]),
             encode_data(0, 1, &b).unwrap(),
             encode_order(0, 2, 1, &entries),
             encode_end(0, 7),
@@ -2115,6 +2215,7 @@ mod tests {
                 channel: 0,
                 seq: 0,
                 epoch: 1,
+                digest: Some([0xD1; 16]),
             },
             Frame::Data {
                 channel: 0,
@@ -2187,7 +2288,7 @@ mod tests {
                     other => break other,
                 }
             };
-            let boundaries = [32, 32 + encode_data(0, 1, &batch(6)).unwrap().len()];
+            let boundaries = [48, 48 + encode_data(0, 1, &batch(6)).unwrap().len()];
             if boundaries.contains(&cut) || cut == bytes.len() - 32 {
                 assert!(
                     matches!(result, Ok(None)),
@@ -2474,14 +2575,24 @@ mod tests {
 
     fn arb_frame() -> impl Strategy<Value = (Vec<u8>, Frame)> {
         prop_oneof![
-            (any::<u32>(), 0..u64::MAX, any::<u64>()).prop_map(|(c, s, e)| (
-                encode_heartbeat(c, s, e),
-                Frame::Heartbeat {
-                    channel: c,
-                    seq: s,
-                    epoch: e
-                }
-            )),
+            (
+                any::<u32>(),
+                0..u64::MAX,
+                any::<u64>(),
+                any::<Option<Digest>>()
+            )
+                .prop_map(|(c, s, e, d)| (
+                    match &d {
+                        Some(d) => encode_heartbeat_digest(c, s, e, d),
+                        None => encode_heartbeat(c, s, e),
+                    },
+                    Frame::Heartbeat {
+                        channel: c,
+                        seq: s,
+                        epoch: e,
+                        digest: d
+                    }
+                )),
             (any::<u32>(), 0..u64::MAX)
                 .prop_map(|(c, s)| (encode_end(c, s), Frame::End { channel: c, seq: s })),
             (

@@ -69,6 +69,7 @@ pub(crate) fn to_py(err: Error) -> PyErr {
         Error::Protocol(_) => ProtocolError::new_err(msg),
         Error::Handshake(_) => AuthenticationError::new_err(msg),
         Error::Closed(_) => ChannelClosed::new_err(msg),
+        Error::Determinism(_) => DeterminismError::new_err(msg),
         Error::Timeout(_) => pyo3::exceptions::PyTimeoutError::new_err(msg),
         Error::Arrow(_) => TandemError::new_err(msg),
         Error::Io(e) => PyErr::from(e),

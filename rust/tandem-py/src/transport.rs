@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3_arrow::PyRecordBatch;
+use tandem_core::digest::to_hex;
 use tandem_core::merge::OrderingMode;
 use tandem_core::outbox::{Link, Outbox as CoreOutbox, OutboxConfig, Partitioner};
 use tandem_core::transport::{
-    Inbox as CoreInbox, InboxConfig, LinkConfig, OrderFeed as CoreOrderFeed, TcpLink,
+    Inbox as CoreInbox, InboxConfig, LinkConfig, OnDivergence, OrderFeed as CoreOrderFeed, TcpLink,
 };
 use tandem_core::wire::{Identity, DEFAULT_MAX_FRAME_BYTES};
 use tandem_core::{Delivery as CoreDelivery, Error};
@@ -158,6 +159,11 @@ fn delivery_to_py(py: Python<'_>, d: CoreDelivery<arrow_array::RecordBatch>) -> 
 ///
 /// `upstreams` lists the upstream partitions `(task, partition)`; the position in the
 /// list is the channel index deliveries report (identical at every replica).
+///
+/// The heartbeats of the replicas of each upstream partition carry digests of their output;
+/// when two replicas disagree on a cycle, `on_divergence="fail"` makes `next()` raise
+/// `tandem.DeterminismError`, `"log"` logs it (once per input) and keeps going. Either way
+/// `stats()` reports it.
 #[pyclass(frozen, module = "tandem._core")]
 pub struct Inbox {
     inner: Mutex<Option<CoreInbox>>,
@@ -169,7 +175,7 @@ impl Inbox {
     #[new]
     #[pyo3(signature = (job, secret, upstreams, ordering = "liverobin", queue_capacity = 1024,
                         max_frame_bytes = DEFAULT_MAX_FRAME_BYTES as i64, host = "127.0.0.1",
-                        port = 0, handshake_timeout = 2.0))]
+                        port = 0, handshake_timeout = 2.0, on_divergence = "fail"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -182,6 +188,7 @@ impl Inbox {
         host: &str,
         port: i64,
         handshake_timeout: f64,
+        on_divergence: &str,
     ) -> PyResult<Self> {
         let ordering = match ordering {
             "liverobin" => OrderingMode::LiveRobin,
@@ -221,6 +228,7 @@ impl Inbox {
         cfg.host = host;
         cfg.port = port;
         cfg.handshake_timeout = arg_seconds("handshake_timeout", handshake_timeout)?;
+        cfg.on_divergence = OnDivergence::parse(on_divergence).py()?;
         let inbox = py.detach(|| CoreInbox::bind(cfg)).py()?;
         let port = inbox.local_addr().port();
         Ok(Inbox {
@@ -237,6 +245,8 @@ impl Inbox {
 
     /// The next delivery, waiting at most `timeout` seconds (None = until one arrives).
     /// Returns None on timeout. The GIL is released while waiting; Ctrl-C interrupts.
+    /// Raises `tandem.DeterminismError` once upstream replicas diverged under
+    /// `on_divergence="fail"`.
     #[pyo3(signature = (timeout = None))]
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Delivery>> {
         let deadline = match timeout {
@@ -270,7 +280,8 @@ impl Inbox {
     }
 
     /// Counters: per channel accepted/duplicate rows, dedup position and backlog; per
-    /// connection peer, identity, frames, bytes, state; rejected connections.
+    /// connection peer, identity, frames, bytes, state; rejected connections; the first 16
+    /// divergences between upstream replicas and their count.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // Locks are taken with the GIL released: another thread may hold this one for a
         // moment inside `next()` and must not then wait for a GIL we would be holding.
@@ -313,6 +324,18 @@ impl Inbox {
         out.set_item("channels", channels)?;
         out.set_item("connections", conns)?;
         out.set_item("rejected_connections", stats.rejected_connections)?;
+        let divergences = PyList::empty(py);
+        for v in stats.divergences {
+            let d = PyDict::new(py);
+            d.set_item("channel", v.channel)?;
+            d.set_item("upstream", v.upstream)?;
+            d.set_item("epoch", v.epoch)?;
+            d.set_item("replicas", v.replicas)?;
+            d.set_item("digests", (to_hex(&v.digests.0), to_hex(&v.digests.1)))?;
+            divergences.append(d)?;
+        }
+        out.set_item("divergences", divergences)?;
+        out.set_item("divergence_count", stats.divergence_count)?;
         Ok(out)
     }
 
@@ -388,8 +411,10 @@ impl OrderFeed {
 // ───────────────────────────── Outbox ─────────────────────────────
 
 /// The output of one task partition replica: partitions emitted rows over the downstream
-/// partitions (channels), numbers every row and marker, and sends each frame to every
-/// replica of the channel's downstream partition.
+/// partitions (channels), numbers every row and marker, sends each emitted batch's part of
+/// a channel at once (frames of at most `batch_rows` rows cut at fixed offsets of that part)
+/// to every replica of the channel's downstream partition, and keeps each channel's cycle
+/// digest, which its heartbeats carry.
 ///
 /// `me` is `(task, partition, replica)`; `downstream[c]` lists the `(host, port)` of the
 /// replicas of downstream partition `c`. Construction dials them all (in parallel, retrying
@@ -427,8 +452,7 @@ impl Outbox {
 impl Outbox {
     #[new]
     #[pyo3(signature = (job, secret, me, downstream, partitioner = "forward", key = None,
-                        batch_rows = 1024, buffer_timeout_ms = 5.0, connect_timeout = 10.0,
-                        queue_frames = 256))]
+                        batch_rows = 1024, connect_timeout = 10.0, queue_frames = 256))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -439,7 +463,6 @@ impl Outbox {
         partitioner: &str,
         key: Option<&str>,
         batch_rows: i64,
-        buffer_timeout_ms: f64,
         connect_timeout: f64,
         queue_frames: i64,
     ) -> PyResult<Self> {
@@ -452,7 +475,6 @@ impl Outbox {
         };
         let cfg = OutboxConfig {
             batch_rows: arg_at_least_1("batch_rows", batch_rows)?,
-            buffer_timeout: arg_seconds("buffer_timeout_ms", buffer_timeout_ms / 1000.0)?,
         };
         let link_cfg = LinkConfig {
             queue_frames: arg_at_least_1("queue_frames", queue_frames)?,
@@ -498,56 +520,53 @@ impl Outbox {
         })
     }
 
-    /// Partition and buffer the rows of `batch` (a pyarrow.RecordBatch or anything with
-    /// `__arrow_c_array__`); sends every channel whose buffer reached `batch_rows`. Blocks
-    /// (GIL released) while a downstream queue is full.
+    /// Partition the rows of `batch` (a pyarrow.RecordBatch or anything with
+    /// `__arrow_c_array__`) and send each channel's part now, as frames of at most
+    /// `batch_rows` rows. A batch that cannot be encoded or digested is refused whole
+    /// (nothing sent). Blocks (GIL released) while a downstream queue is full.
     fn emit(&self, py: Python<'_>, batch: PyRecordBatch) -> PyResult<()> {
         let batch = batch.into_inner();
         self.with(py, "emit", move |ob| ob.emit(&batch))
     }
 
-    /// Send buffered rows, then a heartbeat of cycle `epoch` on every channel.
+    /// Send a heartbeat of cycle `epoch` on every channel, carrying the channel's digest of
+    /// the data sent since its previous heartbeat.
     fn heartbeat(&self, py: Python<'_>, epoch: u64) -> PyResult<()> {
         self.with(py, "heartbeat", move |ob| ob.heartbeat(epoch))
     }
 
-    /// Send every buffered row now.
-    fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, "flush", CoreOutbox::flush)
-    }
-
-    /// Send the buffers whose oldest row has waited `buffer_timeout_ms`.
-    fn flush_due(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, "flush_due", |ob| ob.flush_due(Instant::now()))
-    }
-
-    /// Seconds until the oldest buffered row is due (None if nothing is buffered): the
-    /// longest a worker loop may wait for input before calling `flush_due()`.
-    fn deadline(&self, py: Python<'_>) -> PyResult<Option<f64>> {
-        self.with(py, "deadline", |ob| {
-            Ok(ob
-                .deadline()
-                .map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64()))
-        })
-    }
-
-    /// Send buffered rows, then the end marker on every channel.
+    /// Send the end marker on every channel (the digest of the data after the last
+    /// heartbeat is recorded under epoch 2**64 - 1).
     fn end(&self, py: Python<'_>) -> PyResult<()> {
         self.with(py, "end", CoreOutbox::end)
     }
 
-    /// Send what is buffered and close the connections (each delivers what it queued).
-    /// Without a prior `end()`, receivers see this replica stop mid-stream. Idempotent.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| match self.inner.lock().take() {
-            Some(mut ob) => ob.close(),
-            None => Ok(()),
-        })
-        .py()
+    /// The cycle digests closed since the last call, oldest first: `(channel, epoch,
+    /// digest)` with a 16-byte `digest`, one per channel per heartbeat, plus one per channel
+    /// under epoch 2**64 - 1 once `end()` ran. Drains them.
+    fn digests<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let taken = self.with(py, "digests", |ob| Ok(ob.take_digests()))?;
+        PyList::new(
+            py,
+            taken
+                .into_iter()
+                .map(|(c, epoch, d)| (c, epoch, PyBytes::new(py, &d))),
+        )
     }
 
-    /// Cut every connection now, dropping buffered and queued frames: a crash of this
-    /// replica as the receivers see it (fault injection). Idempotent.
+    /// Close the connections (each delivers what it queued first; nothing else is
+    /// pending, `emit` sends at once). Without a prior `end()`, receivers see this replica
+    /// stop mid-stream. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            if let Some(mut ob) = self.inner.lock().take() {
+                ob.close();
+            }
+        });
+    }
+
+    /// Cut every connection now, dropping queued frames: a crash of this replica as the
+    /// receivers see it (fault injection). Idempotent.
     fn abort(&self, py: Python<'_>) {
         py.detach(|| {
             if let Some(mut ob) = self.inner.lock().take() {
@@ -556,8 +575,8 @@ impl Outbox {
         });
     }
 
-    /// The seq the next element of each channel takes (buffered rows already count), as
-    /// of the last completed call. Never blocks, even while another thread is in `emit`.
+    /// The seq the next element of each channel takes, as of the last completed call.
+    /// Never blocks, even while another thread is in `emit`.
     #[getter]
     fn next_seqs(&self) -> Vec<u64> {
         self.seqs.lock().clone()
@@ -573,8 +592,8 @@ impl Outbox {
         _exc_type: Option<&Bound<'_, PyAny>>,
         _exc: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        self.close(py)
+    ) {
+        self.close(py);
     }
 }
 

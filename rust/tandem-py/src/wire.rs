@@ -33,15 +33,33 @@ fn encode_data_frame<'py>(
     Ok(PyBytes::new(py, &bytes))
 }
 
-/// Encode the heartbeat of cycle `epoch` at seq `seq` of `channel`.
+/// Encode the heartbeat of cycle `epoch` at seq `seq` of `channel`, carrying `digest` (the
+/// 16-byte cycle digest of the channel's data since its previous heartbeat) if given.
+/// Raises `tandem.ConfigError` for a digest of another length.
 #[pyfunction]
-fn encode_heartbeat_frame(
-    py: Python<'_>,
+#[pyo3(signature = (channel, seq, epoch, digest = None))]
+fn encode_heartbeat_frame<'py>(
+    py: Python<'py>,
     channel: u32,
     seq: u64,
     epoch: u64,
-) -> Bound<'_, PyBytes> {
-    PyBytes::new(py, &wire::encode_heartbeat(channel, seq, epoch))
+    digest: Option<&[u8]>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let frame = match digest {
+        None => wire::encode_heartbeat(channel, seq, epoch),
+        Some(d) => {
+            let d: &[u8; wire::HEARTBEAT_DIGEST_LEN] = d.try_into().map_err(|_| {
+                to_py(Error::Config(format!(
+                    "a heartbeat digest is exactly {} bytes, got {}; pass the bytes of a cycle \
+                     digest or None",
+                    wire::HEARTBEAT_DIGEST_LEN,
+                    d.len()
+                )))
+            })?;
+            wire::encode_heartbeat_digest(channel, seq, epoch, d)
+        }
+    };
+    Ok(PyBytes::new(py, &frame))
 }
 
 /// Encode the end marker of `channel` at seq `seq`.
@@ -78,7 +96,8 @@ fn encode_order_frame<'py>(
 }
 
 /// Decode exactly one frame. Returns `("data", channel, first_seq, pyarrow.RecordBatch)`,
-/// `("heartbeat", channel, seq, epoch)`, `("end", channel, seq)` or
+/// `("heartbeat", channel, seq, epoch, digest)` (`digest`: 16 bytes, or None if the frame
+/// carries none), `("end", channel, seq)` or
 /// `("order", channel, epoch, version, [(channel, up_to_seq), ...])`. Raises
 /// `tandem.ProtocolError` naming the problem for anything else, including bytes left over
 /// after the frame.
@@ -119,7 +138,11 @@ fn decode_frame<'py>(
             channel,
             seq,
             epoch,
-        } => ("heartbeat", channel, seq, epoch).into_pyobject(py),
+            digest,
+        } => {
+            let digest = digest.map(|d| PyBytes::new(py, &d));
+            ("heartbeat", channel, seq, epoch, digest).into_pyobject(py)
+        }
         Frame::End { channel, seq } => ("end", channel, seq).into_pyobject(py),
         Frame::Order {
             channel,

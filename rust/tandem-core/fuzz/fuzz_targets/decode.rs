@@ -35,7 +35,14 @@ fuzz_target!(|data: &[u8]| {
                 channel,
                 seq,
                 epoch,
+                digest: None,
             } => wire::encode_heartbeat(*channel, *seq, *epoch),
+            Frame::Heartbeat {
+                channel,
+                seq,
+                epoch,
+                digest: Some(digest),
+            } => wire::encode_heartbeat_digest(*channel, *seq, *epoch, digest),
             Frame::End { channel, seq } => wire::encode_end(*channel, *seq),
             Frame::Order {
                 channel,

@@ -91,6 +91,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         frames.push(wire::encode_data(i as u32, 10 * i as u64, b)?);
     }
     frames.push(wire::encode_heartbeat(1, 5, 2));
+    frames.push(wire::encode_heartbeat_digest(1, 5, 2, &[0x5A; 16]));
     frames.push(wire::encode_end(1, 6));
     frames.push(wire::encode_order(
         0,
