@@ -221,6 +221,7 @@ class Replica:
             )
         finally:
             for o in outputs:
+                o.collect_digests()
                 o.outbox.close()
             if self.orderer is not None:
                 self.orderer.stop()
@@ -228,8 +229,6 @@ class Replica:
             if self.inbox is not None:
                 report.inbox_stats = self.inbox.stats()
                 self.inbox.close()
-        for o in outputs:
-            o.collect_digests()
         report.digests = {
             (i, channel, epoch): d
             for i, o in enumerate(outputs)
