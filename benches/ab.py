@@ -41,7 +41,7 @@ else:
     job = mib1_job(3, replication=r, ordering="liverobin", rate=rate)
 res = job.run(duration=duration, progress=False, warmup=warmup, check=False)
 print(json.dumps({"p50_ms": res.p50_ms, "p99_ms": res.p99_ms, "events": res.events_in,
-                  "digests_match": res.digests_match, "build": td.build_profile}))
+                  "digests_match": res.digests_match, "profile": td.build_profile}))
 """
 
 
@@ -56,8 +56,8 @@ def run_once(python: str, workload: str, r: int, args) -> dict:
     )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    if row["build"] != "release":
-        sys.exit(f"{python} runs a {row['build']} build of tandem; never benchmark a debug build")
+    if row.pop("profile") != "release":
+        sys.exit(f"{python} does not run a release build of tandem; never benchmark a debug build")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     row["cpu_s"] = cpu
     row["cpu_s_per_m_events"] = cpu / row["events"] * 1e6
