@@ -1,13 +1,13 @@
 """Operators: what a task partition does to its ordered input rows.
 
-Every operator is a function of its *ordered input row sequence* (and, for two-input
-operators, of the order in which rows of the two inputs interleave). It must not depend on
-how that sequence is cut into batches: replicas of one partition see the same rows in the
-same order, but the runtime's batch boundaries differ between them. The built-in operators
-below are written to that rule (and tested against it); user functions passed to
-``map``/``filter``/``flat_map`` and user ``KeyedProcess`` classes must follow it too — in
-practice: work row by row (vectorised), and keep whatever carries over between rows in
-operator state, never in "the current batch".
+Every operator is a function of its *ordered input batch sequence* (and, for two-input
+operators, of the order in which batches of the two inputs interleave). The batch is the
+unit of determinism (DESIGN §2 invariant 1): replicas of one partition are called with the
+same batches in the same order, so a function need only be deterministic for a given input
+batch — it may compute over its whole batch (a mean, a rank, two filters concatenated), as
+a PySpark ``mapInArrow`` function does. What it must not use is anything else that differs
+between replicas: clocks, fresh randomness, the replica index, Python's hash seed. The
+digest check catches a function that does (``tandem.DeterminismError``).
 
 Life cycle, driven by the engine (and by :mod:`tandem.reference`) through
 :class:`tandem.plan.TaskInstance`::
@@ -269,9 +269,9 @@ class KeyedProcess(Operator):
     Implement :meth:`process`. ``state`` is a dict owned by this operator instance (one per
     task partition), kept across batches: typically key → per-key value. The batch holds
     the next rows of this partition in input order; all rows of a key land in the same
-    partition (the input is hash-partitioned on ``self.ctx.key``). ``process`` must not
-    depend on batch boundaries: treat the batch as "the next rows", carrying everything
-    else in ``state``. The default :meth:`snapshot`/:meth:`restore` pickle ``state``, so
+    partition (the input is hash-partitioned on ``self.ctx.key``). ``process`` may look at
+    its whole batch (every replica gets the same batches); carry what must outlive the
+    batch in ``state``. The default :meth:`snapshot`/:meth:`restore` pickle ``state``, so
     keep it picklable (or override both).
 
     The output schema is the class attribute ``schema`` if set, else inferred by calling

@@ -54,7 +54,7 @@ ChannelKey = tuple[int, int, int, int]  # upstream task, upstream partition, tas
 def live_robin(queues: list[deque]) -> Iterator[tuple]:
     """LiveRobin over fully known channel contents (each ending with ``("end",)``), one
     whole batch per turn. Yields ``("data", channel, batch)``, ``("heartbeat", channel,
-    epoch, first)`` and finally ``("end",)``; empty batches are skipped."""
+    epoch, first)`` and finally ``("end",)`` (empty batches take no turn)."""
     if not queues:
         yield ("end",)
         return
@@ -66,8 +66,6 @@ def live_robin(queues: list[deque]) -> Iterator[tuple]:
                 f"reference executor: input channel {merge.next} ran dry before its end "
                 "marker (a bug in the upstream task's schedule)"
             )
-        if step[0] == "data" and step[2].num_rows == 0:
-            continue
         yield step
         if step[0] == "end":
             return
