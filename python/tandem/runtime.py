@@ -117,7 +117,6 @@ class _Output:
             key=None if single else edge.key,
             batch_rows=plan.batch_rows,
         )
-        self.digests: dict[tuple[int, int], str] = {}
 
     def emit(self, batch: pa.RecordBatch | None) -> int:
         if batch is None or batch.num_rows == 0:
@@ -127,10 +126,6 @@ class _Output:
 
     def heartbeat(self, epoch: int) -> None:
         self.outbox.heartbeat(epoch)
-
-    def collect_digests(self) -> None:
-        for channel, epoch, digest in self.outbox.digests():
-            self.digests[(channel, epoch)] = digest.hex()
 
 
 class Replica:
@@ -220,8 +215,9 @@ class Replica:
                 traceback.format_exception(exc)
             )
         finally:
-            for o in outputs:
-                o.collect_digests()
+            for i, o in enumerate(outputs):
+                for channel, epoch, digest in o.outbox.digests():  # before close: it drains
+                    report.digests[(i, channel, epoch)] = digest.hex()
                 o.outbox.close()
             if self.orderer is not None:
                 self.orderer.stop()
@@ -229,11 +225,6 @@ class Replica:
             if self.inbox is not None:
                 report.inbox_stats = self.inbox.stats()
                 self.inbox.close()
-        report.digests = {
-            (i, channel, epoch): d
-            for i, o in enumerate(outputs)
-            for (channel, epoch), d in o.digests.items()
-        }
         return report
 
     def _divergence(self, exc: DeterminismError) -> str:
