@@ -85,7 +85,9 @@ class Job:
     :class:`tandem.DeterminismError` when two replicas of a task partition emit different
     output — the sinks may already hold a mix of both — and ``"log"`` logs it and goes on;
     ``kazoo``: a ``tandem.ordering.kazoo.KazooConfig`` (service addresses, session timeout,
-    order batch) for ``ordering="kazoo"``.
+    order batch) for ``ordering="kazoo"``; ``workers``: worker processes per replica group
+    (default: the machine's cores divided by ``replication``, at least 1; see
+    :meth:`tandem.plan.Plan.placement`).
 
     The batch is the unit of determinism: every replica of a task partition is called
     with the same batches, so an operator function must be deterministic for a given input
@@ -103,6 +105,7 @@ class Job:
         batch_rows: int = 1024,
         kazoo: Any = None,
         on_divergence: str = "fail",
+        workers: int | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Job name must be a non-empty string, got {name!r}")
@@ -133,6 +136,7 @@ class Job:
                 f"Job {name!r}: on_divergence must be 'fail' or 'log', got {on_divergence!r}"
             )
         self.on_divergence = on_divergence
+        self.workers = None if workers is None else _positive_int(workers, f"Job {name!r}: workers")
         if kazoo is not None:
             from tandem.ordering.kazoo import KazooConfig
 
@@ -251,6 +255,7 @@ class Job:
             tasks=tuple(tasks),
             kazoo=self.kazoo,
             on_divergence=self.on_divergence,
+            workers=self.workers,
         )
 
     def run(

@@ -49,6 +49,7 @@ only be deterministic for a given input batch.
 from __future__ import annotations
 
 import copy
+import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -154,6 +155,8 @@ class Plan:
     on_divergence: str = "fail"
     """What a replica does when two upstream replicas' outputs differ (DESIGN §2
     invariant 4): ``"fail"`` the job with ``DeterminismError``, or ``"log"`` it and go on."""
+    workers: int | None = None
+    """Worker processes per replica group (None: cores // replication, at least 1)."""
 
     # -- structure ----------------------------------------------------------------------
 
@@ -192,6 +195,34 @@ class Plan:
             for p in range(t.parallelism)
             for r in range(t.replication)
         ]
+
+    def placement(self, cores: int | None = None) -> list[list[tuple[int, int, int]]]:
+        """Which replicas each worker process hosts (a worker is the fault domain).
+
+        Replica group ``g`` — replica ``g`` of every source and operator partition — is
+        split over ``workers`` processes (default: ``cores // replication``, at least 1),
+        partition ``p`` going to worker ``p % workers`` of its group, so a pipeline of
+        forward edges stays in one process. The sinks, which are not replicated, share one
+        more worker of their own, so killing any replica group leaves them running. Two
+        replicas of one task partition are never in the same worker: losing a worker
+        loses at most one replica of each partition, which its twins mask.
+        """
+        per_group = self.workers
+        if per_group is None:
+            per_group = max(1, (cores or os.cpu_count() or 1) // max(1, self.replication))
+        groups: list[list[list[tuple[int, int, int]]]] = [
+            [[] for _ in range(per_group)] for _ in range(self.replication)
+        ]
+        sinks: list[tuple[int, int, int]] = []
+        for t, p, r in self.replicas():
+            if self.tasks[t].kind == "sink":
+                sinks.append((t, p, r))
+            else:
+                groups[r][p % per_group].append((t, p, r))
+        workers = [w for g in groups for w in g if w]
+        if sinks:
+            workers.append(sinks)
+        return workers
 
     def inbox_ordering(self, task_id: int, partition: int) -> str:
         """The consumption order a partition's inbox uses: the job's ordering where there

@@ -1,19 +1,27 @@
-"""The replica worker: what one replica of one task partition runs, on any engine.
+"""Workers and the replicas they host: what runs on every engine.
 
-An engine (``tandem.engines.local`` runs one OS process per replica; the Spark engine runs
-each replica as a long-running Spark task) drives a replica through three steps:
+A **worker** is one OS process — the fault domain — hosting many task replicas ("slots")
+and serving them all from one Python thread. The control path is in Rust
+(``tandem._core.Worker``): it sleeps on every inbox of the worker at once, tracks each
+slot's watermark, forwards heartbeats, sends the sources' heartbeats when they fall due
+and keeps back-pressure from blocking one slot on another, all without the GIL. Python is
+woken only to run operator code on a data batch, an ``on_watermark`` that may emit, a
+sink write, or a source's next batch of rows.
 
-1. :meth:`Replica.bind` — create the replica's inbox (operators and sinks) and return the
-   port its upstream replicas must dial;
-2. :meth:`Replica.run` — given every inbox address of the job and the logical time origin
+An engine (``tandem.engines.local`` runs a handful of worker processes; the Spark engine
+runs each worker as a long-running Spark task) drives a worker through three steps:
+
+1. :meth:`Worker.bind` — create every hosted replica's inbox (operators and sinks) and
+   return the port each one's upstream replicas must dial;
+2. :meth:`Worker.run` — given every inbox address of the job and the logical time origin
    ``t0_ns``, dial the downstream replicas and run to the end of input;
-3. the returned :class:`ReplicaReport` goes back to the engine.
+3. the returned :class:`ReplicaReport` s (one per hosted replica) go back to the engine.
 
-The loop follows the forwarding contract of :mod:`tandem.plan`, the same one the reference
-executor follows, so that with LiveRobin every operator replica consumes the reference's
-row sequence: heartbeats move a per-channel watermark; when the minimum over the channels
-advances to ``k``, the operator's ``on_watermark`` output is emitted, then heartbeat ``k``
-is forwarded on every output channel.
+The replicas follow the forwarding contract of :mod:`tandem.plan`, the same one the
+reference executor follows, so that with LiveRobin every operator replica consumes the
+reference's row sequence: heartbeats move a per-channel watermark; when the minimum over
+the channels advances to ``k``, the operator's ``on_watermark`` output is emitted, then
+heartbeat ``k`` is forwarded on every output channel.
 
 Batches are the unit of determinism (DESIGN §2 invariant 1): a source emits exactly the
 batches of :meth:`tandem.plan.Plan.source_schedule`, each when it falls due; an operator
@@ -37,13 +45,14 @@ import pyarrow as pa
 from tandem import _core
 from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
 from tandem.ordering.kazoo import KazooRun, Orderer
-from tandem.plan import OutputEdge, Plan, Task, WatermarkTracker
+from tandem.operators import Operator
+from tandem.plan import OutputEdge, Plan, Task
 
 ReplicaId = tuple[int, int, int]  # task id, partition, replica
 Addresses = dict[ReplicaId, tuple[str, int]]
 
 IDLE_WAIT_S = 0.05
-"""How long a worker waits for input before checking on its KaZoo orderer again."""
+"""How long a worker waits for input before checking on its KaZoo orderers again."""
 
 
 @dataclass
@@ -129,7 +138,9 @@ class _Output:
 
 
 class Replica:
-    """One replica of one task partition (see the module documentation)."""
+    """One replica of one task partition, hosted by a :class:`Worker` (see the module
+    documentation). The worker calls the ``on_*`` methods; each runs to completion, its
+    output emitted, before the worker asks Rust for the next work item."""
 
     def __init__(
         self,
@@ -138,17 +149,28 @@ class Replica:
         partition: int,
         replica: int,
         secret: bytes,
+        core: _core.Worker,
         kazoo: KazooRun | None = None,
     ):
         self.plan = plan
         self.task: Task = plan.tasks[task_id]
         self.me: ReplicaId = (task_id, partition, replica)
         self.secret = secret
+        self.core = core
         self.kazoo = kazoo
         self.orderer: Orderer | None = None
         self.inbox = None
         self.inputs = []
         self.outputs: list[_Output] = []
+        self.report = ReplicaReport(task_id, partition, replica, self.task.kind)
+        self.slot: int | None = None
+        self.done = False
+        self.t0_ns = 0
+        self._inst = None
+        self._sink = None
+        self._receive: list[np.ndarray] = []
+        self._latency: list[np.ndarray] = []
+        self._track_latency = False
 
     @property
     def name(self) -> str:
@@ -157,7 +179,6 @@ class Replica:
 
     def bind(self, host: str = "127.0.0.1") -> int | None:
         """Listen for upstream replicas; the port, or None for a source."""
-        _warm_up()
         if self.task.kind == "source":
             return None
         t, p, r = self.me
@@ -170,6 +191,7 @@ class Replica:
             ordering=ordering,
             on_divergence=self.plan.on_divergence,
             host=host,
+            worker=self.core,
         )
         if ordering == "kazoo":
             if self.kazoo is None:
@@ -187,44 +209,96 @@ class Replica:
         if self.orderer is not None:
             self.orderer.stop()
 
-    def run(self, addresses: Addresses, t0_ns: int, duration: float) -> ReplicaReport:
-        """Run to the end of input; never raises (errors are reported)."""
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self, addresses: Addresses, t0_ns: int) -> None:
+        """Dial the downstream replicas, open the operator or sink, take a worker slot."""
         t, p, r = self.me
-        report = ReplicaReport(t, p, r, self.task.kind)
-        outputs = self.outputs
-        try:
-            outputs += [
-                _Output(self.plan, self.me, e, addresses, self.secret)
-                for e in self.plan.output_edges(t, p)
-            ]
-            if self.task.kind == "source":
-                self._run_source(outputs, report, t0_ns, duration)
-            elif self.task.kind == "operator":
-                self._run_operator(outputs, report, t0_ns)
-            else:
-                self._run_sink(report)
-        except _core.ChannelClosed as exc:
+        self.t0_ns = t0_ns
+        self.outputs += [
+            _Output(self.plan, self.me, e, addresses, self.secret)
+            for e in self.plan.output_edges(t, p)
+        ]
+        boxes = [o.outbox for o in self.outputs]
+        if self.task.kind == "source":
+            self.slot = self.core.add_source(boxes, t0_ns, self.plan.heartbeat_ns)
+            return
+        if self.task.kind == "operator":
+            self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
+            watermarks = type(self._inst.op).on_watermark is not Operator.on_watermark
+        else:
+            self._sink = self.plan.open_sink(t, p)
+            schema = self.task.schema
+            self._track_latency = schema is not None and "event_time_ns" in schema.names
+            watermarks = False
+        self.slot = self.core.add_task(self.inbox, boxes, watermarks)
+
+    def _emit(self, batch: pa.RecordBatch | None) -> None:
+        for o in self.outputs:
+            self.report.rows_out += o.emit(batch)
+
+    def on_rows(self, batch: pa.RecordBatch) -> None:
+        """A source's next batch of rows."""
+        self.report.rows_in += batch.num_rows
+        self._emit(batch)
+
+    def on_data(self, channel: int, batch: pa.RecordBatch) -> None:
+        self.report.rows_in += batch.num_rows
+        if self._inst is not None:
+            self._emit(self._inst.batch(batch, self.inputs[channel].input_index))
+            return
+        now = time.time_ns()
+        self._sink.write(batch)
+        if self._track_latency:
+            ev = batch.column("event_time_ns").to_numpy(zero_copy_only=False)
+            self._receive.append(np.full(len(ev), now, dtype=np.int64))
+            self._latency.append((now - ev) / 1e6)
+
+    def on_watermark(self, epoch: int) -> None:
+        self._emit(self._inst.watermark(self.plan.watermark_ns(epoch, self.t0_ns)))
+
+    def on_end(self) -> None:
+        """Every input ended (sources: the schedule did): final output, end markers."""
+        if self._inst is not None:
+            self._emit(self._inst.finish())
+        if self._sink is not None:
+            self.report.sink_part = self._sink.close()
+            self._sink = None
+            if self._receive:
+                self.report.receive_ns = np.concatenate(self._receive)
+                self.report.latency_ms = np.concatenate(self._latency)
+        for o in self.outputs:
+            o.outbox.end()
+        self.done = True
+
+    def fail(self, exc: BaseException) -> None:
+        """Record why this replica stopped (see :class:`ReplicaReport`)."""
+        self.done = True
+        if isinstance(exc, _core.ChannelClosed):
             # No live downstream replica is left on some output channel. Downstream only
             # closes once it has received everything (from a faster twin of this replica);
             # had they all crashed instead, the engine fails the job for that reason.
-            report.abandoned = str(exc)
-        except DeterminismError as exc:
-            report.error, report.diverged = self._divergence(exc), True
-        except Exception as exc:
-            report.error = f"{self.name} failed: {type(exc).__name__}: {exc}\n" + "".join(
+            self.report.abandoned = str(exc)
+        elif isinstance(exc, DeterminismError):
+            self.report.error, self.report.diverged = self._divergence(exc), True
+        else:
+            self.report.error = f"{self.name} failed: {type(exc).__name__}: {exc}\n" + "".join(
                 traceback.format_exception(exc)
             )
-        finally:
-            for i, o in enumerate(outputs):
-                for channel, epoch, digest in o.outbox.digests():  # before close: it drains
-                    report.digests[(i, channel, epoch)] = digest.hex()
-                o.outbox.close()
-            if self.orderer is not None:
-                self.orderer.stop()
-                report.ordering_stats = self.orderer.stats()
-            if self.inbox is not None:
-                report.inbox_stats = self.inbox.stats()
-                self.inbox.close()
+
+    def finish(self) -> ReplicaReport:
+        """Close everything; the report (call once, when the worker is done)."""
+        report = self.report
+        for i, o in enumerate(self.outputs):
+            for channel, epoch, digest in o.outbox.digests():  # before close: it drains
+                report.digests[(i, channel, epoch)] = digest.hex()
+            o.outbox.close()
+        if self.orderer is not None:
+            self.orderer.stop()
+            report.ordering_stats = self.orderer.stats()
+        if self.inbox is not None:
+            report.inbox_stats = self.inbox.stats()
+            self.inbox.close()
         return report
 
     def _divergence(self, exc: DeterminismError) -> str:
@@ -246,90 +320,162 @@ class Replica:
             "stops. td.Job(on_divergence='log') keeps it running."
         )
 
-    # -- sources -------------------------------------------------------------------------
 
-    def _run_source(self, outputs, report, t0_ns: int, duration: float) -> None:
-        """Emit the partition's logical schedule (:meth:`Plan.source_schedule`), each step
-        when it falls due: the same batches and heartbeats at every replica."""
-        plan, t, p = self.plan, self.task.id, self.me[1]
-        for step in plan.source_schedule(t, p, duration):
-            wait_ns = t0_ns + step.at_ns - time.time_ns()
-            if wait_ns > 0:
-                time.sleep(wait_ns / 1e9)
-            if step.kind == "rows":
-                batch = plan.source_batch(t, p, step.j0, step.j1, t0_ns)
-                for o in outputs:
-                    report.rows_out += o.emit(batch)
-                report.rows_in += batch.num_rows
-            elif step.kind == "heartbeat":
-                for o in outputs:
-                    o.heartbeat(step.epoch)
-            else:
-                for o in outputs:
-                    o.outbox.end()
+class _Source:
+    """A source replica's place in its logical schedule (:meth:`Plan.source_schedule`).
 
-    # -- operators -----------------------------------------------------------------------
+    Python emits the rows, each batch when it falls due; the Rust worker sends the
+    heartbeats on its clock, through the last one before the next batch still to be
+    emitted, so no heartbeat overtakes a row that precedes it in the schedule."""
 
-    def _run_operator(self, outputs, report, t0_ns: int) -> None:
-        plan, t, p, r = self.plan, self.task.id, self.me[1], self.me[2]
-        inst = plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
-        tracker = WatermarkTracker(len(self.inputs))
+    def __init__(self, replica: Replica, duration: float) -> None:
+        self.replica = replica
+        t, p, _ = replica.me
+        self.steps = replica.plan.source_schedule(t, p, duration)
+        self.heartbeat = 0  # the last heartbeat epoch before the pending step
+        self.step = None
+        self.advance()
 
-        def emit(batch) -> None:
-            for o in outputs:
-                report.rows_out += o.emit(batch)
-
-        while True:
-            d = self._next()
-            if d.kind == "data":
-                report.rows_in += d.batch.num_rows
-                emit(inst.batch(d.batch, self.inputs[d.channel].input_index))
-            elif d.kind == "heartbeat":
-                before = tracker.current
-                now = tracker.observe(d.channel, d.epoch)
-                if now is not None:
-                    for k in range(before + 1, now + 1):
-                        emit(inst.watermark(plan.watermark_ns(k, t0_ns)))
-                        for o in outputs:
-                            o.heartbeat(k)
-            else:
-                emit(inst.finish())
-                for o in outputs:
-                    o.outbox.end()
-                return
-
-    # -- sinks ---------------------------------------------------------------------------
-
-    def _run_sink(self, report) -> None:
-        sink = self.plan.open_sink(self.task.id, self.me[1])
-        receive: list[np.ndarray] = []
-        latency: list[np.ndarray] = []
-        track_latency = "event_time_ns" in self.task.schema.names if self.task.schema else False
-        while True:
-            d = self._next()
-            if d.kind == "end":
-                break
-            if d.kind != "data":
+    def advance(self) -> None:
+        """Move to the next rows (or end) step, letting the worker send the heartbeats
+        before it."""
+        for step in self.steps:
+            if step.kind == "heartbeat":
+                self.heartbeat = step.epoch
                 continue
-            now = time.time_ns()
-            batch = d.batch
-            report.rows_in += batch.num_rows
-            sink.write(batch)
-            if track_latency:
-                ev = batch.column("event_time_ns").to_numpy(zero_copy_only=False)
-                receive.append(np.full(len(ev), now, dtype=np.int64))
-                latency.append((now - ev) / 1e6)
-        report.sink_part = sink.close()
-        if receive:
-            report.receive_ns = np.concatenate(receive)
-            report.latency_ms = np.concatenate(latency)
+            self.step = step
+            self.replica.core.allow(self.replica.slot, self.heartbeat)
+            return
+        self.step = None
 
-    def _next(self):
-        """The next delivery (the GIL is released while waiting); a KaZoo replica looks
-        after its orderer between waits."""
-        while True:
-            d = self.inbox.next(timeout=IDLE_WAIT_S)
-            if d is not None:
-                return d
-            if self.orderer is not None:
-                self.orderer.check()
+    def due_ns(self) -> int:
+        return self.replica.t0_ns + self.step.at_ns
+
+    def run_step(self) -> None:
+        """Emit the pending step (its heartbeats first), then move on."""
+        rep, step = self.replica, self.step
+        rep.core.heartbeats_through(rep.slot, self.heartbeat)
+        if step.kind == "rows":
+            t, p, _ = rep.me
+            rep.on_rows(rep.plan.source_batch(t, p, step.j0, step.j1, rep.t0_ns))
+            self.advance()
+        else:
+            rep.on_end()
+            self.step = None
+
+
+class Worker:
+    """One worker process's replicas, served from one thread (see the module
+    documentation). ``rids``: the ``(task, partition, replica)`` it hosts."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        rids: list[ReplicaId],
+        secret: bytes,
+        kazoo: KazooRun | None = None,
+    ) -> None:
+        self.plan = plan
+        self.core = _core.Worker()
+        self.replicas = [Replica(plan, *rid, secret, self.core, kazoo=kazoo) for rid in rids]
+
+    def bind(self, host: str = "127.0.0.1") -> dict[ReplicaId, int | None]:
+        """Create every hosted replica's inbox; its port (None for a source) by replica."""
+        _warm_up()
+        return {r.me: r.bind(host) for r in self.replicas}
+
+    def release(self) -> None:
+        """Give up every KaZoo leadership at once (a graceful stop: SIGTERM)."""
+        for r in self.replicas:
+            r.release()
+
+    def run(
+        self, addresses: Addresses, t0_ns: int, duration: float
+    ) -> dict[ReplicaId, ReplicaReport]:
+        """Run every hosted replica to the end of its input; never raises (errors are in
+        the reports). The first replica that fails stops the worker: the job fails."""
+        try:
+            for r in self.replicas:
+                try:
+                    r.start(addresses, t0_ns)
+                except Exception as exc:
+                    r.fail(exc)
+                    if r.report.error:
+                        return self._finish()
+            self._loop(duration)
+        except Exception as exc:  # a fault of the worker itself: blame every live replica
+            for r in self.replicas:
+                if not r.done:
+                    r.fail(exc)
+        return self._finish()
+
+    def _finish(self) -> dict[ReplicaId, ReplicaReport]:
+        reports = {}
+        for r in self.replicas:
+            try:
+                reports[r.me] = r.finish()
+            except Exception as exc:
+                r.fail(exc)
+                reports[r.me] = r.report
+        return reports
+
+    def _loop(self, duration: float) -> None:
+        core = self.core
+        by_slot = {r.slot: r for r in self.replicas if not r.done}
+        sources = [_Source(r, duration) for r in by_slot.values() if r.task.kind == "source"]
+        orderers = [r.orderer for r in self.replicas if r.orderer is not None]
+        live = len(by_slot)
+        checked = time.monotonic()
+        while live:
+            wait = IDLE_WAIT_S
+            if sources:
+                now = time.time_ns()
+                for src in sources:
+                    rep = src.replica
+                    while src.step is not None and src.due_ns() <= now:
+                        if not core.ready(rep.slot):
+                            wait = min(wait, 0.001)
+                            break
+                        if not self._guard(rep, src.run_step):
+                            return
+                        if rep.done:
+                            live -= 1
+                            core.retire(rep.slot)
+                            break
+                    if src.step is not None:
+                        wait = min(wait, max(0.0, (src.due_ns() - now) / 1e9))
+                sources = [s for s in sources if s.step is not None and not s.replica.done]
+                if not live:
+                    return
+            item = core.next(timeout=wait)
+            if item is not None:
+                rep = by_slot[item.slot]
+                kind = item.kind
+                if kind == "data":
+                    ok = self._guard(rep, lambda: rep.on_data(item.channel, item.batch))
+                elif kind == "watermark":
+                    ok = self._guard(rep, lambda: rep.on_watermark(item.epoch))
+                elif kind == "end":
+                    ok = self._guard(rep, rep.on_end)
+                else:
+                    rep.fail(item.error)
+                    ok = rep.report.error is None
+                if not ok:
+                    return
+                if rep.done:
+                    live -= 1
+                    core.retire(rep.slot)
+            if orderers and time.monotonic() - checked >= IDLE_WAIT_S:
+                checked = time.monotonic()
+                for o in orderers:
+                    o.check()
+
+    @staticmethod
+    def _guard(rep: Replica, fn) -> bool:
+        """Run ``fn`` for ``rep``; False if it failed the job (the worker stops)."""
+        try:
+            fn()
+        except Exception as exc:
+            rep.fail(exc)
+            return rep.report.error is None
+        return True

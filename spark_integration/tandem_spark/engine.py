@@ -13,7 +13,7 @@ The driver (this module, where ``job.run(engine=SparkEngine(spark))`` is called)
 On an executor, :func:`replica_main` — the Arrow-backed UDF — reads its placement row,
 checks in with the registry (which confirms the row's replica, or on a cluster swaps
 replicas between tasks so that twins run on different executors), binds the replica's
-inbox, waits for every peer's address and ``t0``, runs :class:`tandem.runtime.Replica`
+inbox, waits for every peer's address and ``t0``, runs a :class:`tandem.runtime.Worker` hosting it
 (the same worker code the local engine runs: the Rust event loop behind a Python operator
 loop) and yields Arrow batches back to Spark: the rows of the job's first
 ``td.sinks.Collect`` sink (so the output is a Spark DataFrame) and one report row carrying
@@ -47,7 +47,7 @@ from tandem.engines.local import STARTUP_S
 from tandem.exceptions import ConfigError, TandemError
 from tandem.ordering import kazoo
 from tandem.plan import Plan, Task
-from tandem.runtime import Replica, ReplicaId, ReplicaReport
+from tandem.runtime import ReplicaId, ReplicaReport, Worker
 from tandem.sinks import Collect
 from tandem_spark import registry as reg
 from tandem_spark.session import LOCAL_CLUSTER_MASTER, check_cluster, is_local, local_session
@@ -272,10 +272,11 @@ def _replica_main(plan, secret, registry_address, host, schema, collect, zoo):
             kind, value = reg.receive(conn, "replica identity")
             if kind == "retire":
                 return
-            replica = Replica(plan, *value, secret, kazoo=zoo)
-            conn.send(("bound", replica.bind(bind_host)))
+            rid = tuple(value)
+            worker = Worker(plan, [rid], secret, kazoo=zoo)
+            conn.send(("bound", worker.bind(bind_host)[rid]))
             _, addresses, t0_ns, duration = reg.receive(conn, "start signal")
-            report = replica.run(addresses, t0_ns, duration)
+            report = worker.run(addresses, t0_ns, duration)[rid]
             conn.send(("done", report.error, report.diverged))
         if collect is not None and value[0] == collect.id:
             yield from _rows(slot, report.sink_part, schema)

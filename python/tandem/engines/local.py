@@ -1,13 +1,16 @@
-"""The embedded default engine: one OS process per replica on this machine.
+"""The embedded default engine: a handful of worker processes on this machine.
 
-The coordinator (this module, in the caller's process) starts a process for every replica
-of every task partition, collects the port each one listens on, fixes the logical time
-origin ``t0`` and tells every replica to start. It then watches them: it injects the
-requested faults (``td.Kill`` SIGKILLs a replica process, ``td.Pause`` SIGSTOPs it and
-SIGCONTs it later), notices replicas that die, stops everything on an error, a timeout or
-Ctrl-C — no process outlives a run, and every child also dies with its parent — and
-finally hands the replicas' reports to :func:`tandem.engines.common.assemble_result`,
-which every engine shares.
+The coordinator (this module, in the caller's process) starts one process per worker of
+the plan's placement (:meth:`tandem.plan.Plan.placement`: one or more workers per replica
+group, plus one for the sinks), each hosting many task replicas
+(:class:`tandem.runtime.Worker`). It collects the port every replica listens on, fixes
+the logical time origin ``t0`` and tells every worker to start. It then watches them: it
+injects the requested faults at the level of the fault domain — ``td.Kill`` SIGKILLs the
+worker that hosts the named replica, and with it every replica it hosts; ``td.Pause``
+SIGSTOPs that worker and SIGCONTs it later — notices workers that die, stops everything on
+an error, a timeout or Ctrl-C — no process outlives a run, and every child also dies with
+its parent — and finally hands the replicas' reports to
+:func:`tandem.engines.common.assemble_result`, which every engine shares.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from tandem.faults import Kill, Pause, ReplicaFault
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
-from tandem.runtime import Replica, ReplicaId, ReplicaReport
+from tandem.runtime import ReplicaId, ReplicaReport, Worker
 
 log = logging.getLogger("tandem")
 
@@ -45,9 +48,9 @@ ON_READY = None
 
 @dataclass(frozen=True)
 class _Resume:
-    """The second half of a ``td.Pause``: SIGCONT the frozen replica at ``at``."""
+    """The second half of a ``td.Pause``: SIGCONT the frozen worker at ``at``."""
 
-    rid: ReplicaId
+    worker: int
     at: float
 
 
@@ -58,29 +61,31 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _child(plan: Plan, rid: ReplicaId, secret: bytes, conn, kazoo: KazooRun | None) -> None:
-    """Entry point of a replica process."""
+def _child(
+    plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooRun | None
+) -> None:
+    """Entry point of a worker process."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl-C
     try:
-        replica = Replica(plan, *rid, secret, kazoo=kazoo)
+        worker = Worker(plan, rids, secret, kazoo=kazoo)
 
         def terminate(_signo, _frame) -> None:
             # A graceful stop: hand leadership over at once instead of after a session
             # timeout, then go.
-            replica.release()
+            worker.release()
             os._exit(128 + signal.SIGTERM)
 
         signal.signal(signal.SIGTERM, terminate)
-        conn.send(("ready", replica.bind()))
+        conn.send(("ready", worker.bind()))
     except Exception as exc:  # a bind failure is a configuration problem
-        conn.send(("error", f"replica {rid} could not start: {type(exc).__name__}: {exc}"))
+        conn.send(("error", f"worker of {rids} could not start: {type(exc).__name__}: {exc}"))
         return
     msg = conn.recv()
     if msg[0] != "go":
         return
     _, addresses, t0_ns, duration = msg
-    conn.send(("done", replica.run(addresses, t0_ns, duration)))
+    conn.send(("done", worker.run(addresses, t0_ns, duration)))
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -164,7 +169,7 @@ class _CostMeter:
 
 
 class LocalEngine:
-    """Runs a plan with one OS process per replica on 127.0.0.1."""
+    """Runs a plan on worker processes on 127.0.0.1 (see the module documentation)."""
 
     name = "local"
 
@@ -210,7 +215,7 @@ class LocalEngine:
 
 
 class _Run:
-    """The state of one run of the local engine."""
+    """The state of one run of the local engine. Processes are indexed by worker."""
 
     def __init__(
         self, plan: Plan, duration: float, faults: list[ReplicaFault], progress, host, zoo
@@ -220,10 +225,15 @@ class _Run:
         self.faults = sorted(faults, key=lambda f: f.at)
         self.secret = os.urandom(32)
         self.ctx = mp.get_context("spawn")
-        self.procs: dict[ReplicaId, Any] = {}
-        self.conns: dict[ReplicaId, Any] = {}
+        self.placement = plan.placement()
+        self.worker_of: dict[ReplicaId, int] = {
+            rid: w for w, rids in enumerate(self.placement) for rid in rids
+        }
+        self.procs: dict[int, Any] = {}
+        self.conns: dict[int, Any] = {}
         self.reports: dict[ReplicaId, ReplicaReport] = {}
         self.killed: dict[ReplicaId, float] = {}
+        self.killed_workers: set[int] = set()
         self.crashed: list[ReplicaId] = []
         self.injected: list[dict] = []
         self.t0_ns = 0
@@ -233,36 +243,40 @@ class _Run:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        for rid in self.plan.replicas():
+        for w, rids in enumerate(self.placement):
             parent, child = self.ctx.Pipe()
             proc = self.ctx.Process(
                 target=_child,
-                args=(self.plan, rid, self.secret, child, self.zoo),
-                name=f"tandem-{self.plan.tasks[rid[0]].name}-{rid[1]}-{rid[2]}",
+                args=(self.plan, rids, self.secret, child, self.zoo),
+                name=f"tandem-worker-{w}",
                 daemon=True,
             )
             proc.start()
             child.close()
-            self.procs[rid], self.conns[rid] = proc, parent
+            self.procs[w], self.conns[w] = proc, parent
         addresses: dict[ReplicaId, tuple[str, int]] = {}
         pending = set(self.procs)
         deadline = time.monotonic() + 60.0
         while pending:
-            ready = wait([self.conns[r] for r in pending], timeout=deadline - time.monotonic())
+            ready = wait([self.conns[w] for w in pending], timeout=deadline - time.monotonic())
             if not ready:
-                names = sorted(self._name(r) for r in pending)
-                raise TandemError(f"replicas did not start within 60 s: {names}")
+                names = sorted(self._worker_name(w) for w in pending)
+                raise TandemError(f"workers did not start within 60 s: {names}")
             for conn in ready:
-                rid = next(r for r in pending if self.conns[r] is conn)
+                w = next(w for w in pending if self.conns[w] is conn)
                 try:
                     kind, value = conn.recv()
                 except EOFError:
-                    raise TandemError(f"{self._name(rid)} exited while starting") from None
+                    raise TandemError(
+                        f"{self._worker_name(w)} exited while starting (exit code "
+                        f"{self.procs[w].exitcode})"
+                    ) from None
                 if kind == "error":
                     raise ConfigError(value)
-                if value is not None:
-                    addresses[rid] = (self.host, value)
-                pending.discard(rid)
+                for rid, port in value.items():
+                    if port is not None:
+                        addresses[rid] = (self.host, port)
+                pending.discard(w)
         if ON_READY is not None:
             ON_READY(addresses)
         self.t0_ns = time.time_ns() + int(STARTUP_S * 1e9)
@@ -271,7 +285,7 @@ class _Run:
 
     def watch(self, timeout: float, cost: _CostMeter | None = None) -> None:
         """Inject the faults, sample memory, take ``cost``'s readings, collect the reports
-        until every replica has finished or died."""
+        until every worker has finished or died."""
         deadline = time.monotonic() + STARTUP_S + timeout
         faults = list(self.faults)
         running = set(self.procs)
@@ -283,33 +297,34 @@ class _Run:
                 reading = cost.due(now_s, self.duration)
             while faults and faults[0].at <= now_s:
                 self._inject(faults.pop(0), now_s, faults)
-                running -= set(self.killed)
+                running -= self.killed_workers
             self._draw(now_s)
             self._sample_rss(running)
-            waitables = {self.conns[r]: r for r in running}
-            waitables.update({self.procs[r].sentinel: r for r in running})
+            waitables = {self.conns[w]: w for w in running}
+            waitables.update({self.procs[w].sentinel: w for w in running})
             next_fault = (faults[0].at - now_s) if faults else 0.2
             if reading is not None:
                 next_fault = min(next_fault, reading)
             for obj in wait(list(waitables), timeout=max(0.0, min(0.2, next_fault))):
-                rid = waitables[obj]
-                if rid not in running:
+                w = waitables[obj]
+                if w not in running:
                     continue
-                if obj is self.conns[rid]:
+                if obj is self.conns[w]:
                     try:
-                        kind, report = obj.recv()
+                        kind, reports = obj.recv()
                     except EOFError:
                         continue  # the sentinel reports the exit
                     if kind == "done":
-                        self.reports[rid] = report
-                        running.discard(rid)
-                        if report.error:
-                            raise report.failure()
-                elif not self.procs[rid].is_alive() and rid not in self.reports:
-                    running.discard(rid)
-                    self._crashed(rid)
+                        self.reports.update(reports)
+                        running.discard(w)
+                        for report in reports.values():
+                            if report.error:
+                                raise report.failure()
+                elif not self.procs[w].is_alive():
+                    running.discard(w)
+                    self._crashed(w)
             if time.monotonic() > deadline:
-                stuck = sorted(self._name(r) for r in running)
+                stuck = sorted(self._worker_name(w) for w in running)
                 raise TandemError(
                     f"the run did not finish within {timeout:.0f} s of its start; still running: "
                     f"{stuck}. Raise timeout= if the job is expected to take longer."
@@ -327,20 +342,24 @@ class _Run:
             conn.close()
 
     def _sample_rss(self, running) -> None:
-        """Peak resident memory per replica process, sampled about once a second."""
+        """Peak resident memory per worker process, sampled about once a second."""
         if time.monotonic() - self._rss_at < 1.0:
             return
         self._rss_at = time.monotonic()
-        for rid in running:
+        for w in running:
             try:
-                with open(f"/proc/{self.procs[rid].pid}/status") as f:
+                with open(f"/proc/{self.procs[w].pid}/status") as f:
                     kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
             except (OSError, StopIteration):
                 continue
-            name = self._name(rid)
+            name = self._worker_name(w)
             self.rss_mb[name] = max(self.rss_mb.get(name, 0.0), kb / 1024)
 
     # -- faults ---------------------------------------------------------------------------
+
+    def _alive(self, rid: ReplicaId) -> bool:
+        w = self.worker_of[rid]
+        return w not in self.killed_workers and self.procs[w].is_alive()
 
     def _resolve(self, task: int, partition: int, role: str) -> int:
         """The replica index holding ``role`` in a KaZoo partition right now (waiting up to
@@ -348,8 +367,7 @@ class _Run:
         alive = [
             r
             for r in range(self.plan.tasks[task].replication)
-            if (task, partition, r) not in self.killed
-            and self.procs[(task, partition, r)].is_alive()
+            if self._alive((task, partition, r))
         ]
         deadline = time.monotonic() + self.zoo.config.session_timeout_s + 10.0
         leader = None
@@ -373,48 +391,72 @@ class _Run:
         return followers[0]
 
     def _inject(self, fault: ReplicaFault | _Resume, now_s: float, pending: list) -> None:
-        """Inject ``fault``; a Pause also schedules its resume in ``pending``."""
+        """Inject ``fault`` on the worker hosting its replica; a Pause also schedules its
+        resume in ``pending``."""
         if isinstance(fault, _Resume):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.procs[fault.rid].pid, signal.SIGCONT)
-            log.info("fault: SIGCONT %s at %.2f s", self._name(fault.rid), now_s)
+                os.kill(self.procs[fault.worker].pid, signal.SIGCONT)
+            log.info("fault: SIGCONT %s at %.2f s", self._worker_name(fault.worker), now_s)
             return
         task = self.plan.task(fault.task)
         replica = fault.replica
         if isinstance(replica, str):
             replica = self._resolve(task.id, fault.partition, replica)
         rid = (task.id, fault.partition, replica)
-        proc = self.procs[rid]
-        record = {**fault.to_dict(), "victim": replica, "injected_at": round(now_s, 3)}
+        w = self.worker_of[rid]
+        proc = self.procs[w]
+        record = {
+            **fault.to_dict(),
+            "victim": replica,
+            "worker": w,
+            "replicas": [self._name(r) for r in self.placement[w]],
+            "injected_at": round(now_s, 3),
+        }
         self.injected.append(record)
         if isinstance(fault, Pause):
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGSTOP)
-            pending.append(_Resume(rid, fault.at + fault.for_s))
+            pending.append(_Resume(w, fault.at + fault.for_s))
             pending.sort(key=lambda f: f.at)
-            log.info("fault: SIGSTOP %s at %.2f s for %g s", self._name(rid), now_s, fault.for_s)
+            log.info(
+                "fault: SIGSTOP %s (hosting %s) at %.2f s for %g s",
+                self._worker_name(w),
+                self._name(rid),
+                now_s,
+                fault.for_s,
+            )
             return
+        if w in self.killed_workers:
+            return  # already dead: a kill of another replica it hosted
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(timeout=5)
-        self.killed[rid] = now_s
-        log.info("fault: SIGKILL %s at %.2f s", self._name(rid), now_s)
+        self.killed_workers.add(w)
+        for r in self.placement[w]:
+            if r not in self.reports:
+                self.killed[r] = now_s
+        log.info(
+            "fault: SIGKILL %s (hosting %s) at %.2f s", self._worker_name(w), self._name(rid), now_s
+        )
 
-    def _crashed(self, rid: ReplicaId) -> None:
-        code = self.procs[rid].exitcode
-        log.warning("%s died unexpectedly (exit code %s)", self._name(rid), code)
-        self.crashed.append(rid)
-        task, part, _ = rid
-        alive = [
-            r
-            for r in range(self.plan.tasks[task].replication)
-            if (task, part, r) not in self.killed and (task, part, r) not in self.crashed
-        ]
-        if not alive:
-            raise TandemError(
-                f"every replica of {self.plan.tasks[task].describe()} partition {part} is gone "
-                f"({self._name(rid)} exited with code {code}); the job cannot continue"
-            )
+    def _crashed(self, w: int) -> None:
+        code = self.procs[w].exitcode
+        log.warning("%s died unexpectedly (exit code %s)", self._worker_name(w), code)
+        lost = [r for r in self.placement[w] if r not in self.reports and r not in self.killed]
+        self.crashed.extend(lost)
+        gone = set(self.killed) | set(self.crashed)
+        for task, part, _ in lost:
+            alive = [
+                r
+                for r in range(self.plan.tasks[task].replication)
+                if (task, part, r) not in gone
+            ]
+            if not alive:
+                raise TandemError(
+                    f"every replica of {self.plan.tasks[task].describe()} partition {part} is "
+                    f"gone ({self._worker_name(w)} exited with code {code}); the job cannot "
+                    "continue"
+                )
 
     # -- reporting ------------------------------------------------------------------------
 
@@ -422,13 +464,21 @@ class _Run:
         t, p, r = rid
         return f"{self.plan.tasks[t].name}[{p}] replica {r}"
 
+    def _worker_name(self, w: int) -> str:
+        return f"worker {w}"
+
     def _draw(self, elapsed: float, done: bool = False) -> None:
         if not self.progress:
             return
         elapsed = min(max(elapsed, 0.0), self.duration)
         width = 30
         filled = int(width * elapsed / self.duration)
-        note = "".join(f"  killed {self._name(r)} at {t:.1f}s" for r, t in self.killed.items())
+        killed: dict[int, float] = {}
+        for rid, t in self.killed.items():
+            killed.setdefault(self.worker_of[rid], t)
+        note = "".join(
+            f"  killed {self._worker_name(w)} at {t:.1f}s" for w, t in killed.items()
+        )
         sys.stderr.write(
             f"\r[{'#' * filled}{'.' * (width - filled)}] {elapsed:5.1f}/{self.duration:g}s{note}"
         )

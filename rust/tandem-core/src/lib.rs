@@ -15,6 +15,8 @@
 //!   emitted batch.
 //! * [`digest`] — the per-channel cycle digest replicas compare to check determinism.
 //! * [`transport`] — TCP listener/dialers on I/O threads, bounded queues, blocking `next()`.
+//! * [`worker`] — one thread serving many task replicas: watermarks, heartbeat forwarding
+//!   and source clocks without waking the host language.
 //!
 //! Sequence numbers are `u64` and count *every* element of a channel, data rows and
 //! heartbeats alike (DESIGN §2, invariant 1).
@@ -30,6 +32,7 @@ pub mod outbox;
 pub mod sync;
 pub mod transport;
 pub mod wire;
+pub mod worker;
 
 pub use error::{Error, Result};
 pub use item::{Chunk, Delivery, Item};

@@ -105,6 +105,13 @@ pub trait Link: Send {
     /// like a crash of this replica. Called by [`Outbox::abort`]; the default does nothing.
     fn abort(&mut self) {}
 
+    /// Frames queued for the peer and not yet written: a worker does not run a replica
+    /// whose links are backed up, so that its send never blocks on a downstream replica
+    /// the same thread would have to run. The default (an unqueued link) is 0.
+    fn backlog(&self) -> usize {
+        0
+    }
+
     /// A short description of the peer for log lines and errors.
     fn describe(&self) -> String {
         "link".to_owned()
@@ -295,6 +302,20 @@ impl Outbox {
         let res = self.control(u64::MAX, |ch, seq, _| wire::encode_end(ch, seq));
         self.ended = true;
         res
+    }
+
+    /// The largest [`Link::backlog`] over every live link (0 once closed).
+    pub fn backlog(&self) -> usize {
+        self.channels
+            .iter()
+            .flat_map(|c| c.links.iter().map(|l| l.backlog()))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether `end()`, `close()` or `abort()` ran: nothing more can be sent.
+    pub fn is_ended(&self) -> bool {
+        self.ended
     }
 
     /// The seq the next element of each channel will take.

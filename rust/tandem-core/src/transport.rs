@@ -31,7 +31,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::io::{self, BufWriter, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -189,6 +189,9 @@ pub struct InboxConfig {
     pub handshake_timeout: Duration,
     /// What a divergence between upstream replicas does (see [`OnDivergence`]).
     pub on_divergence: OnDivergence,
+    /// The doorbell rung when input arrives; None: the inbox's own. The inboxes of one
+    /// worker share one, so the worker sleeps on all of them at once.
+    pub bell: Option<Arc<Doorbell>>,
 }
 
 impl InboxConfig {
@@ -211,6 +214,7 @@ impl InboxConfig {
             port: 0,
             handshake_timeout: Duration::from_secs(2),
             on_divergence: OnDivergence::Fail,
+            bell: None,
         }
     }
 
@@ -370,7 +374,7 @@ impl Inbox {
         })?;
         let local_addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
-        let bell = Arc::new(Doorbell::new());
+        let bell = cfg.bell.clone().unwrap_or_default();
         let n = cfg.upstreams.len();
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..n)
             .map(|_| dedup::channel(cfg.queue_capacity, Arc::clone(&bell)))
@@ -416,6 +420,11 @@ impl Inbox {
             local_addr,
             accept: Some(accept),
         })
+    }
+
+    /// The number of logical input channels.
+    pub fn channels(&self) -> usize {
+        self.receivers.len()
     }
 
     /// The address peers dial (the actual port when bound with port 0).
@@ -921,6 +930,8 @@ impl Default for LinkConfig {
 pub struct TcpLink {
     peer: String,
     tx: Option<SyncSender<Arc<[u8]>>>,
+    /// Frames queued and not yet written (see [`Link::backlog`]).
+    queued: Arc<AtomicUsize>,
     /// Why the writer stopped, once it did.
     failure: Arc<Mutex<Option<String>>>,
     /// Receives one message when the writer thread is about to exit.
@@ -980,13 +991,15 @@ impl TcpLink {
         let (tx, rx) = mpsc::sync_channel::<Arc<[u8]>>(cfg.queue_frames);
         let (done_tx, done) = mpsc::channel();
         let failure = Arc::new(Mutex::new(None));
+        let queued = Arc::new(AtomicUsize::new(0));
         let writer = {
             let failure = Arc::clone(&failure);
+            let queued = Arc::clone(&queued);
             let close_timeout = cfg.close_timeout;
             std::thread::Builder::new()
                 .name(format!("tandem-write-{addr}"))
                 .spawn(move || {
-                    if let Err(e) = write_loop(stream, &rx, close_timeout) {
+                    if let Err(e) = write_loop(stream, &rx, &queued, close_timeout) {
                         *failure.lock() = Some(e.to_string());
                     }
                     drop(rx); // senders blocked on a full queue fail now
@@ -996,6 +1009,7 @@ impl TcpLink {
         Ok(TcpLink {
             peer: addr.to_owned(),
             tx: Some(tx),
+            queued,
             failure,
             done,
             socket,
@@ -1023,13 +1037,16 @@ impl TcpLink {
 fn write_loop(
     stream: TcpStream,
     rx: &Receiver<Arc<[u8]>>,
+    queued: &AtomicUsize,
     close_timeout: Duration,
 ) -> io::Result<()> {
     let mut out = BufWriter::with_capacity(64 << 10, &stream);
     while let Ok(frame) = rx.recv() {
         out.write_all(&frame)?;
+        queued.fetch_sub(1, Ordering::Relaxed);
         while let Ok(frame) = rx.try_recv() {
             out.write_all(&frame)?;
+            queued.fetch_sub(1, Ordering::Relaxed);
         }
         out.flush()?;
     }
@@ -1056,11 +1073,20 @@ impl Link for TcpLink {
         let Some(tx) = &self.tx else {
             return Err(self.dead());
         };
-        match tx.try_send(frame) {
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        let sent = match tx.try_send(frame) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(frame)) => tx.send(frame).map_err(|_| self.dead()),
             Err(TrySendError::Disconnected(_)) => Err(self.dead()),
+        };
+        if sent.is_err() {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
         }
+        sent
+    }
+
+    fn backlog(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
     }
 
     fn close(&mut self) -> Result<()> {

@@ -13,6 +13,7 @@ mod merge;
 mod orderlog;
 mod transport;
 mod wire;
+mod worker;
 
 /// Cargo profile this extension was compiled with ("release" or "debug").
 const BUILD_PROFILE: &str = if cfg!(debug_assertions) {
@@ -31,5 +32,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     merge::register(m)?;
     orderlog::register(m)?;
     transport::register(m)?;
+    worker::register(m)?;
     Ok(())
 }

@@ -6,6 +6,7 @@
 //! only while a downstream queue is full, which is the back-pressure).
 
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -19,6 +20,7 @@ use tandem_core::transport::{
     Inbox as CoreInbox, InboxConfig, LinkConfig, OnDivergence, OrderFeed as CoreOrderFeed, TcpLink,
 };
 use tandem_core::wire::{Identity, DEFAULT_MAX_FRAME_BYTES};
+use tandem_core::worker::Handle;
 use tandem_core::{Delivery as CoreDelivery, Error};
 
 use crate::errors::{ConfigError, IntoPyResult};
@@ -164,9 +166,12 @@ fn delivery_to_py(py: Python<'_>, d: CoreDelivery<arrow_array::RecordBatch>) -> 
 /// when two replicas disagree on a cycle, `on_divergence="fail"` makes `next()` raise
 /// `tandem.DeterminismError`, `"log"` logs it (once per input) and keeps going. Either way
 /// `stats()` reports it.
+///
+/// `worker`: the `Worker` that serves this inbox (it then sleeps on all its inboxes at
+/// once); pass it to `Worker.add_task` too, and call `next` only through the worker.
 #[pyclass(frozen, module = "tandem._core")]
 pub struct Inbox {
-    inner: Mutex<Option<CoreInbox>>,
+    pub(crate) inner: Handle<CoreInbox>,
     port: u16,
 }
 
@@ -175,7 +180,8 @@ impl Inbox {
     #[new]
     #[pyo3(signature = (job, secret, upstreams, ordering = "liverobin", queue_capacity = 1024,
                         max_frame_bytes = DEFAULT_MAX_FRAME_BYTES as i64, host = "127.0.0.1",
-                        port = 0, handshake_timeout = 2.0, on_divergence = "fail"))]
+                        port = 0, handshake_timeout = 2.0, on_divergence = "fail",
+                        worker = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -189,6 +195,7 @@ impl Inbox {
         port: i64,
         handshake_timeout: f64,
         on_divergence: &str,
+        worker: Option<PyRef<'_, crate::worker::Worker>>,
     ) -> PyResult<Self> {
         let ordering = match ordering {
             "liverobin" => OrderingMode::LiveRobin,
@@ -229,10 +236,11 @@ impl Inbox {
         cfg.port = port;
         cfg.handshake_timeout = arg_seconds("handshake_timeout", handshake_timeout)?;
         cfg.on_divergence = OnDivergence::parse(on_divergence).py()?;
+        cfg.bell = worker.map(|w| w.bell());
         let inbox = py.detach(|| CoreInbox::bind(cfg)).py()?;
         let port = inbox.local_addr().port();
         Ok(Inbox {
-            inner: Mutex::new(Some(inbox)),
+            inner: Arc::new(Mutex::new(Some(inbox))),
             port,
         })
     }
@@ -422,7 +430,7 @@ impl OrderFeed {
 /// reachable replica is an error.
 #[pyclass(frozen, module = "tandem._core")]
 pub struct Outbox {
-    inner: Mutex<Option<CoreOutbox>>,
+    pub(crate) inner: Handle<CoreOutbox>,
     /// `next_seqs` as of the last completed call, readable while another thread is blocked
     /// in `emit` holding `inner` (back-pressure may last as long as the consumer sleeps).
     seqs: Mutex<Vec<u64>>,
@@ -516,7 +524,7 @@ impl Outbox {
         let outbox = outbox.py()?;
         Ok(Outbox {
             seqs: Mutex::new(outbox.next_seqs().to_vec()),
-            inner: Mutex::new(Some(outbox)),
+            inner: Arc::new(Mutex::new(Some(outbox))),
         })
     }
 

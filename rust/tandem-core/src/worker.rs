@@ -1,0 +1,403 @@
+//! A worker: one OS process — the fault domain — hosting many task replicas ("slots"), all
+//! served by one thread. The worker owns the control path, so the host language is woken
+//! only for work that runs user code.
+//!
+//! ```text
+//!            ┌───────────────────────── Worker::next() ─────────────────────────┐
+//! inboxes ──►│ heartbeat: per-slot watermark (min over input channels); when it   │
+//! (one shared│   advances, forward heartbeat k on the slot's outboxes — or, for   │
+//!  doorbell) │   an operator that uses watermarks, hand `Watermark(k)` out first   │
+//!            │ source clocks: heartbeat k at t0 + k·heartbeat, once allowed        │──► Work
+//!            │ data / end / failure: handed out                                    │
+//!            └──────────────────────────────────────────────────────────────────┘
+//! ```
+//!
+//! The caller runs what `next` hands out to completion (the operator on the batch, its
+//! output emitted on the slot's outboxes) before calling `next` again; that is what keeps
+//! every slot's output in its input order: heartbeat `k` leaves after every row that came
+//! before it, and after the output of `on_watermark(k)`.
+//!
+//! **No blocking between slots of one thread.** A slot whose downstream links hold
+//! [`CREDIT_FRAMES`] frames or more is not served (neither its input nor its clock) until
+//! they drain: its sends then never block on a full queue, so one slot cannot wait for a
+//! downstream slot that the same thread would have to run. The DAG has a most-downstream
+//! slot with input, which can always run, so the worker always makes progress.
+//!
+//! Sources have no inbox. Their rows come from the caller, who follows the source's
+//! logical schedule; the worker sends their heartbeats at `t0 + k·heartbeat_ns` (wall
+//! clock, nanoseconds since the Unix epoch), but only through the epoch the caller
+//! allowed — the last heartbeat before the next batch of rows still to be emitted — so a
+//! heartbeat never overtakes a row that precedes it in the schedule.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use arrow_array::RecordBatch;
+use parking_lot::Mutex;
+
+use crate::outbox::Outbox;
+use crate::sync::Doorbell;
+use crate::transport::Inbox;
+use crate::{Delivery, Error, Result};
+
+/// An inbox or outbox shared between the worker and its host-language wrapper; `None`
+/// once closed.
+pub type Handle<T> = Arc<Mutex<Option<T>>>;
+
+/// A slot whose links have this many frames queued is not served until they drain. Links
+/// queue up to 256 frames before `send` blocks, so one serving may emit up to the rest
+/// without blocking.
+pub const CREDIT_FRAMES: usize = 64;
+
+/// How long the worker sleeps at most while some slot waits for its links to drain (the
+/// writers do not ring the doorbell; this is a poll, taken only under back-pressure).
+const CREDIT_POLL: Duration = Duration::from_millis(1);
+
+/// When a source's heartbeats fall due.
+#[derive(Debug, Clone, Copy)]
+pub struct SourceClock {
+    /// Logical time zero, in nanoseconds since the Unix epoch.
+    pub t0_ns: i64,
+    /// Heartbeat `k` is due at `t0_ns + k·heartbeat_ns`.
+    pub heartbeat_ns: u64,
+}
+
+/// What a slot is.
+pub struct SlotConfig {
+    /// Operators and sinks; None for a source.
+    pub inbox: Option<Handle<Inbox>>,
+    /// Where the slot's output goes (empty for a sink).
+    pub outboxes: Vec<Handle<Outbox>>,
+    /// Hand watermark advances out ([`Work::Watermark`]) before forwarding the heartbeat:
+    /// the operator has an `on_watermark` that may emit.
+    pub watermarks: bool,
+    /// Sources: when heartbeats are due.
+    pub clock: Option<SourceClock>,
+}
+
+/// What the caller must do next.
+pub enum Work {
+    /// Run slot `slot`'s operator (or sink) on `batch`, from input channel `channel`.
+    Data {
+        slot: usize,
+        channel: usize,
+        first_seq: u64,
+        batch: RecordBatch,
+    },
+    /// Every input of `slot` passed heartbeat `epoch`: run its `on_watermark` and emit the
+    /// output; the worker forwards heartbeat `epoch` on the next call.
+    Watermark { slot: usize, epoch: u64 },
+    /// Every input of `slot` ended: finish it (final output, end marker). The worker no
+    /// longer serves it.
+    End { slot: usize },
+    /// `slot` failed (a divergence detected in its input, a lost downstream channel); the
+    /// worker no longer serves it.
+    Failed { slot: usize, error: Error },
+}
+
+struct Slot {
+    cfg: SlotConfig,
+    /// Per input channel, the highest heartbeat epoch delivered.
+    epochs: Vec<u64>,
+    /// The minimum of `epochs`: the slot's watermark, as a heartbeat epoch.
+    current: u64,
+    /// Heartbeats forwarded on the outboxes (sources: sent).
+    forwarded: u64,
+    /// A watermark handed out whose heartbeat is forwarded on the next call.
+    handed: Option<u64>,
+    /// Sources: heartbeats may be sent through this epoch.
+    allowed: u64,
+    active: bool,
+}
+
+impl Slot {
+    /// Whether every link of every outbox has room for a serving.
+    fn has_credit(&self) -> bool {
+        self.cfg
+            .outboxes
+            .iter()
+            .all(|o| o.lock().as_ref().map_or(0, Outbox::backlog) < CREDIT_FRAMES)
+    }
+
+    /// Send heartbeat `epoch` on every outbox.
+    fn heartbeat(&mut self, epoch: u64) -> Result<()> {
+        for o in &self.cfg.outboxes {
+            if let Some(ob) = o.lock().as_mut() {
+                if !ob.is_ended() {
+                    ob.heartbeat(epoch)?;
+                }
+            }
+        }
+        self.forwarded = epoch;
+        Ok(())
+    }
+}
+
+/// Counters of a worker.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerStats {
+    /// Heartbeats forwarded (or, for sources, sent) without waking the caller.
+    pub heartbeats: u64,
+    /// Work items handed out, by kind.
+    pub data: u64,
+    pub watermarks: u64,
+    /// Times a slot was passed over because its links were backed up.
+    pub credit_waits: u64,
+}
+
+/// See the module documentation.
+pub struct Worker {
+    bell: Arc<Doorbell>,
+    slots: Vec<Slot>,
+    /// The slot served first on the next call (round robin).
+    cursor: usize,
+    stats: WorkerStats,
+}
+
+impl Default for Worker {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Now, in nanoseconds since the Unix epoch.
+pub fn now_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+}
+
+impl Worker {
+    pub fn new() -> Self {
+        Worker {
+            bell: Arc::new(Doorbell::new()),
+            slots: Vec::new(),
+            cursor: 0,
+            stats: WorkerStats::default(),
+        }
+    }
+
+    /// The doorbell every inbox of this worker must ring
+    /// ([`crate::transport::InboxConfig::bell`]).
+    pub fn bell(&self) -> Arc<Doorbell> {
+        Arc::clone(&self.bell)
+    }
+
+    /// Add a slot; returns its index.
+    pub fn add_slot(&mut self, cfg: SlotConfig) -> Result<usize> {
+        if cfg.clock.is_some() == cfg.inbox.is_some() {
+            return Err(Error::Config(
+                "a slot has either an inbox (operator, sink) or a source clock, not both or \
+                 neither"
+                    .to_owned(),
+            ));
+        }
+        if cfg.clock.is_some_and(|c| c.heartbeat_ns == 0) {
+            return Err(Error::Config("heartbeat_ns must be ≥ 1".to_owned()));
+        }
+        let channels = match &cfg.inbox {
+            Some(h) => h
+                .lock()
+                .as_ref()
+                .map(Inbox::channels)
+                .ok_or_else(|| Error::Closed("add_slot() with a closed inbox".to_owned()))?,
+            None => 0,
+        };
+        self.slots.push(Slot {
+            cfg,
+            epochs: vec![0; channels],
+            current: 0,
+            forwarded: 0,
+            handed: None,
+            allowed: 0,
+            active: true,
+        });
+        self.bell.ring();
+        Ok(self.slots.len() - 1)
+    }
+
+    fn slot(&mut self, slot: usize) -> Result<&mut Slot> {
+        let n = self.slots.len();
+        self.slots
+            .get_mut(slot)
+            .ok_or_else(|| Error::Config(format!("no slot {slot} (the worker has {n})")))
+    }
+
+    /// A source slot may send its heartbeats through `epoch`, each when it falls due.
+    pub fn allow(&mut self, slot: usize, epoch: u64) -> Result<()> {
+        let s = self.slot(slot)?;
+        s.allowed = s.allowed.max(epoch);
+        self.bell.ring();
+        Ok(())
+    }
+
+    /// Send a source slot's heartbeats through `epoch` now, due or not (the caller is
+    /// about to emit rows that follow them in the schedule).
+    pub fn heartbeats_through(&mut self, slot: usize, epoch: u64) -> Result<()> {
+        let s = self.slot(slot)?;
+        s.allowed = s.allowed.max(epoch);
+        let mut sent = 0;
+        while s.forwarded < epoch {
+            s.heartbeat(s.forwarded + 1)?;
+            sent += 1;
+        }
+        self.stats.heartbeats += sent;
+        Ok(())
+    }
+
+    /// Whether `slot`'s links have room: a source emits only then.
+    pub fn ready(&self, slot: usize) -> bool {
+        self.slots.get(slot).is_some_and(Slot::has_credit)
+    }
+
+    /// Stop serving `slot` (it finished or was abandoned by the caller).
+    pub fn retire(&mut self, slot: usize) -> Result<()> {
+        self.slot(slot)?.active = false;
+        Ok(())
+    }
+
+    /// Heartbeats sent so far by `slot`.
+    pub fn forwarded(&self, slot: usize) -> u64 {
+        self.slots.get(slot).map_or(0, |s| s.forwarded)
+    }
+
+    pub fn stats(&self) -> WorkerStats {
+        self.stats.clone()
+    }
+
+    /// The next work item, waiting until `deadline` (None: without limit) while there is
+    /// none; meanwhile heartbeats are tracked and forwarded. `Ok(None)` at the deadline.
+    pub fn next(&mut self, deadline: Option<Instant>) -> Result<Option<Work>> {
+        loop {
+            let seen = self.bell.generation();
+            let mut wake: Option<Instant> = None;
+            let n = self.slots.len();
+            for i in 0..n {
+                let idx = (self.cursor + i) % n;
+                match self.serve(idx, &mut wake) {
+                    Some(w) => {
+                        self.cursor = (idx + 1) % n;
+                        return Ok(Some(w));
+                    }
+                    None => continue,
+                }
+            }
+            let now = Instant::now();
+            let until = match (deadline, wake) {
+                (Some(d), Some(w)) => d.min(w),
+                (Some(d), None) => d,
+                (None, Some(w)) => w,
+                (None, None) => now + Duration::from_secs(3600),
+            };
+            if deadline.is_some_and(|d| d <= now) {
+                return Ok(None);
+            }
+            if until > now {
+                self.bell.wait(seen, until - now);
+            }
+        }
+    }
+
+    /// Serve slot `idx` until it has work for the caller or nothing to do now; lowers
+    /// `wake` to when it next needs attention without input.
+    fn serve(&mut self, idx: usize, wake: &mut Option<Instant>) -> Option<Work> {
+        let stats = &mut self.stats;
+        let s = &mut self.slots[idx];
+        if !s.active {
+            return None;
+        }
+        // The heartbeat of a watermark handed out last time follows its output.
+        if let Some(k) = s.handed.take() {
+            if let Err(error) = s.heartbeat(k) {
+                s.active = false;
+                return Some(Work::Failed { slot: idx, error });
+            }
+        }
+        if !s.has_credit() {
+            stats.credit_waits += 1;
+            let poll = Instant::now() + CREDIT_POLL;
+            *wake = Some(wake.map_or(poll, |w| w.min(poll)));
+            return None;
+        }
+        if let Some(clock) = s.cfg.clock {
+            let now = now_ns();
+            while s.forwarded < s.allowed {
+                let k = s.forwarded + 1;
+                let due = clock.t0_ns.saturating_add(
+                    i64::try_from(k.saturating_mul(clock.heartbeat_ns)).unwrap_or(i64::MAX),
+                );
+                if due > now {
+                    let left = Duration::from_nanos(u64::try_from(due - now).unwrap_or(0));
+                    let at = Instant::now() + left;
+                    *wake = Some(wake.map_or(at, |w| w.min(at)));
+                    break;
+                }
+                if let Err(error) = s.heartbeat(k) {
+                    s.active = false;
+                    return Some(Work::Failed { slot: idx, error });
+                }
+                stats.heartbeats += 1;
+            }
+            return None;
+        }
+        loop {
+            // Watermarks still to hand out come before any later input.
+            if s.cfg.watermarks && s.forwarded < s.current {
+                let k = s.forwarded + 1;
+                s.handed = Some(k);
+                stats.watermarks += 1;
+                return Some(Work::Watermark { slot: idx, epoch: k });
+            }
+            let got = {
+                let inbox = s.cfg.inbox.as_ref()?;
+                let mut guard = inbox.lock();
+                match guard.as_mut() {
+                    Some(ib) => ib.next(Duration::ZERO),
+                    None => Err(Error::Closed("the slot's inbox was closed".to_owned())),
+                }
+            };
+            match got {
+                Ok(None) => return None,
+                Ok(Some(Delivery::Data {
+                    channel,
+                    first_seq,
+                    payload,
+                })) => {
+                    stats.data += 1;
+                    return Some(Work::Data {
+                        slot: idx,
+                        channel,
+                        first_seq,
+                        batch: payload,
+                    });
+                }
+                Ok(Some(Delivery::Heartbeat { channel, epoch, .. })) => {
+                    if let Some(e) = s.epochs.get_mut(channel) {
+                        *e = (*e).max(epoch);
+                    }
+                    let low = s.epochs.iter().copied().min().unwrap_or(0);
+                    if low > s.current {
+                        s.current = low;
+                    }
+                    if !s.cfg.watermarks {
+                        while s.forwarded < s.current {
+                            if let Err(error) = s.heartbeat(s.forwarded + 1) {
+                                s.active = false;
+                                return Some(Work::Failed { slot: idx, error });
+                            }
+                            stats.heartbeats += 1;
+                        }
+                    }
+                }
+                Ok(Some(Delivery::End)) => {
+                    s.active = false;
+                    return Some(Work::End { slot: idx });
+                }
+                Err(error) => {
+                    s.active = false;
+                    return Some(Work::Failed { slot: idx, error });
+                }
+            }
+        }
+    }
+}

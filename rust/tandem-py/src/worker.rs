@@ -1,0 +1,254 @@
+//! `tandem._core.Worker` and `WorkItem`: [`tandem_core::worker`] for the Python runtime.
+//!
+//! One Python thread per worker process calls `Worker.next()` (the GIL released while it
+//! waits), runs the operator code of the item it gets, emits the output through the slot's
+//! `Outbox`es, and calls `next()` again. Heartbeats, watermark tracking and source
+//! heartbeat clocks never reach Python.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use pyo3_arrow::PyRecordBatch;
+use tandem_core::sync::Doorbell;
+use tandem_core::worker::{SlotConfig, SourceClock, Work, Worker as CoreWorker};
+
+use crate::errors::{ConfigError, IntoPyResult};
+use crate::gil;
+use crate::transport::{Inbox, Outbox};
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Worker>()?;
+    m.add_class::<WorkItem>()?;
+    m.add(
+        "WORKER_CREDIT_FRAMES",
+        tandem_core::worker::CREDIT_FRAMES,
+    )?;
+    Ok(())
+}
+
+/// One thing for the Python runtime to do: `kind` is
+///
+/// * `"data"`: run slot `slot` on `batch` from input channel `channel` (`first_seq`);
+/// * `"watermark"`: every input of `slot` passed heartbeat `epoch`: run its `on_watermark`
+///   and emit the output (the worker forwards the heartbeat on the next `next()`);
+/// * `"end"`: every input of `slot` ended: finish it and send its end markers;
+/// * `"failed"`: `slot` stopped with `error` (an exception instance, e.g.
+///   `tandem.DeterminismError` or `ChannelClosed`).
+#[pyclass(frozen, module = "tandem._core")]
+pub struct WorkItem {
+    #[pyo3(get)]
+    kind: &'static str,
+    #[pyo3(get)]
+    slot: usize,
+    #[pyo3(get)]
+    channel: Option<usize>,
+    #[pyo3(get)]
+    first_seq: Option<u64>,
+    #[pyo3(get)]
+    epoch: Option<u64>,
+    #[pyo3(get)]
+    batch: Option<Py<PyAny>>,
+    #[pyo3(get)]
+    error: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl WorkItem {
+    fn __repr__(&self) -> String {
+        match self.kind {
+            "data" => format!(
+                "WorkItem(kind='data', slot={}, channel={}, first_seq={})",
+                self.slot,
+                self.channel.unwrap_or_default(),
+                self.first_seq.unwrap_or_default()
+            ),
+            "watermark" => format!(
+                "WorkItem(kind='watermark', slot={}, epoch={})",
+                self.slot,
+                self.epoch.unwrap_or_default()
+            ),
+            kind => format!("WorkItem(kind='{kind}', slot={})", self.slot),
+        }
+    }
+}
+
+fn item(py: Python<'_>, work: Work) -> PyResult<WorkItem> {
+    let base = |kind, slot| WorkItem {
+        kind,
+        slot,
+        channel: None,
+        first_seq: None,
+        epoch: None,
+        batch: None,
+        error: None,
+    };
+    Ok(match work {
+        Work::Data {
+            slot,
+            channel,
+            first_seq,
+            batch,
+        } => WorkItem {
+            channel: Some(channel),
+            first_seq: Some(first_seq),
+            batch: Some(PyRecordBatch::new(batch).into_pyarrow(py)?.unbind()),
+            ..base("data", slot)
+        },
+        Work::Watermark { slot, epoch } => WorkItem {
+            epoch: Some(epoch),
+            ..base("watermark", slot)
+        },
+        Work::End { slot } => base("end", slot),
+        Work::Failed { slot, error } => WorkItem {
+            error: Some(crate::errors::to_py(error).into_value(py).into_any()),
+            ..base("failed", slot)
+        },
+    })
+}
+
+/// Serves many task replicas ("slots") of one worker process from one thread: tracks
+/// their watermarks, forwards their heartbeats and sends their sources' heartbeats, and
+/// hands out only the work that runs Python code (see `WorkItem`).
+///
+/// Create it first, give it to every `Inbox` it serves (`Inbox(..., worker=w)`), then add
+/// the slots. A slot whose downstream links are backed up is not served until they drain,
+/// so one slot never blocks on another that the same thread must run.
+#[pyclass(frozen, module = "tandem._core")]
+pub struct Worker {
+    inner: Mutex<CoreWorker>,
+    bell: Arc<Doorbell>,
+}
+
+impl Worker {
+    pub(crate) fn bell(&self) -> Arc<Doorbell> {
+        Arc::clone(&self.bell)
+    }
+
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut CoreWorker) -> tandem_core::Result<T> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| f(&mut self.inner.lock())).py()
+    }
+}
+
+fn handles(outboxes: &[PyRef<'_, Outbox>]) -> Vec<tandem_core::worker::Handle<tandem_core::outbox::Outbox>> {
+    outboxes.iter().map(|o| Arc::clone(&o.inner)).collect()
+}
+
+#[pymethods]
+impl Worker {
+    #[new]
+    fn new() -> Self {
+        let inner = CoreWorker::new();
+        Worker {
+            bell: inner.bell(),
+            inner: Mutex::new(inner),
+        }
+    }
+
+    /// Add a source slot: its rows come from Python; the worker sends heartbeat `k` on
+    /// `outboxes` at `t0_ns + k·heartbeat_ns` (ns since the Unix epoch) once `allow`ed.
+    /// Returns the slot index.
+    fn add_source(
+        &self,
+        py: Python<'_>,
+        outboxes: Vec<PyRef<'_, Outbox>>,
+        t0_ns: i64,
+        heartbeat_ns: u64,
+    ) -> PyResult<usize> {
+        let cfg = SlotConfig {
+            inbox: None,
+            outboxes: handles(&outboxes),
+            watermarks: false,
+            clock: Some(SourceClock {
+                t0_ns,
+                heartbeat_ns,
+            }),
+        };
+        self.with(py, move |w| w.add_slot(cfg))
+    }
+
+    /// Add an operator or sink slot reading `inbox` (created with `worker=self`) and
+    /// writing `outboxes`; `watermarks`: hand out watermark advances (the operator has an
+    /// `on_watermark`). Returns the slot index.
+    fn add_task(
+        &self,
+        py: Python<'_>,
+        inbox: PyRef<'_, Inbox>,
+        outboxes: Vec<PyRef<'_, Outbox>>,
+        watermarks: bool,
+    ) -> PyResult<usize> {
+        let cfg = SlotConfig {
+            inbox: Some(Arc::clone(&inbox.inner)),
+            outboxes: handles(&outboxes),
+            watermarks,
+            clock: None,
+        };
+        self.with(py, move |w| w.add_slot(cfg))
+    }
+
+    /// A source slot may send its heartbeats through `epoch`, each when due.
+    fn allow(&self, py: Python<'_>, slot: usize, epoch: u64) -> PyResult<()> {
+        self.with(py, move |w| w.allow(slot, epoch))
+    }
+
+    /// Send a source slot's heartbeats through `epoch` now.
+    fn heartbeats_through(&self, py: Python<'_>, slot: usize, epoch: u64) -> PyResult<()> {
+        self.with(py, move |w| w.heartbeats_through(slot, epoch))
+    }
+
+    /// Whether `slot`'s downstream links have room (a source emits only then).
+    fn ready(&self, py: Python<'_>, slot: usize) -> bool {
+        py.detach(|| self.inner.lock().ready(slot))
+    }
+
+    /// Stop serving `slot`.
+    fn retire(&self, py: Python<'_>, slot: usize) -> PyResult<()> {
+        self.with(py, move |w| w.retire(slot))
+    }
+
+    /// The next work item, waiting at most `timeout` seconds (None: until there is one);
+    /// None on timeout. The GIL is released while waiting; Ctrl-C interrupts.
+    #[pyo3(signature = (timeout = None))]
+    fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<WorkItem>> {
+        let deadline = match timeout {
+            None => None,
+            Some(t) => Some(
+                Instant::now()
+                    + Duration::try_from_secs_f64(t.max(0.0)).map_err(|_| {
+                        ConfigError::new_err(format!(
+                            "timeout must be a finite number of seconds, got {t}"
+                        ))
+                    })?,
+            ),
+        };
+        let got = gil::wait(py, |budget| {
+            let now = Instant::now();
+            let step = deadline.map_or(now + budget, |d| d.min(now + budget));
+            match self.inner.lock().next(Some(step)) {
+                Ok(Some(w)) => Some(Ok(Some(w))),
+                Ok(None) if deadline.is_some_and(|d| Instant::now() >= d) => Some(Ok(None)),
+                Ok(None) => None,
+                Err(e) => Some(Err(e)),
+            }
+        })?
+        .py()?;
+        got.map(|w| item(py, w)).transpose()
+    }
+
+    /// `{"heartbeats", "data", "watermarks", "credit_waits"}`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.inner.lock().stats());
+        let d = PyDict::new(py);
+        d.set_item("heartbeats", s.heartbeats)?;
+        d.set_item("data", s.data)?;
+        d.set_item("watermarks", s.watermarks)?;
+        d.set_item("credit_waits", s.credit_waits)?;
+        Ok(d)
+    }
+}
