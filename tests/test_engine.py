@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 import pytest
 
 import tandem as td
+from tandem import testing
 from tandem.engines.local import multiset_diff
 from tandem.exceptions import TaskFailed
 from tandem.reference import canonical
@@ -152,9 +153,12 @@ def test_killed_replica_is_masked(replication):
     res = job.run(duration=DURATION, faults=[fault], progress=False)
     assert_same_as_reference(job, res)
     assert res.digests_match
-    assert [(x["task"], x["partition"], x["replica"]) for x in res.lost_replicas] == [
-        (task, fault.partition, fault.replica)
-    ]
+    # The fault domain is the worker: every replica it hosted is lost, the named one too,
+    # and only replicas of the named replica's group.
+    lost = testing.lost_replicas(res)
+    assert lost == testing.killed_replicas(res)
+    assert (task, fault.partition, fault.replica) in lost
+    assert {r for _, _, r in lost} == {fault.replica}
     assert res.faults and res.faults[0]["task"] == task
     # masked: no stall longer than a few heartbeat periods plus scheduling noise
     assert res.max_gap_ms < 500

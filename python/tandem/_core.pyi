@@ -222,10 +222,13 @@ class Inbox:
         port: int = 0,
         handshake_timeout: float = 2.0,
         on_divergence: Literal["fail", "log"] = "fail",
+        worker: Worker | None = None,
     ) -> None:
         """``upstreams``: ``(task, partition)`` pairs; the position is the channel index.
         ``queue_capacity``: frames queued per channel before the readers stop reading (the
-        back-pressure). ``port=0`` picks a free port (see ``port``)."""
+        back-pressure). ``port=0`` picks a free port (see ``port``). ``worker``: the
+        ``Worker`` that will serve this inbox (``Worker.add_task``); its ``next()`` then
+        wakes on this inbox's input."""
     @property
     def port(self) -> int: ...
     def next(self, timeout: float | None = None) -> Delivery | None:
@@ -357,3 +360,53 @@ class Outbox:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+WORKER_CREDIT_FRAMES: int
+"""A worker slot whose downstream links hold this many queued frames is not served until
+they drain."""
+
+class WorkItem:
+    """One thing for the Python runtime to do (see ``Worker.next``)."""
+
+    kind: Literal["data", "watermark", "end", "failed"]
+    slot: int
+    channel: int | None
+    """data: the input channel."""
+    first_seq: int | None
+    epoch: int | None
+    """watermark: every input of the slot passed heartbeat ``epoch``."""
+    batch: pyarrow.RecordBatch | None
+    error: BaseException | None
+    """failed: why the slot stopped (``DeterminismError``, ``ChannelClosed``, ...)."""
+
+class Worker:
+    """Serves many task replicas ("slots") of one worker process from one thread, in Rust:
+    tracks their watermarks, forwards their heartbeats, sends their sources' heartbeats on
+    the clock, and hands out only the work that runs Python code. A slot whose downstream
+    links are backed up (``WORKER_CREDIT_FRAMES``) is not served until they drain, so one
+    slot never blocks on another that the same thread must run.
+
+    Create it first, pass it to every ``Inbox`` it serves, then add the slots. The caller
+    runs each item to completion (output emitted on the slot's outboxes) before calling
+    ``next()`` again: that keeps heartbeat ``k`` behind every row that precedes it."""
+
+    def __init__(self) -> None: ...
+    def add_source(self, outboxes: list[Outbox], t0_ns: int, heartbeat_ns: int) -> int:
+        """A source slot: heartbeat ``k`` goes out on ``outboxes`` at ``t0_ns +
+        k·heartbeat_ns`` (ns since the Unix epoch), once ``allow``ed. Returns the slot."""
+    def add_task(self, inbox: Inbox, outboxes: list[Outbox], watermarks: bool) -> int:
+        """An operator or sink slot; ``watermarks``: hand out watermark advances (the
+        operator overrides ``on_watermark``). Returns the slot."""
+    def allow(self, slot: int, epoch: int) -> None:
+        """A source slot may send its heartbeats through ``epoch``, each when due."""
+    def heartbeats_through(self, slot: int, epoch: int) -> None:
+        """Send a source slot's heartbeats through ``epoch`` now."""
+    def ready(self, slot: int) -> bool:
+        """Whether the slot's downstream links have room (a source emits only then)."""
+    def retire(self, slot: int) -> None:
+        """Stop serving ``slot``."""
+    def next(self, timeout: float | None = None) -> WorkItem | None:
+        """The next work item, or None after ``timeout`` seconds (None: wait). Releases
+        the GIL while waiting; Ctrl-C interrupts."""
+    def stats(self) -> dict[str, int]:
+        """``{"heartbeats", "data", "watermarks", "credit_waits"}``."""

@@ -44,8 +44,8 @@ import pyarrow as pa
 
 from tandem import _core
 from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
-from tandem.ordering.kazoo import KazooRun, Orderer
 from tandem.operators import Operator
+from tandem.ordering.kazoo import KazooRun, Orderer
 from tandem.plan import OutputEdge, Plan, Task
 
 ReplicaId = tuple[int, int, int]  # task id, partition, replica
@@ -53,6 +53,9 @@ Addresses = dict[ReplicaId, tuple[str, int]]
 
 IDLE_WAIT_S = 0.05
 """How long a worker waits for input before checking on its KaZoo orderers again."""
+
+CREDIT_POLL_S = 0.001
+"""How soon a worker looks again at a source whose downstream links are backed up."""
 
 
 @dataclass
@@ -432,9 +435,10 @@ class Worker:
                 now = time.time_ns()
                 for src in sources:
                     rep = src.replica
+                    blocked = False
                     while src.step is not None and src.due_ns() <= now:
                         if not core.ready(rep.slot):
-                            wait = min(wait, 0.001)
+                            blocked = True  # its links are backed up: look again soon
                             break
                         if not self._guard(rep, src.run_step):
                             return
@@ -442,25 +446,16 @@ class Worker:
                             live -= 1
                             core.retire(rep.slot)
                             break
-                    if src.step is not None:
-                        wait = min(wait, max(0.0, (src.due_ns() - now) / 1e9))
+                    if src.step is not None and not rep.done:
+                        due_s = CREDIT_POLL_S if blocked else (src.due_ns() - now) / 1e9
+                        wait = min(wait, max(0.0, due_s))
                 sources = [s for s in sources if s.step is not None and not s.replica.done]
                 if not live:
                     return
             item = core.next(timeout=wait)
             if item is not None:
                 rep = by_slot[item.slot]
-                kind = item.kind
-                if kind == "data":
-                    ok = self._guard(rep, lambda: rep.on_data(item.channel, item.batch))
-                elif kind == "watermark":
-                    ok = self._guard(rep, lambda: rep.on_watermark(item.epoch))
-                elif kind == "end":
-                    ok = self._guard(rep, rep.on_end)
-                else:
-                    rep.fail(item.error)
-                    ok = rep.report.error is None
-                if not ok:
+                if not self._dispatch(rep, item):
                     return
                 if rep.done:
                     live -= 1
@@ -469,6 +464,22 @@ class Worker:
                 checked = time.monotonic()
                 for o in orderers:
                     o.check()
+
+    @staticmethod
+    def _dispatch(rep: Replica, item) -> bool:
+        """Run ``item`` for ``rep``; False if it failed the job (the worker stops)."""
+        try:
+            if item.kind == "data":
+                rep.on_data(item.channel, item.batch)
+            elif item.kind == "watermark":
+                rep.on_watermark(item.epoch)
+            elif item.kind == "end":
+                rep.on_end()
+            else:
+                rep.fail(item.error)
+        except Exception as exc:
+            rep.fail(exc)
+        return rep.report.error is None
 
     @staticmethod
     def _guard(rep: Replica, fn) -> bool:

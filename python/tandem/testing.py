@@ -528,3 +528,21 @@ BATCH_FUNCTIONS = {
 }
 """The batch-dependent functions above by short name, with the ``Stream`` method that
 takes each (``map`` or ``flat_map``)."""
+
+
+def killed_replicas(result) -> set[tuple[str, int, int]]:
+    """``(task, partition, replica)`` of every replica the run's ``td.Kill`` faults took
+    down: all the replicas hosted by each killed worker (the fault domain), as recorded in
+    ``result.faults``. A run that masked its faults lists exactly these in
+    ``result.lost_replicas``."""
+    return {
+        (r["task"], r["partition"], r["replica"])
+        for f in result.faults
+        if f["kind"] == "kill"
+        for r in f.get("replicas", [])
+    }
+
+
+def lost_replicas(result) -> set[tuple[str, int, int]]:
+    """``(task, partition, replica)`` of every replica in ``result.lost_replicas``."""
+    return {(x["task"], x["partition"], x["replica"]) for x in result.lost_replicas}

@@ -61,9 +61,7 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _child(
-    plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooRun | None
-) -> None:
+def _child(plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooRun | None) -> None:
     """Entry point of a worker process."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl-C
@@ -365,9 +363,7 @@ class _Run:
         """The replica index holding ``role`` in a KaZoo partition right now (waiting up to
         one session timeout and a bit if an election is under way)."""
         alive = [
-            r
-            for r in range(self.plan.tasks[task].replication)
-            if self._alive((task, partition, r))
+            r for r in range(self.plan.tasks[task].replication) if self._alive((task, partition, r))
         ]
         deadline = time.monotonic() + self.zoo.config.session_timeout_s + 10.0
         leader = None
@@ -409,7 +405,10 @@ class _Run:
             **fault.to_dict(),
             "victim": replica,
             "worker": w,
-            "replicas": [self._name(r) for r in self.placement[w]],
+            "replicas": [
+                {"task": self.plan.tasks[t].name, "partition": p, "replica": r}
+                for t, p, r in self.placement[w]
+            ],
             "injected_at": round(now_s, 3),
         }
         self.injected.append(record)
@@ -447,9 +446,7 @@ class _Run:
         gone = set(self.killed) | set(self.crashed)
         for task, part, _ in lost:
             alive = [
-                r
-                for r in range(self.plan.tasks[task].replication)
-                if (task, part, r) not in gone
+                r for r in range(self.plan.tasks[task].replication) if (task, part, r) not in gone
             ]
             if not alive:
                 raise TandemError(
@@ -476,9 +473,7 @@ class _Run:
         killed: dict[int, float] = {}
         for rid, t in self.killed.items():
             killed.setdefault(self.worker_of[rid], t)
-        note = "".join(
-            f"  killed {self._worker_name(w)} at {t:.1f}s" for w, t in killed.items()
-        )
+        note = "".join(f"  killed {self._worker_name(w)} at {t:.1f}s" for w, t in killed.items())
         sys.stderr.write(
             f"\r[{'#' * filled}{'.' * (width - filled)}] {elapsed:5.1f}/{self.duration:g}s{note}"
         )

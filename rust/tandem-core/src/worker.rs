@@ -346,7 +346,10 @@ impl Worker {
                 let k = s.forwarded + 1;
                 s.handed = Some(k);
                 stats.watermarks += 1;
-                return Some(Work::Watermark { slot: idx, epoch: k });
+                return Some(Work::Watermark {
+                    slot: idx,
+                    epoch: k,
+                });
             }
             let got = {
                 let inbox = s.cfg.inbox.as_ref()?;

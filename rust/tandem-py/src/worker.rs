@@ -22,10 +22,7 @@ use crate::transport::{Inbox, Outbox};
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Worker>()?;
     m.add_class::<WorkItem>()?;
-    m.add(
-        "WORKER_CREDIT_FRAMES",
-        tandem_core::worker::CREDIT_FRAMES,
-    )?;
+    m.add("WORKER_CREDIT_FRAMES", tandem_core::worker::CREDIT_FRAMES)?;
     Ok(())
 }
 
@@ -136,7 +133,9 @@ impl Worker {
     }
 }
 
-fn handles(outboxes: &[PyRef<'_, Outbox>]) -> Vec<tandem_core::worker::Handle<tandem_core::outbox::Outbox>> {
+fn handles(
+    outboxes: &[PyRef<'_, Outbox>],
+) -> Vec<tandem_core::worker::Handle<tandem_core::outbox::Outbox>> {
     outboxes.iter().map(|o| Arc::clone(&o.inner)).collect()
 }
 

@@ -1,0 +1,155 @@
+"""Workers: placement of replicas over worker processes, and the Rust control path
+(`tandem._core.Worker`) that serves many replicas from one thread."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tandem as td
+from tandem import _core
+
+JOB = "worker-test"
+SECRET = b"s" * 32
+
+
+def job_of(parallelisms: list[int], replication: int, workers: int | None) -> td.Job:
+    job = td.Job("placed", replication=replication, workers=workers)
+    stream = job.source(td.sources.Synthetic(rate=10), parallelism=parallelisms[0])
+    for i, p in enumerate(parallelisms[1:]):
+        stream = stream.map(lambda b: b, parallelism=p, name=f"m{i}")
+    stream.sink(td.sinks.Collect())
+    return job
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    parallelisms=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    replication=st.integers(1, 4),
+    workers=st.none() | st.integers(1, 6),
+    cores=st.integers(1, 16),
+)
+def test_placement_never_puts_two_replicas_of_a_partition_in_one_worker(
+    parallelisms, replication, workers, cores
+):
+    plan = job_of(parallelisms, replication, workers).plan()
+    placement = plan.placement(cores=cores)
+    placed = [rid for w in placement for rid in w]
+    assert sorted(placed) == sorted(plan.replicas()), "every replica exactly once"
+    for hosted in placement:
+        assert hosted, "no empty worker"
+        partitions = [(t, p) for t, p, _ in hosted]
+        assert len(partitions) == len(set(partitions)), hosted
+    # Sinks (unreplicated) share one worker of their own: losing any replica group
+    # leaves them running.
+    sink_ids = {t.id for t in plan.sinks()}
+    (sink_worker,) = [w for w in placement if any(t in sink_ids for t, _, _ in w)]
+    assert all(t in sink_ids for t, _, _ in sink_worker)
+    # A worker hosts one replica group; a group spans `workers` processes at most.
+    per_group = workers or max(1, cores // replication)
+    for hosted in placement:
+        if hosted is not sink_worker:
+            assert len({r for _, _, r in hosted}) == 1, hosted
+    assert len(placement) - 1 <= replication * per_group
+
+
+def test_the_default_placement_fits_the_cores():
+    plan = job_of([2, 2, 2], replication=2, workers=None).plan()
+    assert len(plan.placement(cores=2)) == 2 + 1  # one worker per group, and the sink's
+    assert len(plan.placement(cores=4)) == 4 + 1  # two per group, split by partition
+    plan = job_of([2, 2, 2], replication=1, workers=None).plan()
+    assert len(plan.placement(cores=2)) == 2 + 1
+    with pytest.raises(td.ConfigError, match="workers"):
+        td.Job("bad", workers=0)
+
+
+# -- the Rust control path, through the binding ------------------------------------------
+
+
+def rows(n: int) -> pa.RecordBatch:
+    return pa.record_batch({"x": pa.array(range(n), pa.int64())})
+
+
+def two_workers(watermarks: bool):
+    """Worker `up` hosts a source slot sending to worker `down`'s one operator slot."""
+    down = _core.Worker()
+    inbox = _core.Inbox(JOB, SECRET, [(0, 0)], ordering="none", worker=down)
+    up = _core.Worker()
+    outbox = _core.Outbox(JOB, SECRET, (0, 0, 0), [[("127.0.0.1", inbox.port)]])
+    t0 = time.time_ns()
+    src = up.add_source([outbox], t0, 1_000_000)  # heartbeat every ms
+    op = down.add_task(inbox, [], watermarks)
+    return up, src, outbox, down, op, inbox
+
+
+def drain(worker, until: float = 2.0) -> list:
+    items, deadline = [], time.monotonic() + until
+    while time.monotonic() < deadline:
+        item = worker.next(timeout=0.05)
+        if item is not None:
+            items.append(item)
+    return items
+
+
+def test_heartbeats_never_reach_python_when_nobody_needs_them():
+    up, src, outbox, down, op, inbox = two_workers(watermarks=False)
+    up.allow(src, 20)
+    assert up.next(timeout=0.1) is None  # the clock sends; nothing for Python
+    outbox.emit(rows(3))
+    assert drain(up, 0.1) == []
+    items = drain(down, 0.5)
+    assert [(i.kind, i.slot, i.batch.num_rows) for i in items] == [("data", op, 3)]
+    assert up.stats()["heartbeats"] == 20
+    # The heartbeats did arrive: the inbox consumed 20 heartbeats and 3 rows.
+    assert inbox.stats()["channels"][0]["next_seq"] == 23
+    outbox.end()
+    assert [i.kind for i in drain(down, 0.5)] == ["end"]
+    outbox.close()
+    inbox.close()
+
+
+def test_watermarks_are_handed_out_in_order_then_forwarded():
+    up, src, outbox, down, _op, inbox = two_workers(watermarks=True)
+    up.heartbeats_through(src, 2)  # now, whether due or not
+    outbox.emit(rows(1))
+    up.heartbeats_through(src, 3)
+    outbox.end()
+    got = [(i.kind, i.epoch) for i in drain(down, 0.5)]
+    assert got == [
+        ("watermark", 1),
+        ("watermark", 2),
+        ("data", None),
+        ("watermark", 3),
+        ("end", None),
+    ]
+    assert down.stats()["watermarks"] == 3
+    outbox.close()
+    inbox.close()
+
+
+def test_a_source_sends_no_heartbeat_it_was_not_allowed():
+    up, src, outbox, down, _op, inbox = two_workers(watermarks=True)
+    up.allow(src, 2)
+    time.sleep(0.01)  # heartbeats 1..10 are due by now
+    drain(up, 0.1)
+    assert up.stats()["heartbeats"] == 2
+    got = [(i.kind, i.epoch) for i in drain(down, 0.3)]
+    assert got == [("watermark", 1), ("watermark", 2)]
+    outbox.close()
+    inbox.close()
+
+
+def test_bad_slots_are_refused():
+    w = _core.Worker()
+    with pytest.raises(td.ConfigError, match="heartbeat_ns"):
+        w.add_source([], 0, 0)
+    inbox = _core.Inbox(JOB, SECRET, [(0, 0)], worker=w)
+    inbox.close()
+    with pytest.raises(_core.ChannelClosed, match="closed inbox"):
+        w.add_task(inbox, [], False)
+    with pytest.raises(td.ConfigError, match="no slot 7"):
+        w.allow(7, 1)
