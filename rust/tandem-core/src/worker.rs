@@ -119,17 +119,21 @@ impl Slot {
             .all(|o| o.lock().as_ref().map_or(0, Outbox::backlog) < CREDIT_FRAMES)
     }
 
-    /// Send heartbeat `epoch` on every outbox.
-    fn heartbeat(&mut self, epoch: u64) -> Result<()> {
-        for o in &self.cfg.outboxes {
-            if let Some(ob) = o.lock().as_mut() {
-                if !ob.is_ended() {
-                    ob.heartbeat(epoch)?;
+    /// Send heartbeats `forwarded + 1 ..= epoch` on every outbox; how many were sent.
+    fn forward_through(&mut self, epoch: u64) -> Result<u64> {
+        let from = self.forwarded;
+        while self.forwarded < epoch {
+            let k = self.forwarded + 1;
+            for o in &self.cfg.outboxes {
+                if let Some(ob) = o.lock().as_mut() {
+                    if !ob.is_ended() {
+                        ob.heartbeat(k)?;
+                    }
                 }
             }
+            self.forwarded = k;
         }
-        self.forwarded = epoch;
-        Ok(())
+        Ok(self.forwarded - from)
     }
 }
 
@@ -236,11 +240,7 @@ impl Worker {
     pub fn heartbeats_through(&mut self, slot: usize, epoch: u64) -> Result<()> {
         let s = self.slot(slot)?;
         s.allowed = s.allowed.max(epoch);
-        let mut sent = 0;
-        while s.forwarded < epoch {
-            s.heartbeat(s.forwarded + 1)?;
-            sent += 1;
-        }
+        let sent = s.forward_through(epoch)?;
         self.stats.heartbeats += sent;
         Ok(())
     }
@@ -254,11 +254,6 @@ impl Worker {
     pub fn retire(&mut self, slot: usize) -> Result<()> {
         self.slot(slot)?.active = false;
         Ok(())
-    }
-
-    /// Heartbeats sent so far by `slot`.
-    pub fn forwarded(&self, slot: usize) -> u64 {
-        self.slots.get(slot).map_or(0, |s| s.forwarded)
     }
 
     pub fn stats(&self) -> WorkerStats {
@@ -308,7 +303,7 @@ impl Worker {
         }
         // The heartbeat of a watermark handed out last time follows its output.
         if let Some(k) = s.handed.take() {
-            if let Err(error) = s.heartbeat(k) {
+            if let Err(error) = s.forward_through(k) {
                 s.active = false;
                 return Some(Work::Failed { slot: idx, error });
             }
@@ -320,23 +315,24 @@ impl Worker {
             return None;
         }
         if let Some(clock) = s.cfg.clock {
+            // Heartbeat k is due at t0 + k·period: send those due by now, as far as allowed.
             let now = now_ns();
-            while s.forwarded < s.allowed {
-                let k = s.forwarded + 1;
-                let due = clock.t0_ns.saturating_add(
-                    i64::try_from(k.saturating_mul(clock.heartbeat_ns)).unwrap_or(i64::MAX),
-                );
-                if due > now {
-                    let left = Duration::from_nanos(u64::try_from(due - now).unwrap_or(0));
-                    let at = Instant::now() + left;
-                    *wake = Some(wake.map_or(at, |w| w.min(at)));
-                    break;
-                }
-                if let Err(error) = s.heartbeat(k) {
+            let elapsed = u64::try_from(now.saturating_sub(clock.t0_ns)).unwrap_or(0);
+            match s.forward_through((elapsed / clock.heartbeat_ns).min(s.allowed)) {
+                Ok(sent) => stats.heartbeats += sent,
+                Err(error) => {
                     s.active = false;
                     return Some(Work::Failed { slot: idx, error });
                 }
-                stats.heartbeats += 1;
+            }
+            if s.forwarded < s.allowed {
+                let next = (s.forwarded + 1).saturating_mul(clock.heartbeat_ns);
+                let due = clock
+                    .t0_ns
+                    .saturating_add(i64::try_from(next).unwrap_or(i64::MAX));
+                let left = u64::try_from(due.saturating_sub(now)).unwrap_or(0);
+                let at = Instant::now() + Duration::from_nanos(left);
+                *wake = Some(wake.map_or(at, |w| w.min(at)));
             }
             return None;
         }
@@ -383,12 +379,12 @@ impl Worker {
                         s.current = low;
                     }
                     if !s.cfg.watermarks {
-                        while s.forwarded < s.current {
-                            if let Err(error) = s.heartbeat(s.forwarded + 1) {
+                        match s.forward_through(s.current) {
+                            Ok(sent) => stats.heartbeats += sent,
+                            Err(error) => {
                                 s.active = false;
                                 return Some(Work::Failed { slot: idx, error });
                             }
-                            stats.heartbeats += 1;
                         }
                     }
                 }
