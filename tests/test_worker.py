@@ -153,3 +153,90 @@ def test_bad_slots_are_refused():
         w.add_task(inbox, [], False)
     with pytest.raises(td.ConfigError, match="no slot 7"):
         w.allow(7, 1)
+
+
+# -- local channels: replicas of one worker pass Arrow batches in memory -----------------
+
+
+def values(items) -> list[int]:
+    return [v for i in items if i.kind == "data" for v in i.batch.column("x").to_pylist()]
+
+
+def test_local_and_remote_copies_of_a_stream_deduplicate_against_each_other():
+    w = _core.Worker()
+    inbox = _core.Inbox(JOB, SECRET, [(0, 0)], worker=w)
+    op = w.add_task(inbox, [], False)
+    # Replica 0 of upstream partition (0, 0) lives in this worker, replica 1 elsewhere.
+    local = _core.Outbox(JOB, SECRET, (0, 0, 0), [[inbox]], batch_rows=4)
+    remote = _core.Outbox(JOB, SECRET, (0, 0, 1), [[("127.0.0.1", inbox.port)]], batch_rows=4)
+    first = pa.record_batch({"x": pa.array(range(0, 6), pa.int64())})
+    second = pa.record_batch({"x": pa.array(range(6, 9), pa.int64())})
+    remote.emit(first)  # the remote copy of the first batch may come first...
+    local.emit(first)
+    local.heartbeat(1)
+    local.emit(second)  # ...the local copy of the second surely does
+    remote.heartbeat(1)
+    remote.emit(second)
+    for o in (local, remote):
+        o.end()
+    items = drain(w, 1.0)
+    assert values(items) == list(range(9)), "every row exactly once, in order"
+    assert [i.kind for i in items][-1] == "end" and all(i.slot == op for i in items)
+    st = inbox.stats()
+    (ch,) = st["channels"]
+    assert (ch["accepted_rows"], ch["duplicate_rows"]) == (9, 9)
+    assert st["divergence_count"] == 0, "the two copies' digests were compared and agree"
+    # Only the remote replica holds a connection; the local one never touched a socket.
+    assert [c["identity"]["replica"] for c in st["connections"]] == [1]
+    for o in (local, remote):
+        o.close()
+    inbox.close()
+
+
+def test_a_local_copy_that_differs_from_the_remote_one_fails_the_inbox():
+    w = _core.Worker()
+    inbox = _core.Inbox(JOB, SECRET, [(0, 0)], worker=w)
+    w.add_task(inbox, [], False)
+    local = _core.Outbox(JOB, SECRET, (0, 0, 0), [[inbox]])
+    remote = _core.Outbox(JOB, SECRET, (0, 0, 1), [[("127.0.0.1", inbox.port)]])
+    local.emit(rows(3))
+    remote.emit(pa.record_batch({"x": pa.array([0, 1, 7], pa.int64())}))
+    for o in (local, remote):
+        o.heartbeat(1)
+    failed = [i for i in drain(w, 1.0) if i.kind == "failed"]
+    assert len(failed) == 1 and isinstance(failed[0].error, td.DeterminismError)
+    d = inbox.stats()["divergences"][0]
+    assert (d["epoch"], sorted(d["replicas"])) == (1, [0, 1])
+    for o in (local, remote):
+        o.close()
+    inbox.close()
+
+
+def test_a_full_local_channel_holds_frames_in_the_link_and_the_worker_moves_them_along():
+    w = _core.Worker()
+    inbox = _core.Inbox(JOB, SECRET, [(0, 0)], ordering="none", queue_capacity=2, worker=w)
+    out = _core.Outbox(JOB, SECRET, (0, 0, 0), [[inbox]], batch_rows=1)
+    src = w.add_source([out], time.time_ns(), 10**9)
+    w.add_task(inbox, [], False)
+    n = _core.WORKER_CREDIT_FRAMES + 10
+    out.emit(rows(n))  # never blocks: what the channel has no room for waits in the link
+    assert not w.ready(src), "a source whose local link is backed up is not served"
+    out.end()
+    items = drain(w, 1.0)
+    assert values(items) == list(range(n))
+    assert items[-1].kind == "end"
+    assert w.ready(src)
+    out.close()
+    inbox.close()
+
+
+def test_a_local_link_fails_like_a_closed_connection():
+    w = _core.Worker()
+    inbox = _core.Inbox(JOB, SECRET, [(0, 0)], worker=w)
+    with pytest.raises(td.ConfigError, match="not an upstream"):
+        _core.Outbox(JOB, SECRET, (3, 0, 0), [[inbox]])
+    out = _core.Outbox(JOB, SECRET, (0, 0, 0), [[inbox]])
+    inbox.close()  # the downstream replica finished
+    with pytest.raises(_core.ChannelClosed, match="no live downstream replica"):
+        out.emit(rows(2))
+    out.close()

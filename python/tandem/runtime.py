@@ -103,7 +103,9 @@ def _warm_up() -> None:
 
 class _Output:
     """One output edge of a replica: an outbox towards every replica of the downstream
-    partitions (it numbers, frames, digests and sends; nothing waits in it)."""
+    partitions (it numbers, frames, digests and sends; nothing waits in it). A downstream
+    replica in ``local`` (same worker) gets the Arrow batches in memory; the others are
+    dialled at their address."""
 
     def __init__(
         self,
@@ -112,10 +114,15 @@ class _Output:
         edge: OutputEdge,
         addresses: Addresses,
         secret: bytes,
+        local: dict[ReplicaId, _core.Inbox],
     ) -> None:
         down = plan.tasks[edge.downstream]
         targets = [
-            [addresses[(down.id, p, r)] for r in range(down.replication)] for p in edge.partitions
+            [
+                local.get((down.id, p, r)) or addresses[(down.id, p, r)]
+                for r in range(down.replication)
+            ]
+            for p in edge.partitions
         ]
         # One downstream partition: every row goes to it, whatever the edge's partitioner.
         single = len(edge.partitions) == 1
@@ -214,12 +221,13 @@ class Replica:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def start(self, addresses: Addresses, t0_ns: int) -> None:
-        """Dial the downstream replicas, open the operator or sink, take a worker slot."""
+    def start(self, addresses: Addresses, t0_ns: int, local: dict[ReplicaId, _core.Inbox]) -> None:
+        """Link the downstream replicas (``local``: the inboxes of this worker), open the
+        operator or sink, take a worker slot."""
         t, p, r = self.me
         self.t0_ns = t0_ns
         self.outputs += [
-            _Output(self.plan, self.me, e, addresses, self.secret)
+            _Output(self.plan, self.me, e, addresses, self.secret, local)
             for e in self.plan.output_edges(t, p)
         ]
         boxes = [o.outbox for o in self.outputs]
@@ -397,10 +405,11 @@ class Worker:
     ) -> dict[ReplicaId, ReplicaReport]:
         """Run every hosted replica to the end of its input; never raises (errors are in
         the reports). The first replica that fails stops the worker: the job fails."""
+        local = {r.me: r.inbox for r in self.replicas if r.inbox is not None}
         try:
             for r in self.replicas:
                 try:
-                    r.start(addresses, t0_ns)
+                    r.start(addresses, t0_ns, local)
                 except Exception as exc:
                     r.fail(exc)
                     if r.report.error:

@@ -16,8 +16,10 @@
 //! compare the replicas of this partition cycle by cycle; the digests are also recorded for
 //! [`Outbox::take_digests`].
 //!
-//! Every frame is encoded once per channel and the same `Arc<[u8]>` goes to every
-//! downstream replica of that channel (duplicate sending, DESIGN §2 invariant 2).
+//! Every element goes to every downstream replica of its channel (duplicate sending,
+//! DESIGN §2 invariant 2) as one [`OutFrame`]: a replica in this process takes the Arrow
+//! batch itself; the others take the frame's bytes, encoded once per channel (and only
+//! when some link of the channel writes bytes) and shared by all of them.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -31,6 +33,7 @@ use arrow_schema::DataType;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::digest::{CycleDigest, Digest};
+use crate::item::Item;
 use crate::wire;
 use crate::{Error, Result};
 
@@ -88,12 +91,35 @@ impl Partitioner {
     }
 }
 
+/// One element of an output channel as the [`Outbox`] hands it to every [`Link`] of the
+/// channel.
+#[derive(Debug, Clone)]
+pub struct OutFrame {
+    /// The element itself (a data frame's rows are a zero-copy slice of the emitted batch).
+    pub item: Item<RecordBatch>,
+    /// The cycle digest a heartbeat carries (None for data and end).
+    pub digest: Option<Digest>,
+    /// The element encoded for the wire, shared by every link of the channel; None when no
+    /// link of the channel wants bytes ([`Link::wants_bytes`]).
+    pub bytes: Option<Arc<[u8]>>,
+}
+
 /// Where the frames of one output channel go: one `Link` per downstream replica.
 pub trait Link: Send {
-    /// Queue one encoded frame for the peer. May block while the peer is slow (bounded
-    /// queue: that is the back-pressure). An error means the peer is gone for good: the
-    /// outbox drops the link and keeps serving the other replicas.
-    fn send(&mut self, frame: Arc<[u8]>) -> Result<()>;
+    /// Queue one frame for the peer. May block while the peer is slow (bounded queue: that
+    /// is the back-pressure). An error means the peer is gone for good: the outbox drops
+    /// the link and keeps serving the other replicas.
+    fn send(&mut self, frame: &OutFrame) -> Result<()>;
+
+    /// Whether the link writes [`OutFrame::bytes`] (the default) rather than taking the
+    /// item itself: the outbox encodes a channel's frames only if one of its links does.
+    fn wants_bytes(&self) -> bool {
+        true
+    }
+
+    /// Move queued frames along without blocking. Called by [`Outbox::flush`]; the default
+    /// (a link that queues nothing of its own) does nothing.
+    fn flush(&mut self) {}
 
     /// Deliver what is queued and close the connection. Called by [`Outbox::close`];
     /// the default does nothing.
@@ -147,11 +173,11 @@ struct Channel {
     digest: CycleDigest,
 }
 
-/// One Data frame of an emit, encoded but not yet sent.
+/// One Data frame of an emit, encoded (if some link wants bytes) but not yet sent.
 struct Outgoing {
     first_seq: u64,
     rows: RecordBatch,
-    bytes: Arc<[u8]>,
+    bytes: Option<Arc<[u8]>>,
 }
 
 /// The output side of one task partition replica. See the module documentation.
@@ -263,7 +289,11 @@ impl Outbox {
         for (c, part) in parts {
             let ch = &mut self.channels[c];
             ch.digest.prepare(part.schema_ref())?;
-            outgoing.push((c, frames(c, ch.next_seq, &part, self.cfg.batch_rows)?));
+            let encode = ch.links.iter().any(|l| l.wants_bytes());
+            outgoing.push((
+                c,
+                frames(c, ch.next_seq, &part, self.cfg.batch_rows, encode)?,
+            ));
         }
         self.rows_emitted += rows as u64;
         let mut first_err = None;
@@ -274,7 +304,15 @@ impl Outbox {
                 if let Err(e) = ch.digest.add(frame.first_seq, &frame.rows) {
                     first_err.get_or_insert(e);
                 }
-                if let Err(e) = send_all(c, &mut ch.links, frame.bytes) {
+                let out = OutFrame {
+                    item: Item::Data {
+                        first_seq: frame.first_seq,
+                        payload: frame.rows,
+                    },
+                    digest: None,
+                    bytes: frame.bytes,
+                };
+                if let Err(e) = send_all(c, &mut ch.links, &out) {
                     first_err.get_or_insert(e);
                 }
             }
@@ -289,9 +327,7 @@ impl Outbox {
     /// emitted before it.
     pub fn heartbeat(&mut self, epoch: u64) -> Result<()> {
         self.check_open("heartbeat")?;
-        self.control(epoch, |ch, seq, digest| {
-            wire::encode_heartbeat_digest(ch, seq, epoch, digest)
-        })
+        self.control(Some(epoch))
     }
 
     /// Send the end marker on every channel (an empty frame; the digest of the rows sent
@@ -299,9 +335,18 @@ impl Outbox {
     /// `emit`, `heartbeat` or `end` fail with [`Error::Closed`].
     pub fn end(&mut self) -> Result<()> {
         self.check_open("end")?;
-        let res = self.control(u64::MAX, |ch, seq, _| wire::encode_end(ch, seq));
+        let res = self.control(None);
         self.ended = true;
         res
+    }
+
+    /// Move what links queued of their own along, without blocking ([`Link::flush`]).
+    pub fn flush(&mut self) {
+        for ch in &mut self.channels {
+            for link in &mut ch.links {
+                link.flush();
+            }
+        }
     }
 
     /// The largest [`Link::backlog`] over every live link (0 once closed).
@@ -368,20 +413,37 @@ impl Outbox {
         }
     }
 
-    /// Close every channel's digest under `epoch` (recording it), then send one control
-    /// frame per channel, built by `encode(channel, seq, digest)`, each taking one seq.
-    fn control(&mut self, epoch: u64, encode: impl Fn(u32, u64, &Digest) -> Vec<u8>) -> Result<()> {
+    /// Close every channel's digest (recording it), then send one control element per
+    /// channel, each taking one seq: heartbeat `epoch` carrying the digest, or (None) the
+    /// end marker, whose digest is recorded under epoch `u64::MAX`.
+    fn control(&mut self, heartbeat: Option<u64>) -> Result<()> {
         let mut first_err = None;
         for (c, ch) in self.channels.iter_mut().enumerate() {
-            let digest = ch.digest.close(epoch);
+            let digest = ch.digest.close(heartbeat.unwrap_or(u64::MAX));
             if self.digests.len() == DIGESTS_KEPT {
                 self.digests.pop_front();
             }
-            self.digests.push_back((c, epoch, digest));
-            let frame = encode(c as u32, ch.next_seq, &digest);
+            self.digests
+                .push_back((c, heartbeat.unwrap_or(u64::MAX), digest));
+            let seq = ch.next_seq;
+            let encode = ch.links.iter().any(|l| l.wants_bytes());
+            let out = match heartbeat {
+                Some(epoch) => OutFrame {
+                    item: Item::Heartbeat { seq, epoch },
+                    digest: Some(digest),
+                    bytes: encode.then(|| {
+                        wire::encode_heartbeat_digest(c as u32, seq, epoch, &digest).into()
+                    }),
+                },
+                None => OutFrame {
+                    item: Item::End { seq },
+                    digest: None,
+                    bytes: encode.then(|| wire::encode_end(c as u32, seq).into()),
+                },
+            };
             ch.next_seq += 1;
             self.seqs[c] = ch.next_seq;
-            if let Err(e) = send_all(c, &mut ch.links, frame.into()) {
+            if let Err(e) = send_all(c, &mut ch.links, &out) {
                 first_err.get_or_insert(e);
             }
         }
@@ -420,20 +482,26 @@ fn scatter(
     Ok(parts)
 }
 
-/// Encode `part` as the Data frames of channel `c` starting at seq `first_seq`: slices of
-/// `batch_rows` rows at offsets `0, batch_rows, 2·batch_rows…` (the last one shorter).
+/// Cut `part` into the Data frames of channel `c` starting at seq `first_seq`: slices of
+/// `batch_rows` rows at offsets `0, batch_rows, 2·batch_rows…` (the last one shorter),
+/// each encoded for the wire if `encode`.
 fn frames(
     c: usize,
     first_seq: u64,
     part: &RecordBatch,
     batch_rows: usize,
+    encode: bool,
 ) -> Result<Vec<Outgoing>> {
     let total = part.num_rows();
     let mut out = Vec::with_capacity(total.div_ceil(batch_rows));
     let mut seq = first_seq;
     for offset in (0..total).step_by(batch_rows) {
         let rows = part.slice(offset, batch_rows.min(total - offset));
-        let bytes = wire::encode_data(c as u32, seq, &rows)?.into();
+        let bytes = if encode {
+            Some(wire::encode_data(c as u32, seq, &rows)?.into())
+        } else {
+            None
+        };
         let next = seq + rows.num_rows() as u64;
         out.push(Outgoing {
             first_seq: seq,
@@ -447,11 +515,11 @@ fn frames(
 
 /// Send `frame` to every link of channel `c`; a link that fails is dropped (logged). Only
 /// a channel left with no live link is an error: nobody can receive its output.
-fn send_all(c: usize, links: &mut Vec<Box<dyn Link>>, frame: Arc<[u8]>) -> Result<()> {
+fn send_all(c: usize, links: &mut Vec<Box<dyn Link>>, frame: &OutFrame) -> Result<()> {
     if links.is_empty() {
         return Err(closed_channel(c));
     }
-    links.retain_mut(|link| match link.send(Arc::clone(&frame)) {
+    links.retain_mut(|link| match link.send(frame) {
         Ok(()) => true,
         Err(e) => {
             eprintln!(
@@ -586,11 +654,15 @@ mod tests {
     }
 
     impl Link for MemLink {
-        fn send(&mut self, frame: Arc<[u8]>) -> Result<()> {
+        fn send(&mut self, frame: &OutFrame) -> Result<()> {
             if *self.fail.lock() {
                 return Err(Error::Closed("peer gone (test)".to_owned()));
             }
-            self.frames.lock().push(frame);
+            let bytes = frame
+                .bytes
+                .clone()
+                .expect("a link that wants bytes gets them");
+            self.frames.lock().push(bytes);
             Ok(())
         }
     }

@@ -1,5 +1,7 @@
-//! TCP transport: the receiving [`Inbox`] (listener, one reader thread per connection,
-//! dedup, merge) and the sending [`TcpLink`] (dialer, one writer thread, bounded queue).
+//! Transport: the receiving [`Inbox`] (listener, one reader thread per connection,
+//! dedup, merge), the sending [`TcpLink`] (dialer, one writer thread, bounded queue) and
+//! the [`LocalLink`] between two replicas of one worker (the Arrow batch itself, straight
+//! into the inbox's dedup: no encoding, no socket, no thread).
 //!
 //! Receive path, per connection (DESIGN §2 invariants 2 and 5):
 //!
@@ -9,6 +11,7 @@
 //!                                                     │       the socket is not read, TCP's
 //!                                                     │       window closes, the sender blocks)
 //!                                                     │ Gap:  hold, retry when `next` moves
+//! LocalLink::send (same process) ──── check digest ──────────► dedup sender ◄┤
 //! Inbox::next() ← merge (none | liverobin | positional) ← dedup receivers ◄┘
 //!                     ▲ orders (positional only)
 //!                     └── OrderFeed::offer_frame ← the KaZoo order log, read by the orderer
@@ -27,7 +30,7 @@
 //! copy came first; a difference is a [`Divergence`], which fails [`Inbox::next`] or is
 //! logged ([`OnDivergence`]). Only heartbeat frames touch the digest table.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::io::{self, BufWriter, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -44,9 +47,9 @@ use crate::dedup::{self, DedupReceiver, DedupSender, Offer};
 use crate::digest::{to_hex, Digest};
 use crate::merge::{self, Merge, OrderingMode};
 use crate::orderlog::{OrderLog, OrderLogStats, Verdict};
-use crate::outbox::Link;
+use crate::outbox::{Link, OutFrame};
 use crate::sync::Doorbell;
-use crate::wire::{self, Frame, FrameReader, Identity};
+use crate::wire::{self, Frame, FrameReader, Identity, Next};
 use crate::{Chunk, Delivery, Error, Item, Result};
 
 /// How long a blocked reader or writer goes without re-checking for shutdown.
@@ -427,6 +430,38 @@ impl Inbox {
         self.receivers.len()
     }
 
+    /// A link through which `me`, a replica of an upstream partition living in this
+    /// process, sends to this inbox without encoding or a socket. Its copies deduplicate
+    /// against the copies the other replicas of `me`'s partition send over TCP, and its
+    /// heartbeats' digests are compared with theirs, exactly as for a connection.
+    pub fn local_link(&self, me: &Identity) -> Result<LocalLink> {
+        let shared = &self.shared;
+        if me.job != shared.job {
+            return Err(Error::Handshake(format!(
+                "a local link of job {:?} to an inbox of job {:?}",
+                me.job, shared.job
+            )));
+        }
+        let idx = shared
+            .upstreams
+            .iter()
+            .position(|&(t, p)| t == me.task && p == me.partition)
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "(task {}, partition {}) is not an upstream of the inbox at {} (upstreams: \
+                     {:?})",
+                    me.task, me.partition, self.local_addr, shared.upstreams
+                ))
+            })?;
+        Ok(LocalLink {
+            shared: Arc::clone(shared),
+            idx,
+            replica: me.replica,
+            pending: VecDeque::new(),
+            peer: self.local_addr,
+        })
+    }
+
     /// The address peers dial (the actual port when bound with port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
@@ -745,9 +780,24 @@ fn serve_inner(shared: &Shared, stream: TcpStream, counters: &ConnCounters) -> C
         return ConnEnd::Failed(format!("cannot clear the read timeout: {e}"));
     }
     let mut reader = FrameReader::new(stream, shared.max_frame_bytes);
+    let sender = &shared.senders[idx];
     loop {
-        let frame = match reader.next_frame() {
-            Ok(Some(f)) => f,
+        // A Data frame whose every row is in already (the twin's copy came first) is
+        // counted and dropped without decoding its Arrow body.
+        let next =
+            reader.next_frame_unless(|h| h.first_seq.saturating_add(h.count) <= sender.next_seq());
+        let frame = match next {
+            Ok(Some(Next::Frame(f))) => f,
+            Ok(Some(Next::Skipped(h))) => {
+                counters.frames.fetch_add(1, Ordering::Relaxed);
+                if let Err(why) = check_wire_channel(&shared.channels[idx], h.channel) {
+                    return ConnEnd::Failed(why);
+                }
+                shared.channels[idx]
+                    .duplicate_rows
+                    .fetch_add(h.count, Ordering::Relaxed);
+                continue;
+            }
             Ok(None) => return ConnEnd::Eof,
             Err(_) if shared.stop.load(Ordering::SeqCst) => return ConnEnd::Stopped,
             Err(e) => return ConnEnd::Failed(e.to_string()),
@@ -845,33 +895,42 @@ fn check_digest(shared: &Shared, idx: usize, replica: u32, epoch: u64, digest: D
 /// wait for space; Gap → wait for `next` to move. Returns false if the inbox is closing.
 fn deliver(shared: &Shared, idx: usize, mut item: Item<RecordBatch>) -> bool {
     let sender = &shared.senders[idx];
-    let counters = &shared.channels[idx];
-    let rows = match &item {
-        Item::Data { payload, .. } => payload.rows() as u64,
-        Item::Heartbeat { .. } | Item::End { .. } => 0,
-    };
     loop {
         let seen = sender.producer_bell().generation();
-        match sender.offer(item) {
-            Offer::Accepted { trimmed_rows } => {
-                counters
-                    .accepted_rows
-                    .fetch_add(rows.saturating_sub(trimmed_rows), Ordering::Relaxed);
-                counters
-                    .duplicate_rows
-                    .fetch_add(trimmed_rows.min(rows), Ordering::Relaxed);
-                return true;
-            }
-            Offer::Duplicate => {
-                counters.duplicate_rows.fetch_add(rows, Ordering::Relaxed);
-                return true;
-            }
-            Offer::Gap { item: back, .. } | Offer::Full(back) => item = back,
+        match offer(shared, idx, item) {
+            None => return true,
+            Some(back) => item = back,
         }
         if shared.stop.load(Ordering::SeqCst) {
             return false;
         }
         sender.producer_bell().wait(seen, POLL);
+    }
+}
+
+/// Offer `item` to the dedup channel once, counting its rows as accepted or duplicate;
+/// handed back when there is no room or a gap before it (offer it again later).
+fn offer(shared: &Shared, idx: usize, item: Item<RecordBatch>) -> Option<Item<RecordBatch>> {
+    let counters = &shared.channels[idx];
+    let rows = match &item {
+        Item::Data { payload, .. } => payload.rows() as u64,
+        Item::Heartbeat { .. } | Item::End { .. } => 0,
+    };
+    match shared.senders[idx].offer(item) {
+        Offer::Accepted { trimmed_rows } => {
+            counters
+                .accepted_rows
+                .fetch_add(rows.saturating_sub(trimmed_rows), Ordering::Relaxed);
+            counters
+                .duplicate_rows
+                .fetch_add(trimmed_rows.min(rows), Ordering::Relaxed);
+            None
+        }
+        Offer::Duplicate => {
+            counters.duplicate_rows.fetch_add(rows, Ordering::Relaxed);
+            None
+        }
+        Offer::Gap { item: back, .. } | Offer::Full(back) => Some(back),
     }
 }
 
@@ -1069,9 +1128,14 @@ fn write_loop(
 }
 
 impl Link for TcpLink {
-    fn send(&mut self, frame: Arc<[u8]>) -> Result<()> {
+    fn send(&mut self, frame: &OutFrame) -> Result<()> {
         let Some(tx) = &self.tx else {
             return Err(self.dead());
+        };
+        let Some(frame) = frame.bytes.clone() else {
+            return Err(Error::Config(
+                "an outbox handed a TCP link a frame without its bytes".to_owned(),
+            ));
         };
         self.queued.fetch_add(1, Ordering::Relaxed);
         let sent = match tx.try_send(frame) {
@@ -1126,6 +1190,78 @@ impl Link for TcpLink {
 impl Drop for TcpLink {
     fn drop(&mut self) {
         let _ = Link::close(self);
+    }
+}
+
+/// A link to an inbox of this process ([`Inbox::local_link`]): each element goes into the
+/// inbox's dedup channel as it is — an Arrow batch, never encoded — with the same sequence
+/// numbers a [`TcpLink`] would send, so the local copy and the remote replicas' copies
+/// deduplicate against each other. It never blocks: an element the channel has no room for
+/// waits in the link (its [`Link::backlog`], which the worker's credit rule keeps small)
+/// until [`Link::flush`] finds room, in order. Closing or aborting the inbox (the
+/// downstream replica finished) makes `send` fail, as a closed connection would.
+pub struct LocalLink {
+    shared: Arc<Shared>,
+    idx: usize,
+    replica: u32,
+    pending: VecDeque<Item<RecordBatch>>,
+    peer: SocketAddr,
+}
+
+impl Link for LocalLink {
+    fn send(&mut self, frame: &OutFrame) -> Result<()> {
+        if self.shared.stop.load(Ordering::SeqCst) {
+            self.pending.clear();
+            return Err(Error::Closed(format!(
+                "the downstream replica at {} (in this worker) has closed its inbox",
+                self.peer
+            )));
+        }
+        if let (Item::Heartbeat { epoch, .. }, Some(digest)) = (&frame.item, frame.digest) {
+            check_digest(&self.shared, self.idx, self.replica, *epoch, digest);
+        }
+        self.pending.push_back(frame.item.clone());
+        self.flush();
+        Ok(())
+    }
+
+    fn wants_bytes(&self) -> bool {
+        false
+    }
+
+    fn flush(&mut self) {
+        while let Some(item) = self.pending.pop_front() {
+            if let Some(back) = offer(&self.shared, self.idx, item) {
+                self.pending.push_front(back);
+                return;
+            }
+        }
+    }
+
+    fn backlog(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn close(&mut self) -> Result<()> {
+        self.flush();
+        if self.pending.is_empty() || self.shared.stop.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let left = self.pending.len();
+        self.pending.clear();
+        Err(Error::Closed(format!(
+            "{left} elements for the downstream replica at {} (in this worker) were never \
+             taken",
+            self.peer
+        )))
+    }
+
+    fn abort(&mut self) {
+        self.pending.clear();
+    }
+
+    fn describe(&self) -> String {
+        format!("downstream replica at {} (in this worker)", self.peer)
     }
 }
 
@@ -1198,6 +1334,108 @@ mod tests {
             ..LinkConfig::default()
         };
         Box::new(TcpLink::connect(&addr.to_string(), me, SECRET, &cfg).unwrap())
+    }
+
+    /// A raw Data frame claiming `count` rows from `first_seq`, whose body is garbage.
+    fn junk_data(first_seq: u64, count: u64) -> OutFrame {
+        let header = wire::FrameHeader {
+            kind: wire::FrameKind::Data,
+            channel: 0,
+            first_seq,
+            count,
+            body_len: 16,
+        };
+        let mut bytes = header.to_bytes().to_vec();
+        bytes.extend_from_slice(&[0xAB; 16]);
+        OutFrame {
+            item: Item::End { seq: 0 }, // unused by a TCP link
+            digest: None,
+            bytes: Some(bytes.into()),
+        }
+    }
+
+    fn end_at(seq: u64) -> OutFrame {
+        OutFrame {
+            item: Item::End { seq },
+            digest: None,
+            bytes: None,
+        }
+    }
+
+    fn wait_for(ib: &Inbox, what: &str, ok: impl Fn(&InboxStats) -> bool) -> InboxStats {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let st = ib.stats();
+            if ok(&st) {
+                return st;
+            }
+            assert!(Instant::now() < deadline, "{what}: {st:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn local_copy_first_then_the_remote_duplicate_is_dropped_without_decoding() {
+        let mut ib = inbox(1, OrderingMode::None, 64);
+        let mut local = ib.local_link(&identity(0, 0)).unwrap();
+        assert!(!local.wants_bytes());
+        let first = OutFrame {
+            item: Item::Data {
+                first_seq: 0,
+                payload: rows(0..10),
+            },
+            digest: None,
+            bytes: None,
+        };
+        local.send(&first).unwrap();
+        assert_eq!(local.backlog(), 0, "room in the channel: taken at once");
+        // The remote twin's copy of the same rows: never decoded (its body is garbage),
+        // counted as duplicate, and the connection stays up.
+        let mut remote = link(ib.local_addr(), &identity(0, 1));
+        remote.send(&junk_data(0, 10)).unwrap();
+        let st = wait_for(&ib, "duplicate counted", |st| {
+            st.channels[0].duplicate_rows == 10
+        });
+        assert!(st.connections[0].open && st.connections[0].error.is_none());
+        // Garbage covering rows nobody has yet is decoded, and fails the connection.
+        remote.send(&junk_data(10, 5)).unwrap();
+        let st = wait_for(&ib, "connection failed", |st| {
+            st.connections[0].error.is_some()
+        });
+        assert_eq!(st.channels[0].accepted_rows, 10);
+        local.send(&end_at(10)).unwrap();
+        let got = drain(&mut ib, Duration::from_secs(5));
+        assert_eq!(rows_of(&got, 0), (0..10).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_local_link_holds_what_the_channel_has_no_room_for_in_order() {
+        let mut ib = inbox(1, OrderingMode::None, 2);
+        let mut local = ib.local_link(&identity(0, 0)).unwrap();
+        for i in 0..5 {
+            let f = OutFrame {
+                item: Item::Data {
+                    first_seq: i * 2,
+                    payload: rows(i as i64 * 2..i as i64 * 2 + 2),
+                },
+                digest: None,
+                bytes: None,
+            };
+            local.send(&f).unwrap();
+        }
+        local.send(&end_at(10)).unwrap();
+        assert_eq!(local.backlog(), 4, "two fit the channel, the rest waits");
+        let mut got = Vec::new();
+        while local.backlog() > 0 {
+            let d = ib.next(Duration::from_millis(100)).unwrap().unwrap();
+            flatten(d, &mut got);
+            local.flush();
+        }
+        got.extend(drain(&mut ib, Duration::from_secs(5)));
+        assert_eq!(rows_of(&got, 0), (0..10).collect::<Vec<_>>());
+        assert!(ib.local_link(&identity(5, 0)).is_err(), "not an upstream");
+        ib.close();
+        assert!(local.send(&junk_data(10, 1)).is_err(), "the inbox closed");
     }
 
     /// What one upstream replica sends: `total` rows `base + i` in emits of `emit_rows`, a
@@ -1673,7 +1911,11 @@ mod tests {
             &cfg,
         )
         .unwrap();
-        let _ = stranger.send(wire::encode_heartbeat(0, 0, 99).into());
+        let _ = stranger.send(&OutFrame {
+            item: Item::Heartbeat { seq: 0, epoch: 99 },
+            digest: None,
+            bytes: Some(wire::encode_heartbeat(0, 0, 99).into()),
+        });
 
         let got = drain(&mut ib, Duration::from_secs(30));
         good.join().unwrap();

@@ -1359,6 +1359,19 @@ impl<R: Read> FrameReader<R> {
 
     /// Read the next frame; `Ok(None)` when the stream ends cleanly between frames.
     pub fn next_frame(&mut self) -> Result<Option<Frame>> {
+        Ok(self.next_frame_unless(|_| false)?.map(|next| match next {
+            Next::Frame(f) => f,
+            Next::Skipped(_) => unreachable!("nothing is skipped"),
+        }))
+    }
+
+    /// Read the next frame, but once a Data frame's bytes are all in, leave its body
+    /// undecoded if `skip(header)` says so (a receiver that already holds every row it
+    /// covers): [`Next::Skipped`]. Its header was checked; its body never is.
+    pub fn next_frame_unless(
+        &mut self,
+        skip: impl FnOnce(&FrameHeader) -> bool,
+    ) -> Result<Option<Next>> {
         if self.body.is_none() {
             while self.header_got < HEADER_LEN {
                 let n = match self.inner.read(&mut self.header[self.header_got..]) {
@@ -1412,9 +1425,21 @@ impl<R: Read> FrameReader<R> {
         let Some((header, body, _)) = self.body.take() else {
             return Ok(None);
         };
+        if header.kind == FrameKind::Data && skip(&header) {
+            return Ok(Some(Next::Skipped(header)));
+        }
         let frame = decode_body(&header, body.into())?;
-        Ok(Some(frame))
+        Ok(Some(Next::Frame(frame)))
     }
+}
+
+/// What [`FrameReader::next_frame_unless`] read.
+#[derive(Debug)]
+pub enum Next {
+    /// A frame, decoded and checked.
+    Frame(Frame),
+    /// A Data frame read but left undecoded, by the caller's choice.
+    Skipped(FrameHeader),
 }
 
 // ---------------------------------------------------------------------------------------

@@ -111,12 +111,17 @@ struct Slot {
 }
 
 impl Slot {
-    /// Whether every link of every outbox has room for a serving.
-    fn has_credit(&self) -> bool {
-        self.cfg
-            .outboxes
-            .iter()
-            .all(|o| o.lock().as_ref().map_or(0, Outbox::backlog) < CREDIT_FRAMES)
+    /// Move what the links to replicas of this worker hold along (see
+    /// [`crate::transport::LocalLink`]); the largest backlog left over every link.
+    fn flush(&self) -> usize {
+        let mut most = 0;
+        for o in &self.cfg.outboxes {
+            if let Some(ob) = o.lock().as_mut() {
+                ob.flush();
+                most = most.max(ob.backlog());
+            }
+        }
+        most
     }
 
     /// Send heartbeats `forwarded + 1 ..= epoch` on every outbox; how many were sent.
@@ -247,7 +252,9 @@ impl Worker {
 
     /// Whether `slot`'s links have room: a source emits only then.
     pub fn ready(&self, slot: usize) -> bool {
-        self.slots.get(slot).is_some_and(Slot::has_credit)
+        self.slots
+            .get(slot)
+            .is_some_and(|s| s.flush() < CREDIT_FRAMES)
     }
 
     /// Stop serving `slot` (it finished or was abandoned by the caller).
@@ -298,6 +305,14 @@ impl Worker {
     fn serve(&mut self, idx: usize, wake: &mut Option<Instant>) -> Option<Work> {
         let stats = &mut self.stats;
         let s = &mut self.slots[idx];
+        // Links to replicas of this worker hold what their inboxes had no room for; move it
+        // along whenever the worker looks, even for a slot that finished (its end marker may
+        // be among it).
+        let backlog = s.flush();
+        if backlog > 0 {
+            let poll = Instant::now() + CREDIT_POLL;
+            *wake = Some(wake.map_or(poll, |w| w.min(poll)));
+        }
         if !s.active {
             return None;
         }
@@ -308,10 +323,8 @@ impl Worker {
                 return Some(Work::Failed { slot: idx, error });
             }
         }
-        if !s.has_credit() {
+        if backlog >= CREDIT_FRAMES {
             stats.credit_waits += 1;
-            let poll = Instant::now() + CREDIT_POLL;
-            *wake = Some(wake.map_or(poll, |w| w.min(poll)));
             return None;
         }
         if let Some(clock) = s.cfg.clock {

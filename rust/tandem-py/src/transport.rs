@@ -424,10 +424,12 @@ impl OrderFeed {
 /// to every replica of the channel's downstream partition, and keeps each channel's cycle
 /// digest, which its heartbeats carry.
 ///
-/// `me` is `(task, partition, replica)`; `downstream[c]` lists the `(host, port)` of the
-/// replicas of downstream partition `c`. Construction dials them all (in parallel, retrying
-/// until `connect_timeout`); an unreachable replica is logged and skipped, a channel with no
-/// reachable replica is an error.
+/// `me` is `(task, partition, replica)`; `downstream[c]` lists the replicas of downstream
+/// partition `c`: each a `(host, port)` to dial, or the `Inbox` itself when the replica
+/// lives in this process (the batches then go straight into its dedup, never encoded).
+/// Construction dials the others (in parallel, retrying until `connect_timeout`); an
+/// unreachable replica is logged and skipped, a channel with no reachable replica is an
+/// error.
 #[pyclass(frozen, module = "tandem._core")]
 pub struct Outbox {
     pub(crate) inner: Handle<CoreOutbox>,
@@ -467,7 +469,7 @@ impl Outbox {
         job: &str,
         secret: &[u8],
         me: (i64, i64, i64),
-        downstream: Vec<Vec<(String, i64)>>,
+        downstream: Vec<Vec<Bound<'_, PyAny>>>,
         partitioner: &str,
         key: Option<&str>,
         batch_rows: i64,
@@ -495,7 +497,7 @@ impl Outbox {
                     .to_owned(),
             ));
         }
-        let mut addrs = Vec::with_capacity(downstream.len());
+        let mut targets = Vec::with_capacity(downstream.len());
         for (c, replicas) in downstream.into_iter().enumerate() {
             if replicas.is_empty() {
                 return Err(config_err(format!(
@@ -503,7 +505,18 @@ impl Outbox {
                 )));
             }
             let mut ch = Vec::with_capacity(replicas.len());
-            for (host, port) in replicas {
+            for replica in replicas {
+                if let Ok(inbox) = replica.cast::<Inbox>() {
+                    ch.push(Target::Local(Arc::clone(&inbox.get().inner)));
+                    continue;
+                }
+                let (host, port): (String, i64) =
+                    replica.extract().map_err(|_| {
+                        config_err(format!(
+                        "downstream[{c}] holds {}; give (host, port) or an Inbox of this process",
+                        replica.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
+                    ))
+                    })?;
                 let port = u16::try_from(port)
                     .ok()
                     .filter(|&p| p != 0)
@@ -512,13 +525,13 @@ impl Outbox {
                             "downstream[{c}] port must be in 1..=65535, got {port}"
                         ))
                     })?;
-                ch.push(format!("{host}:{port}"));
+                ch.push(Target::Remote(format!("{host}:{port}")));
             }
-            addrs.push(ch);
+            targets.push(ch);
         }
         let secret = secret.to_vec();
         let outbox = py.detach(move || -> tandem_core::Result<CoreOutbox> {
-            let links = dial_all(&addrs, &me, &secret, &link_cfg)?;
+            let links = dial_all(&targets, &me, &secret, &link_cfg)?;
             CoreOutbox::new(partitioner, links, cfg)
         });
         let outbox = outbox.py()?;
@@ -605,21 +618,51 @@ impl Outbox {
     }
 }
 
-/// Dial every downstream replica in parallel. A replica that cannot be reached is logged
-/// and left out; a channel none of whose replicas can be reached fails with the last error
-/// (so a wrong secret surfaces as an authentication error).
+/// A downstream replica: an address to dial, or an inbox of this process.
+enum Target {
+    Remote(String),
+    Local(Handle<CoreInbox>),
+}
+
+impl Target {
+    fn describe(&self) -> String {
+        match self {
+            Target::Remote(addr) => addr.clone(),
+            Target::Local(inbox) => inbox.lock().as_ref().map_or_else(
+                || "a closed inbox of this process".to_owned(),
+                |ib| format!("{} (in this process)", ib.local_addr()),
+            ),
+        }
+    }
+}
+
+/// Link every downstream replica: the local ones directly, the remote ones dialled in
+/// parallel. A replica that cannot be reached is logged and left out; a channel none of
+/// whose replicas can be reached fails with the last error (so a wrong secret surfaces as
+/// an authentication error).
 fn dial_all(
-    addrs: &[Vec<String>],
+    targets: &[Vec<Target>],
     me: &Identity,
     secret: &[u8],
     cfg: &LinkConfig,
 ) -> tandem_core::Result<Vec<Vec<Box<dyn Link>>>> {
-    let results: Vec<Vec<tandem_core::Result<TcpLink>>> = std::thread::scope(|s| {
-        let handles: Vec<Vec<_>> = addrs
+    let results: Vec<Vec<tandem_core::Result<Box<dyn Link>>>> = std::thread::scope(|s| {
+        let handles: Vec<Vec<_>> = targets
             .iter()
             .map(|ch| {
                 ch.iter()
-                    .map(|a| s.spawn(move || TcpLink::connect(a, me, secret, cfg)))
+                    .map(|t| match t {
+                        Target::Remote(a) => Ok(s.spawn(move || {
+                            TcpLink::connect(a, me, secret, cfg)
+                                .map(|l| Box::new(l) as Box<dyn Link>)
+                        })),
+                        Target::Local(inbox) => Err(match inbox.lock().as_ref() {
+                            Some(ib) => ib.local_link(me).map(|l| Box::new(l) as Box<dyn Link>),
+                            None => Err(Error::Closed(
+                                "the downstream inbox in this process is closed".to_owned(),
+                            )),
+                        }),
+                    })
                     .collect()
             })
             .collect();
@@ -627,10 +670,11 @@ fn dial_all(
             .into_iter()
             .map(|ch| {
                 ch.into_iter()
-                    .map(|h| {
-                        h.join().unwrap_or_else(|_| {
+                    .map(|h| match h {
+                        Ok(h) => h.join().unwrap_or_else(|_| {
                             Err(Error::Closed("the dialing thread panicked".to_owned()))
-                        })
+                        }),
+                        Err(local) => local,
                     })
                     .collect()
             })
@@ -642,11 +686,15 @@ fn dial_all(
         let mut last_err = None;
         for (r, res) in ch.into_iter().enumerate() {
             match res {
-                Ok(link) => live.push(Box::new(link)),
+                Ok(link) => live.push(link),
+                // A local inbox that does not read from this partition is a wiring bug.
+                Err(e @ Error::Config(_)) if matches!(targets[c][r], Target::Local(_)) => {
+                    return Err(e)
+                }
                 Err(e) => {
                     eprintln!(
                         "tandem outbox: skipping downstream replica {} of channel {c}: {e}",
-                        addrs[c][r]
+                        targets[c][r].describe()
                     );
                     last_err = Some(e);
                 }
@@ -657,7 +705,11 @@ fn dial_all(
                 Some(Error::Handshake(m)) => Error::Handshake(m),
                 Some(e) => Error::Closed(format!(
                     "no replica of downstream channel {c} ({}) is reachable: {e}",
-                    addrs[c].join(", ")
+                    targets[c]
+                        .iter()
+                        .map(Target::describe)
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )),
                 None => Error::Config(format!("downstream channel {c} has no replica")),
             });
