@@ -27,12 +27,12 @@ exactly once), ``failover`` and ``cost`` against the reference executor, row by 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import psutil
 import pyarrow as pa
 
 import tandem as td
@@ -472,33 +472,12 @@ def _port(address: str) -> int:
 
 
 def listener_pid(port: int) -> int | None:
-    """The PID of the process listening on TCP ``port`` (from /proc/net/tcp{,6} and the
-    processes' open sockets), or None."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                lines = f.readlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    if not inodes:
-        return None
-    with os.scandir("/proc") as procs:
-        pids = [int(e.name) for e in procs if e.name.isdigit()]
-    for pid in pids:
-        try:
-            with os.scandir(f"/proc/{pid}/fd") as fds:
-                paths = [fd.path for fd in fds]
-        except OSError:  # gone, or not ours to read
-            continue
-        for path in paths:
-            with contextlib.suppress(OSError):  # closed meanwhile
-                if os.readlink(path) in inodes:
-                    return pid
+    """The PID of the process listening on TCP ``port`` (IPv4 or IPv6), or None (also when
+    the listener is not ours to see)."""
+    for conn in psutil.net_connections(kind="tcp"):
+        listens = conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port
+        if listens and conn.pid is not None:
+            return conn.pid
     return None
 
 
