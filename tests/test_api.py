@@ -628,6 +628,19 @@ def test_file_sinks_read_back_what_they_wrote(tmp_path, kind):
     assert back.equals(rows)
 
 
+def test_multiset_diff_counts_rows_with_nulls_and_repeats():
+    from tandem.engines.common import multiset_diff
+
+    want = pa.table({"k": [1, None, None, 2, 3], "s": ["a", "b", "b", None, "c"]})
+    assert multiset_diff(want, want) == (0, 0)
+    assert multiset_diff(want, want.select(["s", "k"]).take([4, 3, 2, 1, 0])) == (0, 0)
+    # One (None, "b") lost, (1, "a") repeated, (9, "z") never in want.
+    got = pa.table({"k": [1, 1, None, 2, 3, 9], "s": ["a", "a", "b", None, "c", "z"]})
+    assert multiset_diff(want, got) == (1, 2)
+    assert multiset_diff(want, want.slice(0, 0)) == (5, 0)
+    assert multiset_diff(want.slice(0, 0), want) == (0, 5)
+
+
 def test_reference_check_compares_file_sink_rows_not_counts(tmp_path):
     """One row lost and another duplicated leave every row count right: only the rows of
     the files, read back and compared as a multiset with the reference's, show it."""

@@ -205,15 +205,21 @@ def _check(
 
 def multiset_diff(want: pa.Table, got: pa.Table) -> tuple[int, int]:
     """(rows of ``want`` missing from ``got``, rows of ``got`` beyond ``want``), comparing
-    the tables as multisets of rows."""
-    if want.schema.names != got.schema.names:
-        got = got.select(want.schema.names)
+    the tables as multisets of rows (a null equals a null)."""
     cols = want.schema.names
-    a = want.group_by(cols).aggregate([([], "count_all")]).rename_columns([*cols, "_want"])
-    b = got.group_by(cols).aggregate([([], "count_all")]).rename_columns([*cols, "_got"])
-    j = a.join(b, keys=cols, join_type="full outer")
-    w = j.column("_want").fill_null(0).to_numpy()
-    g = j.column("_got").fill_null(0).to_numpy()
+    if got.schema.names != cols:
+        got = got.select(cols)
+
+    def tagged(t: pa.Table, w: int, g: int) -> pa.Table:
+        n = t.num_rows
+        ones = [pa.array(np.full(n, v, dtype=np.int64)) for v in (w, g)]
+        return pa.Table.from_arrays([*t.columns, *ones], names=[*cols, "_want", "_got"])
+
+    # One grouping of both tables rather than a join: a join never matches null keys.
+    both = pa.concat_tables([tagged(want, 1, 0), tagged(got, 0, 1)], promote_options="permissive")
+    counts = both.group_by(cols).aggregate([("_want", "sum"), ("_got", "sum")])
+    w = counts.column("_want_sum").to_numpy()
+    g = counts.column("_got_sum").to_numpy()
     return int(np.maximum(w - g, 0).sum()), int(np.maximum(g - w, 0).sum())
 
 
