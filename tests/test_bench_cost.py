@@ -10,6 +10,8 @@ import dataclasses
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -100,6 +102,22 @@ def test_process_cpu_counts_this_process():
     assert local.process_cpu_s(2**22 + 1) is None  # above pid_max: no such process
 
 
+def test_process_cpu_counts_an_exited_child_until_it_is_reaped():
+    # The cost meter reads live children this way and reaped ones from rusage: an exited
+    # child not yet reaped must still count.
+    child = subprocess.Popen([sys.executable, "-c", "sum(range(10**7))"])
+    while _state(child.pid) != "Z":
+        time.sleep(0.01)
+    assert local.process_cpu_s(child.pid) > 0
+    child.wait()
+    assert local.process_cpu_s(child.pid) is None
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_listener_pid_finds_who_listens_on_a_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,6 +125,10 @@ def test_listener_pid_finds_who_listens_on_a_port():
         port = s.getsockname()[1]
         assert bench.listener_pid(port) == os.getpid()
     assert bench.listener_pid(port) is None
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        s.listen()
+        assert bench.listener_pid(s.getsockname()[1]) == os.getpid()
 
 
 @pytest.mark.parametrize(

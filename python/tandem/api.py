@@ -619,21 +619,21 @@ JSON_FIELDS = (
 class Result:
     """What a run reports. ``to_json()`` writes exactly :data:`JSON_FIELDS`.
 
-    ``events_in``: rows released by all sources; ``events_out``: rows delivered to all sinks
-    (a row reaching two sinks counts twice). ``lost``/``duplicates``: rows of the reference
-    execution's output missing from / repeated in the run's (None when a run skipped that
-    check); latency fields are in ms (None when the run measured no latency, e.g. the
-    reference executor, which has no clock); ``faults`` the faults injected (dicts),
-    ``lost_replicas`` the replicas that died (dicts with task, partition, replica);
+    ``events_in``: rows released by all sources; ``events_out``: rows delivered to all sinks (a
+    row reaching two sinks counts twice). ``lost``/``duplicates``: rows of the reference
+    execution's output missing from / repeated in the run's, every sink's rows compared as a
+    multiset (file sinks' read back from their files; None when a run skipped that check or
+    could not read a sink's output back); latency fields are in ms (None when the run measured
+    no latency, e.g. the reference executor, which has no clock); ``faults`` the faults injected
+    (dicts), ``lost_replicas`` the replicas that died (dicts with task, partition, replica);
     ``output`` the rows of the first Collect sink (a pyarrow.Table; in JSON: ``{"rows": n,
-    "columns": [...]}``). Not in JSON: ``outputs`` (every sink's combined value by sink
-    name) and ``t0_ns`` (the logical time origin of the run: pass it to ``run_reference`` to
-    reproduce event times); ``determinism_errors``, one message per task partition whose
-    replicas' output digests differed (each is also logged as a DeterminismError;
-    ``digests_match`` is then false); ``rss_mb``, the peak resident memory of each replica
-    process (engines that measure it). ``leaders``, for KaZoo-ordered partitions (by
-    ``"task[partition]"``): who led, in epoch order — ``{"replica", "epoch", "from_s",
-    "until_s"}``, seconds from the run's start.
+    "columns": [...]}``). Not in JSON: ``outputs`` (every sink's combined value by sink name)
+    and ``t0_ns`` (the logical time origin of the run: pass it to ``run_reference`` to reproduce
+    event times); ``determinism_errors``, one message per task partition whose replicas' output
+    digests differed (each is also logged as a DeterminismError; ``digests_match`` is then
+    false); ``rss_mb``, the peak resident memory of each replica process (engines that measure
+    it). ``leaders``, for KaZoo-ordered partitions (by ``"task[partition]"``): who led, in epoch
+    order — ``{"replica", "epoch", "from_s", "until_s"}``, seconds from the run's start.
 
     What the run cost the machine (engines that measure it, the local engine; None
     otherwise; not in JSON — ``tandem bench cost`` reports them): ``processes``, the OS

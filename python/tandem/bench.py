@@ -19,19 +19,24 @@
   CPU for KaZoo, peak memory, time to the first output, and ratios against r = 1 of the
   same run, next to the targets of :data:`COST_TARGETS`.
 
-Each writes rows of JSON; the CLI (``tandem bench ...``) prints them as a table.
+Each writes rows of JSON; the CLI (``tandem bench ...``) prints them as a table. Every row
+says whether its output was complete and unrepeated (``lost``, ``duplicates``): ``mib1`` and
+``throughput`` by a sequence check at the sink (:class:`SequenceSink`: every source row
+exactly once), ``failover`` and ``cost`` against the reference executor, row by row.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from dataclasses import asdict, dataclass
 
+import numpy as np
+import psutil
 import pyarrow as pa
 
 import tandem as td
+from tandem.operators import SOURCE_SEQ
 
 CONFIGS = {
     "replication=1": {"replication": 1, "ordering": "liverobin"},
@@ -80,6 +85,87 @@ def mib1_job(
     return job
 
 
+@dataclass(frozen=True)
+class Sequences:
+    """The ``source_seq`` values a :class:`SequenceSink` received: ``runs``, the distinct
+    values as sorted, disjoint half-open ranges ``[start, end)`` (an ``(n, 2)`` int64
+    array), and ``repeats``, how many rows repeated a value already received."""
+
+    runs: np.ndarray
+    repeats: int
+
+    def check(self, expected: int) -> tuple[int, int]:
+        """(lost, duplicates) against exactly one row of each of ``source_seq`` ``0 ..
+        expected - 1``: lost, the values missing; duplicates, the repeats plus the values
+        outside that range."""
+        starts, ends = self.runs[:, 0], self.runs[:, 1]
+        inside = np.maximum(0, np.minimum(ends, expected) - np.maximum(starts, 0)).sum()
+        outside = (ends - starts).sum() - inside
+        return int(expected - inside), int(self.repeats + outside)
+
+
+def _runs(values: np.ndarray) -> np.ndarray:
+    """Sorted distinct int64 ``values`` as runs ``[start, end)`` of consecutive values."""
+    if not len(values):
+        return np.empty((0, 2), dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(values) != 1) + 1
+    starts = values[np.concatenate(([0], breaks))]
+    ends = values[np.concatenate((breaks - 1, [len(values) - 1]))] + 1
+    return np.stack([starts, ends], axis=1)
+
+
+class SequenceSink(td.sinks.Sink):
+    """Keeps only the ``source_seq`` of every row it receives, compacted into runs when the
+    stream ends (:class:`Sequences`): the output check of a job that delivers every source
+    row exactly once, such as MiB1 (identity maps), without the reference executor — cheap
+    enough for the highest rates. Latency is measured by the engine, as for any sink."""
+
+    def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
+        super().open(partition, parallelism, schema)
+        if schema is not None and SOURCE_SEQ not in schema.names:
+            raise td.ConfigError(f"SequenceSink: its input has no {SOURCE_SEQ!r} column")
+        self.seqs: list[np.ndarray] = []
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows:  # a copy: a view would keep the whole received frame alive
+            self.seqs.append(np.array(batch.column(SOURCE_SEQ), dtype=np.int64))
+
+    def close(self) -> Sequences:
+        seqs = np.sort(np.concatenate(self.seqs)) if self.seqs else np.empty(0, np.int64)
+        self.seqs = []
+        distinct = np.unique(seqs)
+        return Sequences(_runs(distinct), len(seqs) - len(distinct))
+
+    def combine(self, parts: list, schema: pa.Schema | None = None) -> Sequences:
+        parts = [p for p in parts if p is not None]
+        runs = np.concatenate([p.runs for p in parts]) if parts else np.empty((0, 2), np.int64)
+        merged = _merge(runs)
+        # Values that two partitions both received are repeats too.
+        overlap = int((runs[:, 1] - runs[:, 0]).sum() - (merged[:, 1] - merged[:, 0]).sum())
+        return Sequences(merged, sum(p.repeats for p in parts) + overlap)
+
+
+def _merge(runs: np.ndarray) -> np.ndarray:
+    """The union of runs ``[start, end)`` as sorted, disjoint runs."""
+    if not len(runs):
+        return runs
+    runs = runs[np.argsort(runs[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(runs[:, 1])  # the furthest end so far
+    first = np.flatnonzero(np.concatenate(([True], runs[1:, 0] > reach[:-1])))
+    last = np.concatenate((first[1:] - 1, [len(runs) - 1]))
+    return np.stack([runs[first, 0], reach[last]], axis=1)
+
+
+def sequence_check(res: td.Result) -> tuple[int, int]:
+    """(lost, duplicates) of a run whose :class:`SequenceSink` must have received every
+    source row exactly once (``source_seq`` 0 .. ``events_in`` - 1, ``events_in`` from the
+    plan's schedules, not from the run)."""
+    seqs = [v for v in res.outputs.values() if isinstance(v, Sequences)]
+    if len(seqs) != 1:
+        raise td.TandemError(f"sequence_check: the job needs one SequenceSink, got {len(seqs)}")
+    return seqs[0].check(res.events_in)
+
+
 @dataclass
 class Row:
     config: str
@@ -89,13 +175,16 @@ class Row:
     max_ms: float
     rate: int
     events_out: int
-    lost: int | None  # None: the benchmarks skip the reference check
-    duplicates: int | None
+    lost: int
+    """Source rows that never reached the sink (a sequence check at the sink)."""
+    duplicates: int
+    """Rows the sink received more than once."""
     rss_mb_max: float
 
 
 def _row(config: str, length: int, rate: int, res: td.Result) -> Row:
     rss = max(res.rss_mb.values(), default=0.0)
+    lost, duplicates = sequence_check(res)
     return Row(
         config,
         length,
@@ -104,8 +193,8 @@ def _row(config: str, length: int, rate: int, res: td.Result) -> Row:
         round(res.max_ms, 2),
         rate,
         res.events_out,
-        res.lost,
-        res.duplicates,
+        lost,
+        duplicates,
         round(rss, 1),
     )
 
@@ -123,7 +212,8 @@ def mib1(
     for length in lengths:
         for config in configs:
             opts = CONFIGS[config]
-            job = mib1_job(length, opts["replication"], opts["ordering"], rate, kazoo)
+            sink = SequenceSink()  # checks the output: the reference would take too long
+            job = mib1_job(length, opts["replication"], opts["ordering"], rate, kazoo, sink)
             print(f"mib1: length {length}, {config} ...", file=log, flush=True)
             res = job.run(duration=warmup + measure, warmup=warmup, progress=False, check=False)
             rows.append(_row(config, length, rate, res))
@@ -138,7 +228,7 @@ def throughput(
     """The highest sustained rate of a replicated (r=2, LiveRobin) length-1 pipeline."""
     rows, best, limit = [], 0, None
     for rate in rates:
-        job = mib1_job(1, 2, "liverobin", rate, keyed=False)
+        job = mib1_job(1, 2, "liverobin", rate, sink=SequenceSink(), keyed=False)
         print(f"throughput: {rate} ev/s ...", file=log, flush=True)
         res = job.run(duration=duration, warmup=duration * 2 / 3, progress=False, check=False)
         row = _row("liverobin", 1, rate, res)
@@ -168,8 +258,8 @@ class FailoverRow:
     """Median of the per-second p99 over the seconds before the kill."""
     peak_after_ms: float
     """Highest per-second p99 from the kill to 5 s after it."""
-    lost: int | None
-    duplicates: int | None
+    lost: int
+    duplicates: int
     digests_match: bool
     per_second_p99_ms: list
 
@@ -183,8 +273,6 @@ def failover(
     log=sys.stderr,
 ) -> list[FailoverRow]:
     """The paper's fault experiment (see the module documentation), each case in turn."""
-    import numpy as np
-
     rows = []
     for case in cases:
         ordering, replica = FAILOVER_CASES[case]
@@ -384,33 +472,12 @@ def _port(address: str) -> int:
 
 
 def listener_pid(port: int) -> int | None:
-    """The PID of the process listening on TCP ``port`` (from /proc/net/tcp{,6} and the
-    processes' open sockets), or None."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                lines = f.readlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    if not inodes:
-        return None
-    with os.scandir("/proc") as procs:
-        pids = [int(e.name) for e in procs if e.name.isdigit()]
-    for pid in pids:
-        try:
-            with os.scandir(f"/proc/{pid}/fd") as fds:
-                paths = [fd.path for fd in fds]
-        except OSError:  # gone, or not ours to read
-            continue
-        for path in paths:
-            with contextlib.suppress(OSError):  # closed meanwhile
-                if os.readlink(path) in inodes:
-                    return pid
+    """The PID of the process listening on TCP ``port`` (IPv4 or IPv6), or None (also when
+    the listener is not ours to see)."""
+    for conn in psutil.net_connections(kind="tcp"):
+        listens = conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port
+        if listens and conn.pid is not None:
+            return conn.pid
     return None
 
 
@@ -764,7 +831,6 @@ def plot_cost(rows: list[CostRow], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     workloads = list(dict.fromkeys(r.workload for r in rows))
     configs = list(dict.fromkeys(r.config for r in rows))

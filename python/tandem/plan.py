@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 
 from tandem.exceptions import ConfigError
 from tandem.operators import (
@@ -533,153 +534,13 @@ HASH_SEED = 0x74616E64656D0001
 NULL_KEY_CHANNEL = 0
 
 _M64 = (1 << 64) - 1
-_P32_1, _P32_2, _P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
-_P64_1, _P64_2, _P64_3 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
-_P64_4, _P64_5 = 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5
-_SECRET = bytes.fromhex(
-    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
-    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
-    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
-    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
-    "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
-    "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
-)
-
-
-def _r64(b: bytes, i: int) -> int:
-    return int.from_bytes(b[i : i + 8], "little")
-
-
-def _r32(b: bytes, i: int) -> int:
-    return int.from_bytes(b[i : i + 4], "little")
-
-
-def _avalanche(h: int) -> int:
-    h ^= h >> 37
-    h = (h * 0x165667919E3779F9) & _M64
-    return h ^ (h >> 32)
-
-
-def _xxh64_avalanche(h: int) -> int:
-    h ^= h >> 33
-    h = (h * _P64_2) & _M64
-    h ^= h >> 29
-    h = (h * _P64_3) & _M64
-    return h ^ (h >> 32)
-
-
-def _rotl(v: int, r: int) -> int:
-    return ((v << r) | (v >> (64 - r))) & _M64
-
-
-def _fold(a: int, b: int) -> int:
-    p = a * b
-    return (p & _M64) ^ (p >> 64)
-
-
-def _mix16(data: bytes, i: int, secret: bytes, s: int, seed: int) -> int:
-    lo = _r64(data, i) ^ ((_r64(secret, s) + seed) & _M64)
-    hi = _r64(data, i + 8) ^ ((_r64(secret, s + 8) - seed) & _M64)
-    return _fold(lo, hi)
-
-
-def _bswap64(v: int) -> int:
-    return int.from_bytes(v.to_bytes(8, "little"), "big")
-
-
-def _bswap32(v: int) -> int:
-    return int.from_bytes(v.to_bytes(4, "little"), "big")
 
 
 def xxh3_64(data: bytes, seed: int = 0) -> int:
-    """XXH3-64 with a seed (a port of xxhash-rust's ``xxh3_64_with_seed``): the hash the
-    Rust outbox routes keys with, so the reference executor routes rows identically."""
-    n = len(data)
-    s = _SECRET
-    seed &= _M64
-    if n == 0:
-        return _xxh64_avalanche(seed ^ _r64(s, 56) ^ _r64(s, 64))
-    if n <= 3:
-        combo = (data[0] << 16) | (data[n >> 1] << 24) | data[n - 1] | (n << 8)
-        flip = ((_r32(s, 0) ^ _r32(s, 4)) + seed) & _M64
-        return _xxh64_avalanche(combo ^ flip)
-    if n <= 8:
-        seed2 = seed ^ (_bswap32(seed & 0xFFFFFFFF) << 32)
-        in1, in2 = _r32(data, 0), _r32(data, n - 4)
-        flip = ((_r64(s, 8) ^ _r64(s, 16)) - seed2) & _M64
-        keyed = ((in2 + (in1 << 32)) & _M64) ^ flip
-        v = keyed ^ _rotl(keyed, 49) ^ _rotl(keyed, 24)
-        v = (v * 0x9FB21C651E98DF25) & _M64
-        v ^= ((v >> 35) + n) & _M64
-        v = (v * 0x9FB21C651E98DF25) & _M64
-        return v ^ (v >> 28)
-    if n <= 16:
-        flip1 = ((_r64(s, 24) ^ _r64(s, 32)) + seed) & _M64
-        flip2 = ((_r64(s, 40) ^ _r64(s, 48)) - seed) & _M64
-        lo = _r64(data, 0) ^ flip1
-        hi = _r64(data, n - 8) ^ flip2
-        return _avalanche((n + _bswap64(lo) + hi + _fold(lo, hi)) & _M64)
-    if n <= 128:
-        acc = (n * _P64_1) & _M64
-        if n > 32:
-            if n > 64:
-                if n > 96:
-                    acc += _mix16(data, 48, s, 96, seed) + _mix16(data, n - 64, s, 112, seed)
-                acc += _mix16(data, 32, s, 64, seed) + _mix16(data, n - 48, s, 80, seed)
-            acc += _mix16(data, 16, s, 32, seed) + _mix16(data, n - 32, s, 48, seed)
-        acc += _mix16(data, 0, s, 0, seed) + _mix16(data, n - 16, s, 16, seed)
-        return _avalanche(acc & _M64)
-    if n <= 240:
-        acc = (n * _P64_1) & _M64
-        for i in range(8):
-            acc += _mix16(data, 16 * i, s, 16 * i, seed)
-        acc = _avalanche(acc & _M64)
-        for i in range(8, n // 16):
-            acc += _mix16(data, 16 * i, s, 16 * (i - 8) + 3, seed)
-        acc += _mix16(data, n - 16, s, 136 - 17, seed)
-        return _avalanche(acc & _M64)
-    return _xxh3_long(data, _custom_secret(seed))
-
-
-def _custom_secret(seed: int) -> bytes:
-    if seed == 0:
-        return _SECRET
-    out = bytearray()
-    for i in range(len(_SECRET) // 16):
-        out += ((_r64(_SECRET, 16 * i) + seed) & _M64).to_bytes(8, "little")
-        out += ((_r64(_SECRET, 16 * i + 8) - seed) & _M64).to_bytes(8, "little")
-    return bytes(out)
-
-
-def _accumulate(acc: list[int], data: bytes, i: int, secret: bytes, s: int) -> None:
-    for k in range(8):
-        v = _r64(data, i + 8 * k)
-        key = v ^ _r64(secret, s + 8 * k)
-        acc[k ^ 1] = (acc[k ^ 1] + v) & _M64
-        acc[k] = (acc[k] + (key & 0xFFFFFFFF) * (key >> 32)) & _M64
-
-
-def _xxh3_long(data: bytes, secret: bytes) -> int:
-    n = len(data)
-    acc = [_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1]
-    stripes = (len(secret) - 64) // 8
-    block = 64 * stripes
-    blocks = (n - 1) // block
-    for b in range(blocks):
-        for k in range(stripes):
-            _accumulate(acc, data, b * block + 64 * k, secret, 8 * k)
-        for k in range(8):
-            v = acc[k] ^ (acc[k] >> 47) ^ _r64(secret, len(secret) - 64 + 8 * k)
-            acc[k] = (v * _P32_1) & _M64
-    for k in range(((n - 1) - block * blocks) // 64):
-        _accumulate(acc, data, blocks * block + 64 * k, secret, 8 * k)
-    _accumulate(acc, data, n - 64, secret, len(secret) - 64 - 7)
-    result = (n * _P64_1) & _M64
-    for k in range(4):
-        result += _fold(
-            acc[2 * k] ^ _r64(secret, 11 + 16 * k), acc[2 * k + 1] ^ _r64(secret, 11 + 16 * k + 8)
-        )
-    return _avalanche(result & _M64)
+    """XXH3-64 with a seed (the ``xxhash`` package, i.e. the reference C implementation):
+    the hash the Rust outbox routes keys with (xxhash-rust's ``xxh3_64_with_seed``), so the
+    reference executor routes rows identically."""
+    return xxhash.xxh3_64_intdigest(data, seed=seed & _M64)
 
 
 def _key_bytes(value: Any, typ: pa.DataType) -> bytes:

@@ -148,13 +148,16 @@ def run(
     duration: float,
     t0_ns: int = 0,
     orders: dict[tuple[int, int], list[tuple[int, int]]] | None = None,
+    in_memory: bool = False,
 ) -> Result:
     """Run ``plan`` for ``duration`` seconds of source time; return its Result.
 
     ``orders`` gives, for KaZoo-ordered ``(task, partition)`` s, the order entries a run's
     replicas followed (:func:`tandem.ordering.kazoo.read_orders`): those partitions then
     consume in that order instead of LiveRobin's, so the result is the one output that run
-    must have produced."""
+    must have produced. ``in_memory``: every sink is a :class:`~tandem.sinks.Collect`, so
+    that every output is a table of the sink's input rows and nothing is written anywhere
+    (what an oracle needs: a file sink would overwrite the files of the run it checks)."""
     chans: dict[ChannelKey, list[Item]] = {}
     events_in = 0
     events_out = 0
@@ -178,15 +181,20 @@ def run(
                 _run_operator(plan, task, p, t0_ns, chans, (orders or {}).get((task.id, p)))
         else:
             parts = []
+            proto = Collect() if in_memory else task.sink
             for p in range(task.parallelism):
-                sink = plan.open_sink(task.id, p)
+                if in_memory:
+                    sink = Collect()
+                    sink.open(p, task.parallelism, task.schema)
+                else:
+                    sink = plan.open_sink(task.id, p)
                 _, queues = _queues(plan, task, p, chans)
                 for step in live_robin(queues):
                     if step[0] == "data":
                         events_out += step[2].num_rows
                         sink.write(step[2])
                 parts.append(sink.close())
-            outputs[task.name] = task.sink.combine(parts, task.schema)
+            outputs[task.name] = proto.combine(parts, task.schema)
             if first_collect is None and isinstance(task.sink, Collect):
                 first_collect = task.name
     return Result(

@@ -10,7 +10,9 @@ hands every row exactly once, in consumption order, to its sink instance::
 The plan keeps an unopened prototype of each sink; every sink partition gets its own deep
 copy, so a sink keeps per-partition state in ``self``. ``close()`` returns a picklable value
 (or None) that the engine ships back to the coordinator; :meth:`Sink.combine` merges the
-partitions' values, in partition order, into what the Result exposes.
+partitions' values, in partition order, into what the Result exposes, and
+:meth:`Sink.rows` reads the rows back out of that value (from the files a file sink wrote),
+so that the engines can compare them with the reference executor's, row by row.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ class Sink(abc.ABC):
         """Merge the partitions' ``close()`` values (in partition order); ``schema`` is the
         sink's input schema. Runs wherever the Result is assembled."""
         return None
+
+    def rows(self, value: Any, schema: pa.Schema | None = None) -> pa.Table | None:
+        """The rows ``value`` (what :meth:`combine` returned) holds, read back from wherever
+        the sink put them, as a table of some of the input's columns (``schema``); None if
+        the sink keeps nothing to read back. The engines' reference check compares them, as
+        a multiset, with the reference run's rows projected onto the same columns; a sink
+        without rows is checked by row counts only. The default: ``value`` itself if it is
+        a table."""
+        return value if isinstance(value, pa.Table) else None
 
 
 def _concat(parts: list[pa.Table | None], schema: pa.Schema | None) -> pa.Table | None:
@@ -100,6 +111,18 @@ class _FileSink(Sink):
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> list[str]:
         return [p for p in parts if p]
 
+    def rows(self, value: Any, schema: pa.Schema | None = None) -> pa.Table:
+        """Every row of the files ``value`` lists (in that order), read back with the
+        column types of ``schema``."""
+        tables = [self._read(f, schema) for f in value]
+        if not tables:
+            return pa.table({}) if schema is None else schema.empty_table()
+        return pa.concat_tables(tables)
+
+    @abc.abstractmethod
+    def _read(self, file: str, schema: pa.Schema | None) -> pa.Table:
+        """The rows of one file this sink wrote."""
+
     @abc.abstractmethod
     def _writer(self, schema: pa.Schema):
         """The open writer of ``self.file``, created on first use."""
@@ -133,6 +156,11 @@ class Parquet(_FileSink):
             self.writer = pq.ParquetWriter(self.file, schema)
         return self.writer
 
+    def _read(self, file: str, schema: pa.Schema | None) -> pa.Table:
+        import pyarrow.parquet as pq
+
+        return pq.read_table(file, schema=schema)
+
 
 class Csv(_FileSink):
     """Writes CSV with a header: to ``path`` itself when the sink has one partition, else
@@ -156,6 +184,18 @@ class Csv(_FileSink):
         if self.writer is None:
             self.writer = pacsv.CSVWriter(self.file, schema)
         return self.writer
+
+    def _read(self, file: str, schema: pa.Schema | None) -> pa.Table:
+        import pyarrow.csv as pacsv
+
+        # The writer quotes every string and leaves nulls empty and unquoted.
+        convert = pacsv.ConvertOptions(
+            column_types=schema,
+            strings_can_be_null=True,
+            quoted_strings_can_be_null=False,
+        )
+        table = pacsv.read_csv(file, convert_options=convert)
+        return table if schema is None else table.select(schema.names).cast(schema)
 
 
 LATENCY_SCHEMA = pa.schema(
@@ -196,6 +236,10 @@ class Latency(Sink):
 
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> pa.Table:
         return _concat(parts, LATENCY_SCHEMA)
+
+    def rows(self, value: Any, schema: pa.Schema | None = None) -> pa.Table:
+        """The event times of the rows received (the only input column it keeps)."""
+        return value.select([EVENT_TIME])
 
 
 __all__ = ["LATENCY_SCHEMA", "Collect", "Csv", "Latency", "Parquet", "Sink"]

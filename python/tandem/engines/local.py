@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
+import psutil
+
 from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options, multiset_diff
 from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError, TaskFailed
@@ -87,18 +89,14 @@ def _child(plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooR
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU-seconds of process ``pid`` so far (all its threads), from
-    ``/proc/<pid>/stat``; None if there is no such process (or no /proc). Resolution: one
-    clock tick (10 ms on Linux)."""
+    """User + system CPU-seconds of process ``pid`` so far (all its threads, not its
+    children; a zombie's too); None if there is no such process. Resolution: one clock
+    tick (10 ms on Linux)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return None
-    # Fields after the command name (which may hold spaces): state is field 3, utime 14,
-    # stime 15 (proc(5)).
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return times.user + times.system
 
 
 def _children_cpu_s() -> float:
@@ -119,9 +117,10 @@ class _CostMeter:
     before the run returns (:meth:`_Run.stop`), so the CPU they used — start-up, run,
     shutdown — is exactly the growth of ``getrusage(RUSAGE_CHILDREN)`` across the run.
     The steady state is bracketed by two readings of the CPU used so far (reaped children
-    from rusage, live ones from ``/proc``): when the warm-up ends and when the stream does
-    (t0 + duration), which leaves process start-up and shutdown out. Only the coordinator
-    thread reaps children, so nothing is counted twice or missed within a reading.
+    from rusage, live ones by :func:`process_cpu_s`): when the warm-up ends and when the
+    stream does (t0 + duration), which leaves process start-up and shutdown out. Only the
+    coordinator thread reaps children, so nothing is counted twice or missed within a
+    reading.
     """
 
     def __init__(self, warmup: float) -> None:
@@ -346,12 +345,11 @@ class _Run:
         self._rss_at = time.monotonic()
         for w in running:
             try:
-                with open(f"/proc/{self.procs[w].pid}/status") as f:
-                    kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-            except (OSError, StopIteration):
+                rss = psutil.Process(self.procs[w].pid).memory_info().rss
+            except psutil.Error:
                 continue
             name = self._worker_name(w)
-            self.rss_mb[name] = max(self.rss_mb.get(name, 0.0), kb / 1024)
+            self.rss_mb[name] = max(self.rss_mb.get(name, 0.0), rss / 2**20)
 
     # -- faults ---------------------------------------------------------------------------
 

@@ -1,0 +1,65 @@
+"""`tandem bench mib1` / `throughput`: every row says whether its output was complete and
+unrepeated, by a sequence check at the sink (the reference executor would take too long at
+their rates)."""
+
+import dataclasses
+import io
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import tandem as td
+from tandem import bench
+
+
+def _batch(seqs) -> pa.RecordBatch:
+    seqs = np.asarray(seqs, dtype=np.int64)
+    return pa.RecordBatch.from_arrays(
+        [pa.array(seqs), pa.array(seqs * 1000)], names=["source_seq", "event_time_ns"]
+    )
+
+
+def _received(*partitions) -> bench.Sequences:
+    """What a SequenceSink of ``len(partitions)`` partitions reports, partition ``p``
+    receiving the batches ``partitions[p]``."""
+    proto, parts = bench.SequenceSink(), []
+    for p, batches in enumerate(partitions):
+        sink = bench.SequenceSink()
+        sink.open(p, len(partitions), _batch([]).schema)
+        for seqs in batches:
+            sink.write(_batch(seqs))
+        parts.append(sink.close())
+    return proto.combine(parts)
+
+
+def test_sequence_check_counts_what_is_missing_and_what_is_repeated():
+    interleaved = [range(0, 100, 2), range(1, 100, 2)]  # two channels, in any order
+    assert _received(interleaved).check(100) == (0, 0)
+    assert _received([range(0, 60)], [range(60, 100)]).check(100) == (0, 0)
+    # Row 10 lost and row 20 repeated: the row count is right, the check is not fooled.
+    swapped = [[*range(0, 10), *range(11, 50), 20]], [range(50, 100)]
+    assert _received(*swapped).check(100) == (1, 1)
+    # A row both partitions received, and one the source never released.
+    assert _received([range(0, 60)], [range(50, 100), [100]]).check(100) == (0, 11)
+    assert _received([], []).check(5) == (5, 0)
+    assert _received([range(5)]).check(0) == (0, 5)
+
+
+def test_sequence_sink_needs_source_seq():
+    with pytest.raises(td.ConfigError, match="source_seq"):
+        bench.SequenceSink().open(0, 1, pa.schema([("x", pa.int64())]))
+
+
+def test_mib1_and_throughput_rows_report_lost_and_duplicates_as_ints():
+    types = {f.name: f.type for f in dataclasses.fields(bench.Row)}
+    assert types["lost"] in (int, "int") and types["duplicates"] in (int, "int")
+    rows = bench.mib1(
+        lengths=(1,), configs=("liverobin",), rate=1_000, warmup=0.5, measure=1.0, log=io.StringIO()
+    )
+    best, more = bench.throughput(rates=(2_000,), duration=1.5, log=io.StringIO())
+    assert best == 2_000
+    for row in [*rows, *more]:
+        assert type(row.lost) is int and type(row.duplicates) is int, row
+        assert row.lost == 0 and row.duplicates == 0, row
+        assert row.events_out > 0
