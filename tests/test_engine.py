@@ -63,12 +63,16 @@ def bucket_again(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch.append_column("tag", pc.multiply(batch.column("bucket"), 2))
 
 
-def union_job(ordering: str) -> td.Job:
+def union_job(ordering: str, spread: bool = False) -> td.Job:
     """Two sources merged into one stateful task: its per-key counts depend on the order
-    in which the replicas consume the two inputs."""
-    job = td.Job("union", replication=2, ordering=ordering)
+    in which the replicas consume the two inputs. ``spread``: source ``b`` has a second
+    partition, in a second worker of each replica group, so part of the input reaches the
+    task over TCP (within one worker, batches pass in memory in the worker's own order)."""
+    job = td.Job("union", replication=2, ordering=ordering, workers=2 if spread else None)
     a = job.source(td.sources.Synthetic(rate=RATE, keys=5, seed=1), name="a")
-    b = job.source(td.sources.Synthetic(rate=RATE, keys=5, seed=2), name="b")
+    b = job.source(
+        td.sources.Synthetic(rate=RATE, keys=5, seed=2), name="b", parallelism=2 if spread else 1
+    )
     a.union(b).key_by("key").process(td.CountPerKey(), parallelism=1, name="count").sink(
         td.sinks.Collect()
     )
@@ -183,8 +187,9 @@ def test_file_and_latency_sinks_are_checked_row_by_row(tmp_path):
     assert sorted(rows["source_seq"].to_pylist()) == list(range(n))
 
 
-def test_multi_input_liverobin_replicas_agree():
-    job = union_job("liverobin")
+@pytest.mark.parametrize("spread", [False, True])
+def test_multi_input_liverobin_replicas_agree(spread):
+    job = union_job("liverobin", spread=spread)
     res = job.run(duration=DURATION, progress=False)
     assert res.digests_match, res.determinism_errors
     assert_same_as_reference(job, res)
@@ -196,7 +201,7 @@ def test_multi_input_none_divergence_is_detected():
     default, stop the job."""
     for _ in range(3):
         try:
-            union_job("none").run(duration=DURATION, progress=False)
+            union_job("none", spread=True).run(duration=DURATION, progress=False)
         except td.DeterminismError as exc:
             assert "'count' partition 0: replicas" in str(exc)
             return

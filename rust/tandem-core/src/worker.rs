@@ -257,9 +257,19 @@ impl Worker {
             .is_some_and(|s| s.flush() < CREDIT_FRAMES)
     }
 
-    /// Stop serving `slot` (it finished or was abandoned by the caller).
+    /// Stop serving `slot` (it finished or was abandoned by the caller), and stop its
+    /// inbox receiving (its counters stay readable): what its upstream replicas still send
+    /// it would never be taken, so their links to it fail now, as they would to a closed
+    /// process, and they stop waiting for it — a replica whose every downstream replica is
+    /// gone is abandoned in turn.
     pub fn retire(&mut self, slot: usize) -> Result<()> {
-        self.slot(slot)?.active = false;
+        let s = self.slot(slot)?;
+        s.active = false;
+        if let Some(h) = &s.cfg.inbox {
+            if let Some(ib) = h.lock().as_mut() {
+                ib.close();
+            }
+        }
         Ok(())
     }
 
