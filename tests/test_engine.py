@@ -34,8 +34,10 @@ def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch
 
 
-def pipeline(replication: int, ordering: str = "liverobin", fn=bucket) -> td.Job:
-    job = td.Job("pipe", replication=replication, ordering=ordering)
+def pipeline(
+    replication: int, ordering: str = "liverobin", fn=bucket, workers: int | None = None
+) -> td.Job:
+    job = td.Job("pipe", replication=replication, ordering=ordering, workers=workers)
     ev = job.source(td.sources.Synthetic(rate=RATE, keys=50, seed=3), parallelism=2)
     counted = (
         ev.map(fn, parallelism=2, name="enrich")
@@ -166,6 +168,23 @@ def test_killed_replica_is_masked(replication):
     assert res.faults and res.faults[0]["task"] == task
     # masked: no stall longer than a few heartbeat periods plus scheduling noise
     assert res.max_gap_ms < 500
+
+
+def test_a_kill_may_name_the_worker():
+    job = pipeline(2, workers=2)  # two workers per replica group, split by partition
+    placement = job.plan().placement()
+    assert len(placement) == 2 * 2 + 1
+    res = job.run(duration=DURATION, faults=[td.KillWorker(3, at=1.0)], progress=False)
+    assert_same_as_reference(job, res)
+    (fault,) = res.faults
+    assert (fault["kind"], fault["worker"]) == ("killworker", 3)
+    names = {t.id: t.name for t in job.plan().tasks}
+    hosted = {(names[t], p, r) for t, p, r in placement[3]}
+    assert testing.lost_replicas(res) == testing.killed_replicas(res) == hosted
+    with pytest.raises(td.ConfigError, match="unreplicated sinks"):
+        job.run(duration=DURATION, faults=[td.KillWorker(4, at=1.0)], progress=False)
+    with pytest.raises(td.ConfigError, match="worker must be"):
+        td.KillWorker(-1, at=1.0)
 
 
 def test_file_and_latency_sinks_are_checked_row_by_row(tmp_path):

@@ -55,9 +55,17 @@ def assert_masked(res: td.Result) -> None:
 
 
 def test_fault_free_run_follows_one_leader_per_partition(zookeeper, kafka):
-    res = kazoo_job(kafka).run(duration=3.0, progress=False)
+    job = kazoo_job(kafka)
+    res = job.run(duration=3.0, progress=False)
     assert_masked(res)
     assert sorted(res.leaders) == ["count[0]", "count[1]", "relay[0]", "relay[1]"]
+    # One ZooKeeper session per worker, shared by the four ordered partitions it hosts;
+    # none expired without a fault.
+    plan = job.plan()
+    ordered = set(plan.ordered_partitions())
+    workers = [w for w in plan.placement() if any((t, p) in ordered for t, p, _ in w)]
+    assert len(res.kazoo_sessions) == len(workers) == 2, res.kazoo_sessions
+    assert all(s["expired"] == 0 for s in res.kazoo_sessions), res.kazoo_sessions
     for name, terms in res.leaders.items():
         # Usually one leader through the input (when it has consumed everything it stops,
         # and its twin may lead for the last few milliseconds). A starved machine can let
@@ -193,20 +201,22 @@ def test_order_log_fences_stale_epochs_and_ignores_replays():
 
 
 def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
-    """What a replica does on SIGTERM (`Orderer.stop`): close its session, so its twin
-    leads in milliseconds instead of after a session timeout."""
+    """What a worker does on SIGTERM (`KazooSession.stop`): close its session, so its
+    twin leads in milliseconds instead of after a session timeout."""
     job = kazoo_job(kafka, name="kz-handover", session_timeout_s=5.0)
     plan = job.plan()
     (task, partition), *_ = plan.ordered_partitions()
     run = kazoo.prepare(plan)
     upstreams = [(c.task, c.partition) for c in plan.input_channels(task, partition)]
     inboxes = [_core.Inbox("kz", b"s", upstreams, ordering="kazoo") for _ in range(2)]
+    sessions = [kazoo.KazooSession(run, name=f"worker{r}") for r in range(2)]
     orderers = [
-        kazoo.Orderer(run, task, partition, r, inbox.order_feed())
-        for r, inbox in enumerate(inboxes)
+        kazoo.Orderer(session, task, partition, r, inbox.order_feed())
+        for r, (session, inbox) in enumerate(zip(sessions, inboxes, strict=True))
     ]
     try:
-        for o in orderers:
+        for s, o in zip(sessions, orderers, strict=True):
+            s.start()
             o.start()
         deadline = time.monotonic() + 10
         while not any(o.led for o in orderers) and time.monotonic() < deadline:
@@ -214,7 +224,7 @@ def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
         (leader,) = [o for o in orderers if o.led]
         (twin,) = [o for o in orderers if o is not leader]
         stopped = time.monotonic()
-        leader.stop()
+        leader.session.stop()
         while not twin.led and time.monotonic() < stopped + 10:
             time.sleep(0.001)
         handover = time.monotonic() - stopped
@@ -223,8 +233,8 @@ def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
         # A crash would take the 5 s session timeout; a graceful stop is at once.
         assert handover < 1.0, f"handover took {handover:.3f} s"
     finally:
-        for o in orderers:
-            o.stop()
+        for s in sessions:
+            s.stop()
         for inbox in inboxes:
             inbox.close()
         kazoo.cleanup(run)

@@ -17,7 +17,7 @@ from tandem.exceptions import (
     TandemError,
     TaskFailed,
 )
-from tandem.faults import Kill, Pause
+from tandem.faults import Kill, KillWorker, Pause
 from tandem.operators import CountPerKey, KeyedProcess, Operator
 from tandem.ordering.kazoo import KazooConfig
 from tandem.plan import Plan
@@ -35,6 +35,7 @@ __all__ = [
     "KazooConfig",
     "KeyedProcess",
     "Kill",
+    "KillWorker",
     "Operator",
     "Pause",
     "Plan",

@@ -633,7 +633,9 @@ class Result:
     digests differed (each is also logged as a DeterminismError; ``digests_match`` is then
     false); ``rss_mb``, the peak resident memory of each replica process (engines that measure
     it). ``leaders``, for KaZoo-ordered partitions (by ``"task[partition]"``): who led, in epoch
-    order — ``{"replica", "epoch", "from_s", "until_s"}``, seconds from the run's start.
+    order — ``{"replica", "epoch", "from_s", "until_s"}``, seconds from the run's start;
+    ``kazoo_sessions`` (not in JSON), one per worker that hosts KaZoo-ordered replicas: its
+    ZooKeeper session's ``name`` and how often it was ``suspended`` or ``expired``.
 
     What the run cost the machine (engines that measure it, the local engine; None
     otherwise; not in JSON — ``tandem bench cost`` reports them): ``processes``, the OS
@@ -660,6 +662,7 @@ class Result:
     digests_match: bool = True
     lost_replicas: list[dict] = field(default_factory=list)
     leaders: dict[str, list[dict]] = field(default_factory=dict)
+    kazoo_sessions: list[dict] = field(default_factory=list)
     output: pa.Table | None = None
     determinism_errors: list[str] = field(default_factory=list)
     rss_mb: dict[str, float] = field(default_factory=dict)

@@ -138,6 +138,45 @@ class Pause(ReplicaFault):
             raise ConfigError(f"Pause({self.task!r}): for_s must be seconds > 0, got {f!r}")
 
 
+@dataclass(frozen=True)
+class KillWorker(Fault):
+    """Crash (SIGKILL) worker process ``worker`` — the fault domain, with every replica it
+    hosts — ``at`` seconds after the start. Workers are numbered as in
+    :meth:`tandem.plan.Plan.placement`; the sinks' worker cannot be killed (sinks are
+    unreplicated)."""
+
+    worker: int
+    at: float
+
+    def __post_init__(self) -> None:
+        w = self.worker
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ConfigError(f"KillWorker: worker must be an int >= 0, got {w!r}")
+        at = self.at
+        if (
+            isinstance(at, bool)
+            or not isinstance(at, int | float)
+            or not (math.isfinite(at) and at >= 0)
+        ):
+            raise ConfigError(f"KillWorker({w}): at must be seconds >= 0, got {at!r}")
+
+    def validate(self, plan: Plan, duration: float) -> None:
+        placement = plan.placement()
+        sinks = {t.id for t in plan.sinks()}
+        killable = [i for i, w in enumerate(placement) if not any(t in sinks for t, _, _ in w)]
+        if self.worker not in killable:
+            raise ConfigError(
+                f"KillWorker({self.worker}): job {plan.job!r} runs workers "
+                f"0..{len(placement) - 1} on this machine, of which {killable} host replicated "
+                "tasks (the others host the unreplicated sinks); see Plan.placement()"
+            )
+        if self.at >= duration:
+            raise ConfigError(
+                f"KillWorker({self.worker}): at={self.at} s is not before the end of the run "
+                f"(duration={duration} s)"
+            )
+
+
 def validate_faults(faults: list[Any], plan: Plan, duration: float) -> None:
     """Validate every fault; also reject two kills of the same replica."""
     seen = set()
@@ -150,6 +189,10 @@ def validate_faults(faults: list[Any], plan: Plan, duration: float) -> None:
             if target in seen:
                 raise ConfigError(f"Kill{target}: the same replica is killed twice")
             seen.add(target)
+        if isinstance(f, KillWorker):
+            if f.worker in seen:
+                raise ConfigError(f"KillWorker({f.worker}): the same worker is killed twice")
+            seen.add(f.worker)
 
 
-__all__ = ["ROLES", "Fault", "Kill", "Pause", "ReplicaFault", "validate_faults"]
+__all__ = ["ROLES", "Fault", "Kill", "KillWorker", "Pause", "ReplicaFault", "validate_faults"]

@@ -35,6 +35,7 @@ with :class:`tandem.DeterminismError` unless the job says ``on_divergence="log"`
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ import pyarrow as pa
 from tandem import _core
 from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
 from tandem.operators import Operator
-from tandem.ordering.kazoo import KazooRun, Orderer
+from tandem.ordering.kazoo import KazooRun, KazooSession, Orderer
 from tandem.plan import OutputEdge, Plan, Task
 
 ReplicaId = tuple[int, int, int]  # task id, partition, replica
@@ -160,7 +161,7 @@ class Replica:
         replica: int,
         secret: bytes,
         core: _core.Worker,
-        kazoo: KazooRun | None = None,
+        kazoo: KazooSession | None = None,
     ):
         self.plan = plan
         self.task: Task = plan.tasks[task_id]
@@ -209,15 +210,10 @@ class Replica:
                     f"{self.name} orders its input with KaZoo, but the engine gave it no "
                     "KazooRun (tandem.ordering.kazoo.prepare)"
                 )
-            # Connect and contend now, while the job starts, not when the first row comes.
+            # Contend from the start of the job (the worker starts the session and the
+            # election), not when the first row comes.
             self.orderer = Orderer(self.kazoo, t, p, r, self.inbox.order_feed())
-            self.orderer.start()
         return self.inbox.port
-
-    def release(self) -> None:
-        """Give up leadership at once (a graceful stop: SIGTERM)."""
-        if self.orderer is not None:
-            self.orderer.stop()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -388,17 +384,32 @@ class Worker:
     ) -> None:
         self.plan = plan
         self.core = _core.Worker()
-        self.replicas = [Replica(plan, *rid, secret, self.core, kazoo=kazoo) for rid in rids]
+        ordered = set(plan.ordered_partitions()) if kazoo is not None else set()
+        # One ZooKeeper session and one Kafka producer/consumer for every ordered partition
+        # the worker hosts.
+        self.kazoo = (
+            KazooSession(kazoo, name="w{}.{}.{}-pid{}".format(*rids[0], os.getpid()))
+            if any((t, p) in ordered for t, p, _ in rids)
+            else None
+        )
+        self.replicas = [Replica(plan, *rid, secret, self.core, kazoo=self.kazoo) for rid in rids]
 
     def bind(self, host: str = "127.0.0.1") -> dict[ReplicaId, int | None]:
-        """Create every hosted replica's inbox; its port (None for a source) by replica."""
+        """Create every hosted replica's inbox, and start contending for the leadership of
+        its ordered partitions; each replica's port (None for a source)."""
         _warm_up()
-        return {r.me: r.bind(host) for r in self.replicas}
+        ports = {r.me: r.bind(host) for r in self.replicas}
+        if self.kazoo is not None:
+            self.kazoo.start()
+            for r in self.replicas:
+                if r.orderer is not None:
+                    r.orderer.start()
+        return ports
 
     def release(self) -> None:
         """Give up every KaZoo leadership at once (a graceful stop: SIGTERM)."""
-        for r in self.replicas:
-            r.release()
+        if self.kazoo is not None:
+            self.kazoo.stop()
 
     def run(
         self, addresses: Addresses, t0_ns: int, duration: float
@@ -429,6 +440,8 @@ class Worker:
             except Exception as exc:
                 r.fail(exc)
                 reports[r.me] = r.report
+        if self.kazoo is not None:
+            self.kazoo.stop()
         return reports
 
     def _loop(self, duration: float) -> None:

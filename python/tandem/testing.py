@@ -531,14 +531,14 @@ takes each (``map`` or ``flat_map``)."""
 
 
 def killed_replicas(result) -> set[tuple[str, int, int]]:
-    """``(task, partition, replica)`` of every replica the run's ``td.Kill`` faults took
-    down: all the replicas hosted by each killed worker (the fault domain), as recorded in
-    ``result.faults``. A run that masked its faults lists exactly these in
-    ``result.lost_replicas``."""
+    """``(task, partition, replica)`` of every replica the run's ``td.Kill`` and
+    ``td.KillWorker`` faults took down: all the replicas hosted by each killed worker (the
+    fault domain), as recorded in ``result.faults``. A run that masked its faults lists
+    exactly these in ``result.lost_replicas``."""
     return {
         (r["task"], r["partition"], r["replica"])
         for f in result.faults
-        if f["kind"] == "kill"
+        if f["kind"] in ("kill", "killworker")
         for r in f.get("replicas", [])
     }
 

@@ -43,7 +43,7 @@ def check_options(
     for f in faults:
         if not isinstance(f, kinds):
             raise ConfigError(f"the {engine} engine injects {names} faults only, got {f!r}")
-        if isinstance(f.replica, str) and not roles:
+        if isinstance(getattr(f, "replica", None), str) and not roles:
             raise ConfigError(
                 f"{f!r}: leader/follower roles exist with ordering='kazoo' only, which the "
                 f"{engine} engine does not run yet; give a replica index"
@@ -148,7 +148,11 @@ def _leaders(res: Result, plan: Plan, reports: Mapping[ReplicaId, ReplicaReport]
     """Who led each KaZoo partition, in epoch order (a replica that died while leading is
     known from its successor's higher epoch only)."""
     terms: dict[str, list[dict]] = {}
+    sessions: dict[str, dict] = {}
     for (t, p, r), rep in sorted(reports.items()):
+        session = (rep.ordering_stats or {}).get("session")
+        if session is not None:
+            sessions[session["name"]] = session
         for term in (rep.ordering_stats or {}).get("led", []):
             terms.setdefault(f"{plan.tasks[t].name}[{p}]", []).append(
                 {
@@ -159,6 +163,7 @@ def _leaders(res: Result, plan: Plan, reports: Mapping[ReplicaId, ReplicaReport]
                 }
             )
     res.leaders = {k: sorted(v, key=lambda x: x["epoch"]) for k, v in sorted(terms.items())}
+    res.kazoo_sessions = [sessions[name] for name in sorted(sessions)]
 
 
 def _check(

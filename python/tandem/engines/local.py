@@ -33,7 +33,7 @@ import psutil
 from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options, multiset_diff
 from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError, TaskFailed
-from tandem.faults import Kill, Pause, ReplicaFault
+from tandem.faults import Kill, KillWorker, Pause, ReplicaFault
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
@@ -192,7 +192,9 @@ class LocalEngine:
         if progress is None:
             progress = sys.stderr.isatty()
         cost = _CostMeter(warmup)
-        check_options(self.name, duration, warmup, faults, kinds=(Kill, Pause), roles=True)
+        check_options(
+            self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause), roles=True
+        )
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         run = _Run(plan, duration, list(faults), progress, host, zoo)
         try:
@@ -384,20 +386,26 @@ class _Run:
             )
         return followers[0]
 
-    def _inject(self, fault: ReplicaFault | _Resume, now_s: float, pending: list) -> None:
-        """Inject ``fault`` on the worker hosting its replica; a Pause also schedules its
-        resume in ``pending``."""
+    def _inject(
+        self, fault: ReplicaFault | KillWorker | _Resume, now_s: float, pending: list
+    ) -> None:
+        """Inject ``fault`` on the worker hosting its replica (or the worker it names); a
+        Pause also schedules its resume in ``pending``."""
         if isinstance(fault, _Resume):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.procs[fault.worker].pid, signal.SIGCONT)
             log.info("fault: SIGCONT %s at %.2f s", self._worker_name(fault.worker), now_s)
             return
-        task = self.plan.task(fault.task)
-        replica = fault.replica
-        if isinstance(replica, str):
-            replica = self._resolve(task.id, fault.partition, replica)
-        rid = (task.id, fault.partition, replica)
-        w = self.worker_of[rid]
+        if isinstance(fault, KillWorker):
+            w, replica = fault.worker, None
+            rid = self.placement[w][0]
+        else:
+            task = self.plan.task(fault.task)
+            replica = fault.replica
+            if isinstance(replica, str):
+                replica = self._resolve(task.id, fault.partition, replica)
+            rid = (task.id, fault.partition, replica)
+            w = self.worker_of[rid]
         proc = self.procs[w]
         record = {
             **fault.to_dict(),

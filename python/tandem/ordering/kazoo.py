@@ -1,15 +1,19 @@
 """KaZoo: leader-based ordering over ZooKeeper and Kafka (the paper's §IV, made safer).
 
-Every replica of an ordered task partition runs an :class:`Orderer` beside its task loop,
-with two threads (as the paper's Flink task managers do):
+Every replica of an ordered task partition runs an :class:`Orderer` beside its task loop.
+The orderers of one worker share a :class:`KazooSession`: one ZooKeeper session (the
+worker is the fault domain: its leaderships live and die together), one Kafka producer
+and one consumer following every order topic of the worker. Two roles (as in the paper's
+Flink task managers):
 
-* the **follower** thread reads the partition's order topic from the beginning
-  (``assign()``, no consumer group, so no rebalances) and offers every message, in log
-  order, to the inbox's order feed (``tandem._core.OrderFeed``). The Rust core fences off
-  orders of a deposed leader (an epoch older than the newest in the log), ignores replays,
-  and hands the rest to the positional merge, which waits for events that have not
-  arrived yet. Every replica, the leader included, consumes only what the log says.
-* the **election** thread contends for leadership with a kazoo lock under
+* the **follower** (the session's thread) reads each partition's order topic from the
+  beginning (``assign()``, no consumer group, so no rebalances) and offers every message,
+  in log order, to that replica's inbox order feed (``tandem._core.OrderFeed``). The Rust
+  core fences off orders of a deposed leader (an epoch older than the newest in the
+  log), ignores replays, and hands the rest to the positional merge, which waits for
+  events that have not arrived yet. Every replica, the leader included, consumes only
+  what the log says.
+* the orderer's **election** thread contends for leadership with a kazoo lock under
   ``/tandem/<job>/<run>/<task>/<partition>``. The sequence number of the winning lock node
   is the leader's **epoch** (fencing token): ZooKeeper hands out increasing sequence
   numbers, and the lowest live node leads, so each new leader's epoch is above every
@@ -28,8 +32,9 @@ once (a frozen leader waking up) leave the replicas in agreement; fencing only k
 deposed leader's late orders out. Liveness rests on ZooKeeper: a leader stops publishing
 the moment its session is in doubt (kazoo's ``SUSPENDED``, which comes before the server
 can expire the session and let anyone else lead), and resumes only if the same session
-comes back. SIGTERM releases leadership at once (:meth:`Orderer.stop`), so a graceful stop
-hands over in milliseconds; a crash hands over after one session timeout.
+comes back. SIGTERM closes the worker's session at once (:meth:`KazooSession.stop`), so a
+graceful stop hands every leadership over in milliseconds; a crash hands over after one
+session timeout.
 """
 
 from __future__ import annotations
@@ -258,39 +263,36 @@ def current_leader(run: KazooRun, task: int, partition: int, timeout: float = 5.
     return int(contenders[0].split(":")[2]) if contenders else None
 
 
-class Orderer:
-    """The KaZoo orderer of one replica (see the module documentation).
+class KazooSession:
+    """The connections one worker's orderers share (see the module documentation): one
+    ZooKeeper session, one idempotent producer, one consumer following every order topic
+    of the worker, one consumer for watermark queries.
 
-    ``start()`` connects and starts the threads (raising ``ServiceUnavailable`` if a
-    service cannot be reached), ``stop()`` releases leadership and joins them. ``stats()``
-    reports the epochs it led, the orders it published and what it followed.
+    Create the :class:`Orderer` s first (each registers itself), then :meth:`start` (which
+    raises ``ServiceUnavailable`` if a service cannot be reached), then start the orderers.
+    :meth:`stop` closes the session — every lock node of the worker goes with it, at once
+    — and the clients. ``name`` tells the worker apart in logs and consumer groups.
     """
 
-    def __init__(
-        self, run: KazooRun, task: int, partition: int, replica: int, feed: _core.OrderFeed
-    ) -> None:
-        self.run, self.feed = run, feed
-        self.task, self.partition, self.replica = task, partition, replica
-        self.channels = len(feed.arrived())
-        self.topic = run.topic(task, partition)
-        self.path = run.zk_path(task, partition)
-        self.ident = f"{task}:{partition}:{replica}:{os.getpid()}"
+    def __init__(self, run: KazooRun, name: str | None = None) -> None:
+        self.run = run
+        self.name = name or f"pid{os.getpid()}"
+        self.orderers: dict[str, Orderer] = {}  # by order topic
         self._stop = threading.Event()
-        # Set while this replica may publish: it holds the lock and its session is sound.
-        self._sound = threading.Event()
-        # Set when the session that won the lock has expired: the leadership is gone.
-        self._lost = threading.Event()
-        self._leading = False
-        self._consumed = 0  # next offset the follower thread will read
-        self._caught_up = threading.Condition()
-        self._lock: Any = None
+        self._meta_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self.led: list[dict] = []
-        self.orders_published = 0
-        self.publish_errors = 0
+        self.started = False
         self.error: BaseException | None = None
+        self.suspended = 0  # times the session was in doubt (SUSPENDED)
+        self.expired = 0  # times it was lost (LOST: expired, or closed)
 
-    # -- lifecycle ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {"name": self.name, "suspended": self.suspended, "expired": self.expired}
+
+    def add(self, orderer: Orderer) -> None:
+        if self.started:
+            raise ConfigError("KazooSession.add() after start(): create every orderer first")
+        self.orderers[orderer.topic] = orderer
 
     def start(self) -> None:
         _require_clients()
@@ -319,10 +321,11 @@ class Orderer:
                 "reconnect.backoff.max.ms": 200,
             }
         )
+        group = f"tandem-{self.run.run}-{self.name}"
         self.consumer = Consumer(
             {
                 **kafka,
-                "group.id": f"tandem-{self.run.run}-{self.ident}",
+                "group.id": group,
                 "enable.auto.commit": False,
                 # The broker answers a fetch as soon as one order is there (fetch.min.bytes
                 # is 1); a long wait only spares it a request every few ms while idle.
@@ -330,28 +333,32 @@ class Orderer:
                 "reconnect.backoff.max.ms": 200,
             }
         )
-        self._tp = TopicPartition(self.topic, 0)
-        self.consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
-        # Watermark queries come from the election thread, on a consumer of their own: a
+        self.consumer.assign(
+            [TopicPartition(topic, 0, OFFSET_BEGINNING) for topic in self.orderers]
+        )
+        # Watermark queries come from the election threads, on a consumer of their own: a
         # query on the follower's consumer while it polls deadlocks (confluent-kafka 2.x).
-        self.meta = Consumer({**kafka, "group.id": f"tandem-meta-{self.run.run}-{self.ident}"})
-        for target, name in ((self._follow, "follow"), (self._elect, "elect")):
+        self.meta = Consumer({**kafka, "group.id": f"tandem-meta-{self.run.run}-{self.name}"})
+        self.started = True
+        for target, name in ((self._follow, "follow"), (self._acknowledge, "acks")):
             t = threading.Thread(target=self._guard(target), name=f"kazoo-{name}", daemon=True)
             t.start()
             self._threads.append(t)
 
     def stop(self) -> None:
-        """Release leadership at once and join the threads. Idempotent."""
-        if self._stop.is_set():
+        """Close the session (every leadership of the worker ends at once), stop the
+        threads, close the clients. Idempotent."""
+        if self._stop.is_set() or not self.started:
+            self._stop.set()
             return
         self._stop.set()
-        self._sound.clear()
-        lock = self._lock
-        if lock is not None:
-            lock.cancel()
+        for o in list(self.orderers.values()):
+            o._sound.clear()
         try:
-            self.zk.stop()  # closes the session: its lock node goes with it, at once
+            self.zk.stop()  # closes the session: its lock nodes go with it, at once
         finally:
+            for o in list(self.orderers.values()):
+                o.stop()
             for t in self._threads:
                 t.join(timeout=5)
             self.zk.close()
@@ -359,12 +366,127 @@ class Orderer:
             self.consumer.close()
             self.meta.close()
 
+    def high_watermark(self, tp) -> int:
+        with self._meta_lock:
+            _, high = self.meta.get_watermark_offsets(tp, timeout=1.0, cached=False)
+        return high
+
+    def _guard(self, fn):
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # surfaced by the orderers' check()
+                if not self._stop.is_set():
+                    self.error = exc
+                    log.exception("kazoo session of %s failed", self.name)
+
+        return run
+
+    def _on_state(self, state) -> None:
+        from kazoo.client import KazooState
+
+        if state == KazooState.SUSPENDED:
+            self.suspended += 1
+        elif state == KazooState.LOST and not self._stop.is_set():
+            self.expired += 1
+        # kazoo calls this on its own thread: the orderers only flip flags.
+        for o in list(self.orderers.values()):
+            o._on_state(state)
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            msg = self.consumer.poll(POLL_S)
+            if msg is None:
+                continue
+            if msg.error() is not None:
+                log.debug("order topics of %s: %s", self.name, msg.error())
+                continue
+            orderer = self.orderers.get(msg.topic())
+            if orderer is not None:
+                orderer._follow_one(msg)
+
+    def _acknowledge(self) -> None:
+        """Serve the producer's delivery reports (each goes to the orderer that produced
+        the order), so no orderer polls for another's."""
+        while not self._stop.is_set():
+            self.producer.poll(POLL_S)
+
+
+class Orderer:
+    """The KaZoo orderer of one replica (see the module documentation), on its worker's
+    :class:`KazooSession`.
+
+    ``start()`` starts the election thread (after the session started), ``stop()``
+    releases leadership and joins it. ``stats()`` reports the epochs it led, the orders it
+    published and what it followed.
+    """
+
+    def __init__(
+        self,
+        session: KazooSession,
+        task: int,
+        partition: int,
+        replica: int,
+        feed: _core.OrderFeed,
+    ) -> None:
+        self.session, self.run, self.feed = session, session.run, feed
+        self.task, self.partition, self.replica = task, partition, replica
+        self.channels = len(feed.arrived())
+        self.topic = self.run.topic(task, partition)
+        self.path = self.run.zk_path(task, partition)
+        self.ident = f"{task}:{partition}:{replica}:{os.getpid()}"
+        self._stop = threading.Event()
+        # Set while this replica may publish: it holds the lock and its session is sound.
+        self._sound = threading.Event()
+        # Set when the session that won the lock has expired: the leadership is gone.
+        self._lost = threading.Event()
+        self._leading = False
+        self._consumed = 0  # next offset the session's follower has read
+        self._caught_up = threading.Condition()
+        self._acked = threading.Condition()  # an order of this orderer was acknowledged
+        self._lock: Any = None
+        self._threads: list[threading.Thread] = []
+        self.led: list[dict] = []
+        self.orders_published = 0
+        self.publish_errors = 0
+        self.error: BaseException | None = None
+        session.add(self)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def zk(self):
+        return self.session.zk
+
+    def start(self) -> None:
+        if not self.session.started:
+            raise ConfigError("Orderer.start() before its KazooSession.start()")
+        from confluent_kafka import TopicPartition
+
+        self._tp = TopicPartition(self.topic, 0)
+        t = threading.Thread(target=self._guard(self._elect), name="kazoo-elect", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self) -> None:
+        """Release leadership at once and join the election thread. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._sound.clear()
+        lock = self._lock
+        if lock is not None:
+            lock.cancel()
+        for t in self._threads:
+            t.join(timeout=5)
+
     def stats(self) -> dict[str, Any]:
         return {
             "led": list(self.led),
             "published": self.orders_published,
             "publish_errors": self.publish_errors,
             "follow": self.feed.stats(),
+            "session": self.session.stats(),
         }
 
     def _guard(self, fn):
@@ -379,16 +501,18 @@ class Orderer:
         return run
 
     def check(self) -> None:
-        """Raise the error a thread died of, if any (the replica's task loop calls this)."""
+        """Raise the error its thread (or its session's) died of, if any (the replica's
+        task loop calls this)."""
         if self.error is not None:
             raise self.error
+        if self.session.error is not None:
+            raise self.session.error
 
     # -- ZooKeeper session ----------------------------------------------------------------
 
     def _on_state(self, state) -> None:
         from kazoo.client import KazooState
 
-        # kazoo calls this on its own thread: only flip flags here.
         if state == KazooState.CONNECTED:
             # Back on the same session (kazoo reports an expired one as LOST first): the
             # lock node, and so the leadership, is still ours.
@@ -403,20 +527,14 @@ class Orderer:
 
     # -- follower -------------------------------------------------------------------------
 
-    def _follow(self) -> None:
-        while not self._stop.is_set():
-            msg = self.consumer.poll(POLL_S)
-            if msg is None:
-                continue
-            if msg.error() is not None:
-                log.debug("order topic %s: %s", self.topic, msg.error())
-                continue
-            verdict = self.feed.offer(msg.value())
-            if verdict == "stale":
-                log.info("%s: fenced off an order of a deposed leader", self.ident)
-            with self._caught_up:
-                self._consumed = msg.offset() + 1
-                self._caught_up.notify_all()
+    def _follow_one(self, msg) -> None:
+        """One message of this partition's order topic (on the session's follower)."""
+        verdict = self.feed.offer(msg.value())
+        if verdict == "stale":
+            log.info("%s: fenced off an order of a deposed leader", self.ident)
+        with self._caught_up:
+            self._consumed = msg.offset() + 1
+            self._caught_up.notify_all()
 
     def _still_leading(self) -> bool:
         """Wait while the session is in doubt; False once the leadership is gone."""
@@ -430,7 +548,7 @@ class Orderer:
         """Wait until the follower thread has followed every order published so far."""
         while self._still_leading():
             try:
-                _, high = self.meta.get_watermark_offsets(self._tp, timeout=1.0, cached=False)
+                high = self.session.high_watermark(self._tp)
             except Exception as exc:  # Kafka unreachable: keep trying while leading
                 log.debug("order topic %s: no high watermark yet (%s)", self.topic, exc)
                 continue
@@ -490,21 +608,25 @@ class Orderer:
         failed = threading.Event()
         inflight = 0  # orders produced and not yet acknowledged
 
-        def on_delivery(err, _msg) -> None:  # runs inside producer.poll(), on this thread
+        def on_delivery(err, _msg) -> None:  # on the session's acknowledging thread
             nonlocal inflight
-            inflight -= 1
-            if err is not None:
-                self.publish_errors += 1
-                failed.set()
-                log.warning("%s: an order was not delivered: %s", self.ident, err)
+            with self._acked:
+                inflight -= 1
+                if err is not None:
+                    self.publish_errors += 1
+                    failed.set()
+                    log.warning("%s: an order was not delivered: %s", self.ident, err)
+                self._acked.notify_all()
 
+        producer = self.session.producer
         while self._still_leading():
-            if inflight:
-                # One order in flight at a time: what arrives while the broker acknowledges
-                # it goes into the next one. Batches grow with load, and an idle stream
-                # waits for nothing.
-                self.producer.poll(POLL_S)
-                continue
+            with self._acked:
+                if inflight:
+                    # One order in flight at a time: what arrives while the broker
+                    # acknowledges it goes into the next one. Batches grow with load, and an
+                    # idle stream waits for nothing.
+                    self._acked.wait(POLL_S)
+                    continue
             if failed.is_set():  # publish again from what the log really holds
                 failed.clear()
                 published = self.feed.ordered()
@@ -519,7 +641,6 @@ class Orderer:
                     entries.append((c, arrived[c]))
                     published[c] = arrived[c]
             if not entries:
-                self.producer.poll(0)
                 self.feed.wait(seen, POLL_S)
                 continue
             cursor = (cursor + 1) % n
@@ -530,15 +651,16 @@ class Orderer:
                 frame = _core.encode_order_frame(
                     self.partition, epoch, version, entries[i : i + batch]
                 )
-                self.producer.produce(self.topic, value=frame, on_delivery=on_delivery)
-                inflight += 1
+                with self._acked:
+                    inflight += 1
+                producer.produce(self.topic, value=frame, on_delivery=on_delivery)
                 self.orders_published += 1
-            self.producer.poll(0)
 
 
 __all__ = [
     "KazooConfig",
     "KazooRun",
+    "KazooSession",
     "Orderer",
     "cleanup",
     "current_leader",
