@@ -28,6 +28,7 @@ exactly once), ``failover`` and ``cost`` against the reference executor, row by 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
@@ -609,13 +610,25 @@ def cost(
     idle_duration: float = 10.0,
     kazoo: td.KazooConfig | None = None,
     log=None,
+    busy_neighbour: bool = False,
 ) -> list[CostRow]:
     """What replication costs: every workload in every configuration at ``rate`` for
     ``duration`` seconds, then all again at ``idle_rate`` for ``idle_duration`` seconds
     (warm-up: ``warmup``, at most half the idle run there); every run checked against the
     reference. Runs one after the other, so that they do not compete for the machine.
+    ``busy_neighbour``: a process spinning on one core runs beside every run (another job
+    on a shared machine), so the ratios say what replication costs when a core is taken.
     Progress goes to ``log`` (default: stderr), a line as each run starts and ends."""
     log = log or sys.stderr
+    if busy_neighbour:
+        neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            return cost(
+                configs, workloads, rate, duration, warmup, idle_rate, idle_duration, kazoo, log
+            )
+        finally:
+            neighbour.kill()
+            neighbour.wait()
     configs, workloads = tuple(configs), tuple(workloads)
     check_cost_options(configs, workloads, rate, duration, warmup, idle_rate, idle_duration)
     phases = [

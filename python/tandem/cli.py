@@ -217,7 +217,7 @@ def print_summary(r: tandem.Result) -> None:
         print("\n  " + ("fault masked." if masked else "fault NOT masked."))
 
 
-COST_ONLY_FLAGS = ("quick", "idle_rate", "idle_duration", "workloads")
+COST_ONLY_FLAGS = ("quick", "idle_rate", "idle_duration", "workloads", "busy_neighbour")
 
 COST_DEFAULTS = {
     "rate": 5_000,
@@ -338,7 +338,8 @@ def _bench_cost(args: argparse.Namespace, bench) -> int:
         f"tandem {tandem.__version__} ({tandem.build_profile} build) bench cost: "
         f"{', '.join(workloads)} x {', '.join(configs)}; {args.rate} ev/s for "
         f"{args.duration:g} s (warm-up {args.warmup:g} s), then {args.idle_rate} ev/s for "
-        f"{args.idle_duration:g} s",
+        f"{args.idle_duration:g} s"
+        + (", beside a process spinning on one core" if args.busy_neighbour else ""),
         flush=True,
     )
     if tandem.build_profile != "release":
@@ -353,6 +354,7 @@ def _bench_cost(args: argparse.Namespace, bench) -> int:
             idle_rate=args.idle_rate,
             idle_duration=args.idle_duration,
             kazoo=kazoo,
+            busy_neighbour=args.busy_neighbour,
         )
     print()
     print(bench.cost_markdown(rows))
@@ -368,6 +370,7 @@ def _bench_cost(args: argparse.Namespace, bench) -> int:
             "idle_rate": args.idle_rate,
             "idle_duration_s": args.idle_duration,
             "session_timeout_s": args.session_timeout,
+            "busy_neighbour": args.busy_neighbour,
         },
         "targets": bench.COST_TARGETS,
         "rows": [vars(r) for r in rows],
@@ -467,6 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         "--idle-duration", type=float, metavar="S", help="cost: the idle runs' length (10)"
     )
     bench.add_argument("--workloads", help="cost: comma-separated, from demo,mib1 (default: both)")
+    bench.add_argument(
+        "--busy-neighbour",
+        action="store_true",
+        help="cost: run a process spinning on one core beside every run",
+    )
     bench.add_argument(
         "--quick",
         action="store_true",

@@ -455,6 +455,7 @@ class Worker:
             wait = IDLE_WAIT_S
             if sources:
                 now = time.time_ns()
+                finished = False
                 for src in sources:
                     rep = src.replica
                     blocked = False
@@ -471,7 +472,10 @@ class Worker:
                     if src.step is not None and not rep.done:
                         due_s = CREDIT_POLL_S if blocked else (src.due_ns() - now) / 1e9
                         wait = min(wait, max(0.0, due_s))
-                sources = [s for s in sources if s.step is not None and not s.replica.done]
+                    else:
+                        finished = True
+                if finished:
+                    sources = [s for s in sources if s.step is not None and not s.replica.done]
                 if not live:
                     return
             item = core.next(timeout=wait)
