@@ -322,7 +322,7 @@ class _Run:
                 elif not self.procs[w].is_alive():
                     running.discard(w)
                     self._crashed(w)
-            if time.monotonic() > deadline:
+            if running and time.monotonic() > deadline:
                 stuck = sorted(self._worker_name(w) for w in running)
                 raise TandemError(
                     f"the run did not finish within {timeout:.0f} s of its start; still running: "
