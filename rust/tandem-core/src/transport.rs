@@ -54,8 +54,8 @@ use crate::{Chunk, Delivery, Error, Item, Result};
 
 /// How long a blocked reader or writer goes without re-checking for shutdown.
 const POLL: Duration = Duration::from_millis(50);
-/// How often the accept loop looks for new connections.
-const ACCEPT_POLL: Duration = Duration::from_millis(5);
+/// How long `close` waits to reach its own listener, which wakes the accept thread.
+const ACCEPT_WAKE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Closed connections kept for [`Inbox::stats`]; older ones are forgotten so a stream of
 /// bad connections cannot grow memory.
 const CLOSED_CONNECTIONS_KEPT: usize = 64;
@@ -376,7 +376,6 @@ impl Inbox {
             ))
         })?;
         let local_addr = listener.local_addr()?;
-        listener.set_nonblocking(true)?;
         let bell = cfg.bell.clone().unwrap_or_default();
         let n = cfg.upstreams.len();
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..n)
@@ -567,7 +566,20 @@ impl Inbox {
             return;
         };
         self.shared.stop.store(true, Ordering::SeqCst);
-        let _ = accept.join();
+        // The accept thread blocks in accept() (no polling while the job runs): a
+        // connection of our own wakes it, and it sees `stop`. Should that fail, it is left
+        // behind rather than waited for.
+        let mut wake = self.local_addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(if wake.is_ipv4() {
+                IpAddr::from([127, 0, 0, 1])
+            } else {
+                IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
+            });
+        }
+        if TcpStream::connect_timeout(&wake, ACCEPT_WAKE_TIMEOUT).is_ok() {
+            let _ = accept.join();
+        }
         // The accept thread has exited: no connection can be registered any more.
         let threads: Vec<JoinHandle<()>> = {
             let mut conns = self.shared.conns.lock();
@@ -649,12 +661,12 @@ impl OrderFeed {
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     while !shared.stop.load(Ordering::SeqCst) {
         match listener.accept() {
+            Ok(_) if shared.stop.load(Ordering::SeqCst) => return,
             Ok((stream, peer)) => {
                 if let Err(e) = start_connection(shared, stream, peer) {
                     eprintln!("tandem inbox: cannot serve connection from {peer}: {e}");
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(ACCEPT_POLL),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 // E.g. out of file descriptors: back off instead of spinning.
