@@ -245,7 +245,7 @@ class Job:
                     key=n.key,
                 )
             )
-        return Plan(
+        plan = Plan(
             job=self.name,
             replication=self.replication,
             ordering=self.ordering,
@@ -257,6 +257,8 @@ class Job:
             on_divergence=self.on_divergence,
             workers=self.workers,
         )
+        plan.check_picklable()  # what cannot be shipped to the workers fails here
+        return plan
 
     def run(
         self,

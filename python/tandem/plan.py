@@ -1,9 +1,10 @@
 """The physical plan: what an engine runs.
 
 A :class:`Plan` is a plain, picklable tree of dataclasses (user functions inside operators
-must be picklable by whatever the engine uses to ship them, e.g. module-level functions
-for ``pickle``). It expands the job's logical graph into tasks x partitions x replicas and
-the logical channels between them:
+must be picklable by whatever the engine uses to ship them: cloudpickle, which takes
+lambdas and closures, on both engines; :meth:`Plan.check_picklable`). It expands the
+job's logical graph into tasks x partitions x replicas and the logical channels between
+them:
 
 * :class:`Task` — ``id`` (its index in ``plan.tasks``, a topological order), ``name``,
   ``kind`` (``source`` | ``operator`` | ``sink``), ``parallelism``, ``replication``
@@ -48,9 +49,11 @@ only be deterministic for a given input batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import struct
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -278,20 +281,28 @@ class Plan:
 
     def check_picklable(self, dumps=None) -> None:
         """Raise ConfigError naming the first task whose source, operator or sink cannot
-        be pickled with ``dumps`` (default ``pickle.dumps``) — an engine that ships the
-        plan to other processes calls this before starting any."""
-        import pickle
+        be pickled with ``dumps`` (default ``cloudpickle.dumps``, what the local engine
+        ships the plan with), and the captured value to blame where one is found.
+        :meth:`tandem.Job.plan` calls it, so nothing starts with a plan that cannot be
+        sent to the workers."""
+        if dumps is None:
+            import cloudpickle
 
-        dumps = dumps or pickle.dumps
+            dumps = cloudpickle.dumps
         for t in self.tasks:
-            try:
-                dumps((t.source, t.operator, t.sink))
-            except Exception as exc:
-                raise ConfigError(
-                    f"{t.describe()} cannot be sent to a worker process: "
-                    f"{type(exc).__name__}: {exc}; use module-level functions and classes "
-                    "(not lambdas or local functions) in operators"
-                ) from exc
+            for what, obj in (("source", t.source), ("operator", t.operator), ("sink", t.sink)):
+                try:
+                    dumps(obj)
+                except Exception as exc:
+                    culprit = _unpicklable_part(obj, dumps)
+                    blame = f" ({what} {culprit})" if culprit else ""
+                    raise ConfigError(
+                        f"{t.describe()} cannot be sent to a worker process{blame}: "
+                        f"{type(exc).__name__}: {exc}. A function or operator shipped to the "
+                        "workers must not capture a lock, socket, open file, client or "
+                        "thread; create such objects in the worker instead (in an "
+                        "operator's open(), or lazily on first use)"
+                    ) from exc
 
     def describe(self) -> str:
         """A readable listing of the tasks, their sizes and their inputs."""
@@ -488,6 +499,40 @@ class TaskInstance:
 
     def restore(self, data: bytes) -> None:
         self._guard(lambda: self.op.restore(data))
+
+
+def _unpicklable_part(obj: Any, dumps, depth: int = 0) -> str | None:
+    """Where in ``obj`` the part that ``dumps`` cannot pickle lies, e.g. ``fn -> lock (a
+    _thread.lock)``: an object's attributes, a function's free variables and the globals
+    it uses, searched a few levels deep; None if no single part fails."""
+    if depth > 4:
+        return None
+    if isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        items = []
+        for name, cell in zip(code.co_freevars, obj.__closure__ or (), strict=False):
+            with contextlib.suppress(ValueError):  # an empty cell
+                items.append((name, cell.cell_contents))
+        items += [(n, obj.__globals__[n]) for n in code.co_names if n in obj.__globals__]
+    elif isinstance(obj, (list, tuple)):
+        items = [(f"[{i}]", v) for i, v in enumerate(obj)]
+    elif isinstance(obj, dict):
+        items = [(f"[{k!r}]", v) for k, v in obj.items()]
+    else:
+        try:
+            items = list(vars(obj).items())
+        except TypeError:
+            return None
+    for name, value in items:
+        try:
+            dumps(value)
+        except Exception:
+            inner = _unpicklable_part(value, dumps, depth + 1)
+            if inner:
+                return f"{name}{'' if inner.startswith('[') else ' -> '}{inner}"
+            kind = type(value)
+            return f"{name} (a {kind.__module__}.{kind.__qualname__})"
+    return None
 
 
 def _schema_str(schema: pa.Schema) -> str:
