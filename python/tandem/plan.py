@@ -263,6 +263,17 @@ class Plan:
             chans += [InputChannel(up.id, p, e.input_index) for p in parts]
         return sorted(chans, key=lambda c: (c.input_index, c.task, c.partition))
 
+    def input_conformer(self, task_id: int, channel: InputChannel):
+        """A function casting the batches of input ``channel`` of a task to the schema the
+        task reads on that input, or None when they have it already. They differ after a
+        ``union`` of streams whose schemas differ in nullability only: the union's schema
+        is nullable wherever one of its streams is."""
+        want = self.task(task_id).input_schemas[channel.input_index]
+        have = self.tasks[channel.task].schema
+        if want is None or have is None or have.equals(want, check_metadata=False):
+            return None
+        return lambda batch: conform(batch, want)
+
     def output_edges(self, task_id: int, partition: int) -> list[OutputEdge]:
         """The outputs of a task partition, one per downstream edge."""
         task = self.task(task_id)
@@ -535,8 +546,84 @@ def _unpicklable_part(obj: Any, dumps, depth: int = 0) -> str | None:
     return None
 
 
+def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` as a batch of ``schema``, which has the same columns and types up to
+    nullability (see :func:`union_schema`)."""
+    if batch.schema.equals(schema, check_metadata=False):
+        return batch
+    cols = [
+        col if col.type.equals(f.type) else col.cast(f.type)
+        for col, f in zip(batch.columns, schema, strict=True)
+    ]
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
+
+
+def union_schema(a: pa.Schema, b: pa.Schema) -> pa.Schema | None:
+    """The schema that rows of ``a`` and rows of ``b`` both fit when the two differ in
+    nullability only (nested fields too): nullable wherever either is. None if they
+    differ otherwise (names, order or types)."""
+    if a.names != b.names:
+        return None
+    fields = []
+    for fa, fb in zip(a, b, strict=True):
+        t = _union_type(fa.type, fb.type)
+        if t is None:
+            return None
+        fields.append(pa.field(fa.name, t, fa.nullable or fb.nullable, metadata=fa.metadata))
+    return pa.schema(fields, metadata=a.metadata)
+
+
+def _union_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    if a.equals(b):
+        return a
+    if a.id != b.id or a.num_fields != b.num_fields or a.num_fields == 0:
+        return None
+    if pa.types.is_struct(a):
+        kids = [_union_field(a.field(i), b.field(i)) for i in range(a.num_fields)]
+        return None if None in kids else pa.struct(kids)
+    if pa.types.is_list(a) or pa.types.is_large_list(a):
+        kid = _union_field(a.value_field, b.value_field)
+        if kid is None:
+            return None
+        return pa.list_(kid) if pa.types.is_list(a) else pa.large_list(kid)
+    if pa.types.is_fixed_size_list(a):
+        kid = _union_field(a.value_field, b.value_field)
+        return None if kid is None or a.list_size != b.list_size else pa.list_(kid, a.list_size)
+    return None
+
+
+def _union_field(a: pa.Field, b: pa.Field) -> pa.Field | None:
+    if a.name != b.name:
+        return None
+    t = _union_type(a.type, b.type)
+    return None if t is None else pa.field(a.name, t, a.nullable or b.nullable)
+
+
+def schema_differences(a: pa.Schema, b: pa.Schema) -> str:
+    """What differs between ``a`` and ``b``, beyond nullability, in words."""
+    out = []
+    only_a = [n for n in a.names if n not in b.names]
+    only_b = [n for n in b.names if n not in a.names]
+    if only_a:
+        out.append(f"only the first has {only_a}")
+    if only_b:
+        out.append(f"only the second has {only_b}")
+    for f in a:
+        if f.name in b.names:
+            g = b.field(b.names.index(f.name))
+            if _union_type(f.type, g.type) is None:
+                out.append(f"{f.name!r} is {f.type} vs {g.type}")
+    if not out:
+        out.append(f"the column order differs: {a.names} vs {b.names}")
+    return "; ".join(out)
+
+
 def _schema_str(schema: pa.Schema) -> str:
-    return "[" + ", ".join(f"{f.name}: {f.type}" for f in schema) + "]"
+    return (
+        "["
+        + ", ".join(f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in schema)
+        + "]"
+    )
 
 
 class WatermarkTracker:
