@@ -341,12 +341,13 @@ def test_plan_is_picklable_and_round_trips():
     assert again.task("j").schema == plan.task("j").schema
 
 
-def test_check_picklable_names_the_task_with_a_lambda():
+def test_check_picklable_takes_lambdas_and_names_the_task_that_cannot_be_sent():
     pipeline_plan().check_picklable()
     job = small_job()
     job.source(src()).map(lambda b: b, name="anon").sink(td.sinks.Collect())
+    job.plan().check_picklable()  # cloudpickle ships a lambda by value
     with pytest.raises(td.ConfigError, match=r"operator task 'anon' cannot be sent to a worker"):
-        job.plan().check_picklable()
+        job.plan().check_picklable(pickle.dumps)  # plain pickle cannot
 
 
 def test_plan_describe_lists_tasks_and_edges():

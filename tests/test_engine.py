@@ -81,9 +81,12 @@ def union_job(ordering: str, spread: bool = False) -> td.Job:
     return job
 
 
+WORKER = "-m tandem.engines.worker "
+
+
 def children() -> list[int]:
-    """PIDs of live replica processes (spawned workers) whose parent is this test process.
-    multiprocessing's own resource tracker lives as long as this process and is not one."""
+    """PIDs of live worker processes (``python -m tandem.engines.worker``) whose parent
+    is this test process."""
     me, out = os.getpid(), []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -93,7 +96,7 @@ def children() -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z" and "spawn_main" in _cmdline(int(entry)):
+        if int(fields[1]) == me and fields[0] != "Z" and WORKER in _cmdline(int(entry)):
             out.append(int(entry))
     return out
 

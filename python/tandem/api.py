@@ -14,11 +14,12 @@ Everything that can be checked before start is checked while the graph is built 
 the latest by :meth:`Job.plan`) and fails with a :class:`tandem.ConfigError` naming the
 operator, the problem and what to do.
 
-Output schemas: a source declares its schema; ``filter`` and ``union`` keep their input
-schema; ``map``/``flat_map`` take ``schema=`` or infer it by calling the function once on a
-zero-row batch of the input schema; a ``KeyedProcess`` declares the class attribute
-``schema`` or has it inferred the same way (on a scratch copy); ``join`` and ``window``
-derive theirs. Every operator output must keep ``event_time_ns``.
+Output schemas: a source declares its schema; ``filter`` keeps its input schema, ``union``
+the streams' common one (nullable wherever one of them is); ``map``/``flat_map`` take
+``schema=`` or infer it by calling the function once on a zero-row batch of the input
+schema; a ``KeyedProcess`` declares the class attribute ``schema`` or has it inferred the
+same way (on a scratch copy); ``join`` and ``window`` derive theirs. Every operator output
+must keep ``event_time_ns``.
 
 Default names are the operator kind (``source``, ``map``, ``filter``, ``flat_map``,
 ``process``, ``join``, ``window``, ``sink``), suffixed ``_2``, ``_3``… when taken; explicit
@@ -41,7 +42,15 @@ import pyarrow as pa
 from tandem import operators as ops
 from tandem.exceptions import ConfigError
 from tandem.faults import Fault, validate_faults
-from tandem.plan import ORDERINGS, Edge, Plan, Task, hashable_key_type
+from tandem.plan import (
+    ORDERINGS,
+    Edge,
+    Plan,
+    Task,
+    hashable_key_type,
+    schema_differences,
+    union_schema,
+)
 from tandem.sinks import Sink
 from tandem.sources import Source
 
@@ -226,9 +235,12 @@ class Job:
                 edges.append(Edge(ids[id(up)], input_index, part, key))
             edges.sort(key=lambda e: (e.input_index, e.upstream))
             in_schemas: list[pa.Schema] = []
-            for e in edges:
+            for e in edges:  # a union's input: nullable where any of its streams is
+                up_schema = order[e.upstream].schema
                 if e.input_index == len(in_schemas):
-                    in_schemas.append(order[e.upstream].schema)
+                    in_schemas.append(up_schema)
+                elif up_schema is not None and in_schemas[-1] is not None:
+                    in_schemas[-1] = union_schema(in_schemas[-1], up_schema) or in_schemas[-1]
             tasks.append(
                 Task(
                     id=i,
@@ -245,7 +257,7 @@ class Job:
                     key=n.key,
                 )
             )
-        return Plan(
+        plan = Plan(
             job=self.name,
             replication=self.replication,
             ordering=self.ordering,
@@ -257,6 +269,8 @@ class Job:
             on_divergence=self.on_divergence,
             workers=self.workers,
         )
+        plan.check_picklable()  # what cannot be shipped to the workers fails here
+        return plan
 
     def run(
         self,
@@ -464,21 +478,27 @@ class Stream:
         return self._operator("process", op, parallelism, name, schema_of)
 
     def union(self, *others: Stream) -> Stream:
-        """All rows of this stream and ``others`` (same schema), interleaved by the merge."""
+        """All rows of this stream and ``others``, interleaved by the merge. The schemas
+        must be the same up to nullability; the union's is nullable wherever one of the
+        streams' is."""
         if not others:
             raise ConfigError("union() needs at least one other stream")
         heads = list(self._heads)
         keys = {self.key}
+        schema = self.schema
         for o in others:
             if not isinstance(o, Stream) or o.job is not self.job:
                 raise ConfigError(
                     f"union(): every stream must belong to job {self.job.name!r}, got {o!r}"
                 )
-            if not o.schema.equals(self.schema, check_metadata=False):
+            merged = union_schema(schema, o.schema)
+            if merged is None:
                 raise ConfigError(
-                    f"union() of {self._head_names()} and {o._head_names()}: schemas differ "
-                    f"({self.schema.names} vs {o.schema.names}); map them to one schema first"
+                    f"union() of {self._head_names()} and {o._head_names()}: schemas differ: "
+                    f"{schema_differences(schema, o.schema)}; map them to one schema first "
+                    "(nullability alone may differ)"
                 )
+            schema = merged
             for h in o._heads:
                 if h in heads:
                     raise ConfigError(
@@ -487,7 +507,7 @@ class Stream:
                     )
                 heads.append(h)
             keys.add(o.key)
-        return Stream(self.job, tuple(heads), keys.pop() if len(keys) == 1 else None, self.schema)
+        return Stream(self.job, tuple(heads), keys.pop() if len(keys) == 1 else None, schema)
 
     def join(
         self,

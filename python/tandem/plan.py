@@ -1,9 +1,10 @@
 """The physical plan: what an engine runs.
 
 A :class:`Plan` is a plain, picklable tree of dataclasses (user functions inside operators
-must be picklable by whatever the engine uses to ship them, e.g. module-level functions
-for ``pickle``). It expands the job's logical graph into tasks x partitions x replicas and
-the logical channels between them:
+must be picklable by whatever the engine uses to ship them: cloudpickle, which takes
+lambdas and closures, on both engines; :meth:`Plan.check_picklable`). It expands the
+job's logical graph into tasks x partitions x replicas and the logical channels between
+them:
 
 * :class:`Task` — ``id`` (its index in ``plan.tasks``, a topological order), ``name``,
   ``kind`` (``source`` | ``operator`` | ``sink``), ``parallelism``, ``replication``
@@ -48,9 +49,11 @@ only be deterministic for a given input batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import struct
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,6 +263,17 @@ class Plan:
             chans += [InputChannel(up.id, p, e.input_index) for p in parts]
         return sorted(chans, key=lambda c: (c.input_index, c.task, c.partition))
 
+    def input_conformer(self, task_id: int, channel: InputChannel):
+        """A function casting the batches of input ``channel`` of a task to the schema the
+        task reads on that input, or None when they have it already. They differ after a
+        ``union`` of streams whose schemas differ in nullability only: the union's schema
+        is nullable wherever one of its streams is."""
+        want = self.task(task_id).input_schemas[channel.input_index]
+        have = self.tasks[channel.task].schema
+        if want is None or have is None or have.equals(want, check_metadata=False):
+            return None
+        return lambda batch: conform(batch, want)
+
     def output_edges(self, task_id: int, partition: int) -> list[OutputEdge]:
         """The outputs of a task partition, one per downstream edge."""
         task = self.task(task_id)
@@ -278,20 +292,28 @@ class Plan:
 
     def check_picklable(self, dumps=None) -> None:
         """Raise ConfigError naming the first task whose source, operator or sink cannot
-        be pickled with ``dumps`` (default ``pickle.dumps``) — an engine that ships the
-        plan to other processes calls this before starting any."""
-        import pickle
+        be pickled with ``dumps`` (default ``cloudpickle.dumps``, what the local engine
+        ships the plan with), and the captured value to blame where one is found.
+        :meth:`tandem.Job.plan` calls it, so nothing starts with a plan that cannot be
+        sent to the workers."""
+        if dumps is None:
+            import cloudpickle
 
-        dumps = dumps or pickle.dumps
+            dumps = cloudpickle.dumps
         for t in self.tasks:
-            try:
-                dumps((t.source, t.operator, t.sink))
-            except Exception as exc:
-                raise ConfigError(
-                    f"{t.describe()} cannot be sent to a worker process: "
-                    f"{type(exc).__name__}: {exc}; use module-level functions and classes "
-                    "(not lambdas or local functions) in operators"
-                ) from exc
+            for what, obj in (("source", t.source), ("operator", t.operator), ("sink", t.sink)):
+                try:
+                    dumps(obj)
+                except Exception as exc:
+                    culprit = _unpicklable_part(obj, dumps)
+                    blame = f" ({what} {culprit})" if culprit else ""
+                    raise ConfigError(
+                        f"{t.describe()} cannot be sent to a worker process{blame}: "
+                        f"{type(exc).__name__}: {exc}. A function or operator shipped to the "
+                        "workers must not capture a lock, socket, open file, client or "
+                        "thread; create such objects in the worker instead (in an "
+                        "operator's open(), or lazily on first use)"
+                    ) from exc
 
     def describe(self) -> str:
         """A readable listing of the tasks, their sizes and their inputs."""
@@ -490,8 +512,118 @@ class TaskInstance:
         self._guard(lambda: self.op.restore(data))
 
 
+def _unpicklable_part(obj: Any, dumps, depth: int = 0) -> str | None:
+    """Where in ``obj`` the part that ``dumps`` cannot pickle lies, e.g. ``fn -> lock (a
+    _thread.lock)``: an object's attributes, a function's free variables and the globals
+    it uses, searched a few levels deep; None if no single part fails."""
+    if depth > 4:
+        return None
+    if isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        items = []
+        for name, cell in zip(code.co_freevars, obj.__closure__ or (), strict=False):
+            with contextlib.suppress(ValueError):  # an empty cell
+                items.append((name, cell.cell_contents))
+        items += [(n, obj.__globals__[n]) for n in code.co_names if n in obj.__globals__]
+    elif isinstance(obj, (list, tuple)):
+        items = [(f"[{i}]", v) for i, v in enumerate(obj)]
+    elif isinstance(obj, dict):
+        items = [(f"[{k!r}]", v) for k, v in obj.items()]
+    else:
+        try:
+            items = list(vars(obj).items())
+        except TypeError:
+            return None
+    for name, value in items:
+        try:
+            dumps(value)
+        except Exception:
+            inner = _unpicklable_part(value, dumps, depth + 1)
+            if inner:
+                return f"{name}{'' if inner.startswith('[') else ' -> '}{inner}"
+            kind = type(value)
+            return f"{name} (a {kind.__module__}.{kind.__qualname__})"
+    return None
+
+
+def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` as a batch of ``schema``, which has the same columns and types up to
+    nullability (see :func:`union_schema`)."""
+    if batch.schema.equals(schema, check_metadata=False):
+        return batch
+    cols = [
+        col if col.type.equals(f.type) else col.cast(f.type)
+        for col, f in zip(batch.columns, schema, strict=True)
+    ]
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
+
+
+def union_schema(a: pa.Schema, b: pa.Schema) -> pa.Schema | None:
+    """The schema that rows of ``a`` and rows of ``b`` both fit when the two differ in
+    nullability only (nested fields too): nullable wherever either is. None if they
+    differ otherwise (names, order or types)."""
+    if a.names != b.names:
+        return None
+    fields = []
+    for fa, fb in zip(a, b, strict=True):
+        t = _union_type(fa.type, fb.type)
+        if t is None:
+            return None
+        fields.append(pa.field(fa.name, t, fa.nullable or fb.nullable, metadata=fa.metadata))
+    return pa.schema(fields, metadata=a.metadata)
+
+
+def _union_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    if a.equals(b):
+        return a
+    if a.id != b.id or a.num_fields != b.num_fields or a.num_fields == 0:
+        return None
+    if pa.types.is_struct(a):
+        kids = [_union_field(a.field(i), b.field(i)) for i in range(a.num_fields)]
+        return None if None in kids else pa.struct(kids)
+    if pa.types.is_list(a) or pa.types.is_large_list(a):
+        kid = _union_field(a.value_field, b.value_field)
+        if kid is None:
+            return None
+        return pa.list_(kid) if pa.types.is_list(a) else pa.large_list(kid)
+    if pa.types.is_fixed_size_list(a):
+        kid = _union_field(a.value_field, b.value_field)
+        return None if kid is None or a.list_size != b.list_size else pa.list_(kid, a.list_size)
+    return None
+
+
+def _union_field(a: pa.Field, b: pa.Field) -> pa.Field | None:
+    if a.name != b.name:
+        return None
+    t = _union_type(a.type, b.type)
+    return None if t is None else pa.field(a.name, t, a.nullable or b.nullable)
+
+
+def schema_differences(a: pa.Schema, b: pa.Schema) -> str:
+    """What differs between ``a`` and ``b``, beyond nullability, in words."""
+    out = []
+    only_a = [n for n in a.names if n not in b.names]
+    only_b = [n for n in b.names if n not in a.names]
+    if only_a:
+        out.append(f"only the first has {only_a}")
+    if only_b:
+        out.append(f"only the second has {only_b}")
+    for f in a:
+        if f.name in b.names:
+            g = b.field(b.names.index(f.name))
+            if _union_type(f.type, g.type) is None:
+                out.append(f"{f.name!r} is {f.type} vs {g.type}")
+    if not out:
+        out.append(f"the column order differs: {a.names} vs {b.names}")
+    return "; ".join(out)
+
+
 def _schema_str(schema: pa.Schema) -> str:
-    return "[" + ", ".join(f"{f.name}: {f.type}" for f in schema) + "]"
+    return (
+        "["
+        + ", ".join(f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in schema)
+        + "]"
+    )
 
 
 class WatermarkTracker:

@@ -139,7 +139,13 @@ class _Emitter:
 
 def _queues(plan: Plan, task: Task, partition: int, chans: dict) -> tuple[list, list]:
     inputs: list[InputChannel] = plan.input_channels(task.id, partition)
-    queues = [deque(chans.pop((c.task, c.partition, task.id, partition), [])) for c in inputs]
+    queues = []
+    for c in inputs:
+        entries = chans.pop((c.task, c.partition, task.id, partition), [])
+        conform = plan.input_conformer(task.id, c)  # a union's input: see Plan
+        if conform is not None:
+            entries = [(e[0], conform(e[1])) if e[0] == "data" else e for e in entries]
+        queues.append(deque(entries))
     return inputs, queues
 
 

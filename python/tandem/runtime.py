@@ -172,6 +172,7 @@ class Replica:
         self.orderer: Orderer | None = None
         self.inbox = None
         self.inputs = []
+        self._conform = []
         self.outputs: list[_Output] = []
         self.report = ReplicaReport(task_id, partition, replica, self.task.kind)
         self.slot: int | None = None
@@ -194,6 +195,7 @@ class Replica:
             return None
         t, p, r = self.me
         self.inputs = self.plan.input_channels(t, p)
+        self._conform = [self.plan.input_conformer(t, c) for c in self.inputs]
         ordering = self.plan.inbox_ordering(t, p)
         self.inbox = _core.Inbox(
             self.plan.job,
@@ -251,6 +253,9 @@ class Replica:
 
     def on_data(self, channel: int, batch: pa.RecordBatch) -> None:
         self.report.rows_in += batch.num_rows
+        conform = self._conform[channel]
+        if conform is not None:  # a union's input with a stricter nullability
+            batch = conform(batch)
         if self._inst is not None:
             self._emit(self._inst.batch(batch, self.inputs[channel].input_index))
             return

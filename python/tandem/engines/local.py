@@ -3,7 +3,11 @@
 The coordinator (this module, in the caller's process) starts one process per worker of
 the plan's placement (:meth:`tandem.plan.Plan.placement`: one or more workers per replica
 group, plus one for the sinks), each hosting many task replicas
-(:class:`tandem.runtime.Worker`). It collects the port every replica listens on, fixes
+(:class:`tandem.runtime.Worker`). A worker process is a fresh interpreter running
+:mod:`tandem.engines.worker` (not a ``multiprocessing`` child, which would import the
+caller's main script again: a plain script without a ``__main__`` guard works), linked to
+the coordinator by a socket pair; the plan reaches it by cloudpickle, so lambdas and
+closures travel by value. The coordinator collects the port every replica listens on, fixes
 the logical time origin ``t0`` and tells every worker to start. It then watches them: it
 injects the requested faults at the level of the fault domain — ``td.Kill`` SIGKILLs the
 worker that hosts the named replica, and with it every replica it hosts; ``td.Pause``
@@ -18,16 +22,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import multiprocessing as mp
 import os
 import resource
 import signal
+import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import cloudpickle
 import psutil
 
 from tandem.api import Result
@@ -56,17 +62,16 @@ class _Resume:
     at: float
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (no orphans, ever)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):  # libc without prctl: nothing to do
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _child(plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooRun | None) -> None:
-    """Entry point of a worker process."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl-C
+def serve(plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooRun | None) -> None:
+    """The ready/go/done exchange of a worker process with the coordinator, over ``conn``
+    (see :mod:`tandem.engines.worker`, the process's entry point)."""
     try:
         worker = Worker(plan, rids, secret, kazoo=kazoo)
 
@@ -86,6 +91,71 @@ def _child(plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooR
         return
     _, addresses, t0_ns, duration = msg
     conn.send(("done", worker.run(addresses, t0_ns, duration)))
+
+
+def _worker_env() -> dict[str, str]:
+    """The environment of a worker process: this one's, with the folder tandem was
+    imported from on PYTHONPATH unless the interpreter finds it anyway (site-packages)."""
+    import site
+
+    import tandem
+
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tandem.__file__)))
+    default = set(site.getsitepackages()) | {site.getusersitepackages()}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in default and root not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    return env
+
+
+class _Process:
+    """A worker process (``python -m tandem.engines.worker``) and its end of the link."""
+
+    def __init__(self, payload: tuple, env: dict[str, str]) -> None:
+        mine, theirs = socket.socketpair()
+        try:
+            self.popen = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tandem.engines.worker",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                ],
+                pass_fds=(theirs.fileno(),),
+                env=env,
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self.conn = Connection(mine.detach())
+        self.pid = self.popen.pid
+        self.payload = payload
+
+    def send_payload(self) -> None:
+        """Send the job (a worker that already died shows as EOF on the link)."""
+        with contextlib.suppress(OSError):
+            self.conn.send(self.payload)
+        self.payload = None
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        """The exit code (negative: killed by that signal), None while it runs."""
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+    def join(self, timeout: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -223,13 +293,12 @@ class _Run:
         self.zoo: KazooRun | None = zoo
         self.faults = sorted(faults, key=lambda f: f.at)
         self.secret = os.urandom(32)
-        self.ctx = mp.get_context("spawn")
         self.placement = plan.placement()
         self.worker_of: dict[ReplicaId, int] = {
             rid: w for w, rids in enumerate(self.placement) for rid in rids
         }
-        self.procs: dict[int, Any] = {}
-        self.conns: dict[int, Any] = {}
+        self.procs: dict[int, _Process] = {}
+        self.conns: dict[int, Connection] = {}
         self.reports: dict[ReplicaId, ReplicaReport] = {}
         self.killed: dict[ReplicaId, float] = {}
         self.killed_workers: set[int] = set()
@@ -242,17 +311,15 @@ class _Run:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
+        # The plan goes by cloudpickle: functions, lambdas and closures of the main script
+        # by value (Job.plan checked that every task can be sent).
+        blob = cloudpickle.dumps(self.plan)
+        env = _worker_env()
         for w, rids in enumerate(self.placement):
-            parent, child = self.ctx.Pipe()
-            proc = self.ctx.Process(
-                target=_child,
-                args=(self.plan, rids, self.secret, child, self.zoo),
-                name=f"tandem-worker-{w}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self.procs[w], self.conns[w] = proc, parent
+            proc = _Process((list(sys.path), blob, rids, self.secret, self.zoo), env)
+            self.procs[w], self.conns[w] = proc, proc.conn
+        for proc in self.procs.values():
+            proc.send_payload()
         addresses: dict[ReplicaId, tuple[str, int]] = {}
         pending = set(self.procs)
         deadline = time.monotonic() + 60.0
@@ -266,9 +333,11 @@ class _Run:
                 try:
                     kind, value = conn.recv()
                 except EOFError:
+                    proc = self.procs[w]
+                    proc.join(timeout=5)
                     raise TandemError(
                         f"{self._worker_name(w)} exited while starting (exit code "
-                        f"{self.procs[w].exitcode})"
+                        f"{proc.exitcode}); its error, if any, is on stderr above"
                     ) from None
                 if kind == "error":
                     raise ConfigError(value)
@@ -299,8 +368,8 @@ class _Run:
                 running -= self.killed_workers
             self._draw(now_s)
             self._sample_rss(running)
+            # A worker that exits closes its end of the link: EOF on the connection.
             waitables = {self.conns[w]: w for w in running}
-            waitables.update({self.procs[w].sentinel: w for w in running})
             next_fault = (faults[0].at - now_s) if faults else 0.2
             if reading is not None:
                 next_fault = min(next_fault, reading)
@@ -308,20 +377,23 @@ class _Run:
                 w = waitables[obj]
                 if w not in running:
                     continue
-                if obj is self.conns[w]:
-                    try:
-                        kind, reports = obj.recv()
-                    except EOFError:
-                        continue  # the sentinel reports the exit
-                    if kind == "done":
-                        self.reports.update(reports)
-                        running.discard(w)
-                        for report in reports.values():
-                            if report.error:
-                                raise report.failure()
-                elif not self.procs[w].is_alive():
+                try:
+                    kind, reports = obj.recv()
+                except EOFError:
+                    proc = self.procs[w]
+                    proc.join(timeout=5)
+                    if proc.is_alive():  # closed the link but lingers: finish it off
+                        proc.kill()
+                        proc.join(timeout=5)
                     running.discard(w)
                     self._crashed(w)
+                    continue
+                if kind == "done":
+                    self.reports.update(reports)
+                    running.discard(w)
+                    for report in reports.values():
+                        if report.error:
+                            raise report.failure()
             if running and time.monotonic() > deadline:
                 stuck = sorted(self._worker_name(w) for w in running)
                 raise TandemError(

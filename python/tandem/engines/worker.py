@@ -1,0 +1,57 @@
+"""A worker process of the local engine: ``python -m tandem.engines.worker FD PARENT_PID``.
+
+The coordinator (:mod:`tandem.engines.local`) starts this module as a fresh interpreter
+rather than with ``multiprocessing``, so that the user's main script is never imported
+again here: a plain script without an ``if __name__ == "__main__":`` guard works. ``FD`` is
+this process's end of a socket pair, a :class:`multiprocessing.connection.Connection`.
+The coordinator first sends ``(sys.path, plan, rids, secret, kazoo)``, the plan as a
+cloudpickle blob — functions, lambdas and closures defined in ``__main__`` travel by
+value, those of importable modules by reference, found through the coordinator's
+``sys.path``. Then the ready/go/done exchange of :func:`tandem.engines.local.serve`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl-C
+    argv = sys.argv[1:] if argv is None else argv
+    fd, parent = int(argv[0]), int(argv[1])
+
+    from tandem.engines import local
+
+    local.die_with_parent()
+    if os.getppid() != parent:  # the coordinator died before we asked to die with it
+        return 1
+    os.set_inheritable(fd, False)  # nothing this process starts may hold the link open
+    conn = Connection(fd)
+    try:
+        path, blob, rids, secret, kazoo = conn.recv()
+    except EOFError:
+        return 1
+    sys.path[:] = list(path) + [p for p in sys.path if p not in path]
+    try:
+        plan = pickle.loads(blob)
+    except BaseException as exc:
+        conn.send(
+            (
+                "error",
+                f"the worker of {rids} could not load the job: {type(exc).__name__}: {exc} "
+                "(a function of an importable module is shipped by name: that module must "
+                "be importable in the worker process too, from the coordinator's sys.path "
+                "and working directory)",
+            )
+        )
+        return 1
+    local.serve(plan, rids, secret, conn, kazoo)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
