@@ -1,7 +1,9 @@
 """The Spark engine end to end, on a real local Spark (pyspark from PyPI, Java 17).
 
-One session for the module (a JVM costs seconds): ``local[19,3]`` — 19 task slots, enough
-for the 17 replicas of MiB1 of length 3 plus spares, and up to 3 attempts per task.
+One session for the module (a JVM costs seconds): ``local[7,3]`` — 7 task slots, enough
+for the 5 workers of MiB1 of length 3 with two workers per replica group (each one Spark
+task hosting its group's replica of one partition of every task; the fifth hosts the
+sink) plus spares, and up to 3 attempts per task.
 """
 
 from __future__ import annotations
@@ -18,30 +20,43 @@ from tandem.bench import mib1_job
 from tandem.cli import main
 from tandem.engines.common import multiset_diff
 from tandem.reference import canonical
-from tandem.testing import two_thresholds, with_batch_rows
+from tandem.testing import killed_replicas, lost_replicas, two_thresholds, with_batch_rows
 
 pytestmark = pytest.mark.spark
 
 RATE = 1_000
 DURATION = 3.0
-REPLICAS = 17  # MiB1 of length 3: 2 sources, 3 maps (2 partitions x 2 replicas each), 1 sink
+REPLICAS = 17  # MiB1 of length 3: a source and 3 maps (2 partitions x 2 replicas each), 1 sink
+WORKERS = 5  # two per replica group (one per partition), and the sink's
 
 
 @pytest.fixture(scope="module")
 def spark():
-    session = tandem_spark.local_session(REPLICAS)
+    session = tandem_spark.local_session(WORKERS)
     yield session
     session.stop()
 
 
-def mib1(length: int = 3) -> td.Job:
-    return mib1_job(length, replication=2, ordering="liverobin", rate=RATE, sink=td.sinks.Collect())
+def mib1(length: int = 3, replication: int = 2) -> td.Job:
+    job = mib1_job(length, replication, ordering="liverobin", rate=RATE, sink=td.sinks.Collect())
+    job.workers = 2  # per replica group, whatever this machine's cores
+    return job
+
+
+def spark_tasks(spark) -> tuple[int, int]:
+    """Tasks of the last Spark job (one stage: ``mapInArrow`` over the placement rows),
+    and how many of their attempts failed."""
+    tracker = spark.sparkContext.statusTracker()
+    job = tracker.getJobInfo(max(tracker.getJobIdsForGroup()))
+    stages = [tracker.getStageInfo(s) for s in job.stageIds]
+    return sum(s.numTasks for s in stages), sum(s.numFailedTasks for s in stages)
 
 
 @pytest.fixture(scope="module")
 def fault_free(spark):
     job, engine = mib1(), tandem_spark.SparkEngine(spark)
-    return job, engine, job.run(duration=DURATION, engine=engine)
+    res = job.run(duration=DURATION, engine=engine)
+    return job, engine, res, spark_tasks(spark)
 
 
 def assert_same_as_reference(job: td.Job, res: td.Result) -> pa.Table:
@@ -53,16 +68,26 @@ def assert_same_as_reference(job: td.Job, res: td.Result) -> pa.Table:
 
 
 def test_mib1_output_equals_the_reference(fault_free):
-    job, engine, res = fault_free
+    job, engine, res, _ = fault_free
     assert_same_as_reference(job, res)
     assert res.p50_ms is not None and res.p50_ms > 0
     assert res.lost_replicas == [] and engine.last_run.retried_slots() == []
-    # One task attempt per replica, each on a placement row of its own.
-    assert sorted(a.slot for a in engine.last_run.attempts) == list(range(REPLICAS))
+
+
+def test_one_spark_task_per_worker(fault_free):
+    job, engine, _, (tasks, failed) = fault_free
+    placement = job.plan().placement()
+    assert len(placement) == WORKERS and len(job.plan().replicas()) == REPLICAS
+    assert (tasks, failed) == (WORKERS, 0)
+    # One attempt per placement row; on one executor row i runs worker i, all its replicas.
+    run = engine.last_run
+    assert sorted(a.slot for a in run.attempts) == list(range(WORKERS))
+    assert all(a.worker == a.slot and a.replicas == placement[a.slot] for a in run.attempts)
+    assert sorted(run.hosts()) == sorted(job.plan().replicas())
 
 
 def test_output_dataframe_equals_the_reference(fault_free):
-    job, engine, res = fault_free
+    job, engine, res, _ = fault_free
     df = engine.output_df()
     assert df.count() == res.output.num_rows
     got = df.toArrow()
@@ -70,31 +95,47 @@ def test_output_dataframe_equals_the_reference(fault_free):
     assert multiset_diff(want, got) == (0, 0)
 
 
-def test_killed_replica_is_masked_and_only_its_task_is_retried(spark, fault_free):
+@pytest.mark.parametrize(
+    "fault",
+    [td.Kill("map2", partition=1, replica=0, at=1.5), td.KillWorker(2, at=1.5)],
+    ids=["kill-replica", "kill-worker"],
+)
+def test_killed_worker_is_masked_and_only_its_task_is_retried(spark, fault_free, fault):
+    """A kill takes down the worker task hosting the replica, with every replica in it:
+    their twins mask them all, and Spark retries that one task, which retires."""
     job, engine = mib1(), tandem_spark.SparkEngine(spark)
-    fault = td.Kill("map2", partition=1, replica=0, at=1.5)
+    plan = job.plan()
     res = job.run(duration=DURATION, faults=[fault], engine=engine)
+    tasks, failed = spark_tasks(spark)
     assert_same_as_reference(job, res)
-    assert [(x["task"], x["partition"], x["replica"]) for x in res.lost_replicas] == [
-        ("map2", 1, 0)
-    ]
+    (record,) = res.faults
+    w = record["worker"]
+    names = {t.id: t.name for t in plan.tasks}
+    hosted = {(names[t], p, r) for t, p, r in plan.placement()[w]}
+    if isinstance(fault, td.Kill):
+        assert (plan.task("map2").id, 1, 0) in plan.placement()[w]
+    else:
+        assert w == fault.worker
+    assert len(hosted) == 4  # group 0 or 1: one partition of the source and of each map
+    assert lost_replicas(res) == killed_replicas(res) == hosted
     # Masked: no stall beyond the scheduling noise the fault-free run shows on this machine.
     assert res.max_gap_ms < max(1_000, 2 * fault_free[2].max_gap_ms)
     run = engine.last_run
-    victim = next(a for a in run.attempts if a.replica == (job.plan().task("map2").id, 1, 0))
+    victim = run.workers()[w]
     # Spark retried the killed task (attempt 1 of the same placement row) and no other.
     assert run.retried_slots() == [victim.slot]
     assert sorted(a.attempt for a in run.attempts if a.slot == victim.slot) == [0, 1]
+    assert (tasks, failed) == (WORKERS, 1)
 
 
 def test_too_small_cluster_fails_fast_with_the_fix(spark):
-    job = mib1(length=4)  # 21 replicas
-    with pytest.raises(td.ConfigError, match=r"21 replicas.*22 slots.*offers 19.*local\[22,3\]"):
+    job = mib1(replication=3)  # 3 groups of 2 workers, and the sink's: 7 workers
+    with pytest.raises(td.ConfigError, match=r"7 workers.*8 slots.*offers 7.*local\[8,3\]"):
         job.run(duration=DURATION, engine=tandem_spark.SparkEngine(spark))
 
 
 def test_engine_by_name_from_the_cli(spark, capsys, tmp_path):
-    # The engine sizes a session for the demo's 17 replicas; getOrCreate finds this one.
+    # The engine sizes a session for the demo's workers; getOrCreate finds this one.
     argv = ["demo", "--engine", "spark", "--duration", "3", "--rate", "500", "--no-progress"]
     code = main([*argv, "--plot", str(tmp_path / "p99.png")])
     printed = capsys.readouterr().out
@@ -114,8 +155,9 @@ def test_master_without_the_spark_engine_is_refused(capsys):
 
 
 def test_kazoo_ordering_runs_on_spark(spark, zookeeper, kafka):
-    """KaZoo on the Spark engine: every ordered replica task runs its orderer against the
-    real services; the output is the one the followed orders give, replicas agreeing."""
+    """KaZoo on the Spark engine: every ordered replica runs its orderer (one session per
+    worker task) against the real services; the output is the one the followed orders
+    give, replicas agreeing."""
     config = td.KazooConfig(zk_hosts=kafka.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap)
     job = mib1_job(3, 2, "kazoo", RATE, kazoo=config, sink=td.sinks.Collect())
     res = job.run(duration=DURATION, engine=tandem_spark.SparkEngine(spark))
@@ -127,9 +169,9 @@ def test_kazoo_ordering_runs_on_spark(spark, zookeeper, kafka):
 @pytest.mark.parametrize("kill", [False, True], ids=["no-fault", "kill"])
 def test_functions_of_a_whole_batch_agree_on_spark(spark, kill):
     """A batch's row count and two filters concatenated, each after a keyed merge: the
-    replica tasks are called with the same batches, so they agree, and the output is the
-    reference's row for row — with one replica task killed too."""
-    job = td.Job("batches", replication=2)
+    replicas are called with the same batches, so they agree, and the output is the
+    reference's row for row — with the worker task of one replica killed too."""
+    job = td.Job("batches", replication=2, workers=2)
     events = job.source(td.sources.Synthetic(rate=RATE, keys=40, seed=11), parallelism=2)
     rows = events.key_by("key").map(with_batch_rows, parallelism=2, name="rows")
     rows.key_by("key").flat_map(two_thresholds, parallelism=2, name="alert").sink(
@@ -141,4 +183,5 @@ def test_functions_of_a_whole_batch_agree_on_spark(spark, kill):
     want = job.run_reference(duration=DURATION, t0_ns=res.t0_ns).output
     assert multiset_diff(want, res.output) == (0, 0)
     assert max(res.output.column("batch_rows").to_pylist()) > 1
-    assert len(res.lost_replicas) == len(faults)
+    assert lost_replicas(res) == killed_replicas(res)
+    assert len(res.lost_replicas) == (3 if kill else 0)  # one partition of each task

@@ -44,7 +44,7 @@ def _add_run_flags(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument(
         "--master",
         metavar="URL",
-        help="Spark master for --engine spark (default: local[N,3], N = replicas + spares)",
+        help="Spark master for --engine spark (default: local[N,3], N = workers + spares)",
     )
     p.add_argument("--duration", type=float, default=20.0 if demo else None, metavar="S")
     p.add_argument(

@@ -3,14 +3,15 @@
 ```python
 import tandem_spark
 
-spark = tandem_spark.local_session(replicas=17)  # or any SparkSession set up as documented
+spark = tandem_spark.local_session(job)  # or any SparkSession set up as documented
 engine = tandem_spark.SparkEngine(spark)
 result = job.run(duration=30, engine=engine)      # the same td.Result as the local engine
 engine.output_df().write.parquet("out/")          # the Collect sink's rows, as a DataFrame
 ```
 
-The engine (:mod:`tandem_spark.engine`) runs every replica as one long-running task of a
-single non-barrier Spark job; :mod:`tandem_spark.session` builds and checks sessions fit
+The engine (:mod:`tandem_spark.engine`) runs every worker of the job (a process hosting many
+task replicas, as on the local engine) as one long-running task of a single non-barrier
+Spark job; :mod:`tandem_spark.session` builds and checks sessions fit
 for that. ``tandem_spark.structured`` (imported on demand: it needs Spark's streaming
 sources) is Spark Structured Streaming running the same workload, the passive baseline.
 """

@@ -4,12 +4,12 @@ Structured Streaming, on the same workload in the same run.
 The workload is the paper's MiB1 of length 3 (source → 3 identity maps → sink, two
 partitions per task, heartbeat 10 ms, buffer timeout 5 ms) at ``rate`` events per second:
 
-1. tandem, local engine (one process per replica), fault-free;
-2. tandem, Spark engine (one Spark task per replica), fault-free — the target is latency
+1. tandem, local engine (worker processes hosting the replicas), fault-free;
+2. tandem, Spark engine (one Spark task per worker), fault-free — the target is latency
    within 1.3x of (1);
-3. tandem, Spark engine, one replica of ``map2`` SIGKILLed halfway through the measured
-   window: downtime (the longest gap between outputs), lost and duplicated events
-   against the reference executor;
+3. tandem, Spark engine, the worker hosting a replica of ``map2`` SIGKILLed (with every
+   replica it hosts) halfway through the measured window: downtime (the longest gap
+   between outputs), lost and duplicated events against the reference executor;
 4. Structured Streaming running the same operators (:mod:`tandem_spark.structured`),
    fault-free and with its driver killed and restarted from the checkpoint.
 
@@ -65,7 +65,7 @@ def run(
     print(f"bench spark: MiB1 length {LENGTH}, {rate} ev/s, local engine ...", file=log)
     rows.append(_row("tandem local", job().run(duration, warmup=warmup, progress=False)))
 
-    spark = local_session(len(job().plan().replicas()), master)
+    spark = local_session(job(), master)
     try:
         engine = SparkEngine(spark)
         print("bench spark: Spark engine ...", file=log)

@@ -1,32 +1,38 @@
-"""The Spark engine: every replica of a job is one long-running task of one Spark job.
+"""The Spark engine: every worker of a job is one long-running task of one Spark job.
 
-The driver (this module, where ``job.run(engine=SparkEngine(spark))`` is called):
+A worker is what the local engine runs as one OS process — the fault domain, hosting many
+task replicas (:meth:`tandem.plan.Plan.placement`: the replica groups, split by partition,
+and one worker for the sinks). The driver (this module, where
+``job.run(engine=SparkEngine(spark))`` is called):
 
 1. checks the session (:func:`tandem_spark.session.check_cluster`): a task slot per
-   replica plus spares, retries on, speculation and dynamic allocation off;
-2. builds the *placement* DataFrame, one row per replica — ``slot`` (its Spark partition),
-   ``task``, ``partition``, ``replica`` — in exactly as many Spark partitions as rows
-   (``spark.range`` with one slice per row puts row ``i`` alone in partition ``i``);
+   worker plus spares, retries on, speculation and dynamic allocation off;
+2. builds the *placement* DataFrame, one row per worker — ``slot`` (its Spark partition,
+   and the worker's index) and ``replicas`` (the ``task``/``partition``/``replica`` of
+   each replica it hosts) — in exactly as many Spark partitions as rows (``spark.range``
+   with one slice per row puts row ``i`` alone in partition ``i``);
 3. starts the :class:`~tandem_spark.registry.Registry` and runs
-   ``placement.mapInArrow(replica_main, schema)`` as one non-barrier job.
+   ``placement.mapInArrow(worker_main, schema)`` as one non-barrier job.
 
-On an executor, :func:`replica_main` — the Arrow-backed UDF — reads its placement row,
-checks in with the registry (which confirms the row's replica, or on a cluster swaps
-replicas between tasks so that twins run on different executors), binds the replica's
-inbox, waits for every peer's address and ``t0``, runs a :class:`tandem.runtime.Worker` hosting it
-(the same worker code the local engine runs: the Rust event loop behind a Python operator
-loop) and yields Arrow batches back to Spark: the rows of the job's first
-``td.sinks.Collect`` sink (so the output is a Spark DataFrame) and one report row carrying
-the pickled :class:`~tandem.runtime.ReplicaReport`.
+On an executor, :func:`worker_main` — the Arrow-backed UDF — reads its placement row,
+checks in with the registry (which confirms the row's worker, or on a cluster swaps
+workers between tasks so that twins run on different executors), binds the inboxes of
+every replica the worker hosts, waits for every peer's address and ``t0``, runs a
+:class:`tandem.runtime.Worker` hosting them (the same worker code the local engine runs:
+the Rust event loop behind a Python operator loop) and yields Arrow batches back to Spark:
+the rows of the job's first ``td.sinks.Collect`` sink (so the output is a Spark DataFrame)
+and one report row per hosted replica, carrying the pickled
+:class:`~tandem.runtime.ReplicaReport`.
 
 The driver collects that output with ``toArrow()``, hands the reports to
 :func:`tandem.engines.common.assemble_result` — exactly what the local engine does — and
 keeps the sink rows for :meth:`SparkEngine.output_df`.
 
-A killed replica's task fails; ``local[N,F]`` (``F >= 2``) and clusters retry only that
+A killed worker's task fails; ``local[N,F]`` (``F >= 2``) and clusters retry only that
 task. The retry checks in with the registry, learns that its placement row already ran,
-and ends at once without output: its twin has been carrying the partition all along, and
-rejoining as a full replica needs the twin's state (DESIGN §4, not done yet).
+and ends at once without output: the twins of its replicas have been carrying their
+partitions all along, and rejoining as full replicas needs the twins' state (DESIGN §4,
+not done yet).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options
 from tandem.engines.local import STARTUP_S
 from tandem.exceptions import ConfigError, TandemError
+from tandem.faults import Kill, KillWorker
 from tandem.ordering import kazoo
 from tandem.plan import Plan, Task
 from tandem.runtime import ReplicaId, ReplicaReport, Worker
@@ -52,24 +59,32 @@ from tandem.sinks import Collect
 from tandem_spark import registry as reg
 from tandem_spark.session import LOCAL_CLUSTER_MASTER, check_cluster, is_local, local_session
 
-SLOT, REPORT = "slot", "tandem_report"
-"""The envelope columns of ``replica_main``'s output, before the sink's own columns."""
+SLOT = "slot"
+"""The placement DataFrame's row index: the Spark partition, and the worker it runs."""
+KEY, REPORT = "tandem_replica", "tandem_report"
+"""The envelope columns of ``worker_main``'s output, before the sink's own columns: the
+replica a row belongs to (its index in :meth:`tandem.plan.Plan.replicas`) and its pickled
+report (null on the sink's rows)."""
 
 KILL_UNITS = ("worker", "executor")
 
 
 class SparkEngine:
-    """Runs a plan with one Spark task per replica on the cluster of ``spark``.
+    """Runs a plan with one Spark task per worker on the cluster of ``spark``.
 
     Without ``spark``, each run uses a session sized for the plan
     (:func:`~tandem_spark.session.local_session`, on ``master`` if given), stopped
     afterwards unless it was running before; the output is then in ``Result.output`` only.
-    ``spare_slots``: task slots the cluster must have beyond one per replica (room for
+    The workers are those of :meth:`tandem.plan.Plan.placement` — as on the local engine,
+    the job's ``workers=`` per replica group (default: the driver's cores ÷ replication)
+    plus one for the sinks — and each is one Spark task for the whole run.
+    ``spare_slots``: task slots the cluster must have beyond one per worker (room for
     retries). ``host``: the address replicas bind and advertise — by default 127.0.0.1
     on a local master, else the executor's own host name. ``kill``: what a ``td.Kill``
-    SIGKILLs — the replica's Python ``"worker"`` process, or the whole ``"executor"`` JVM
-    hosting it with every replica on it (a node crash; ``local-cluster[...]`` only, as the
-    driver must see the executor's processes).
+    or ``td.KillWorker`` SIGKILLs — the Python ``"worker"`` process of the worker task
+    hosting the replica, with every replica in it, or the whole ``"executor"`` JVM with
+    every worker on it (a node crash; ``local-cluster[...]`` only, as the driver must see
+    the executor's processes).
 
     After a run, ``last_run`` (:class:`~tandem_spark.registry.RunLog`) holds every task
     attempt the registry saw, and :meth:`output_df` the job's output as a DataFrame.
@@ -111,13 +126,13 @@ class SparkEngine:
         ``spark.ui.showConsoleProgress``, so it is not drawn again here)."""
         del progress
         faults = list(faults)
-        check_options(self.name, duration, warmup, faults)
+        check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker))
         if self.spark is not None:
             return self._run(plan, duration, faults, warmup, check, timeout)
         from pyspark import SparkContext
 
         owned = SparkContext._active_spark_context is None  # else getOrCreate reuses it
-        self.spark = local_session(len(plan.replicas()), self.master, self.spare_slots)
+        self.spark = local_session(len(plan.placement()), self.master, self.spare_slots)
         try:
             return self._run(plan, duration, faults, warmup, check, timeout)
         finally:
@@ -136,7 +151,7 @@ class SparkEngine:
 
     def _run_with(self, plan, duration, faults, warmup, check, timeout, zoo) -> Result:
         sc = self.spark.sparkContext
-        placement = plan.replicas()
+        placement = plan.placement()
         check_cluster(self.spark, len(placement), self.spare_slots)
         if faults and not is_local(sc.master):
             raise ConfigError(
@@ -169,11 +184,14 @@ class SparkEngine:
             kill=self.kill,
             on_failure=lambda _: sc.cancelJobsWithTag(tag),
         )
-        udf = _replica_main(plan, secret, registry.address, host, schema, collect, zoo)
+        udf = _worker_main(plan, secret, registry.address, host, schema, collect, zoo)
         with registry, _driver_path_on_workers(sc, local):
             df = self._placement(placement).mapInArrow(udf, _spark_schema(schema))
             sc.addJobTag(tag)
-            sc.setJobDescription(f"tandem {plan.job}: {len(placement)} replicas for {duration} s")
+            sc.setJobDescription(
+                f"tandem {plan.job}: {len(placement)} workers hosting "
+                f"{len(plan.replicas())} replicas for {duration} s"
+            )
             try:
                 table = df.toArrow()
             except Exception as exc:
@@ -189,7 +207,7 @@ class SparkEngine:
         reports = _unpack(table, collect)
         lost = [(rid, "killed") for rid in registry.log.killed]
         lost += [(rid, "crashed") for rid in registry.log.crashed]
-        missing = sorted(set(placement) - set(reports) - {rid for rid, _ in lost})
+        missing = sorted(set(plan.replicas()) - set(reports) - {rid for rid, _ in lost})
         if missing:
             raise TandemError(f"replicas {missing} of {plan.job!r} never reported; see the log")
         result = assemble_result(
@@ -216,18 +234,27 @@ class SparkEngine:
             )
         return self.spark.createDataFrame(self._output)
 
-    def _placement(self, placement: list[ReplicaId]):
-        """The placement DataFrame: row ``i`` (replica ``placement[i]``) alone in Spark
-        partition ``i`` (``range`` with one slice per element splits exactly)."""
+    def _placement(self, placement: list[list[ReplicaId]]):
+        """The placement DataFrame: row ``i`` (worker ``i`` and its replicas) alone in
+        Spark partition ``i`` (``range`` with one slice per element splits exactly)."""
         from pyspark.sql import functions as F
 
         n = len(placement)
         df = self.spark.range(0, n, 1, numPartitions=n).withColumnRenamed("id", SLOT)
-        columns = {
-            name: F.array(*(F.lit(rid[i]) for rid in placement))[F.col(SLOT)]
-            for i, name in enumerate(("task", "partition", "replica"))
-        }
-        return df.withColumns(columns)
+        rows = [
+            F.array(
+                *(
+                    F.struct(
+                        F.lit(t).alias("task"),
+                        F.lit(p).alias("partition"),
+                        F.lit(r).alias("replica"),
+                    )
+                    for t, p, r in rids
+                )
+            )
+            for rids in placement
+        ]
+        return df.withColumn("replicas", F.array(*rows)[F.col(SLOT)])
 
 
 def _collect_sink(plan: Plan) -> Task | None:
@@ -236,7 +263,7 @@ def _collect_sink(plan: Plan) -> Task | None:
 
 
 def _output_schema(collect: Task | None) -> pa.Schema:
-    fields = [pa.field(SLOT, pa.int64(), nullable=False), pa.field(REPORT, pa.binary())]
+    fields = [pa.field(KEY, pa.int64(), nullable=False), pa.field(REPORT, pa.binary())]
     if collect is not None:
         fields += [f.with_nullable(True) for f in collect.schema]
     return pa.schema(fields)
@@ -255,70 +282,73 @@ def _spark_schema(schema: pa.Schema):
         ) from exc
 
 
-def _replica_main(plan, secret, registry_address, host, schema, collect, zoo):
+def _worker_main(plan, secret, registry_address, host, schema, collect, zoo):
     """The Arrow-backed UDF for ``mapInArrow``; everything it needs travels in its closure
     (cloudpickle), the job secret included."""
+    index = {rid: i for i, rid in enumerate(plan.replicas())}
 
-    def replica_main(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def worker_main(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
 
         rows = pa.Table.from_batches(list(batches))
         if rows.num_rows != 1:
-            raise RuntimeError(f"a replica task got {rows.num_rows} placement rows, not 1")
+            raise RuntimeError(f"a worker task got {rows.num_rows} placement rows, not 1")
         slot = rows.column(SLOT)[0].as_py()
         bind_host = host or _own_address()
         attempt = TaskContext.get().attemptNumber()
         with reg.register(registry_address, secret, slot, attempt, bind_host) as conn:
-            kind, value = reg.receive(conn, "replica identity")
-            if kind == "retire":
+            answer = reg.receive(conn, "worker identity")
+            if answer[0] == "retire":
                 return
-            rid = tuple(value)
-            worker = Worker(plan, [rid], secret, kazoo=zoo)
-            conn.send(("bound", worker.bind(bind_host)[rid]))
+            _, _, rids = answer
+            worker = Worker(plan, [tuple(rid) for rid in rids], secret, kazoo=zoo)
+            conn.send(("bound", worker.bind(bind_host)))
             _, addresses, t0_ns, duration = reg.receive(conn, "start signal")
-            report = worker.run(addresses, t0_ns, duration)[rid]
-            conn.send(("done", report.error, report.diverged))
-        if collect is not None and value[0] == collect.id:
-            yield from _rows(slot, report.sink_part, schema)
-            report.sink_part = None  # travels as the rows above
-        yield _envelope(slot, 1, schema, pa.array([pickle.dumps(report)], pa.binary()))
+            reports = worker.run(addresses, t0_ns, duration)
+            failures = [(rid, r.error, r.diverged) for rid, r in reports.items() if r.error]
+            conn.send(("done", failures))
+        for rid, report in reports.items():
+            key = index[rid]
+            if collect is not None and rid[0] == collect.id:
+                yield from _rows(key, report.sink_part, schema)
+                report.sink_part = None  # travels as the rows above
+            yield _envelope(key, 1, schema, pa.array([pickle.dumps(report)], pa.binary()))
 
-    return replica_main
+    return worker_main
 
 
-def _envelope(slot: int, n: int, schema: pa.Schema, report: pa.Array, columns=None):
-    """A batch of ``schema``: ``n`` rows of ``slot``, the report column, then ``columns``
-    (or nulls)."""
+def _envelope(key: int, n: int, schema: pa.Schema, report: pa.Array, columns=None):
+    """A batch of ``schema``: ``n`` rows of replica ``key``, the report column, then
+    ``columns`` (or nulls)."""
     body = columns or [pa.nulls(n, f.type) for f in list(schema)[2:]]
     return pa.RecordBatch.from_arrays(
-        [pa.repeat(pa.scalar(slot, pa.int64()), n), report, *body], schema=schema
+        [pa.repeat(pa.scalar(key, pa.int64()), n), report, *body], schema=schema
     )
 
 
-def _rows(slot: int, table: pa.Table, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-    """The sink rows as envelope batches (report column null)."""
+def _rows(key: int, table: pa.Table, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """The sink rows of replica ``key`` as envelope batches (report column null)."""
     names = schema.names[2:]
     for batch in table.select(names).to_batches():
         cols = [c.cast(f.type) for c, f in zip(batch.columns, list(schema)[2:], strict=True)]
-        yield _envelope(slot, batch.num_rows, schema, pa.nulls(batch.num_rows, pa.binary()), cols)
+        yield _envelope(key, batch.num_rows, schema, pa.nulls(batch.num_rows, pa.binary()), cols)
 
 
 def _unpack(table: pa.Table, collect: Task | None) -> dict[ReplicaId, ReplicaReport]:
-    """The replica reports by replica id, from the job's output; the Collect sink's report
-    gets its rows back as its ``sink_part``. A report row and the sink rows before it share
-    their task's ``slot`` (not necessarily the placement row of the replica the task ran:
-    see the registry's assignment)."""
+    """The replica reports by replica id, from the job's output; the Collect sink's
+    reports (one per partition) get their rows back as their ``sink_part``: the rows that
+    carry their replica's key."""
     has_report = pc.is_valid(table.column(REPORT))
     report_rows = table.filter(has_report)
     rows = table.filter(pc.invert(has_report))
     names = collect.schema.names if collect is not None else []
     reports = {}
-    for slot, blob in zip(
-        report_rows.column(SLOT).to_pylist(), report_rows.column(REPORT).to_pylist(), strict=True
+    for key, blob in zip(
+        report_rows.column(KEY).to_pylist(), report_rows.column(REPORT).to_pylist(), strict=True
     ):
         r = pickle.loads(blob)
         if collect is not None and r.task == collect.id:
-            mine = rows.filter(pc.equal(rows.column(SLOT), slot))
+            mine = rows.filter(pc.equal(rows.column(KEY), key))
             r.sink_part = mine.select(names).cast(collect.schema)
         reports[(r.task, r.partition, r.replica)] = r
     return reports

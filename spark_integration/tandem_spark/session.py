@@ -1,9 +1,11 @@
-"""Spark sessions fit for replica tasks, and the checks the engine makes before launch.
+"""Spark sessions fit for worker tasks, and the checks the engine makes before launch.
 
-Active replication needs things from Spark that are not its defaults:
+The engine runs every worker of a job — a process hosting many task replicas, see
+:meth:`tandem.plan.Plan.placement` — as one Spark task for the whole run. Active
+replication needs things from Spark that are not its defaults:
 
-* **a slot per replica, plus spares.** A non-barrier job does not start its tasks
-  together; the replicas of a job only make progress once all of them run, so a replica
+* **a slot per worker, plus spares.** A non-barrier job does not start its tasks
+  together; the replicas of a job only make progress once all of them run, so a worker
   without a slot would leave the others waiting for ever. Spares leave room for Spark's
   retry of a killed task.
 * **retries of the failed task only.** ``local[N,F]`` with ``F >= 2`` retries a task up to
@@ -12,9 +14,9 @@ Active replication needs things from Spark that are not its defaults:
 * **no speculation, no dynamic allocation:** a speculative copy of a replica would be a
   third replica nobody asked for, and an executor removed for being "idle" would take
   replicas with it.
-* **the driver's interpreter on the workers** (``PYSPARK_PYTHON``), with tandem installed,
-  and **no Python worker reuse**: a replica task leaves its worker process when it ends,
-  so no thread of a finished replica can outlive it.
+* **the driver's interpreter on the executors** (``PYSPARK_PYTHON``), with tandem
+  installed, and **no Python worker reuse**: a worker task leaves its Python process when
+  it ends, so no thread of a finished replica can outlive it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import time
 
 from tandem.exceptions import ConfigError
+from tandem.plan import Plan
 
 LOCAL_MASTER = re.compile(r"^local(\[(?P<n>\d+|\*)(,(?P<f>\d+))?\])?$")
 LOCAL_CLUSTER_MASTER = re.compile(r"^local-cluster\[(?P<w>\d+),\s*(?P<c>\d+),\s*(?P<m>\d+)\]$")
@@ -40,16 +43,19 @@ REQUIRED_CONF = {
 }
 
 
-def local_session(replicas: int, master: str | None = None, spare_slots: int = 2, **conf):
-    """A SparkSession that can host ``replicas`` replica tasks on this machine.
+def local_session(workers, master: str | None = None, spare_slots: int = 2, **conf):
+    """A SparkSession that can host ``workers`` worker tasks on this machine.
 
-    Without ``master`` it is ``local[N,3]`` with ``N = replicas + spare_slots`` task slots
-    (threads of one JVM; a failed task is retried up to twice while the others keep
-    running). ``master`` may also be ``local-cluster[W,C,MB]`` (W executor JVMs of C cores
-    each) or a cluster URL. ``conf`` entries are passed to the builder (``spark.`` prefix
-    and all); the Spark UI is off unless ``conf`` turns it on.
+    ``workers``: how many (an int), or the job (a ``td.Job`` or its ``Plan``) whose
+    workers (:meth:`tandem.plan.Plan.placement`) the session must host. Without ``master``
+    it is ``local[N,3]`` with ``N = workers + spare_slots`` task slots (threads of one JVM;
+    a failed task is retried up to twice while the others keep running). ``master`` may
+    also be ``local-cluster[W,C,MB]`` (W executor JVMs of C cores each) or a cluster URL.
+    ``conf`` entries are passed to the builder (``spark.`` prefix and all); the Spark UI
+    is off unless ``conf`` turns it on.
     """
-    master = master or f"local[{replicas + spare_slots},3]"
+    workers = worker_count(workers)
+    master = master or f"local[{workers + spare_slots},3]"
     # Workers start the interpreter named by PYSPARK_PYTHON (or `python3` from PATH).
     os.environ["PYSPARK_PYTHON"] = sys.executable
     if is_local(master):  # every JVM of the session listens on loopback only
@@ -69,6 +75,17 @@ def local_session(replicas: int, master: str | None = None, spare_slots: int = 2
     return builder.getOrCreate()
 
 
+def worker_count(workers) -> int:
+    """The number of worker tasks of ``workers``: an int, a ``td.Job`` or a ``Plan``."""
+    if hasattr(workers, "plan") and callable(workers.plan):  # a td.Job
+        workers = workers.plan()
+    if isinstance(workers, Plan):
+        return len(workers.placement())
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers must be an int >= 1, a td.Job or a Plan; got {workers!r}")
+    return workers
+
+
 def is_local(master: str) -> bool:
     """Whether every executor of ``master`` runs on this machine (so the driver can see,
     and kill, their processes)."""
@@ -82,10 +99,12 @@ def task_slots(spark) -> int:
     return sc.defaultParallelism // cpus
 
 
-def check_cluster(spark, replicas: int, spare_slots: int) -> None:
-    """Raise ConfigError unless ``spark`` can host ``replicas`` replica tasks at once, with
+def check_cluster(spark, workers: int, spare_slots: int) -> None:
+    """Raise ConfigError unless ``spark`` can host ``workers`` worker tasks at once, with
     ``spare_slots`` to spare, and is configured as the module documentation says. On a
-    cluster master it first waits (up to EXECUTOR_WAIT_S) for enough executor cores."""
+    cluster master it first waits (up to EXECUTOR_WAIT_S) for enough executor cores — on
+    ``local-cluster[W,C,MB]`` for all W executors, so that the workers of different
+    replica groups can be spread over them."""
     sc = spark.sparkContext
     conf = sc.getConf()
     master = sc.master
@@ -97,21 +116,24 @@ def check_cluster(spark, replicas: int, spare_slots: int) -> None:
                 f"create the session with .config({key!r}, {want!r}) or with "
                 "tandem_spark.local_session(...)"
             )
-    needed = replicas + spare_slots
+    needed = workers + spare_slots
+    wanted = needed
+    if m := LOCAL_CLUSTER_MASTER.match(master):
+        wanted = max(needed, int(m["w"]) * int(m["c"]) // int(conf.get("spark.task.cpus", "1")))
     slots = task_slots(spark)
     deadline = time.monotonic() + EXECUTOR_WAIT_S
-    while slots < needed and not LOCAL_MASTER.match(master) and time.monotonic() < deadline:
+    while slots < wanted and not LOCAL_MASTER.match(master) and time.monotonic() < deadline:
         time.sleep(0.2)  # executors of a new session register one by one
         slots = task_slots(spark)
     if slots < needed:
         if LOCAL_MASTER.match(master):
-            fix = f"use master local[{needed},3] (or tandem_spark.local_session({replicas}))"
+            fix = f"use master local[{needed},3] (or tandem_spark.local_session({workers}))"
         elif LOCAL_CLUSTER_MASTER.match(master):
             fix = f"use master local-cluster[W,C,MB] with W x C >= {needed}"
         else:
             fix = "add executors or cores (spark.executor.instances, spark.executor.cores)"
         raise ConfigError(
-            f"the job has {replicas} replicas and each needs a Spark task slot for the whole "
+            f"the job runs {workers} workers and each needs a Spark task slot for the whole "
             f"run, plus {spare_slots} spare for retries: {needed} slots, but master {master!r} "
             f"offers {slots}; {fix}"
         )
@@ -119,7 +141,7 @@ def check_cluster(spark, replicas: int, spare_slots: int) -> None:
     if m and int(m["f"] or 1) < 2:
         raise ConfigError(
             f"master {master!r} fails the whole job at the first task failure, so a killed "
-            f"replica would stop the run; use local[{m['n'] or needed},3] (the second number "
+            f"worker would stop the run; use local[{m['n'] or needed},3] (the second number "
             "is how many times a task may fail)"
         )
     if is_local(master):

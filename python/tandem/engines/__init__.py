@@ -1,7 +1,8 @@
 """Execution engines. ``get(name)`` returns the engine a ``Job.run(engine=name)`` uses.
 
-* ``local`` (the default): one OS process per replica on this machine, TCP on 127.0.0.1.
-* ``spark``: one long-running Spark task per replica (the ``tandem_spark`` package from
+* ``local`` (the default): worker processes on this machine, each hosting many replicas
+  (:meth:`tandem.plan.Plan.placement`), TCP on 127.0.0.1 between them.
+* ``spark``: one long-running Spark task per worker (the ``tandem_spark`` package from
   ``spark_integration/``), on a session it creates for the run and stops after it; pass a
   ``tandem_spark.SparkEngine(spark)`` object instead to use a session of your own.
 """
