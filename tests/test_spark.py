@@ -143,6 +143,15 @@ def test_engine_by_name_from_the_cli(spark, capsys, tmp_path):
     assert "fault masked" in printed
 
 
+def test_kazoo_demo_on_spark_from_the_cli(spark, zookeeper, kafka, capsys, tmp_path):
+    argv = ["demo", "--engine", "spark", "--ordering", "kazoo", "--duration", "3"]
+    code = main([*argv, "--rate", "500", "--no-progress", "--plot", str(tmp_path / "p99.png")])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "fault masked" in printed
+    assert "leaders of count[0]" in printed
+
+
 def test_missing_spark_integration_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "tandem_spark", None)  # makes the import fail
     with pytest.raises(td.ConfigError, match=r"pip install \./spark_integration"):

@@ -183,6 +183,7 @@ class SparkEngine:
             timeout=timeout if timeout is not None else duration + 60.0,
             kill=self.kill,
             on_failure=lambda _: sc.cancelJobsWithTag(tag),
+            zoo=zoo,
         )
         udf = _worker_main(plan, secret, registry.address, host, schema, collect, zoo)
         with registry, _driver_path_on_workers(sc, local):

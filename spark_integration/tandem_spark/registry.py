@@ -39,6 +39,8 @@ from multiprocessing.connection import Client, Connection, Listener
 
 from tandem.exceptions import DeterminismError, TandemError, TaskFailed
 from tandem.faults import Kill, KillWorker
+from tandem.ordering import kazoo
+from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
 from tandem.runtime import ReplicaId
 
@@ -113,8 +115,10 @@ class Registry:
         timeout: float,
         kill: str,
         on_failure: Callable[[TandemError], None],
+        zoo: KazooRun | None = None,
     ) -> None:
         self.plan, self.placement, self.secret = plan, placement, secret
+        self.zoo = zoo
         self.worker_of = {rid: w for w, rids in enumerate(placement) for rid in rids}
         self.duration, self.startup_s, self.kill = duration, startup_s, kill
         self.timeout = timeout
@@ -313,11 +317,24 @@ class Registry:
         for fault in self.faults:
             if self._sleep_until(fault.at):
                 return
+            replica = None if isinstance(fault, KillWorker) else fault.replica
+            if isinstance(replica, str):  # a KaZoo role: who holds it now
+                task = self.plan.task(fault.task)
+                with self._lock:
+                    alive = [
+                        r
+                        for r in range(task.replication)
+                        if self.worker_of[(task.id, fault.partition, r)] in self._live
+                    ]
+                try:
+                    replica = kazoo.resolve_role(self.zoo, task.id, fault.partition, replica, alive)
+                except TandemError as exc:
+                    log.warning("fault %r: %s", fault, exc)
+                    continue
             with self._lock:
                 if isinstance(fault, KillWorker):
-                    w, replica = fault.worker, None
+                    w = fault.worker
                 else:
-                    replica = fault.replica
                     w = self.worker_of[(self.plan.task(fault.task).id, fault.partition, replica)]
                 victim = self._live.get(w)
                 now_s = (time.time_ns() - self.log.t0_ns) / 1e9

@@ -33,21 +33,16 @@ def check_options(
     faults: Iterable,
     *,
     kinds: tuple[type, ...] = (Kill,),
-    roles: bool = False,
 ) -> None:
-    """Raise ConfigError for run options the engine cannot honour: fault types outside
-    ``kinds``, and leader/follower roles unless it runs KaZoo (``roles``)."""
+    """Raise ConfigError for run options the engine cannot honour: a warm-up outside the
+    run, fault types outside ``kinds``. (A leader/follower role is checked against the
+    job's ordering by the fault itself.)"""
     if not 0 <= warmup < duration:
         raise ConfigError(f"warmup must be in [0, duration={duration}), got {warmup}")
     names = " and ".join(f"td.{k.__name__}" for k in kinds)
     for f in faults:
         if not isinstance(f, kinds):
             raise ConfigError(f"the {engine} engine injects {names} faults only, got {f!r}")
-        if isinstance(getattr(f, "replica", None), str) and not roles:
-            raise ConfigError(
-                f"{f!r}: leader/follower roles exist with ordering='kazoo' only, which the "
-                f"{engine} engine does not run yet; give a replica index"
-            )
 
 
 def assemble_result(

@@ -38,7 +38,7 @@ import psutil
 
 from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options, multiset_diff
-from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError, TaskFailed
+from tandem.exceptions import ConfigError, TandemError, TaskFailed
 from tandem.faults import Kill, KillWorker, Pause, ReplicaFault
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
@@ -262,9 +262,7 @@ class LocalEngine:
         if progress is None:
             progress = sys.stderr.isatty()
         cost = _CostMeter(warmup)
-        check_options(
-            self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause), roles=True
-        )
+        check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause))
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         run = _Run(plan, duration, list(faults), progress, host, zoo)
         try:
@@ -432,31 +430,11 @@ class _Run:
         return w not in self.killed_workers and self.procs[w].is_alive()
 
     def _resolve(self, task: int, partition: int, role: str) -> int:
-        """The replica index holding ``role`` in a KaZoo partition right now (waiting up to
-        one session timeout and a bit if an election is under way)."""
+        """The replica index holding ``role`` in a KaZoo partition right now."""
         alive = [
             r for r in range(self.plan.tasks[task].replication) if self._alive((task, partition, r))
         ]
-        deadline = time.monotonic() + self.zoo.config.session_timeout_s + 10.0
-        leader = None
-        while True:
-            with contextlib.suppress(ServiceUnavailable):  # a busy or restarting server
-                leader = kazoo.current_leader(self.zoo, task, partition)
-            if leader in alive or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        if role == "leader":
-            if leader not in alive:
-                raise TandemError(
-                    f"{self.plan.tasks[task].name}[{partition}] has no live leader to kill"
-                )
-            return leader
-        followers = [r for r in alive if r != leader]
-        if not followers:
-            raise TandemError(
-                f"{self.plan.tasks[task].name}[{partition}] has no live follower to kill"
-            )
-        return followers[0]
+        return kazoo.resolve_role(self.zoo, task, partition, role, alive)
 
     def _inject(
         self, fault: ReplicaFault | KillWorker | _Resume, now_s: float, pending: list

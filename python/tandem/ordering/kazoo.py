@@ -39,6 +39,7 @@ session timeout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tandem import _core
-from tandem.exceptions import ConfigError, ServiceUnavailable
+from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError
 
 if TYPE_CHECKING:
     from tandem.plan import Plan
@@ -261,6 +262,30 @@ def current_leader(run: KazooRun, task: int, partition: int, timeout: float = 5.
         zk.stop()
         zk.close()
     return int(contenders[0].split(":")[2]) if contenders else None
+
+
+def resolve_role(run: KazooRun, task: int, partition: int, role: str, alive: list[int]) -> int:
+    """The replica index holding ``role`` (``"leader"`` or ``"follower"``) of an ordered
+    partition right now, among the ``alive`` replicas — waiting up to one session timeout
+    and a bit if an election is under way (what a fault naming a role resolves to).
+    Raises ``TandemError`` if no live replica holds it."""
+    deadline = time.monotonic() + run.config.session_timeout_s + 10.0
+    leader = None
+    while True:
+        with contextlib.suppress(ServiceUnavailable):  # a busy or restarting server
+            leader = current_leader(run, task, partition)
+        if leader in alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    where = f"task {task} partition {partition}"
+    if role == "leader":
+        if leader not in alive:
+            raise TandemError(f"{where} has no live leader to kill")
+        return leader
+    followers = [r for r in alive if r != leader]
+    if not followers:
+        raise TandemError(f"{where} has no live follower to kill")
+    return followers[0]
 
 
 class KazooSession:
@@ -666,4 +691,5 @@ __all__ = [
     "current_leader",
     "prepare",
     "read_orders",
+    "resolve_role",
 ]
