@@ -3,11 +3,23 @@
 import re
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def test_readme_python_examples_run():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "the README should show a Python example"
-    for code in blocks:
-        exec(compile(code, str(README), "exec"), {})
+def _example(i: int, code: str):
+    """One README example as a test case: those that start Spark carry the `spark` mark."""
+    marks = [pytest.mark.spark] if "tandem_spark" in code else []
+    return pytest.param(code, id=f"example{i}", marks=marks)
+
+
+def test_the_readme_shows_python_examples():
+    assert BLOCKS, "the README should show a Python example"
+    assert any("tandem_spark" not in b for b in BLOCKS), "and one without Spark"
+
+
+@pytest.mark.parametrize("code", [_example(i, b) for i, b in enumerate(BLOCKS)])
+def test_readme_python_example_runs(code):
+    exec(compile(code, str(README), "exec"), {})
