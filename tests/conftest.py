@@ -14,6 +14,9 @@ fixtures stop exactly the servers they started, also when tests failed.
 
 from __future__ import annotations
 
+import time
+
+import psutil
 import pytest
 
 from tandem.services import SERVICE_NAMES, Services
@@ -90,3 +93,29 @@ def zookeeper(_service_pool: _ServicePool) -> Services:
 def kafka(_service_pool: _ServicePool) -> Services:
     """The real Kafka broker (`.kafka_bootstrap`), started for the session if needed."""
     return _service_pool.get("kafka")
+
+
+def worker_processes() -> dict[int, str]:
+    """The live worker processes (``python -m tandem.engines.worker``) this test process
+    started: PID → command line."""
+    out = {}
+    for child in psutil.Process().children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                cmd = " ".join(child.cmdline())
+                if "-m tandem.engines.worker " in cmd:
+                    out[child.pid] = cmd[:200]
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.fixture
+def no_orphans():
+    """Fails the test if a worker process outlives it (by more than 5 s)."""
+    yield
+    deadline = time.monotonic() + 5
+    while worker_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = worker_processes()
+    assert not left, f"processes outlived the run: {left}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-import time
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -81,42 +80,7 @@ def union_job(ordering: str, spread: bool = False) -> td.Job:
     return job
 
 
-WORKER = "-m tandem.engines.worker "
-
-
-def children() -> list[int]:
-    """PIDs of live worker processes (``python -m tandem.engines.worker``) whose parent
-    is this test process."""
-    me, out = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z" and WORKER in _cmdline(int(entry)):
-            out.append(int(entry))
-    return out
-
-
-@pytest.fixture(autouse=True)
-def no_orphans():
-    yield
-    deadline = time.monotonic() + 5
-    while children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = {pid: _cmdline(pid) for pid in children()}
-    assert not left, f"processes outlived the run: {left}"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()[:200]
-    except OSError:
-        return "?"
+pytestmark = pytest.mark.usefixtures("no_orphans")
 
 
 def assert_same_as_reference(job: td.Job, res: td.Result) -> None:

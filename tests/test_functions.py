@@ -11,11 +11,9 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import types
 from pathlib import Path
 
-import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -27,27 +25,7 @@ RATE = 600
 DURATION = 1.5
 
 
-def _workers() -> list[str]:
-    """Command lines of the live worker processes this test process started."""
-    out = []
-    for child in psutil.Process().children():
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                cmd = " ".join(child.cmdline())
-                if "-m tandem.engines.worker" in cmd:
-                    out.append(cmd)
-        except psutil.Error:
-            continue
-    return out
-
-
-@pytest.fixture(autouse=True)
-def no_orphans():
-    yield
-    deadline = time.monotonic() + 5
-    while _workers() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _workers(), "worker processes outlived the run"
+pytestmark = pytest.mark.usefixtures("no_orphans")
 
 
 def _env() -> dict[str, str]:
@@ -106,6 +84,15 @@ def _rows(result: td.Result) -> pa.Table:
     return canonical(result.output.drop_columns(["event_time_ns"])).to_pylist()
 
 
+def _assert_like_the_reference(job: td.Job) -> None:
+    ref = job.run_reference(DURATION)
+    assert ref.events_out > 0
+    res = job.run(duration=DURATION, progress=False)
+    assert (res.lost, res.duplicates) == (0, 0)
+    assert res.digests_match
+    assert _rows(res) == _rows(ref)
+
+
 def _scale(batch: pa.RecordBatch, by: int) -> pa.RecordBatch:
     return batch.append_column("scaled", pc.multiply(batch.column("key"), by))
 
@@ -131,12 +118,7 @@ def test_lambdas_closures_and_partials_are_operators_of_a_replicated_job():
         .process(td.CountPerKey(), parallelism=2)
         .sink(td.sinks.Collect())
     )
-    ref = job.run_reference(DURATION)
-    assert ref.events_out > 0
-    res = job.run(duration=DURATION, progress=False)
-    assert (res.lost, res.duplicates) == (0, 0)
-    assert res.digests_match
-    assert _rows(res) == _rows(ref)
+    _assert_like_the_reference(job)
 
 
 def test_closure_columns_arrive_computed_by_the_workers():
@@ -238,12 +220,7 @@ def test_union_of_schemas_differing_in_nullability_only():
     both.filter(lambda b: pc.greater(b.column("key"), 2)).key_by("key").process(
         td.CountPerKey(), parallelism=2
     ).sink(td.sinks.Collect())
-    ref = job.run_reference(DURATION)
-    assert ref.events_out > 0
-    res = job.run(duration=DURATION, progress=False)
-    assert (res.lost, res.duplicates) == (0, 0)
-    assert res.digests_match
-    assert _rows(res) == _rows(ref)
+    _assert_like_the_reference(job)
 
 
 def test_union_of_nested_nullability_and_straight_into_a_sink():

@@ -27,6 +27,7 @@ exactly once), ``failover`` and ``cost`` against the reference executor, row by 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -600,6 +601,20 @@ def _add_ratios(rows: list[CostRow]) -> None:
         r.p99_ratio_vs_r1 = _ratio(r.p99_ms, b.p99_ms)
 
 
+@contextlib.contextmanager
+def _spinning(on: bool):
+    """While inside: a process spinning on one core, if ``on`` (killed on the way out)."""
+    if not on:
+        yield
+        return
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+
+
 def cost(
     configs=tuple(COST_CONFIGS),
     workloads=COST_WORKLOADS,
@@ -620,15 +635,6 @@ def cost(
     on a shared machine), so the ratios say what replication costs when a core is taken.
     Progress goes to ``log`` (default: stderr), a line as each run starts and ends."""
     log = log or sys.stderr
-    if busy_neighbour:
-        neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            return cost(
-                configs, workloads, rate, duration, warmup, idle_rate, idle_duration, kazoo, log
-            )
-        finally:
-            neighbour.kill()
-            neighbour.wait()
     configs, workloads = tuple(configs), tuple(workloads)
     check_cost_options(configs, workloads, rate, duration, warmup, idle_rate, idle_duration)
     phases = [
@@ -637,26 +643,27 @@ def cost(
     ]
     total = len(phases) * len(workloads) * len(configs)
     rows: list[CostRow] = []
-    for phase, r, d, w in phases:
-        for workload in workloads:
-            for config in configs:
-                print(
-                    f"cost [{len(rows) + 1}/{total}] {workload} {config} {phase}: {r} ev/s "
-                    f"for {d:g} s (warm-up {w:g} s) ...",
-                    file=log,
-                    flush=True,
-                )
-                row = _cost_row(workload, config, phase, r, d, w, kazoo, log)
-                print(
-                    f"  {row.processes} processes, p99 {row.p99_ms} ms, lost {row.lost}, "
-                    f"duplicates {row.duplicates}, CPU {row.cpu_s:.2f} s "
-                    f"({row.core_share:.0%} of a core; steady {row.steady_core_share:.0%}), "
-                    f"RSS {row.rss_mb_total:.0f} MB, "
-                    f"first output after {row.first_output_s} s",
-                    file=log,
-                    flush=True,
-                )
-                rows.append(row)
+    with _spinning(busy_neighbour):
+        for phase, r, d, w in phases:
+            for workload in workloads:
+                for config in configs:
+                    print(
+                        f"cost [{len(rows) + 1}/{total}] {workload} {config} {phase}: {r} ev/s "
+                        f"for {d:g} s (warm-up {w:g} s) ...",
+                        file=log,
+                        flush=True,
+                    )
+                    row = _cost_row(workload, config, phase, r, d, w, kazoo, log)
+                    print(
+                        f"  {row.processes} processes, p99 {row.p99_ms} ms, lost {row.lost}, "
+                        f"duplicates {row.duplicates}, CPU {row.cpu_s:.2f} s "
+                        f"({row.core_share:.0%} of a core; steady {row.steady_core_share:.0%}), "
+                        f"RSS {row.rss_mb_total:.0f} MB, "
+                        f"first output after {row.first_output_s} s",
+                        file=log,
+                        flush=True,
+                    )
+                    rows.append(row)
     _add_ratios(rows)
     return rows
 

@@ -288,6 +288,21 @@ def resolve_role(run: KazooRun, task: int, partition: int, role: str, alive: lis
     return followers[0]
 
 
+def _thread(owner: KazooSession | Orderer, fn, name: str, what: str) -> threading.Thread:
+    """A daemon thread running ``fn``; what kills it, unless ``owner`` is stopping, is kept
+    in ``owner.error`` (raised by :meth:`Orderer.check` in the replica loop) and logged."""
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            if not owner._stop.is_set():
+                owner.error = exc
+                log.exception("%s failed", what)
+
+    return threading.Thread(target=run, name=name, daemon=True)
+
+
 class KazooSession:
     """The connections one worker's orderers share (see the module documentation): one
     ZooKeeper session, one idempotent producer, one consumer following every order topic
@@ -366,7 +381,7 @@ class KazooSession:
         self.meta = Consumer({**kafka, "group.id": f"tandem-meta-{self.run.run}-{self.name}"})
         self.started = True
         for target, name in ((self._follow, "follow"), (self._acknowledge, "acks")):
-            t = threading.Thread(target=self._guard(target), name=f"kazoo-{name}", daemon=True)
+            t = _thread(self, target, f"kazoo-{name}", f"kazoo session of {self.name}")
             t.start()
             self._threads.append(t)
 
@@ -395,17 +410,6 @@ class KazooSession:
         with self._meta_lock:
             _, high = self.meta.get_watermark_offsets(tp, timeout=1.0, cached=False)
         return high
-
-    def _guard(self, fn):
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # surfaced by the orderers' check()
-                if not self._stop.is_set():
-                    self.error = exc
-                    log.exception("kazoo session of %s failed", self.name)
-
-        return run
 
     def _on_state(self, state) -> None:
         from kazoo.client import KazooState
@@ -489,7 +493,7 @@ class Orderer:
         from confluent_kafka import TopicPartition
 
         self._tp = TopicPartition(self.topic, 0)
-        t = threading.Thread(target=self._guard(self._elect), name="kazoo-elect", daemon=True)
+        t = _thread(self, self._elect, "kazoo-elect", f"kazoo orderer of {self.ident}")
         t.start()
         self._threads.append(t)
 
@@ -513,17 +517,6 @@ class Orderer:
             "follow": self.feed.stats(),
             "session": self.session.stats(),
         }
-
-    def _guard(self, fn):
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # surfaced by the replica loop
-                if not self._stop.is_set():
-                    self.error = exc
-                    log.exception("kazoo orderer of %s failed", self.ident)
-
-        return run
 
     def check(self) -> None:
         """Raise the error its thread (or its session's) died of, if any (the replica's

@@ -418,13 +418,13 @@ impl Outbox {
     /// end marker, whose digest is recorded under epoch `u64::MAX`.
     fn control(&mut self, heartbeat: Option<u64>) -> Result<()> {
         let mut first_err = None;
+        let cycle = heartbeat.unwrap_or(u64::MAX);
         for (c, ch) in self.channels.iter_mut().enumerate() {
-            let digest = ch.digest.close(heartbeat.unwrap_or(u64::MAX));
+            let digest = ch.digest.close(cycle);
             if self.digests.len() == DIGESTS_KEPT {
                 self.digests.pop_front();
             }
-            self.digests
-                .push_back((c, heartbeat.unwrap_or(u64::MAX), digest));
+            self.digests.push_back((c, cycle, digest));
             let seq = ch.next_seq;
             let encode = ch.links.iter().any(|l| l.wants_bytes());
             let out = match heartbeat {

@@ -646,17 +646,22 @@ fn dial_all(
     secret: &[u8],
     cfg: &LinkConfig,
 ) -> tandem_core::Result<Vec<Vec<Box<dyn Link>>>> {
+    /// A link being dialled on its own thread, or one made at once (a local inbox).
+    enum Pending<'s> {
+        Dialing(std::thread::ScopedJoinHandle<'s, tandem_core::Result<Box<dyn Link>>>),
+        Made(tandem_core::Result<Box<dyn Link>>),
+    }
     let results: Vec<Vec<tandem_core::Result<Box<dyn Link>>>> = std::thread::scope(|s| {
-        let handles: Vec<Vec<_>> = targets
+        let pending: Vec<Vec<Pending<'_>>> = targets
             .iter()
             .map(|ch| {
                 ch.iter()
                     .map(|t| match t {
-                        Target::Remote(a) => Ok(s.spawn(move || {
+                        Target::Remote(a) => Pending::Dialing(s.spawn(move || {
                             TcpLink::connect(a, me, secret, cfg)
                                 .map(|l| Box::new(l) as Box<dyn Link>)
                         })),
-                        Target::Local(inbox) => Err(match inbox.lock().as_ref() {
+                        Target::Local(inbox) => Pending::Made(match inbox.lock().as_ref() {
                             Some(ib) => ib.local_link(me).map(|l| Box::new(l) as Box<dyn Link>),
                             None => Err(Error::Closed(
                                 "the downstream inbox in this process is closed".to_owned(),
@@ -666,15 +671,15 @@ fn dial_all(
                     .collect()
             })
             .collect();
-        handles
+        pending
             .into_iter()
             .map(|ch| {
                 ch.into_iter()
-                    .map(|h| match h {
-                        Ok(h) => h.join().unwrap_or_else(|_| {
+                    .map(|p| match p {
+                        Pending::Dialing(h) => h.join().unwrap_or_else(|_| {
                             Err(Error::Closed("the dialing thread panicked".to_owned()))
                         }),
-                        Err(local) => local,
+                        Pending::Made(link) => link,
                     })
                     .collect()
             })
