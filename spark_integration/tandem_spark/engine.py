@@ -57,7 +57,13 @@ from tandem.plan import Plan, Task
 from tandem.runtime import ReplicaId, ReplicaReport, Worker
 from tandem.sinks import Collect
 from tandem_spark import registry as reg
-from tandem_spark.session import LOCAL_CLUSTER_MASTER, check_cluster, is_local, local_session
+from tandem_spark.session import (
+    LOCAL_CLUSTER_MASTER,
+    LOCAL_MASTER,
+    check_cluster,
+    is_local,
+    local_session,
+)
 
 SLOT = "slot"
 """The placement DataFrame's row index: the Spark partition, and the worker it runs."""
@@ -187,7 +193,7 @@ class SparkEngine:
         )
         udf = _worker_main(plan, secret, registry.address, host, schema, collect, zoo)
         with registry, _driver_path_on_workers(sc, local):
-            df = self._placement(placement).mapInArrow(udf, _spark_schema(schema))
+            df = self._placement(plan, placement).mapInArrow(udf, _spark_schema(schema))
             sc.addJobTag(tag)
             sc.setJobDescription(
                 f"tandem {plan.job}: {len(placement)} workers hosting "
@@ -235,13 +241,49 @@ class SparkEngine:
             )
         return self.spark.createDataFrame(self._output)
 
-    def _placement(self, placement: list[list[ReplicaId]]):
+    def _placement(self, plan: Plan, placement: list[list[ReplicaId]]):
         """The placement DataFrame: row ``i`` (worker ``i`` and its replicas) alone in
-        Spark partition ``i`` (``range`` with one slice per element splits exactly)."""
+        Spark partition ``i``. On a cluster of several executors each partition also
+        *prefers* an executor (a Spark task location): the workers of replica group ``g``
+        the ``g``-th executor, the sinks' worker the first. Spark would otherwise place
+        tasks wherever cores are free at the instant the job is submitted — on an
+        executor that has registered but not yet launched, none are — and could put
+        twins on one executor; delay scheduling (``spark.locality.wait``) holds a task
+        for its executor instead. The registry still checks where each task really ran
+        (:meth:`tandem_spark.registry.Registry._assign`)."""
+        from pyspark.sql import DataFrame
         from pyspark.sql import functions as F
 
         n = len(placement)
-        df = self.spark.range(0, n, 1, numPartitions=n).withColumnRenamed("id", SLOT)
+        executors = (
+            [] if LOCAL_MASTER.match(self.spark.sparkContext.master) else _executors(self.spark)
+        )
+        if len(executors) < 2:
+            df = self.spark.range(0, n, 1, numPartitions=n)  # one slice per element
+        else:
+            tasks = plan.tasks
+            homes = [
+                executors[rids[0][2] % len(executors)]
+                if any(tasks[t].replication > 1 for t, _, _ in rids)
+                else executors[0]
+                for rids in placement
+            ]
+            jvm = self.spark.sparkContext._jvm
+            utils = jvm.org.apache.spark.api.python.PythonUtils
+            rows = jvm.java.util.ArrayList()
+            for w, (executor, host) in enumerate(homes):
+                where = jvm.java.util.ArrayList()
+                where.add(f"executor_{host}_{executor}")  # Spark's TaskLocation syntax
+                rows.add(jvm.scala.Tuple2(str(w), utils.toSeq(where)))
+            strings = jvm.scala.reflect.ClassTag.apply(
+                jvm.java.lang.Class.forName("java.lang.String")
+            )
+            rdd = self.spark.sparkContext._jsc.sc().makeRDD(utils.toSeq(rows), strings)
+            ds = self.spark._jsparkSession.createDataset(
+                rdd, jvm.org.apache.spark.sql.Encoders.STRING()
+            )
+            df = DataFrame(ds.toDF(), self.spark).select(F.col("value").cast("long").alias("id"))
+        df = df.withColumnRenamed("id", SLOT)
         rows = [
             F.array(
                 *(
@@ -256,6 +298,17 @@ class SparkEngine:
             for rids in placement
         ]
         return df.withColumn("replicas", F.array(*rows)[F.col(SLOT)])
+
+
+def _executors(spark) -> list[tuple[str, str]]:
+    """The live executors of ``spark`` other than the driver, as (id, host), by id."""
+    found = spark.sparkContext._jsc.sc().statusStore().executorList(True)
+    executors = []
+    for i in range(found.size()):
+        e = found.apply(i)
+        if e.id() != "driver":
+            executors.append((str(e.id()), str(e.hostPort()).rsplit(":", 1)[0]))
+    return sorted(executors, key=lambda e: (len(e[0]), e[0]))
 
 
 def _collect_sink(plan: Plan) -> Task | None:
