@@ -107,6 +107,8 @@ def test_heartbeats_never_reach_python_when_nobody_needs_them():
     # The heartbeats did arrive: the inbox consumed 20 heartbeats and 3 rows.
     assert inbox.stats()["channels"][0]["next_seq"] == 23
     outbox.end()
+    # What a slot sends leaves together when the worker is next asked for work.
+    assert up.next(timeout=0) is None
     assert [i.kind for i in drain(down, 0.5)] == ["end"]
     outbox.close()
     inbox.close()
@@ -118,6 +120,7 @@ def test_watermarks_are_handed_out_in_order_then_forwarded():
     outbox.emit(rows(1))
     up.heartbeats_through(src, 3)
     outbox.end()
+    assert up.next(timeout=0) is None  # writes what the slot sent, in one go
     got = [(i.kind, i.epoch) for i in drain(down, 0.5)]
     assert got == [
         ("watermark", 1),

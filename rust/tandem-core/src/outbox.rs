@@ -121,6 +121,17 @@ pub trait Link: Send {
     /// (a link that queues nothing of its own) does nothing.
     fn flush(&mut self) {}
 
+    /// Whether `send` may hold small frames back until [`Link::push`], to write them
+    /// together with those that follow ([`Outbox::defer_writes`]). Off by default; the
+    /// default (a link that never holds anything back) ignores it.
+    fn defer(&mut self, _on: bool) {}
+
+    /// Write out what `send` held back. An error means the peer is gone, as for `send`.
+    /// The default (a link that holds nothing back) does nothing.
+    fn push(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Deliver what is queued and close the connection. Called by [`Outbox::close`];
     /// the default does nothing.
     fn close(&mut self) -> Result<()> {
@@ -192,6 +203,9 @@ pub struct Outbox {
     /// Closed digests `(channel, epoch, digest)` not yet taken, oldest first.
     digests: VecDeque<(usize, u64, Digest)>,
     ended: bool,
+    /// Links write only on [`Outbox::push`] (a worker's outboxes: see
+    /// [`Outbox::defer_writes`]); otherwise at the end of every call that sends.
+    deferred: bool,
 }
 
 impl Outbox {
@@ -240,6 +254,7 @@ impl Outbox {
             seqs: vec![0; n],
             digests: VecDeque::new(),
             ended: false,
+            deferred: false,
         })
     }
 
@@ -318,6 +333,7 @@ impl Outbox {
             }
             self.seqs[c] = ch.next_seq;
         }
+        self.push_unless_deferred();
         first_err.map_or(Ok(()), Err)
     }
 
@@ -338,6 +354,41 @@ impl Outbox {
         let res = self.control(None);
         self.ended = true;
         res
+    }
+
+    /// Hold frames in the links until [`Outbox::push`] (`on`), so that what one turn of a
+    /// worker sends to a peer — a batch and the heartbeat after it, say — leaves in one
+    /// write, and the peer wakes once for it. The worker pushes before it runs anything
+    /// else and before it sleeps. Off (the default), every `emit`, `heartbeat` and `end`
+    /// pushes before it returns.
+    pub fn defer_writes(&mut self, on: bool) {
+        self.deferred = on;
+        for ch in &mut self.channels {
+            for link in &mut ch.links {
+                link.defer(on);
+            }
+        }
+        if !on {
+            self.push();
+        }
+    }
+
+    /// Write out what the links hold back ([`Link::push`]). A link that fails is dropped,
+    /// as on `send`; a channel left with no live link fails the next call that sends on it.
+    pub fn push(&mut self) {
+        for (c, ch) in self.channels.iter_mut().enumerate() {
+            ch.links.retain_mut(|link| match link.push() {
+                Ok(()) => true,
+                Err(e) => {
+                    eprintln!(
+                        "tandem outbox: dropping {} of output channel {c}: {e}; the other \
+                         replicas of that partition keep receiving",
+                        link.describe()
+                    );
+                    false
+                }
+            });
+        }
     }
 
     /// Move what links queued of their own along, without blocking ([`Link::flush`]).
@@ -447,7 +498,14 @@ impl Outbox {
                 first_err.get_or_insert(e);
             }
         }
+        self.push_unless_deferred();
         first_err.map_or(Ok(()), Err)
+    }
+
+    fn push_unless_deferred(&mut self) {
+        if !self.deferred {
+            self.push();
+        }
     }
 }
 

@@ -1018,7 +1018,15 @@ pub struct TcpLink {
     close_timeout: Duration,
     /// Frames that may wait for the writer thread before `send` blocks.
     capacity: usize,
+    /// Frames held back until [`Link::push`] (or until they reach [`COALESCE_BYTES`]).
+    pending: Vec<u8>,
+    /// Whether `send` holds small frames back ([`Link::defer`]).
+    deferred: bool,
 }
+
+/// A [`TcpLink`] holds small frames back until the outbox pushes, up to this many bytes;
+/// a larger frame is written at once.
+const COALESCE_BYTES: usize = 64 << 10;
 
 /// What the sending thread and the writer thread of a [`TcpLink`] share.
 struct LinkShared {
@@ -1116,6 +1124,8 @@ impl TcpLink {
             writer: Some(writer),
             close_timeout: cfg.close_timeout,
             capacity: cfg.queue_frames,
+            pending: Vec::new(),
+            deferred: false,
         })
     }
 
@@ -1125,6 +1135,42 @@ impl TcpLink {
             self.peer,
             why.unwrap_or("the link was closed")
         ))
+    }
+
+    /// Write `bytes` after everything sent before: at once if nothing is queued and the
+    /// socket takes it, else (the rest of it) through the writer thread, blocking while
+    /// its queue is full.
+    fn write(&mut self, bytes: Arc<[u8]>) -> Result<()> {
+        let shared = &*self.shared;
+        let mut st = shared.state.lock();
+        if st.closing || st.failure.is_some() {
+            return Err(self.dead(st.failure.as_deref()));
+        }
+        let written = if st.queue.is_empty() {
+            // The writer thread is idle (it pops a frame only once written), so the
+            // socket is ours for this frame.
+            match self.write_now(&bytes) {
+                Ok(n) if n == bytes.len() => return Ok(()),
+                Ok(n) => n,
+                Err(e) => {
+                    let why = st.failure.insert(e.to_string()).clone();
+                    shared.work.notify_one();
+                    return Err(self.dead(Some(&why)));
+                }
+            }
+        } else {
+            while st.queue.len() >= self.capacity && st.failure.is_none() {
+                shared.space.wait(&mut st);
+            }
+            if st.failure.is_some() {
+                return Err(self.dead(st.failure.as_deref()));
+            }
+            0
+        };
+        st.queue.push_back((bytes, written));
+        shared.queued.store(st.queue.len(), Ordering::Relaxed);
+        shared.work.notify_one();
+        Ok(())
     }
 
     /// Write as much of `bytes` as the socket takes now, without blocking; how much it took.
@@ -1181,7 +1227,12 @@ fn write_loop(stream: &TcpStream, shared: &LinkShared, close_timeout: Duration) 
         shared.queued.store(st.queue.len(), Ordering::Relaxed);
         shared.space.notify_all();
     }
-    stream.shutdown(Shutdown::Write)?;
+    match stream.shutdown(Shutdown::Write) {
+        // The peer closed first (a downstream replica that finished on its twins' copies
+        // of this stream resets what it left unread): nothing is owed to it any more.
+        Err(e) if e.kind() == io::ErrorKind::NotConnected => return Ok(()),
+        r => r?,
+    }
     // Drain until the peer closes (it sends nothing after the handshake), so closing our
     // end cannot reset the connection before the peer read the tail.
     stream.set_read_timeout(Some(close_timeout))?;
@@ -1204,45 +1255,43 @@ impl Link for TcpLink {
                 "an outbox handed a TCP link a frame without its bytes".to_owned(),
             ));
         };
-        let shared = &*self.shared;
-        let mut st = shared.state.lock();
-        if st.closing || st.failure.is_some() {
-            return Err(self.dead(st.failure.as_deref()));
+        if self.deferred
+            && self.shared.queued.load(Ordering::Relaxed) == 0
+            && bytes.len() < COALESCE_BYTES
+        {
+            // Held back, to leave in one write with what follows (at the latest on push).
+            self.pending.extend_from_slice(bytes);
+            if self.pending.len() < COALESCE_BYTES {
+                return Ok(());
+            }
+            return self.push();
         }
-        let written = if st.queue.is_empty() {
-            // The writer thread is idle (it pops a frame only once written), so the
-            // socket is ours for this frame.
-            match self.write_now(bytes) {
-                Ok(n) if n == bytes.len() => return Ok(()),
-                Ok(n) => n,
-                Err(e) => {
-                    let why = st.failure.insert(e.to_string()).clone();
-                    shared.work.notify_one();
-                    return Err(self.dead(Some(&why)));
-                }
-            }
-        } else {
-            while st.queue.len() >= self.capacity && st.failure.is_none() {
-                shared.space.wait(&mut st);
-            }
-            if st.failure.is_some() {
-                return Err(self.dead(st.failure.as_deref()));
-            }
-            0
-        };
-        st.queue.push_back((Arc::clone(bytes), written));
-        shared.queued.store(st.queue.len(), Ordering::Relaxed);
-        shared.work.notify_one();
-        Ok(())
+        self.push()?;
+        self.write(Arc::clone(bytes))
     }
 
+    fn defer(&mut self, on: bool) {
+        self.deferred = on;
+    }
+
+    fn push(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let bytes: Arc<[u8]> = std::mem::take(&mut self.pending).into();
+        self.write(bytes)
+    }
     fn backlog(&self) -> usize {
         self.shared.queued.load(Ordering::Relaxed)
     }
 
     fn close(&mut self) -> Result<()> {
-        let Some(writer) = self.writer.take() else {
+        if self.writer.is_none() {
             return Ok(());
+        }
+        let pushed = self.push();
+        let Some(writer) = self.writer.take() else {
+            return pushed;
         };
         self.shared.state.lock().closing = true;
         self.shared.work.notify_one();
@@ -1254,12 +1303,13 @@ impl Link for TcpLink {
         let failure = self.shared.state.lock().failure.clone();
         match failure {
             Some(why) => Err(self.dead(Some(&why))),
-            None => Ok(()),
+            None => pushed,
         }
     }
 
     /// Cut the connection now, dropping whatever is still queued.
     fn abort(&mut self) {
+        self.pending.clear();
         let _ = self.socket.shutdown(Shutdown::Both);
         {
             let mut st = self.shared.state.lock();
@@ -1497,6 +1547,50 @@ mod tests {
         local.send(&end_at(10)).unwrap();
         let got = drain(&mut ib, Duration::from_secs(5));
         assert_eq!(rows_of(&got, 0), (0..10).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_deferring_link_writes_what_it_held_back_on_push_in_order() {
+        let mut ib = inbox(1, OrderingMode::None, 64);
+        let mut remote = link(ib.local_addr(), &identity(0, 0));
+        remote.defer(true);
+        let data = |first: i64, n: i64| OutFrame {
+            item: Item::End { seq: 0 }, // unused by a TCP link
+            digest: None,
+            bytes: Some(
+                wire::encode_data(0, first as u64, &rows(first..first + n))
+                    .unwrap()
+                    .into(),
+            ),
+        };
+        remote.send(&data(0, 3)).unwrap();
+        remote.send(&data(3, 2)).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            ib.stats().channels[0].accepted_rows,
+            0,
+            "held back until push"
+        );
+        remote.push().unwrap();
+        wait_for(&ib, "both frames delivered", |st| {
+            st.channels[0].accepted_rows == 5
+        });
+        // Not deferring (the default): every frame leaves at once.
+        remote.defer(false);
+        remote.send(&data(5, 1)).unwrap();
+        wait_for(&ib, "written at once", |st| {
+            st.channels[0].accepted_rows == 6
+        });
+        let end = OutFrame {
+            item: Item::End { seq: 6 },
+            digest: None,
+            bytes: Some(wire::encode_end(0, 6).into()),
+        };
+        remote.defer(true);
+        remote.send(&end).unwrap();
+        remote.close().unwrap(); // pushes what it held back first
+        let got = drain(&mut ib, Duration::from_secs(5));
+        assert_eq!(rows_of(&got, 0), (0..6).collect::<Vec<_>>());
     }
 
     #[test]

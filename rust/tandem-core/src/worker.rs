@@ -212,6 +212,11 @@ impl Worker {
                 .ok_or_else(|| Error::Closed("add_slot() with a closed inbox".to_owned()))?,
             None => 0,
         };
+        for o in &cfg.outboxes {
+            if let Some(ob) = o.lock().as_mut() {
+                ob.defer_writes(true);
+            }
+        }
         self.slots.push(Slot {
             cfg,
             epochs: vec![0; channels],
@@ -289,11 +294,13 @@ impl Worker {
                 match self.serve(idx, &mut wake) {
                     Some(w) => {
                         self.cursor = (idx + 1) % n;
+                        self.push();
                         return Ok(Some(w));
                     }
                     None => continue,
                 }
             }
+            self.push();
             let now = Instant::now();
             let until = match (deadline, wake) {
                 (Some(d), Some(w)) => d.min(w),
@@ -306,6 +313,18 @@ impl Worker {
             }
             if until > now {
                 self.bell.wait(seen, until - now);
+            }
+        }
+    }
+
+    /// Write out what the slots' links hold back ([`Outbox::defer_writes`]): before the
+    /// caller runs anything, and before the worker sleeps.
+    fn push(&self) {
+        for s in &self.slots {
+            for o in &s.cfg.outboxes {
+                if let Some(ob) = o.lock().as_mut() {
+                    ob.push();
+                }
             }
         }
     }
