@@ -107,6 +107,14 @@ def test_latencies_out_of_range_are_clamped():
     assert _close(got.max_ms, latency.HIGHEST_NS)
 
 
+def test_rows_without_an_event_time_are_not_measured():
+    rec = latency.LatencyRecorder(0)
+    rec.record(S, np.array([S - 3 * MS, np.nan]))
+    rec.record(S + MS, np.array([np.nan]))
+    got = latency.summarize([rec.finish()])
+    assert _close(got.max_ms, 3 * MS) and got.max_gap_ms == 0.0
+
+
 def test_receive_times_never_go_back():
     """A wall clock stepping back puts rows in the current second, not a sealed one."""
     rec = latency.LatencyRecorder(0)

@@ -110,12 +110,17 @@ class LatencyRecorder:
         self._pending_rows = 0
 
     def record(self, now_ns: int, event_time_ns: np.ndarray) -> None:
-        """Rows received at ``now_ns`` with these event times."""
+        """Rows received at ``now_ns`` with these event times (NaN, from a null: not
+        measured)."""
         # Receive times never go back (a wall clock may): a row is never put in a second
         # already encoded.
         now_ns = max(now_ns, self._last_ns)
         self._last_ns = now_ns
-        if now_ns < self.from_ns or not len(event_time_ns):
+        if now_ns < self.from_ns:
+            return
+        if event_time_ns.dtype.kind == "f":
+            event_time_ns = event_time_ns[~np.isnan(event_time_ns)].astype(np.int64)
+        if not len(event_time_ns):
             return
         ms = (now_ns - self.t0_ns) // _NS_PER_MS
         second, slot = divmod(ms, _MS_PER_S)
