@@ -13,8 +13,9 @@ runs each worker as a long-running Spark task) drives a worker through three ste
 
 1. :meth:`Worker.bind` — create every hosted replica's inbox (operators and sinks) and
    return the port each one's upstream replicas must dial;
-2. :meth:`Worker.run` — given every inbox address of the job and the logical time origin
-   ``t0_ns``, dial the downstream replicas and run to the end of input;
+2. :meth:`Worker.run` — given every inbox address of the job, the logical time origin
+   ``t0_ns`` and the warm-up the sinks leave out of their latency record
+   (:mod:`tandem.latency`), dial the downstream replicas and run to the end of input;
 3. the returned :class:`ReplicaReport` s (one per hosted replica) go back to the engine.
 
 The replicas follow the forwarding contract of :mod:`tandem.plan`, the same one the
@@ -40,11 +41,11 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-import numpy as np
 import pyarrow as pa
 
 from tandem import _core
 from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
+from tandem.latency import LatencyRecorder, SinkLatency
 from tandem.operators import Operator
 from tandem.ordering.kazoo import KazooRun, KazooSession, Orderer
 from tandem.plan import OutputEdge, Plan, Task
@@ -74,8 +75,11 @@ class ReplicaReport:
     replica sent on that channel in that cycle (epoch ``2**64 - 1``: after the last
     heartbeat)."""
     sink_part: object = None
-    receive_ns: np.ndarray | None = None
-    latency_ms: np.ndarray | None = None
+    first_receive_ns: int | None = None
+    """Sinks: the wall clock when the first row arrived."""
+    latency: SinkLatency | None = None
+    """Sinks whose rows carry ``event_time_ns``: latency histograms and output times per
+    second (:mod:`tandem.latency`; its size grows with the run's length, not its rows)."""
     inbox_stats: dict | None = None
     ordering_stats: dict | None = None
     """KaZoo partitions: the epochs this replica led, orders published and followed."""
@@ -180,9 +184,7 @@ class Replica:
         self.t0_ns = 0
         self._inst = None
         self._sink = None
-        self._receive: list[np.ndarray] = []
-        self._latency: list[np.ndarray] = []
-        self._track_latency = False
+        self._latency: LatencyRecorder | None = None
 
     @property
     def name(self) -> str:
@@ -219,9 +221,16 @@ class Replica:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def start(self, addresses: Addresses, t0_ns: int, local: dict[ReplicaId, _core.Inbox]) -> None:
+    def start(
+        self,
+        addresses: Addresses,
+        t0_ns: int,
+        local: dict[ReplicaId, _core.Inbox],
+        warmup: float = 0.0,
+    ) -> None:
         """Link the downstream replicas (``local``: the inboxes of this worker), open the
-        operator or sink, take a worker slot."""
+        operator or sink, take a worker slot. A sink leaves the rows it receives in the
+        first ``warmup`` seconds after ``t0_ns`` out of its latency record."""
         t, p, r = self.me
         self.t0_ns = t0_ns
         self.outputs += [
@@ -238,7 +247,8 @@ class Replica:
         else:
             self._sink = self.plan.open_sink(t, p)
             schema = self.task.schema
-            self._track_latency = schema is not None and "event_time_ns" in schema.names
+            if schema is not None and "event_time_ns" in schema.names:
+                self._latency = LatencyRecorder(t0_ns, t0_ns + round(warmup * 1e9))
             watermarks = False
         self.slot = self.core.add_task(self.inbox, boxes, watermarks)
 
@@ -261,10 +271,10 @@ class Replica:
             return
         now = time.time_ns()
         self._sink.write(batch)
-        if self._track_latency:
-            ev = batch.column("event_time_ns").to_numpy(zero_copy_only=False)
-            self._receive.append(np.full(len(ev), now, dtype=np.int64))
-            self._latency.append((now - ev) / 1e6)
+        if self.report.first_receive_ns is None:
+            self.report.first_receive_ns = now
+        if self._latency is not None:
+            self._latency.record(now, batch.column("event_time_ns").to_numpy(zero_copy_only=False))
 
     def on_watermark(self, epoch: int) -> None:
         self._emit(self._inst.watermark(self.plan.watermark_ns(epoch, self.t0_ns)))
@@ -276,9 +286,8 @@ class Replica:
         if self._sink is not None:
             self.report.sink_part = self._sink.close()
             self._sink = None
-            if self._receive:
-                self.report.receive_ns = np.concatenate(self._receive)
-                self.report.latency_ms = np.concatenate(self._latency)
+            if self._latency is not None:
+                self.report.latency = self._latency.finish()
         for o in self.outputs:
             o.outbox.end()
         self.done = True
@@ -417,15 +426,16 @@ class Worker:
             self.kazoo.stop()
 
     def run(
-        self, addresses: Addresses, t0_ns: int, duration: float
+        self, addresses: Addresses, t0_ns: int, duration: float, warmup: float = 0.0
     ) -> dict[ReplicaId, ReplicaReport]:
         """Run every hosted replica to the end of its input; never raises (errors are in
-        the reports). The first replica that fails stops the worker: the job fails."""
+        the reports). The first replica that fails stops the worker: the job fails.
+        ``warmup``: seconds after ``t0_ns`` the sinks leave out of their latency record."""
         local = {r.me: r.inbox for r in self.replicas if r.inbox is not None}
         try:
             for r in self.replicas:
                 try:
-                    r.start(addresses, t0_ns, local)
+                    r.start(addresses, t0_ns, local, warmup)
                 except Exception as exc:
                     r.fail(exc)
                     if r.report.error:

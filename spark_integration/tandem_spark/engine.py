@@ -190,6 +190,7 @@ class SparkEngine:
             kill=self.kill,
             on_failure=lambda _: sc.cancelJobsWithTag(tag),
             zoo=zoo,
+            warmup=warmup,
         )
         udf = _worker_main(plan, secret, registry.address, host, schema, collect, zoo)
         with registry, _driver_path_on_workers(sc, local):
@@ -357,8 +358,8 @@ def _worker_main(plan, secret, registry_address, host, schema, collect, zoo):
             _, _, rids = answer
             worker = Worker(plan, [tuple(rid) for rid in rids], secret, kazoo=zoo)
             conn.send(("bound", worker.bind(bind_host)))
-            _, addresses, t0_ns, duration = reg.receive(conn, "start signal")
-            reports = worker.run(addresses, t0_ns, duration)
+            _, addresses, t0_ns, duration, warmup = reg.receive(conn, "start signal")
+            reports = worker.run(addresses, t0_ns, duration, warmup)
             failures = [(rid, r.error, r.diverged) for rid, r in reports.items() if r.error]
             conn.send(("done", failures))
         for rid, report in reports.items():

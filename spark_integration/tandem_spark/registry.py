@@ -116,8 +116,10 @@ class Registry:
         kill: str,
         on_failure: Callable[[TandemError], None],
         zoo: KazooRun | None = None,
+        warmup: float = 0.0,
     ) -> None:
         self.plan, self.placement, self.secret = plan, placement, secret
+        self.warmup = warmup
         self.zoo = zoo
         self.worker_of = {rid: w for w, rids in enumerate(placement) for rid in rids}
         self.duration, self.startup_s, self.kill = duration, startup_s, kill
@@ -280,14 +282,15 @@ class Registry:
 
     def _start_run(self) -> None:
         """Every worker has bound (called with the lock held): publish the addresses and
-        the logical time origin, and schedule the faults relative to it."""
+        the logical time origin (with the run's length and warm-up), and schedule the
+        faults relative to it."""
         addresses = {
             rid: (self._nodes[self.worker_of[rid]], port)
             for rid, port in self._ports.items()
             if port is not None
         }
         self.log.t0_ns = time.time_ns() + int(self.startup_s * 1e9)
-        self._go = ("go", addresses, self.log.t0_ns, self.duration)
+        self._go = ("go", addresses, self.log.t0_ns, self.duration, self.warmup)
         self._lock.notify_all()
         self._spawn(self._watch_clock, "tandem-clock")
 

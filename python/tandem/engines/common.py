@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import pyarrow as pa
 
+from tandem import latency
 from tandem.api import Result
 from tandem.exceptions import ConfigError
 from tandem.faults import Kill
@@ -81,7 +82,7 @@ def assemble_result(
         res.events_out += sum(reports[(task.id, p, 0)].rows_in for p in range(task.parallelism))
     collects = [t.name for t in plan.sinks() if isinstance(res.outputs[t.name], pa.Table)]
     res.output = res.outputs[collects[0]] if collects else None
-    _latency(res, reports.values(), t0_ns, warmup)
+    _latency(res, reports.values(), warmup)
     _digests(res, plan, reports)
     _leaders(res, plan, reports)
     if check:
@@ -91,27 +92,18 @@ def assemble_result(
     return res
 
 
-def _latency(res: Result, reports: Iterable[ReplicaReport], t0_ns: int, warmup: float) -> None:
-    reports = list(reports)
-    recv = [r.receive_ns for r in reports if r.receive_ns is not None]
-    lat = [r.latency_ms for r in reports if r.latency_ms is not None]
-    if not recv:
+def _latency(res: Result, reports: Iterable[ReplicaReport], warmup: float) -> None:
+    """The latency fields of ``res``, merged from the sinks' per-second histograms and
+    output bitmaps (:mod:`tandem.latency`: percentiles within 0.8 %, gaps within 1 ms).
+    The sinks left the warm-up out themselves; seconds wholly inside it are dropped here
+    too, in case a worker was not told."""
+    logs = [r.latency for r in reports if r.latency is not None]
+    summary = latency.summarize(logs, skip_ns=round(warmup * 1e9))
+    if summary is None:
         return
-    recv_ns, lat_ms = np.concatenate(recv), np.concatenate(lat)
-    keep = recv_ns >= t0_ns + int(warmup * 1e9)
-    recv_ns, lat_ms = recv_ns[keep], lat_ms[keep]
-    if not len(lat_ms):
-        return
-    res.p50_ms = float(np.percentile(lat_ms, 50))
-    res.p99_ms = float(np.percentile(lat_ms, 99))
-    res.max_ms = float(lat_ms.max())
-    second = (recv_ns - t0_ns) // 1_000_000_000
-    res.per_second_p99_ms = [
-        float(np.percentile(lat_ms[second == s], 99)) if np.any(second == s) else None
-        for s in range(int(second.max()) + 1)
-    ]
-    times = np.unique(recv_ns)
-    res.max_gap_ms = float(np.diff(times).max() / 1e6) if len(times) > 1 else 0.0
+    res.p50_ms, res.p99_ms, res.max_ms = summary.p50_ms, summary.p99_ms, summary.max_ms
+    res.per_second_p99_ms = summary.per_second_p99_ms
+    res.max_gap_ms = summary.max_gap_ms
 
 
 def _digests(res: Result, plan: Plan, reports: Mapping[ReplicaId, ReplicaReport]) -> None:

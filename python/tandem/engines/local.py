@@ -89,8 +89,8 @@ def serve(plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooRu
     msg = conn.recv()
     if msg[0] != "go":
         return
-    _, addresses, t0_ns, duration = msg
-    conn.send(("done", worker.run(addresses, t0_ns, duration)))
+    _, addresses, t0_ns, duration, warmup = msg
+    conn.send(("done", worker.run(addresses, t0_ns, duration, warmup)))
 
 
 def _worker_env() -> dict[str, str]:
@@ -230,7 +230,7 @@ class _CostMeter:
             (from_ns, cpu_from), (to_ns, cpu_to) = self.steady
             res.steady_cpu_s = max(0.0, cpu_to - cpu_from)
             res.steady_wall_s = (to_ns - from_ns) / 1e9
-        firsts = [int(r.receive_ns.min()) for r in sink_reports if r.receive_ns is not None]
+        firsts = [r.first_receive_ns for r in sink_reports if r.first_receive_ns is not None]
         if firsts:
             res.first_output_s = (min(firsts) - self.called_ns) / 1e9
 
@@ -264,7 +264,7 @@ class LocalEngine:
         cost = _CostMeter(warmup)
         check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause))
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
-        run = _Run(plan, duration, list(faults), progress, host, zoo)
+        run = _Run(plan, duration, list(faults), progress, host, zoo, warmup)
         try:
             try:
                 run.start()
@@ -272,7 +272,7 @@ class LocalEngine:
             finally:
                 run.stop()
             cost.finish()
-            result = run.result(warmup, check)
+            result = run.result(check)
             sinks = [r for (t, _, _), r in run.reports.items() if plan.tasks[t].kind == "sink"]
             cost.apply(result, len(run.procs), sinks)
             return result
@@ -285,9 +285,17 @@ class _Run:
     """The state of one run of the local engine. Processes are indexed by worker."""
 
     def __init__(
-        self, plan: Plan, duration: float, faults: list[ReplicaFault], progress, host, zoo
+        self,
+        plan: Plan,
+        duration: float,
+        faults: list[ReplicaFault],
+        progress,
+        host,
+        zoo,
+        warmup: float = 0.0,
     ) -> None:
         self.plan, self.duration, self.progress, self.host = plan, duration, progress, host
+        self.warmup = warmup
         self.zoo: KazooRun | None = zoo
         self.faults = sorted(faults, key=lambda f: f.at)
         self.secret = os.urandom(32)
@@ -347,7 +355,7 @@ class _Run:
             ON_READY(addresses)
         self.t0_ns = time.time_ns() + int(STARTUP_S * 1e9)
         for conn in self.conns.values():
-            conn.send(("go", addresses, self.t0_ns, self.duration))
+            conn.send(("go", addresses, self.t0_ns, self.duration, self.warmup))
 
     def watch(self, timeout: float, cost: _CostMeter | None = None) -> None:
         """Inject the faults, sample memory, take ``cost``'s readings, collect the reports
@@ -537,14 +545,14 @@ class _Run:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
-    def result(self, warmup: float, check: bool) -> Result:
+    def result(self, check: bool) -> Result:
         lost = [(rid, "killed") for rid in self.killed] + [(rid, "crashed") for rid in self.crashed]
         return assemble_result(
             self.plan,
             self.duration,
             self.reports,
             t0_ns=self.t0_ns,
-            warmup=warmup,
+            warmup=self.warmup,
             check=check,
             faults=self.injected,
             lost_replicas=lost,
