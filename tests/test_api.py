@@ -755,19 +755,21 @@ def test_kill_spec_validation_and_duplicates():
     assert k.to_dict() == {"kind": "kill", "task": "ev", "partition": 0, "replica": 0, "at": 0.2}
 
 
-def test_missing_local_engine_is_a_clear_config_error(monkeypatch):
-    import importlib
+def test_engines_are_looked_up_by_name(monkeypatch):
+    """A name goes to tandem.engines.get; an unknown one is refused naming the engines."""
+    from tandem import engines
 
-    real = importlib.import_module
+    calls = []
 
-    def fake(name, *a, **kw):
-        if name == "tandem.engines":
-            raise ModuleNotFoundError("No module named 'tandem.engines'", name="tandem.engines")
-        return real(name, *a, **kw)
+    def get(name, **options):
+        calls.append((name, options))
+        return RecordingEngine()
 
-    monkeypatch.setattr(importlib, "import_module", fake)
-    with pytest.raises(td.ConfigError, match=r"engine 'local' is not available.*run_reference"):
-        fault_plan_job().run(duration=1)
+    with pytest.raises(td.ConfigError, match=r"unknown engine 'nope'.*\['local', 'spark'\]"):
+        fault_plan_job().run(duration=1, engine="nope")
+    monkeypatch.setattr(engines, "get", get)
+    assert fault_plan_job().run(duration=1, engine="local").events_in == 1
+    assert calls == [("local", {})]
 
 
 def test_run_rejects_bad_duration_and_engine():

@@ -30,7 +30,6 @@ inputs (an unkeyed window: 1; a sink: 1).
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -287,7 +286,9 @@ class Job:
         faults = list(faults)
         validate_faults(faults, plan, duration)
         if isinstance(engine, str):
-            runner = _engine(engine)
+            from tandem import engines
+
+            runner = engines.get(engine)
         elif callable(getattr(engine, "run", None)):
             runner = engine
         else:
@@ -305,22 +306,6 @@ class Job:
         if _number(duration, "duration") <= 0:
             raise ConfigError(f"duration must be > 0 seconds, got {duration!r}")
         return reference.run(self.plan(), duration=duration, t0_ns=t0_ns)
-
-
-def _engine(name: str) -> Any:
-    try:
-        engines = importlib.import_module("tandem.engines")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("tandem.engines",):
-            raise
-        raise ConfigError(
-            f"engine {name!r} is not available: this installation has no tandem.engines "
-            "package; use job.run_reference(duration) for a single-process run"
-        ) from exc
-    get = getattr(engines, "get", None)
-    if get is None:
-        raise ConfigError(f"engine {name!r}: tandem.engines has no get(name) function")
-    return get(name)
 
 
 def _toposort(nodes: list[_Node]) -> list[_Node]:
