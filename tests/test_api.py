@@ -15,6 +15,7 @@ import pytest
 
 import tandem as td
 from tandem.plan import HASH_SEED, Router, WatermarkTracker, hash_channels, xxh3_64
+from tandem.reference import canonical
 
 
 def identity(batch):
@@ -640,6 +641,32 @@ def test_multiset_diff_counts_rows_with_nulls_and_repeats():
     assert multiset_diff(want, got) == (1, 2)
     assert multiset_diff(want, want.slice(0, 0)) == (5, 0)
     assert multiset_diff(want.slice(0, 0), want) == (0, 5)
+
+
+def test_multiset_diff_and_canonical_compare_nested_values():
+    """Lists, structs, maps and dictionaries are compared by value: a lost row and a
+    repeated one differing only in a nested value do not cancel out."""
+    from tandem.engines.common import multiset_diff
+
+    want = pa.table(
+        {
+            "k": [1, 1, 2, None],
+            "l": pa.array([[1, 2], [2, 1], None, []], pa.list_(pa.int64())),
+            "s": pa.array([{"x": 1, "y": "a"}, None, {"x": None, "y": "b"}, {"x": 1, "y": "a"}]),
+            "m": pa.array([[("a", 1)], [], None, [("a", 1)]], pa.map_(pa.string(), pa.int64())),
+            "d": pa.array(["p", "q", "p", None]).dictionary_encode(),
+        }
+    )
+    shuffled = want.take([3, 1, 0, 2])
+    assert multiset_diff(want, shuffled) == (0, 0)
+    assert canonical(shuffled).equals(canonical(want))
+    # Row 0's list [1, 2] lost, row 1's [2, 1] repeated: same counts, not the same rows.
+    got = want.take([1, 1, 2, 3])
+    assert multiset_diff(want, got) == (1, 1)
+    assert not canonical(got).equals(canonical(want))
+    nested = pa.table({"l": pa.array([[[1], []], [[1]], [[1], []]], pa.list_(pa.list_(pa.int8())))})
+    assert multiset_diff(nested, nested.take([2, 1, 0])) == (0, 0)
+    assert multiset_diff(nested, nested.take([1, 1, 0])) == (1, 1)
 
 
 def test_reference_check_compares_file_sink_rows_not_counts(tmp_path):
