@@ -640,7 +640,10 @@ class Result:
     it). ``leaders``, for KaZoo-ordered partitions (by ``"task[partition]"``): who led, in epoch
     order — ``{"replica", "epoch", "from_s", "until_s"}``, seconds from the run's start;
     ``kazoo_sessions`` (not in JSON), one per worker that hosts KaZoo-ordered replicas: its
-    ZooKeeper session's ``name`` and how often it was ``suspended`` or ``expired``.
+    ZooKeeper session's ``name``, how often it was ``suspended`` or ``expired``, and the
+    deposed leaders' orders its replicas ``fenced`` off (one record each: ``task`` id,
+    ``partition``, ``replica``, the order's ``epoch`` and ``version``, the ``current``
+    epoch, its ``offset`` in the order topic).
 
     What the run cost the machine (engines that measure it, the local engine; None
     otherwise; not in JSON — ``tandem bench cost`` reports them): ``processes``, the OS
