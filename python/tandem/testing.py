@@ -34,6 +34,13 @@ Typical use::
     expected = ReferenceLiveRobin(len(contents)).run(channels)
     # a tandem._core.LiveRobin fed the same channels: batches(lr.drain()) == expected
 
+KaZoo order log
+    :func:`decode_order` reads one message of an order topic (an Order frame) with
+    ``struct``; :class:`ReferenceOrderLog` applies DESIGN §2.3's rule to a log of them
+    (stale epochs fenced off, replays ignored); :func:`read_order_topic` reads a topic with
+    a plain ``confluent_kafka`` consumer. Together, an independent reading of what the
+    replicas of a KaZoo-ordered partition must have followed.
+
 Functions of a whole batch
     :func:`with_batch_rows`, :func:`with_batch_mean`, :func:`with_rank` and
     :func:`two_thresholds` are operator functions whose output depends on how the rows are
