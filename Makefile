@@ -7,12 +7,13 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv install java demo test test-rust test-python lint fuzz bench clean
+.PHONY: help venv install java demo test test-rust test-python lint fuzz bench bench-check clean
 
 help:
 	@echo "make demo    set up, then run the demo on the embedded engine"
 	@echo "make test    set up, then run every check CI runs (lint, Rust, fuzz, Python)"
 	@echo "make bench   release-build microbenchmarks: Rust core vs Python reference"
+	@echo "make bench-check     the same, short (make test runs it): fails unless Rust >= 10x Python"
 	@echo "make services        start ZooKeeper + Kafka on 127.0.0.1 (tests start their own)"
 	@echo "make services-stop   stop the servers scripts/services.sh started"
 
@@ -53,11 +54,29 @@ fuzz:
 test-python: install java
 	$(VENV)/bin/pytest
 
-test: lint test-rust fuzz test-python
+test: lint test-rust fuzz test-python bench-check
 
 bench: install
+	@mkdir -p out
 	$(VENV)/bin/pytest benches --benchmark-only --benchmark-json=out/bench.json -q
 	$(PY) benches/report.py out/bench.json
+
+# The microbenchmarks once, short (each Rust benchmark for ~0.2 s; a few seconds in all), on
+# the release wheel `install` builds (benches/conftest.py refuses a debug build): fails
+# unless the Rust core is at least BENCH_MIN_RATIO times the Python reference in every pair,
+# best of rounds on both sides. BENCH_KNOWN_SHORT: the pairs known to fall short, reported
+# instead of failing, and failing the day they pass. liverobin: the Python reference now
+# takes whole batches per turn, and Rust pays ~15 us per batch crossing pyarrow's C Data
+# Interface (push and drain one batch per call), so it is ~2x, not 10x, until the merge
+# takes a channel's batches in one call (as Dedup.offer_many does).
+BENCH_MIN_RATIO ?= 10
+BENCH_KNOWN_SHORT ?= liverobin
+bench-check: install
+	@mkdir -p out
+	$(VENV)/bin/pytest benches --benchmark-only --benchmark-json=out/bench-check.json -q \
+		--benchmark-max-time=0.2 --benchmark-min-rounds=3
+	$(PY) benches/report.py out/bench-check.json --min-ratio $(BENCH_MIN_RATIO) \
+		$(foreach g,$(BENCH_KNOWN_SHORT),--known-short $(g))
 
 # Real ZooKeeper and Kafka (KRaft) for the KaZoo ordering, from Maven Central jars cached in
 # .services/lib. `make test` needs none of this: its pytest fixtures start the servers they

@@ -15,6 +15,7 @@ import pytest
 
 import tandem as td
 from tandem.plan import HASH_SEED, Router, WatermarkTracker, hash_channels, xxh3_64
+from tandem.reference import canonical
 
 
 def identity(batch):
@@ -642,6 +643,32 @@ def test_multiset_diff_counts_rows_with_nulls_and_repeats():
     assert multiset_diff(want.slice(0, 0), want) == (0, 5)
 
 
+def test_multiset_diff_and_canonical_compare_nested_values():
+    """Lists, structs, maps and dictionaries are compared by value: a lost row and a
+    repeated one differing only in a nested value do not cancel out."""
+    from tandem.engines.common import multiset_diff
+
+    want = pa.table(
+        {
+            "k": [1, 1, 2, None],
+            "l": pa.array([[1, 2], [2, 1], None, []], pa.list_(pa.int64())),
+            "s": pa.array([{"x": 1, "y": "a"}, None, {"x": None, "y": "b"}, {"x": 1, "y": "a"}]),
+            "m": pa.array([[("a", 1)], [], None, [("a", 1)]], pa.map_(pa.string(), pa.int64())),
+            "d": pa.array(["p", "q", "p", None]).dictionary_encode(),
+        }
+    )
+    shuffled = want.take([3, 1, 0, 2])
+    assert multiset_diff(want, shuffled) == (0, 0)
+    assert canonical(shuffled).equals(canonical(want))
+    # Row 0's list [1, 2] lost, row 1's [2, 1] repeated: same counts, not the same rows.
+    got = want.take([1, 1, 2, 3])
+    assert multiset_diff(want, got) == (1, 1)
+    assert not canonical(got).equals(canonical(want))
+    nested = pa.table({"l": pa.array([[[1], []], [[1]], [[1], []]], pa.list_(pa.list_(pa.int8())))})
+    assert multiset_diff(nested, nested.take([2, 1, 0])) == (0, 0)
+    assert multiset_diff(nested, nested.take([1, 1, 0])) == (1, 1)
+
+
 def test_reference_check_compares_file_sink_rows_not_counts(tmp_path):
     """One row lost and another duplicated leave every row count right: only the rows of
     the files, read back and compared as a multiset with the reference's, show it."""
@@ -755,19 +782,21 @@ def test_kill_spec_validation_and_duplicates():
     assert k.to_dict() == {"kind": "kill", "task": "ev", "partition": 0, "replica": 0, "at": 0.2}
 
 
-def test_missing_local_engine_is_a_clear_config_error(monkeypatch):
-    import importlib
+def test_engines_are_looked_up_by_name(monkeypatch):
+    """A name goes to tandem.engines.get; an unknown one is refused naming the engines."""
+    from tandem import engines
 
-    real = importlib.import_module
+    calls = []
 
-    def fake(name, *a, **kw):
-        if name == "tandem.engines":
-            raise ModuleNotFoundError("No module named 'tandem.engines'", name="tandem.engines")
-        return real(name, *a, **kw)
+    def get(name, **options):
+        calls.append((name, options))
+        return RecordingEngine()
 
-    monkeypatch.setattr(importlib, "import_module", fake)
-    with pytest.raises(td.ConfigError, match=r"engine 'local' is not available.*run_reference"):
-        fault_plan_job().run(duration=1)
+    with pytest.raises(td.ConfigError, match=r"unknown engine 'nope'.*\['local', 'spark'\]"):
+        fault_plan_job().run(duration=1, engine="nope")
+    monkeypatch.setattr(engines, "get", get)
+    assert fault_plan_job().run(duration=1, engine="local").events_in == 1
+    assert calls == [("local", {})]
 
 
 def test_run_rejects_bad_duration_and_engine():

@@ -63,3 +63,16 @@ def test_mib1_and_throughput_rows_report_lost_and_duplicates_as_ints():
         assert type(row.lost) is int and type(row.duplicates) is int, row
         assert row.lost == 0 and row.duplicates == 0, row
         assert row.events_out > 0
+
+
+def test_failover_states_its_peak_as_a_ratio_to_a_fault_free_run():
+    """`tandem bench failover` runs each ordering once without the fault in the same
+    invocation and reports the peak after the kill over that run's peak in the same
+    seconds."""
+    (row,) = bench.failover(
+        rate=500, duration=4.0, kill_at=2.0, cases=("liverobin",), log=io.StringIO()
+    )
+    assert (row.lost, row.duplicates, row.digests_match) == (0, 0, True)
+    assert row.peak_after_ms == max(v for v in row.per_second_p99_ms[2:8] if v is not None)
+    assert row.fault_free_peak_ms > 0
+    assert row.peak_ratio == round(row.peak_after_ms / row.fault_free_peak_ms, 2)

@@ -5,6 +5,13 @@ replicas followed (read back from the order topics), so "identical to the refere
 means: every row, each exactly once, with every stateful result (running counts per key)
 exactly what that consumption order gives — and both replicas of every partition agreed,
 cycle by cycle (digests).
+
+The engine reads the order topics back through the Rust ``OrderLog`` fence the replicas
+run. Here every run's order topics are also read independently — a plain
+``confluent_kafka`` consumer, the frames decoded and the fencing rule applied in Python
+as DESIGN §2.3 states it (:class:`tandem.testing.ReferenceOrderLog`) — and the reference
+follows *that* reading: the two readings must agree, and every order a replica reports
+having fenced off must be one the independent reading calls stale.
 """
 
 from __future__ import annotations
@@ -13,9 +20,12 @@ import itertools
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tandem as td
 from tandem import _core, testing
@@ -47,17 +57,73 @@ def kazoo_job(
     return job
 
 
-def assert_masked(res: td.Result) -> None:
+@dataclass
+class OrderReading:
+    """A run's order topics, read twice: ``rust`` through the engine's
+    ``kazoo.read_orders`` (the Rust fence), ``logs`` / ``orders`` independently (by
+    ``(task, partition)``: the Python fence after it took every message, the decoded
+    messages in log order)."""
+
+    rust: dict[tuple[int, int], list[tuple[int, int]]]
+    logs: dict[tuple[int, int], testing.ReferenceOrderLog]
+    orders: dict[tuple[int, int], list[testing.Order]]
+
+
+@pytest.fixture(autouse=True)
+def order_readings(monkeypatch) -> list[OrderReading]:
+    """Every run's order topics, read both ways when the engine checks the run (the topics
+    are deleted after that); the reference executor follows the independent reading."""
+    readings: list[OrderReading] = []
+    rust_reading = kazoo.read_orders
+
+    def read_both(run: kazoo.KazooRun, channels, timeout: float = 30.0):
+        rust = rust_reading(run, channels, timeout)
+        logs, orders = {}, {}
+        for tp in run.partitions:
+            msgs = testing.read_order_topic(run.config.kafka_bootstrap, run.topic(*tp), timeout)
+            orders[tp] = [testing.decode_order(m) for m in msgs]
+            logs[tp] = testing.ReferenceOrderLog(channels[tp])
+            for order in orders[tp]:
+                logs[tp].offer(order)
+        readings.append(OrderReading(rust, logs, orders))
+        return {tp: list(log.followed) for tp, log in logs.items()}
+
+    monkeypatch.setattr(kazoo, "read_orders", read_both)
+    return readings
+
+
+def fenced(res: td.Result) -> set[tuple[int, int, int, int]]:
+    """``(task, partition, replica, offset)`` of every order the replicas fenced off."""
+    return {
+        (f["task"], f["partition"], f["replica"], f["offset"])
+        for s in res.kazoo_sessions
+        for f in s["fenced"]
+    }
+
+
+def assert_masked(res: td.Result, readings: list[OrderReading]) -> OrderReading:
+    """The run lost nothing, repeated nothing, its replicas agreed, and what they followed
+    is what the independent reading of the order log says; returns that reading."""
     assert res.lost == 0 and res.duplicates == 0, (res.lost, res.duplicates)
     assert res.digests_match, res.determinism_errors
     assert res.events_out == res.events_in > 0
     assert res.output is not None and res.output.num_rows == res.events_in
+    (reading,) = readings
+    assert reading.logs, "no order topic was read"
+    for tp, log in reading.logs.items():
+        assert log.followed, f"{tp}: no order was followed"
+        assert log.followed == reading.rust[tp], f"{tp}: the two readings of the log differ"
+    for t, p, r, offset in fenced(res):
+        order = reading.orders[(t, p)][offset]
+        assert reading.logs[(t, p)].verdicts[offset] == "stale", (t, p, r, offset, order)
+    return reading
 
 
-def test_fault_free_run_follows_one_leader_per_partition(zookeeper, kafka):
+def test_fault_free_run_follows_one_leader_per_partition(zookeeper, kafka, order_readings):
     job = kazoo_job(kafka)
     res = job.run(duration=3.0, progress=False)
-    assert_masked(res)
+    reading = assert_masked(res, order_readings)
+    assert set(reading.logs) == set(job.plan().ordered_partitions())
     assert sorted(res.leaders) == ["count[0]", "count[1]", "relay[0]", "relay[1]"]
     # One ZooKeeper session per worker, shared by the four ordered partitions it hosts;
     # none expired without a fault.
@@ -76,14 +142,14 @@ def test_fault_free_run_follows_one_leader_per_partition(zookeeper, kafka):
             assert after["from_s"] >= before["from_s"], f"{name}: overlapping terms {terms}"
 
 
-def test_killing_the_leader_then_a_follower_is_masked(zookeeper, kafka):
+def test_killing_the_leader_then_a_follower_is_masked(zookeeper, kafka, order_readings):
     """Two kills take down two workers (replica groups): r = 3 keeps a third."""
     faults = [
         td.Kill("count", partition=0, replica="leader", at=2.0),
         td.Kill("relay", partition=1, replica="follower", at=3.5),
     ]
     res = kazoo_job(kafka, replication=3).run(duration=6.0, faults=faults, progress=False)
-    assert_masked(res)
+    assert_masked(res, order_readings)
     (leader_kill, follower_kill) = res.faults
     # The killed leader reports nothing; its successor's epoch shows it was deposed.
     count0 = res.leaders["count[0]"]
@@ -96,22 +162,102 @@ def test_killing_the_leader_then_a_follower_is_masked(zookeeper, kafka):
     assert {("count", 0, leader_kill["victim"]), ("relay", 1, follower_kill["victim"])} <= lost
 
 
-def test_a_frozen_leader_is_replaced_and_fenced_off_when_it_wakes(zookeeper, kafka):
+def publish_as_deposed_leader(runs: list, task: int, partition: int, out: dict) -> None:
+    """Follow the order topic of ``(task, partition)`` of the run ``kazoo.prepare`` put in
+    ``runs``; as soon as a second leader has published, publish one more order of the
+    first leader's epoch — what that leader sends if it wakes and wins the race against
+    its lost session — and record its offset and content in ``out``."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+
+    deadline = time.monotonic() + 30
+    while not runs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (run,) = runs
+    bootstrap, topic = run.config.kafka_bootstrap, run.topic(task, partition)
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"deposed-{run.run}"})
+    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    try:
+        first: testing.Order | None = None
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.05)
+            if msg is None or msg.error() is not None:
+                continue
+            order = testing.decode_order(msg.value())
+            if first is None or order.epoch == first.epoch:
+                first = order
+                continue
+            # The successor leads. The deposed leader's next order, channel by channel one
+            # seq past where its successor's first order runs them.
+            stale = testing.Order(
+                first.epoch, first.version + 1000, tuple((c, s + 1) for c, s in order.entries)
+            )
+            producer = Producer({"bootstrap.servers": bootstrap, "acks": "all"})
+            producer.produce(
+                topic,
+                _core.encode_order_frame(partition, stale.epoch, stale.version, stale.entries),
+                on_delivery=lambda err, m: out.update(error=err, offset=m.offset()),
+            )
+            producer.flush(10)
+            out["order"] = stale
+            return
+    finally:
+        consumer.close()
+
+
+def test_a_frozen_leader_is_replaced_and_fenced_off_when_it_wakes(
+    zookeeper, kafka, order_readings, monkeypatch
+):
     """SIGSTOP the leader past its session timeout: a follower takes over with a higher
-    epoch; after SIGCONT the old leader may still publish an order or two before it learns
-    it lost its session — fenced off, or harmless — and the replicas stay identical."""
+    epoch. Orders of the deposed leader's epoch that reach the log after its successor's
+    are fenced off: the independent reading calls them stale, every replica (the woken
+    one included) reports having ignored exactly those, and the replicas stay identical,
+    following the successor's orders.
+
+    The woken leader publishes such an order only if its publishing thread runs before
+    kazoo reports the lost session, a race it usually loses; so the test also publishes,
+    under the deposed leader's epoch, the order it would send."""
+    runs: list[kazoo.KazooRun] = []
+    prepare = kazoo.prepare
+
+    def prepare_and_keep(*args, **kwargs) -> kazoo.KazooRun:
+        runs.append(prepare(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(kazoo, "prepare", prepare_and_keep)
+    job = kazoo_job(kafka)
+    (count,) = [t.id for t in job.plan().tasks if t.name == "count"]
+    injected: dict = {}
+    zombie = threading.Thread(target=publish_as_deposed_leader, args=(runs, count, 1, injected))
+    zombie.start()
     fault = td.Pause("count", partition=1, replica="leader", at=1.5, for_s=2.5)
-    res = kazoo_job(kafka).run(duration=6.0, faults=[fault], progress=False)
-    assert_masked(res)
+    try:
+        res = job.run(duration=6.0, faults=[fault], progress=False)
+    finally:
+        zombie.join()
+    reading = assert_masked(res, order_readings)
     terms = res.leaders["count[1]"]
     frozen = res.faults[0]["victim"]
     assert terms[0]["replica"] == frozen
     assert any(t["replica"] != frozen for t in terms), f"nobody took over: {terms}"
     assert res.lost_replicas == [], "a paused replica is not lost"
 
+    assert injected.get("order") and injected["error"] is None, injected
+    orders, log = reading.orders[(count, 1)], reading.logs[(count, 1)]
+    assert orders[injected["offset"]] == injected["order"]
+    stale = [k for k, verdict in enumerate(log.verdicts) if verdict == "stale"]
+    assert injected["offset"] in stale
+    for k in stale:
+        # The frozen leader's epoch, after an order of its successor's higher epoch.
+        assert orders[k].epoch == terms[0]["epoch"], (k, orders[k], terms)
+        assert max(o.epoch for o in orders[:k]) > orders[k].epoch, (k, orders[: k + 1])
+    # Ignored by both replicas, the woken one included (it follows the log too).
+    assert {(r, k) for t, p, r, k in fenced(res) if (t, p) == (count, 1)} == {
+        (r, k) for r in (0, 1) for k in stale
+    }, res.kazoo_sessions
+
 
 @pytest.mark.parametrize("service", ["zookeeper", "kafka"])
-def test_the_job_rides_out_a_service_restart(zookeeper, kafka, service):
+def test_the_job_rides_out_a_service_restart(zookeeper, kafka, service, order_readings):
     """Restart ZooKeeper (no elections, no publishing while it is down) or Kafka (no
     orders in or out) mid-run: the job stalls, then resumes; nothing lost or repeated."""
     restarted: dict[str, float] = {}
@@ -126,10 +272,12 @@ def test_the_job_rides_out_a_service_restart(zookeeper, kafka, service):
     finally:
         timer.join()
     assert restarted["s"] > 0
-    assert_masked(res)
+    assert_masked(res, order_readings)
 
 
-def test_multi_input_tasks_agree_and_match_the_order_they_followed(zookeeper, kafka):
+def test_multi_input_tasks_agree_and_match_the_order_they_followed(
+    zookeeper, kafka, order_readings
+):
     """Two sources into one stateful task: its per-key counts depend on the order of the
     inputs, so replica agreement and reference equality both rest on the order log."""
     config = KazooConfig(zk_hosts=kafka.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap)
@@ -140,7 +288,7 @@ def test_multi_input_tasks_agree_and_match_the_order_they_followed(zookeeper, ka
         td.sinks.Collect()
     )
     res = job.run(duration=3.0, progress=False)
-    assert_masked(res)
+    assert_masked(res, order_readings)
     assert res.leaders["count[0]"], "the union task ran an election"
 
 
@@ -198,6 +346,52 @@ def test_order_log_fences_stale_epochs_and_ignores_replays():
         log.offer(order(0, 6, 2, [(2, 1)]))
     with pytest.raises(td.ProtocolError):
         log.offer(_core.encode_heartbeat_frame(0, 0, 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(
+        lambda n: st.tuples(
+            st.just(n),
+            st.lists(
+                st.tuples(
+                    st.integers(1, 5),  # epoch
+                    st.integers(1, 6),  # version
+                    st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, 50)), max_size=4),
+                ),
+                max_size=25,
+            ),
+        )
+    )
+)
+def test_python_and_rust_fences_agree_on_any_log(case):
+    """The independent reading (plain Python frame decoding and fencing rule) and the Rust
+    OrderLog the replicas run give the same verdicts and entries on any log: epochs that
+    go back (deposed leaders), repeated and skipped versions, empty orders."""
+    channels, log = case
+    rust, python = _core.OrderLog(channels), testing.ReferenceOrderLog(channels)
+    for epoch, version, entries in log:
+        frame = _core.encode_order_frame(0, epoch, version, entries)
+        assert testing.decode_order(frame) == testing.Order(epoch, version, tuple(entries))
+        assert python.offer(frame) == rust.offer(frame)
+    assert python.followed == rust.drain()
+    assert python.ordered() == rust.ordered()
+    stats = rust.stats()
+    assert [stats[v] for v in ("followed", "stale", "replayed")] == [
+        python.verdicts.count(v) for v in ("followed", "stale", "replayed")
+    ]
+
+
+def test_the_python_order_decoder_refuses_what_is_not_one_order():
+    frame = _core.encode_order_frame(0, 2, 1, [(1, 7)])
+    with pytest.raises(ValueError, match="not an order frame"):
+        testing.decode_order(_core.encode_heartbeat_frame(0, 0, 1) + bytes(16))
+    with pytest.raises(ValueError, match="announces 1 entries"):
+        testing.decode_order(frame + b"\0")
+    with pytest.raises(ValueError, match="at least 48 bytes"):
+        testing.decode_order(frame[:40])
+    with pytest.raises(ValueError, match="names channel 1"):
+        testing.ReferenceOrderLog(1).offer(frame)
 
 
 def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):

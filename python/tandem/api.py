@@ -30,7 +30,6 @@ inputs (an unkeyed window: 1; a sink: 1).
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -287,7 +286,9 @@ class Job:
         faults = list(faults)
         validate_faults(faults, plan, duration)
         if isinstance(engine, str):
-            runner = _engine(engine)
+            from tandem import engines
+
+            runner = engines.get(engine)
         elif callable(getattr(engine, "run", None)):
             runner = engine
         else:
@@ -305,22 +306,6 @@ class Job:
         if _number(duration, "duration") <= 0:
             raise ConfigError(f"duration must be > 0 seconds, got {duration!r}")
         return reference.run(self.plan(), duration=duration, t0_ns=t0_ns)
-
-
-def _engine(name: str) -> Any:
-    try:
-        engines = importlib.import_module("tandem.engines")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("tandem.engines",):
-            raise
-        raise ConfigError(
-            f"engine {name!r} is not available: this installation has no tandem.engines "
-            "package; use job.run_reference(duration) for a single-process run"
-        ) from exc
-    get = getattr(engines, "get", None)
-    if get is None:
-        raise ConfigError(f"engine {name!r}: tandem.engines has no get(name) function")
-    return get(name)
 
 
 def _toposort(nodes: list[_Node]) -> list[_Node]:
@@ -657,7 +642,10 @@ class Result:
     it). ``leaders``, for KaZoo-ordered partitions (by ``"task[partition]"``): who led, in epoch
     order — ``{"replica", "epoch", "from_s", "until_s"}``, seconds from the run's start;
     ``kazoo_sessions`` (not in JSON), one per worker that hosts KaZoo-ordered replicas: its
-    ZooKeeper session's ``name`` and how often it was ``suspended`` or ``expired``.
+    ZooKeeper session's ``name``, how often it was ``suspended`` or ``expired``, and the
+    deposed leaders' orders its replicas ``fenced`` off (one record each: ``task`` id,
+    ``partition``, ``replica``, the order's ``epoch`` and ``version``, the ``current``
+    epoch, its ``offset`` in the order topic).
 
     What the run cost the machine (engines that measure it, the local engine; None
     otherwise; not in JSON — ``tandem bench cost`` reports them): ``processes``, the OS

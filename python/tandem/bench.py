@@ -7,7 +7,9 @@
   between tasks), so the replicas of each partition have two inputs to order.
 * ``failover`` — the paper's fault experiment: 3 map tasks of 2 partitions, 5,000 ev/s,
   one replica of the middle task SIGKILLed halfway; per-second p99 over time, for
-  LiveRobin, KaZoo with the leader killed and KaZoo with a follower killed.
+  LiveRobin, KaZoo with the leader killed and KaZoo with a follower killed; the peak
+  after the kill as a ratio to the same seconds of a fault-free run of the same ordering
+  in the same invocation.
 * ``throughput`` — the highest rate a replicated length-1 pipeline (forward edges) sustains
   without its latency growing: rates are tried in increasing order until the p99 of the
   last third of the run exceeds ``max(10 x the first rate's p99, 250 ms)`` or the run
@@ -260,10 +262,22 @@ class FailoverRow:
     """Median of the per-second p99 over the seconds before the kill."""
     peak_after_ms: float
     """Highest per-second p99 from the kill to 5 s after it."""
+    fault_free_peak_ms: float
+    """Highest per-second p99 over the same seconds of the fault-free run of the same
+    ordering, run in the same invocation just before the first fault case using it."""
+    peak_ratio: float
+    """``peak_after_ms / fault_free_peak_ms``: what the fault added to the worst second
+    (1.0 = no spike beyond what the fault-free run shows)."""
     lost: int
     duplicates: int
     digests_match: bool
     per_second_p99_ms: list
+
+
+def _window(series: list, kill_at: float) -> list[float]:
+    """The per-second p99 values from the kill's second to 5 s after it."""
+    second = int(kill_at)
+    return [v for v in series[second : second + 6] if v is not None]
 
 
 def failover(
@@ -274,27 +288,36 @@ def failover(
     kazoo: td.KazooConfig | None = None,
     log=sys.stderr,
 ) -> list[FailoverRow]:
-    """The paper's fault experiment (see the module documentation), each case in turn."""
+    """The paper's fault experiment (see the module documentation), each case in turn;
+    each ordering also runs once without the fault, for the ratio of the peaks."""
     rows = []
+    fault_free: dict[str, list] = {}
     for case in cases:
         ordering, replica = FAILOVER_CASES[case]
         # A Collect sink, so the run is checked against the reference (lost, duplicates).
         job = mib1_job(3, 2, ordering, rate, kazoo, sink=td.sinks.Collect())
+        if ordering not in fault_free:
+            print(f"failover: {ordering}, no fault ...", file=log, flush=True)
+            fault_free[ordering] = job.run(duration=duration, progress=False).per_second_p99_ms
         fault = td.Kill("map2", partition=0, replica=replica, at=kill_at)
         print(
             f"failover: {case}, kill map2[0] {replica} at {kill_at:g} s ...", file=log, flush=True
         )
         res = job.run(duration=duration, faults=[fault], progress=False)
         series = res.per_second_p99_ms
-        second = int(kill_at)
-        before = [v for v in series[2:second] if v is not None]
-        after = [v for v in series[second : second + 6] if v is not None]
+        before = [v for v in series[2 : int(kill_at)] if v is not None]
+        after = _window(series, kill_at)
+        calm = _window(fault_free[ordering], kill_at)
+        peak = round(max(after), 1) if after else float("nan")
+        calm_peak = round(max(calm), 1) if calm else float("nan")
         rows.append(
             FailoverRow(
                 case,
                 res.faults[0]["victim"],
                 round(float(np.median(before)), 1) if before else float("nan"),
-                round(max(after), 1) if after else float("nan"),
+                peak,
+                calm_peak,
+                round(peak / calm_peak, 2) if calm_peak > 0 else float("nan"),
                 res.lost,
                 res.duplicates,
                 res.digests_match,

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from tandem.api import Result
 from tandem.exceptions import ConfigError
@@ -236,16 +237,30 @@ def _run_operator(
             out.control("end")
 
 
+def comparable(table: pa.Table) -> pa.Table:
+    """``table`` with every column pyarrow cannot sort or group by replaced, row for row,
+    by one it can: a dictionary column by its values, a nested one (list, struct, map,
+    union) by a text rendering of each value (``repr`` of its Python value; a null stays
+    null). Two rows are equal here exactly when their values are, so this is what
+    multiset comparisons of rows sort and group (:func:`canonical`,
+    :func:`tandem.engines.common.multiset_diff`)."""
+    cols = []
+    for col in table.columns:
+        if pa.types.is_dictionary(col.type):
+            col = col.cast(col.type.value_type)
+        if pa.types.is_nested(col.type):
+            col = pa.array([None if v is None else repr(v) for v in col.to_pylist()], pa.string())
+        cols.append(col)
+    return pa.Table.from_arrays(cols, names=table.schema.names)
+
+
 def canonical(table: pa.Table) -> pa.Table:
-    """``table`` sorted by every column (in column order) — for comparing outputs as
-    multisets. Columns pyarrow cannot sort by are left out of the sort key."""
-    keys = []
-    for f in table.schema:
-        t = f.type
-        if pa.types.is_nested(t) or pa.types.is_dictionary(t):
-            continue
-        keys.append((f.name, "ascending"))
-    return table.sort_by(keys) if keys else table
+    """``table``'s rows sorted by every column (in column order; nested and dictionary
+    columns by their :func:`comparable` form) — for comparing outputs as multisets."""
+    if not table.num_columns:
+        return table
+    keys = [(name, "ascending") for name in table.schema.names]
+    return table.take(pc.sort_indices(comparable(table), sort_keys=keys))
 
 
-__all__ = ["canonical", "live_robin", "positional", "run"]
+__all__ = ["canonical", "comparable", "live_robin", "positional", "run"]

@@ -34,6 +34,13 @@ Typical use::
     expected = ReferenceLiveRobin(len(contents)).run(channels)
     # a tandem._core.LiveRobin fed the same channels: batches(lr.drain()) == expected
 
+KaZoo order log
+    :func:`decode_order` reads one message of an order topic (an Order frame) with
+    ``struct``; :class:`ReferenceOrderLog` applies DESIGN §2.3's rule to a log of them
+    (stale epochs fenced off, replays ignored); :func:`read_order_topic` reads a topic with
+    a plain ``confluent_kafka`` consumer. Together, an independent reading of what the
+    replicas of a KaZoo-ordered partition must have followed.
+
 Functions of a whole batch
     :func:`with_batch_rows`, :func:`with_batch_mean`, :func:`with_rank` and
     :func:`two_thresholds` are operator functions whose output depends on how the rows are
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import os
 import random
+import struct
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -61,16 +69,20 @@ __all__ = [
     "Data",
     "End",
     "Heartbeat",
+    "Order",
     "ReferenceDedup",
     "ReferenceLiveRobin",
+    "ReferenceOrderLog",
     "batches",
     "channel_content",
     "cut_batches",
+    "decode_order",
     "deduplicate",
     "flatten",
     "interleave",
     "noisy",
     "queue_entries",
+    "read_order_topic",
     "replica_streams",
     "two_thresholds",
     "with_batch_mean",
@@ -483,6 +495,128 @@ def flatten(deliveries: Iterable[tuple[Any, ...]], column: str = "seq") -> list[
         else:
             out.append(tuple(d))
     return out
+
+
+# -- the KaZoo order log ------------------------------------------------------------------
+
+ORDER_FRAME = struct.Struct("<IHBBIQQI")
+"""The frame header as the wire codec documents it (``rust/tandem-core/src/wire.rs``):
+magic, wire version, kind, flags, channel, first_seq, count, body_len; little-endian,
+32 bytes."""
+ORDER_MAGIC = 0x544E444D  # "TNDM"
+ORDER_KIND = 3
+ORDER_ENTRY = struct.Struct("<IQ")  # channel, up_to_seq
+
+
+@dataclass(frozen=True)
+class Order:
+    """One message of a KaZoo order log: the leader of ``epoch`` says, in its order number
+    ``version``, "consume channel ``c`` up to (excluding) seq ``s``" for each ``(c, s)``
+    of ``entries``."""
+
+    epoch: int
+    version: int
+    entries: tuple[tuple[int, int], ...]
+
+
+def decode_order(frame: bytes) -> Order:
+    """The order one message of an order topic holds: an Order frame, header then
+    ``epoch u64 | version u64 | count x (channel u32 | up_to_seq u64)``. Raises
+    ``ValueError`` for bytes that are not exactly one Order frame."""
+    if len(frame) < ORDER_FRAME.size + 16:
+        raise ValueError(f"an order frame takes at least 48 bytes, got {len(frame)}")
+    magic, _, kind, flags, _, first_seq, count, body_len = ORDER_FRAME.unpack_from(frame)
+    if (magic, kind, flags, first_seq) != (ORDER_MAGIC, ORDER_KIND, 0, 0):
+        raise ValueError(f"not an order frame: magic {magic:#x}, kind {kind}, flags {flags}")
+    if body_len != 16 + ORDER_ENTRY.size * count or len(frame) != ORDER_FRAME.size + body_len:
+        raise ValueError(f"order frame of {len(frame)} bytes announces {count} entries")
+    epoch, version = struct.unpack_from("<QQ", frame, ORDER_FRAME.size)
+    start = ORDER_FRAME.size + 16
+    entries = tuple(
+        ORDER_ENTRY.unpack_from(frame, start + i * ORDER_ENTRY.size) for i in range(count)
+    )
+    return Order(epoch, version, entries)
+
+
+@dataclass
+class ReferenceOrderLog:
+    """What the replicas of a KaZoo-ordered task partition with ``channels`` input channels
+    follow, given their order log's messages in log order — DESIGN §2.3 as it reads:
+    orders are stamped with the leader's epoch (the fencing token) and a version; an
+    order of an epoch older than the newest the log has shown is a deposed leader's and
+    is ignored (**stale**); an order of the newest epoch whose version is not above the
+    last one followed was followed already (**replayed**: the log delivers at least
+    once); every other order is followed, its entries consumed in turn.
+
+    :meth:`offer` returns the verdict; ``verdicts`` keeps them all, in log order, and
+    ``followed`` the entries of the followed orders, in log order."""
+
+    channels: int
+    epoch: int | None = None
+    version: int = 0
+    followed: list[tuple[int, int]] = field(default_factory=list)
+    verdicts: list[str] = field(default_factory=list)
+
+    def offer(self, order: Order | bytes) -> str:
+        if not isinstance(order, Order):
+            order = decode_order(order)
+        bad = [c for c, _ in order.entries if not 0 <= c < self.channels]
+        if bad:
+            raise ValueError(f"order names channel {bad[0]}; the task has {self.channels}")
+        if self.epoch is not None and order.epoch < self.epoch:
+            verdict = "stale"
+        elif order.epoch == self.epoch and order.version <= self.version:
+            verdict = "replayed"
+        else:
+            verdict = "followed"
+            self.epoch, self.version = order.epoch, order.version
+            self.followed.extend(order.entries)
+        self.verdicts.append(verdict)
+        return verdict
+
+    def ordered(self) -> list[int]:
+        """Per channel, the furthest position the followed orders reach."""
+        out = [0] * self.channels
+        for c, s in self.followed:
+            out[c] = max(out[c], s)
+        return out
+
+
+def read_order_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[bytes]:
+    """Every message of a single-partition Kafka topic, in log order, read from its
+    beginning to its current end with a plain ``confluent_kafka`` consumer (no group
+    offsets committed). Raises ``TimeoutError`` if it cannot within ``timeout``."""
+    import time
+
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"tandem-testing-{os.getpid()}-{random.getrandbits(32):08x}",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        tp = TopicPartition(topic, 0, OFFSET_BEGINNING)
+        low, high = consumer.get_watermark_offsets(tp, timeout=timeout)
+        consumer.assign([tp])
+        out: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        offset = low
+        while offset < high:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"read {offset} of {high} messages of {topic!r} in {timeout} s")
+            msg = consumer.poll(0.1)
+            if msg is None or msg.error() is not None:
+                continue
+            if msg.offset() != offset:
+                raise ValueError(f"{topic!r}: expected offset {offset}, got {msg.offset()}")
+            out.append(msg.value())
+            offset += 1
+        return out
+    finally:
+        consumer.close()
 
 
 # -- functions of a whole batch ------------------------------------------------------------

@@ -197,10 +197,14 @@ def _check(
 
 def multiset_diff(want: pa.Table, got: pa.Table) -> tuple[int, int]:
     """(rows of ``want`` missing from ``got``, rows of ``got`` beyond ``want``), comparing
-    the tables as multisets of rows (a null equals a null)."""
+    the tables as multisets of rows (a null equals a null; nested and dictionary columns
+    by value, through :func:`tandem.reference.comparable`)."""
+    from tandem.reference import comparable
+
     cols = want.schema.names
     if got.schema.names != cols:
         got = got.select(cols)
+    want, got = comparable(want), comparable(got)
 
     def tagged(t: pa.Table, w: int, g: int) -> pa.Table:
         n = t.num_rows

@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 
 #: How long a thread blocks before re-checking whether it must stop.
 POLL_S = 0.05
+#: Fenced-off orders a session keeps a record of (a woken leader publishes one or two).
+FENCED_KEPT = 100
 
 
 @dataclass(frozen=True)
@@ -325,9 +327,20 @@ class KazooSession:
         self.error: BaseException | None = None
         self.suspended = 0  # times the session was in doubt (SUSPENDED)
         self.expired = 0  # times it was lost (LOST: expired, or closed)
+        # Orders of deposed leaders the worker's replicas fenced off, as they met them.
+        self.fenced: list[dict[str, int]] = []
 
     def stats(self) -> dict[str, Any]:
-        return {"name": self.name, "suspended": self.suspended, "expired": self.expired}
+        """``suspended`` / ``expired``: how often the session was in doubt / lost;
+        ``fenced``: one record per stale order a replica of this worker ignored (``task``,
+        ``partition``, ``replica``, the order's ``epoch`` and ``version``, the ``current``
+        epoch it lost to, its ``offset`` in the order topic); at most :data:`FENCED_KEPT`."""
+        return {
+            "name": self.name,
+            "suspended": self.suspended,
+            "expired": self.expired,
+            "fenced": list(self.fenced),
+        }
 
     def add(self, orderer: Orderer) -> None:
         if self.started:
@@ -549,7 +562,27 @@ class Orderer:
         """One message of this partition's order topic (on the session's follower)."""
         verdict = self.feed.offer(msg.value())
         if verdict == "stale":
-            log.info("%s: fenced off an order of a deposed leader", self.ident)
+            _, _, epoch, version, _ = _core.decode_frame(msg.value())
+            current = self.feed.stats()["epoch"]
+            log.info(
+                "%s: fenced off order %d of deposed leader epoch %d (epoch %d leads)",
+                self.ident,
+                version,
+                epoch,
+                current,
+            )
+            if len(self.session.fenced) < FENCED_KEPT:
+                self.session.fenced.append(
+                    {
+                        "task": self.task,
+                        "partition": self.partition,
+                        "replica": self.replica,
+                        "epoch": epoch,
+                        "version": version,
+                        "current": current,
+                        "offset": msg.offset(),
+                    }
+                )
         with self._caught_up:
             self._consumed = msg.offset() + 1
             self._caught_up.notify_all()
