@@ -149,7 +149,7 @@ class Settings:
 
 
 FULL = Settings()
-"""The full set: 66 runs, about 25 minutes on 2 cores."""
+"""The full set: 66 runs, about 25 minutes on 2 cores (:func:`estimate_s`)."""
 QUICK = Settings(
     duration_s=1.5,
     warmup_s=0.5,
@@ -336,7 +336,10 @@ class Row:
     steady_cpu_s: float | None = None
     steady_events: int | None = None
     cpu_s_per_m_events: float | None = None
-    """Steady-state CPU-seconds per million events (see the module documentation)."""
+    """Steady-state CPU-seconds per million events (see the module documentation), or
+    the whole run's when the engine took no steady-state reading (``cpu_basis``)."""
+    cpu_basis: str | None = None
+    """``steady`` or ``whole run``: what ``cpu_s_per_m_events`` measured."""
     whole_run_cpu_s_per_m_events: float | None = None
     services_cpu_s: float | None = None
     rss_mb_total: float | None = None
@@ -544,10 +547,14 @@ def _measure(row: Row, res: td.Result, case: Case) -> None:
     row.p50_ms, row.p99_ms, row.max_ms = _r(res.p50_ms), _r(res.p99_ms), _r(res.max_ms)
     row.max_gap_ms = _r(res.max_gap_ms, 1)
     row.cpu_s, row.steady_cpu_s = _r(res.cpu_s, 3), _r(res.steady_cpu_s, 3)
-    if res.steady_cpu_s is not None and row.steady_events:
-        row.cpu_s_per_m_events = round(res.steady_cpu_s / row.steady_events * 1e6, 1)
     if res.cpu_s is not None and res.events_in:
         row.whole_run_cpu_s_per_m_events = round(res.cpu_s / res.events_in * 1e6, 1)
+    if res.steady_cpu_s is not None and row.steady_events:
+        row.cpu_s_per_m_events = round(res.steady_cpu_s / row.steady_events * 1e6, 1)
+        row.cpu_basis = "steady"
+    elif row.whole_run_cpu_s_per_m_events is not None:  # a run too short for both readings
+        row.cpu_s_per_m_events = row.whole_run_cpu_s_per_m_events
+        row.cpu_basis = "whole run"
     row.rss_mb_total = round(sum(res.rss_mb.values()), 1) if res.rss_mb else None
     row.rss_mb_max = round(max(res.rss_mb.values()), 1) if res.rss_mb else None
     row.processes = res.processes
@@ -576,7 +583,12 @@ def add_ratios(rows: list[Row]) -> None:
         if b is None or r.status != "ok":
             continue
         r.p99_ratio_vs_r1 = _ratio(r.p99_ms, b.p99_ms)
-        r.cpu_ratio_vs_r1 = _ratio(r.cpu_s_per_m_events, b.cpu_s_per_m_events)
+        if r.cpu_basis == b.cpu_basis:
+            r.cpu_ratio_vs_r1 = _ratio(r.cpu_s_per_m_events, b.cpu_s_per_m_events)
+        else:  # compare like with like
+            r.cpu_ratio_vs_r1 = _ratio(
+                r.whole_run_cpu_s_per_m_events, b.whole_run_cpu_s_per_m_events
+            )
 
 
 def failures(rows: list[Row], experiments) -> list[str]:
@@ -683,6 +695,8 @@ def _note(r: Row) -> str:
         notes.append("unordered: loses and repeats rows by design")
     if r.digests_match is False:
         notes.append("replica digests differ")
+    if r.cpu_basis == "whole run":
+        notes.append("CPU of the whole run (no steady-state reading)")
     if r.services_cpu_s is not None:
         notes.append(f"ZooKeeper + Kafka: {r.services_cpu_s:.2f} CPU-s")
     return "; ".join(notes)

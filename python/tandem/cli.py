@@ -427,6 +427,11 @@ def _bench_paper(args: argparse.Namespace) -> int:
     configs = _csv(args.configs) or bench_paper.ALL_CONFIGS
     bench_paper.check_selection(experiments, configs)
     cases = bench_paper.cases(settings, experiments, configs)
+    if not args.experiments:  # all by default: leave out those the configurations cannot run
+        idle = [e for e in experiments if not any(c.experiment == e for c in cases)]
+        if idle:
+            print(f"({', '.join(idle)}: nothing to run with --configs {args.configs}; left out)")
+            experiments = tuple(e for e in experiments if e not in idle)
     out_dir = args.out or "out/paper"
     command = "tandem bench paper" + "".join(
         f" {flag} {value}" if value is not True else f" {flag}"
