@@ -48,7 +48,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -287,7 +287,7 @@ def bettercloud_job(rate: int, config: str, kazoo, sink) -> td.Job:
 class Case:
     """One run: ``experiment``, its ``group`` (the point whose ``r1`` row the ratios use),
     ``variant`` (what else tells rows of one group and configuration apart: a heartbeat
-    period, a fault) and ``config``; ``build(kazoo, sink)`` makes the job."""
+    period, a fault) and ``config``; ``build(kazoo=..., sink=...)`` makes the job."""
 
     experiment: str
     group: str
@@ -386,8 +386,10 @@ def cases(settings: Settings, experiments, configs) -> list[Case]:
     out: list[Case] = []
 
     def steady(experiment, group, x, variant, config, build, rate, check, hb=10):
-        case = Case(experiment, group, x, variant, config, build, rate, s.duration_s, s.warmup_s)
-        out.append(replace(case, check=check, heartbeat_ms=hb))
+        duration, warmup = s.duration_s, s.warmup_s
+        out.append(
+            Case(experiment, group, x, variant, config, build, rate, duration, warmup, check, hb)
+        )
 
     for experiment in experiments:
         if experiment == "mib1":
