@@ -7,13 +7,14 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv install java demo test test-rust test-python lint fuzz bench bench-check clean
+.PHONY: help venv install java demo test test-rust test-python lint fuzz bench bench-check paper paper-quick clean
 
 help:
 	@echo "make demo    set up, then run the demo on the embedded engine"
 	@echo "make test    set up, then run every check CI runs (lint, Rust, fuzz, Python)"
 	@echo "make bench   release-build microbenchmarks: Rust core vs Python reference"
 	@echo "make bench-check     the same, short (make test runs it): fails unless Rust >= 10x Python"
+	@echo "make paper   the paper's evaluation, every configuration (~25 min; paper-quick: < 3 min)"
 	@echo "make services        start ZooKeeper + Kafka on 127.0.0.1 (tests start their own)"
 	@echo "make services-stop   stop the servers scripts/services.sh started"
 
@@ -77,6 +78,13 @@ bench-check: install
 		--benchmark-max-time=0.2 --benchmark-min-rounds=3
 	$(PY) benches/report.py out/bench-check.json --min-ratio $(BENCH_MIN_RATIO) \
 		$(foreach g,$(BENCH_KNOWN_SHORT),--known-short $(g))
+# The paper's evaluation in one command (README "Reproducing the paper"): JSON, Markdown and
+# figures in out/paper. `make test` runs the --quick set as a test (tests/test_bench_paper.py).
+paper: install
+	$(VENV)/bin/tandem bench paper --out out/paper
+
+paper-quick: install
+	$(VENV)/bin/tandem bench paper --quick --out out/paper-quick
 
 # Real ZooKeeper and Kafka (KRaft) for the KaZoo ordering, from Maven Central jars cached in
 # .services/lib. `make test` needs none of this: its pytest fixtures start the servers they

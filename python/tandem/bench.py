@@ -66,6 +66,7 @@ def mib1_job(
     kazoo: td.KazooConfig | None = None,
     sink: td.sinks.Sink | None = None,
     keyed: bool = True,
+    heartbeat_ms: float = 10,
 ) -> td.Job:
     """MiB1 of length ``length``; the sink records latency unless another is given (a
     ``td.sinks.Collect()`` makes the output comparable with the reference's). ``keyed``:
@@ -75,7 +76,7 @@ def mib1_job(
         f"mib1-{length}",
         replication=replication,
         ordering=ordering,
-        heartbeat_ms=10,
+        heartbeat_ms=heartbeat_ms,
         buffer_timeout_ms=5,
         kazoo=kazoo if ordering == "kazoo" else None,
         # The unordered baseline diverges by design: measure it rather than stop it.

@@ -235,6 +235,14 @@ both."""
 def _bench(args: argparse.Namespace) -> int:
     from tandem import bench
 
+    if args.experiment == "paper":
+        return _bench_paper(args)
+    given = [f"--{f}" for f in PAPER_ONLY_FLAGS if getattr(args, f) is not None]
+    if given:
+        raise tandem.ConfigError(
+            f"{', '.join(given)}: for `tandem bench paper` only, not `tandem bench "
+            f"{args.experiment}`"
+        )
     if args.experiment == "cost":
         return _bench_cost(args, bench)
     given = [
@@ -387,6 +395,89 @@ def _bench_cost(args: argparse.Namespace, bench) -> int:
     return 0
 
 
+PAPER_ONLY_FLAGS = ("out", "experiments")
+
+
+def _bench_paper(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tandem import bench_paper
+
+    not_here = [
+        f for f in COST_ONLY_FLAGS if f != "quick" and getattr(args, f) not in (None, False)
+    ]
+    not_here += [f for f in ("json", "plot", "master") if getattr(args, f) is not None]
+    if args.lengths != "1,2,3,4":
+        not_here.append("lengths")
+    if not_here:
+        flags = ", ".join(f"--{f.replace('_', '-')}" for f in not_here)
+        raise tandem.ConfigError(
+            f"{flags}: not for `tandem bench paper` (it writes JSON, Markdown and figures "
+            "into --out DIR)"
+        )
+    settings = bench_paper.QUICK if args.quick else bench_paper.FULL
+    if args.rate is not None:
+        settings = replace(settings, rate=args.rate)
+    if args.duration is not None:
+        settings = replace(settings, duration_s=args.duration, fault_duration_s=2 * args.duration)
+    if args.warmup is not None:
+        settings = replace(settings, warmup_s=args.warmup, fault_warmup_s=args.warmup)
+    settings = replace(settings, session_timeout_s=args.session_timeout)
+    experiments = _csv(args.experiments) or bench_paper.EXPERIMENTS
+    configs = _csv(args.configs) or bench_paper.ALL_CONFIGS
+    bench_paper.check_selection(experiments, configs)
+    cases = bench_paper.cases(settings, experiments, configs)
+    if not args.experiments:  # all by default: leave out those the configurations cannot run
+        idle = [e for e in experiments if not any(c.experiment == e for c in cases)]
+        if idle:
+            print(f"({', '.join(idle)}: nothing to run with --configs {args.configs}; left out)")
+            experiments = tuple(e for e in experiments if e not in idle)
+    out_dir = args.out or "out/paper"
+    command = "tandem bench paper" + "".join(
+        f" {flag} {value}" if value is not True else f" {flag}"
+        for flag, value in (
+            ("--quick", args.quick or None),
+            ("--experiments", args.experiments),
+            ("--configs", args.configs),
+            ("--rate", args.rate),
+            ("--duration", args.duration),
+            ("--warmup", args.warmup),
+            ("--out", args.out),
+        )
+        if value is not None
+    )
+    expected = sum(bench_paper.estimate_s(c) for c in cases)
+    print(
+        f"tandem {tandem.__version__} ({tandem.build_profile} build) bench paper"
+        f"{' --quick' if args.quick else ''}: {', '.join(experiments)} x "
+        f"{', '.join(configs)}; {len(cases)} runs, about {expected / 60:.0f} min; "
+        f"writing to {out_dir}/",
+        flush=True,
+    )
+    if tandem.build_profile != "release":
+        print("warning: a debug build: its timings say nothing about a release build", flush=True)
+    needed = "kazoo" in configs and any(c.config == "kazoo" for c in cases)
+    with _kazoo_services(needed, args.session_timeout) as kazoo:
+        doc = bench_paper.paper(
+            settings, experiments, configs, out_dir=out_dir, kazoo=kazoo, command=command
+        )
+    print()
+    print(Path(out_dir, "paper.md").read_text())
+    print(f"wrote {out_dir}/paper.json, {out_dir}/paper.md", flush=True)
+    for f in doc["figures"]:
+        print(f"wrote {f}")
+    if doc["failures"]:
+        print("\nFAILED:", file=sys.stderr)
+        for f in doc["failures"]:
+            print(f"  {f}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _csv(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip()) if value else ()
+
+
 def _spark_bench():
     engines.get("spark")  # the clear error when tandem_spark or pyspark is missing
     from tandem_spark import bench
@@ -432,23 +523,32 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="end-to-end experiments of the paper (§VII)")
     bench.add_argument(
         "experiment",
-        choices=["mib1", "throughput", "failover", "spark", "cost"],
+        choices=["mib1", "throughput", "failover", "spark", "cost", "paper"],
         help="failover: the paper's fault experiment (LiveRobin, KaZoo leader and follower "
         "kills); spark: MiB1 length 3 on the local engine, the Spark engine (with a replica "
         "kill) and Spark Structured Streaming (with a driver kill); cost: CPU, memory and "
         "time to first output of the demo and MiB1 length 3 at r = 1, 2 (LiveRobin, KaZoo) "
-        "and 3, under load and idle",
+        "and 3, under load and idle; paper: the paper's whole evaluation (MiB1-3, the "
+        "heartbeat sweep, the fault run, the BetterCloud-like application) in every "
+        "configuration side by side, into --out DIR (JSON, Markdown, PNG figures)",
     )
     bench.add_argument(
         "--configs",
-        help="mib1 or cost configurations, comma-separated (default: all; cost: r1,r2,r2-kazoo,r3)",
+        help="mib1 or cost configurations, comma-separated (default: all; cost: r1,r2,r2-kazoo,r3; "
+        "paper: r1,none,liverobin,kazoo,passive)",
     )
+    bench.add_argument(
+        "--experiments",
+        help="paper: comma-separated, from mib1,mib2,mib3,heartbeat,fault,bettercloud "
+        "(default: all)",
+    )
+    bench.add_argument("--out", metavar="DIR", help="paper: output folder (default out/paper)")
     bench.add_argument(
         "--duration",
         type=float,
         metavar="S",
         help="failover run length (default 100; kill at half); cost: the loaded runs' "
-        "length (default 15)",
+        "length (default 15); paper: each run's (default 15, fault runs twice that)",
     )
     bench.add_argument(
         "--session-timeout",
@@ -479,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         "--quick",
         action="store_true",
         help="cost: 1000 ev/s for 3 s (warm-up 1 s), idle 3 s: short runs for CI (about "
-        "3 min on 2 cores, mostly process start-up)",
+        "3 min on 2 cores, mostly process start-up); paper: every experiment briefly, one "
+        "point each, 1.5 s runs (3 s with a fault): for CI, under 3 min",
     )
     bench.add_argument("--measure", type=float, default=30.0, metavar="S")
     bench.add_argument("--master", metavar="URL", help="Spark master for the spark experiment")

@@ -1,0 +1,1025 @@
+"""``tandem bench paper``: the paper's evaluation (§VII, DESIGN §6) in one command, every
+configuration side by side in one run, on the local engine.
+
+Experiments, each a grid of points, every point run in every configuration:
+
+* ``mib1`` — MiB1: a pipeline of 1 to 4 identity map tasks, 2 partitions each, keyed between
+  tasks (:func:`tandem.bench.mib1_job`), 5,000 ev/s.
+* ``mib2`` — MiB2: one identity map task of 1 to 4 partitions behind a source of as many
+  partitions, keyed: with one partition the task has a single input and nothing to order.
+* ``mib3`` — MiB3: one task of one partition merging two sources, one at 5 ev/s and the
+  other at 10 to 10,000 ev/s (LiveRobin waits on the slow source's heartbeats).
+* ``heartbeat`` — LiveRobin's heartbeat period, 5 to 100 ms, on MiB1 of length 3; r1 (at
+  the default 10 ms) is the baseline.
+* ``fault`` — MiB1 of length 3, one replica of ``map2[0]`` SIGKILLed at half time:
+  LiveRobin (replica 0), KaZoo with the partition's leader killed, KaZoo with a follower
+  killed; r1 runs without the fault (it would lose the job). Downtime is the longest gap
+  between two outputs; beside it the per-second p99 before the kill and its peak after.
+* ``bettercloud`` — the application of the paper's Fig. 15 (:func:`bettercloud_job`) at
+  1,000 and 5,000 ev/s, one replica of ``flat_map[0]`` killed at half time as in ``fault``.
+
+Configurations: ``r1`` (one replica per task partition: the paper's unreplicated
+baseline), ``none`` (two replicas, unordered: incorrect by design, the paper's measure of
+what ordering costs), ``liverobin`` and ``kazoo`` (two replicas each). ``r1`` merges its
+inputs as LiveRobin does (as in ``tandem bench cost``): its output is then the reference
+executor's row for row, also where the order of two inputs decides the output (a join);
+consuming them as they arrive instead, as the paper's plain Flink does, is ``none`` at one
+replica.
+``passive`` (checkpoints and rollback) is listed as not available yet: its restore is
+issue #10. The paper's fault experiments leave ``none`` out, and so do these.
+
+Every row is checked. Where every source row must reach the sink exactly once (MiB1, MiB2,
+the sweep) a :class:`tandem.bench.SequenceSink` counts what is missing and what repeats;
+elsewhere (MiB3, fault, BetterCloud) the output is compared row by row with the reference
+executor's. ``r1``, ``liverobin`` and ``kazoo`` must lose and repeat nothing (else the run
+fails, see :func:`failures`); ``none`` may, and its rows say how much.
+
+CPU is the CPU-seconds (user + system) of the job's processes in the steady state (after the
+warm-up, start-up and shutdown left out) per million events released meanwhile; for KaZoo
+the CPU ZooKeeper and Kafka used during the run is in ``services_cpu_s``, apart. Ratios
+compare p99 and CPU with the ``r1`` row of the same experiment and point in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+import tandem as td
+from tandem import bench
+
+CONFIGS = {
+    "r1": {"replication": 1, "ordering": "liverobin"},
+    "none": {"replication": 2, "ordering": "none"},
+    "liverobin": {"replication": 2, "ordering": "liverobin"},
+    "kazoo": {"replication": 2, "ordering": "kazoo"},
+}
+"""What each configuration runs: replicas per task partition and the ordering."""
+
+PASSIVE = "passive"
+PASSIVE_NOTE = "not available yet (checkpoint/rollback restore: issue #10)"
+ALL_CONFIGS = (*CONFIGS, PASSIVE)
+EXACTLY_ONCE = ("r1", "liverobin", "kazoo")
+"""The configurations that must deliver every row exactly once; ``none`` need not."""
+
+EXPERIMENTS = ("mib1", "mib2", "mib3", "heartbeat", "fault", "bettercloud")
+FAULT_EXPERIMENTS = ("fault", "bettercloud")
+
+TITLES = {
+    "mib1": "MiB1: pipeline of identity maps, 2 partitions each",
+    "mib2": "MiB2: one task, 1 to 4 partitions",
+    "mib3": "MiB3: one task merging a 5 ev/s source and a faster one",
+    "heartbeat": "LiveRobin heartbeat period (MiB1)",
+    "fault": "Fault: 3 map tasks, one replica of map2[0] SIGKILLed at half time",
+    "bettercloud": "BetterCloud-like application, one replica of flat_map[0] SIGKILLed",
+}
+
+PAPER_KAZOO_MIB1 = {1: (7.9, 39.1), 2: (11.5, 54.9), 3: (15.2, 64.4), 4: (18.8, 82.4)}
+"""The paper's MiB1 KaZoo median/p99 in ms by pipeline length (Fig. 10, 37 servers), as
+:data:`tandem.bench.PAPER_LIVEROBIN` is LiveRobin's."""
+
+PAPER_NOTES = {
+    "mib1": "Fig. 10 (37 servers, 5 x 120 s after 30 s): latency grows with the length; "
+    "no ordering has the lowest medians; KaZoo a lower median than LiveRobin but more "
+    "variability.",
+    "mib2": "Fig. 12 (no figures in the text): parallelism barely changes latency; LiveRobin "
+    "with one partition is as fast as no ordering (a single input); KaZoo has the highest "
+    "tails.",
+    "mib3": "Fig. 13 (no figures in the text): medians stable for passive and KaZoo, "
+    "slightly higher for LiveRobin; imbalance widens every distribution; KaZoo has the "
+    "highest tail; LiveRobin's tail rises at 10,000-to-5.",
+    "heartbeat": "Fig. 11 (no figures in the text): LiveRobin's latency grows with the "
+    "heartbeat period; 10 ms is the default chosen.",
+    "fault": "Fig. 14 (5,000 ev/s, kill at 50 s): passive replication shows latencies of more "
+    "than 60 s after the kill; a KaZoo leader kill, outliers up to about a second "
+    f"({bench.PAPER_KAZOO_LEADER_PEAK_MS[0]}-{bench.PAPER_KAZOO_LEADER_PEAK_MS[1]} ms); "
+    "LiveRobin and a KaZoo follower kill, no visible effect.",
+    "bettercloud": "Fig. 16: passive replication inactive for more than a minute; LiveRobin "
+    "and a KaZoo follower kill, little impact, under the 2 s objective; a KaZoo leader kill, "
+    "higher tails for a short time, still under 2 s.",
+}
+
+
+def paper_figure(experiment: str, group_x: float, config: str, variant: str) -> str | None:
+    """What the paper reports for this row's cell, as text (None: nothing comparable)."""
+    if experiment == "mib1":
+        table = {"liverobin": bench.PAPER_LIVEROBIN, "kazoo": PAPER_KAZOO_MIB1}.get(config, {})
+        p = table.get(int(group_x))
+        return None if p is None else f"{p[0]:g} / {p[1]:g}"
+    if experiment in FAULT_EXPERIMENTS:
+        if config == PASSIVE:
+            return "> 60 s after the kill"
+        if variant == "kill leader":
+            lo, hi = bench.PAPER_KAZOO_LEADER_PEAK_MS
+            return f"peak {lo}-{hi}" if experiment == "fault" else "peak < 2,000"
+        if variant in ("kill replica 0", "kill follower"):
+            return "no visible effect" if experiment == "fault" else "little effect, < 2,000"
+    return None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Rates, lengths and grids of one invocation (:data:`FULL` or :data:`QUICK`)."""
+
+    rate: int = 5_000
+    duration_s: float = 15.0
+    warmup_s: float = 5.0
+    fault_duration_s: float = 30.0
+    fault_warmup_s: float = 5.0
+    lengths: tuple[int, ...] = (1, 2, 3, 4)
+    partitions: tuple[int, ...] = (1, 2, 3, 4)
+    slow_rate: int = 5
+    fast_rates: tuple[int, ...] = (10, 100, 1_000, 10_000)
+    heartbeats_ms: tuple[float, ...] = (5, 10, 20, 50, 100)
+    heartbeat_length: int = 3
+    fault_length: int = 3
+    bettercloud_rates: tuple[int, ...] = (1_000, 5_000)
+    session_timeout_s: float = 0.5
+
+
+FULL = Settings()
+"""The full set: 66 runs, about 25 minutes on 2 cores (:func:`estimate_s`)."""
+QUICK = Settings(
+    duration_s=1.5,
+    warmup_s=0.5,
+    fault_duration_s=3.0,
+    fault_warmup_s=0.5,
+    lengths=(3,),
+    partitions=(2,),
+    fast_rates=(1_000,),
+    heartbeats_ms=(5, 100),
+    bettercloud_rates=(1_000,),
+)
+"""Every experiment briefly, one point each (two for the sweep), for CI: 23 runs."""
+
+
+# -- the jobs ----------------------------------------------------------------------------
+
+
+def _job(name: str, config: str, kazoo, heartbeat_ms: float = 10) -> td.Job:
+    opts = CONFIGS[config]
+    return td.Job(
+        name,
+        replication=opts["replication"],
+        ordering=opts["ordering"],
+        heartbeat_ms=heartbeat_ms,
+        buffer_timeout_ms=5,
+        kazoo=kazoo if opts["ordering"] == "kazoo" else None,
+        # The unordered baseline diverges by design: measure it rather than stop it.
+        on_divergence="log" if opts["ordering"] == "none" else "fail",
+    )
+
+
+def mib1_job(length: int, config: str, rate: int, kazoo, sink, heartbeat_ms: float = 10):
+    opts = CONFIGS[config]
+    zoo = kazoo if opts["ordering"] == "kazoo" else None
+    return bench.mib1_job(
+        length,
+        opts["replication"],
+        opts["ordering"],
+        rate,
+        zoo,
+        sink,
+        heartbeat_ms=heartbeat_ms,
+    )
+
+
+def mib2_job(partitions: int, config: str, rate: int, kazoo, sink) -> td.Job:
+    """A source of ``partitions`` partitions, keyed into one identity map task of as many."""
+    job = _job(f"mib2-{partitions}", config, kazoo)
+    stream = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=1), parallelism=partitions)
+    stream = stream.key_by("key").map(bench.identity, parallelism=partitions, name="map1")
+    stream.sink(sink, parallelism=1)
+    return job
+
+
+def mib3_job(slow: int, fast: int, config: str, kazoo, sink) -> td.Job:
+    """Two sources (``slow`` and ``fast`` ev/s) merged by one identity map task of one
+    partition."""
+    job = _job(f"mib3-{fast}", config, kazoo)
+    a = job.source(td.sources.Synthetic(rate=slow, keys=1_000, seed=1), name="slow")
+    b = job.source(td.sources.Synthetic(rate=fast, keys=1_000, seed=2), name="fast")
+    a.union(b).map(bench.identity, parallelism=1, name="map1").sink(sink, parallelism=1)
+    return job
+
+
+BETTERCLOUD_KEYS = 200
+BETTERCLOUD_RULE_RATE = 20
+
+
+def even_key(batch: pa.RecordBatch) -> pa.Array:
+    """BetterCloud: customer events of the first kind (say, logins)."""
+    return pc.equal(pc.bit_wise_and(batch.column("key"), 1), 0)
+
+
+def odd_key(batch: pa.RecordBatch) -> pa.Array:
+    """BetterCloud: customer events of the second kind (say, messages)."""
+    return pc.equal(pc.bit_wise_and(batch.column("key"), 1), 1)
+
+
+def active_rule(batch: pa.RecordBatch) -> pa.Array:
+    """BetterCloud: rule updates that set a limit (the others are dropped)."""
+    return pc.less(batch.column("value"), 0.8)
+
+
+def as_limit(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """BetterCloud: a rule row's ``value`` is the limit it sets for its key."""
+    names = ["limit" if n == "value" else n for n in batch.schema.names]
+    return batch.rename_columns(names)
+
+
+def violations(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """BetterCloud's flatMap: an alert per event above its key's limit (or with no rule
+    yet), and a second row (an escalation) for events above 0.99."""
+    value = np.asarray(batch.column("value"))
+    limit = batch.column("limit")
+    no_rule = np.asarray(limit.is_null())
+    above = value > np.asarray(limit.fill_null(1.0))
+    alert = np.flatnonzero(no_rule | above)
+    escalate = np.flatnonzero(value > 0.99)
+    rows = np.sort(np.concatenate([alert, escalate]))
+    action = np.ones(len(rows), np.int64)
+    action[1:][np.diff(rows) == 0] = 2  # the second row of an event: its escalation
+    out = batch.take(pa.array(rows, pa.int64()))
+    return out.append_column("action", pa.array(action, pa.int64()))
+
+
+def bettercloud_job(rate: int, config: str, kazoo, sink) -> td.Job:
+    """The paper's Fig. 15, on tandem's operators: customer events (``rate`` ev/s) split by
+    two filters into two kinds, each joined (``how="left"``, on ``key``) with the rule
+    updates (20 ev/s, filtered, their ``value`` renamed ``limit``), both joins' outputs
+    merged into a 2-partition flat_map (keyed) that emits alerts, then a sink. Every task
+    has one partition but the flat_map, as in the paper."""
+    job = _job(f"bettercloud-{rate}", config, kazoo)
+    events = job.source(
+        td.sources.Synthetic(rate=rate, keys=BETTERCLOUD_KEYS, seed=11), name="customer_events"
+    )
+    rules = job.source(
+        td.sources.Synthetic(rate=BETTERCLOUD_RULE_RATE, keys=BETTERCLOUD_KEYS, seed=12),
+        name="rule_updates",
+    )
+    rules = rules.filter(active_rule, parallelism=1, name="filter_rules")
+    rules = rules.map(as_limit, parallelism=1, name="rules")
+    logins = events.filter(even_key, parallelism=1, name="filter_logins")
+    messages = events.filter(odd_key, parallelism=1, name="filter_messages")
+    joined_a = logins.join(rules, on="key", how="left", parallelism=1, name="join_logins")
+    joined_b = messages.join(rules, on="key", how="left", parallelism=1, name="join_messages")
+    alerts = joined_a.union(joined_b).key_by("key")
+    alerts.flat_map(violations, parallelism=2, name="flat_map").sink(sink, parallelism=1)
+    return job
+
+
+# -- cases and rows ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run: ``experiment``, its ``group`` (the point whose ``r1`` row the ratios use),
+    ``variant`` (what else tells rows of one group and configuration apart: a heartbeat
+    period, a fault) and ``config``; ``build(kazoo=..., sink=...)`` makes the job."""
+
+    experiment: str
+    group: str
+    group_x: float
+    variant: str
+    config: str
+    build: Callable
+    rate: int
+    duration_s: float
+    warmup_s: float
+    check: str = "sequence"
+    """``sequence`` (a SequenceSink) or ``reference`` (a Collect sink and the reference)."""
+    heartbeat_ms: float = 10
+    fault: td.Kill | None = None
+
+
+@dataclass
+class Row:
+    """One row of the report; ``status`` is ``ok``, ``error`` (``error`` says why) or
+    ``not available yet`` (``passive``)."""
+
+    experiment: str
+    group: str
+    group_x: float
+    variant: str
+    config: str
+    status: str
+    replication: int | None = None
+    ordering: str | None = None
+    heartbeat_ms: float | None = None
+    rate: int | None = None
+    duration_s: float | None = None
+    warmup_s: float | None = None
+    check: str | None = None
+    error: str | None = None
+    events_in: int | None = None
+    events_out: int | None = None
+    lost: int | None = None
+    duplicates: int | None = None
+    digests_match: bool | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    max_ms: float | None = None
+    max_gap_ms: float | None = None
+    cpu_s: float | None = None
+    steady_cpu_s: float | None = None
+    steady_events: int | None = None
+    cpu_s_per_m_events: float | None = None
+    """Steady-state CPU-seconds per million events (see the module documentation), or
+    the whole run's when the engine took no steady-state reading (``cpu_basis``)."""
+    cpu_basis: str | None = None
+    """``steady`` or ``whole run``: what ``cpu_s_per_m_events`` measured."""
+    whole_run_cpu_s_per_m_events: float | None = None
+    services_cpu_s: float | None = None
+    rss_mb_total: float | None = None
+    rss_mb_max: float | None = None
+    processes: int | None = None
+    run_s: float | None = None
+    """Seconds the harness spent on the run, start-up, check and shutdown included."""
+    p99_ratio_vs_r1: float | None = None
+    cpu_ratio_vs_r1: float | None = None
+    kill: str | None = None
+    kill_at_s: float | None = None
+    victim: int | None = None
+    p99_before_ms: float | None = None
+    peak_p99_after_ms: float | None = None
+    leaders: dict = field(default_factory=dict)
+    per_second_p99_ms: list = field(default_factory=list)
+    paper: str | None = None
+    note: str | None = None
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.config in EXACTLY_ONCE
+
+
+def _r(v: float | None, digits: int = 2) -> float | None:
+    return None if v is None else round(float(v), digits)
+
+
+def _kill(task: str, victim, at: float) -> td.Kill:
+    return td.Kill(task, partition=0, replica=victim, at=at)
+
+
+FAULT_VARIANTS = {
+    "r1": [("no fault", None)],
+    "liverobin": [("kill replica 0", 0)],
+    "kazoo": [("kill leader", "leader"), ("kill follower", "follower")],
+}
+
+
+def cases(settings: Settings, experiments, configs) -> list[Case]:
+    """Every run of ``experiments`` in ``configs`` (``passive`` has none), in order."""
+    s = settings
+    run = [c for c in configs if c in CONFIGS]
+    out: list[Case] = []
+
+    def steady(experiment, group, x, variant, config, build, rate, check, hb=10):
+        duration, warmup = s.duration_s, s.warmup_s
+        out.append(
+            Case(experiment, group, x, variant, config, build, rate, duration, warmup, check, hb)
+        )
+
+    for experiment in experiments:
+        if experiment == "mib1":
+            for n in s.lengths:
+                for c in run:
+                    build = partial(_with_sink, mib1_job, n, c, s.rate)
+                    steady("mib1", f"length {n}", n, "", c, build, s.rate, "sequence")
+        elif experiment == "mib2":
+            for n in s.partitions:
+                for c in run:
+                    build = partial(_with_sink, mib2_job, n, c, s.rate)
+                    group = f"{n} partition{'s' if n > 1 else ''}"
+                    steady("mib2", group, n, "", c, build, s.rate, "sequence")
+        elif experiment == "mib3":
+            for fast in s.fast_rates:
+                for c in run:
+                    build = partial(_with_sink, mib3_job, s.slow_rate, fast, c)
+                    group = f"{s.slow_rate} + {fast:,} ev/s"
+                    steady("mib3", group, fast, "", c, build, s.slow_rate + fast, "reference")
+        elif experiment == "heartbeat":
+            n, group = s.heartbeat_length, f"length {s.heartbeat_length}"
+            if "r1" in run:
+                build = partial(_with_sink, mib1_job, n, "r1", s.rate)
+                steady("heartbeat", group, n, "", "r1", build, s.rate, "sequence")
+            if "liverobin" in run:
+                for hb in s.heartbeats_ms:
+                    build = partial(_with_sink, mib1_job, n, "liverobin", s.rate, heartbeat_ms=hb)
+                    variant = f"heartbeat {hb:g} ms"
+                    steady(
+                        "heartbeat", group, n, variant, "liverobin", build, s.rate, "sequence", hb
+                    )
+        elif experiment in FAULT_EXPERIMENTS:
+            if experiment == "fault":
+                points = [(f"length {s.fault_length}", s.fault_length, s.rate)]
+                task = "map2"
+            else:
+                points = [(f"{r:,} ev/s", r, r) for r in s.bettercloud_rates]
+                task = "flat_map"
+            kill_at = s.fault_duration_s / 2
+            for group, x, rate in points:
+                for c in run:
+                    if experiment == "fault":
+                        build = partial(_with_sink, mib1_job, s.fault_length, c, rate)
+                    else:
+                        build = partial(_with_sink, bettercloud_job, rate, c)
+                    for variant, victim in FAULT_VARIANTS.get(c, []):
+                        fault = None if victim is None else _kill(task, victim, kill_at)
+                        out.append(
+                            Case(
+                                experiment,
+                                group,
+                                x,
+                                variant,
+                                c,
+                                build,
+                                rate,
+                                s.fault_duration_s,
+                                s.fault_warmup_s,
+                                "reference",
+                                fault=fault,
+                            )
+                        )
+        else:
+            raise td.ConfigError(
+                f"bench paper: unknown experiment {experiment!r}; choose from "
+                f"{', '.join(EXPERIMENTS)}"
+            )
+    return out
+
+
+def _with_sink(builder, *args, kazoo=None, sink=None, **kwargs):
+    """``builder(*args, kazoo, sink, **kwargs)``: how a :class:`Case` builds its job."""
+    return builder(*args, kazoo, sink, **kwargs)
+
+
+def passive_rows(all_cases: list[Case]) -> list[Row]:
+    """A ``not available yet`` row for ``passive`` in every group of the experiments run."""
+    rows, seen = [], set()
+    for c in all_cases:
+        if (c.experiment, c.group) in seen:
+            continue
+        seen.add((c.experiment, c.group))
+        row = Row(c.experiment, c.group, c.group_x, "", PASSIVE, "not available yet")
+        row.note = PASSIVE_NOTE
+        row.paper = paper_figure(c.experiment, c.group_x, PASSIVE, "")
+        rows.append(row)
+    return rows
+
+
+def run_case(case: Case, kazoo: td.KazooConfig | None, log=None) -> Row:
+    """Run one case and measure it; a failure to run becomes a row with status ``error``."""
+    from tandem.engines.local import process_cpu_s
+
+    opts = CONFIGS[case.config]
+    row = Row(
+        case.experiment,
+        case.group,
+        case.group_x,
+        case.variant,
+        case.config,
+        "ok",
+        replication=opts["replication"],
+        ordering=opts["ordering"],
+        heartbeat_ms=case.heartbeat_ms,
+        rate=case.rate,
+        duration_s=case.duration_s,
+        warmup_s=case.warmup_s,
+        check=case.check,
+        paper=paper_figure(case.experiment, case.group_x, case.config, case.variant),
+    )
+    if case.fault is not None:
+        f = case.fault
+        row.kill = f"{f.task}[{f.partition}] {f.replica}"
+        row.kill_at_s = f.at
+    sink = bench.SequenceSink() if case.check == "sequence" else td.sinks.Collect()
+    started = time.monotonic()
+    try:
+        job = case.build(kazoo=kazoo, sink=sink)
+        plan = job.plan()
+        row.steady_events = sum(
+            plan.source_rows(t.id, p, case.duration_s) - plan.source_rows(t.id, p, case.warmup_s)
+            for t in plan.sources()
+            for p in range(t.parallelism)
+        )
+        pids = {}
+        if opts["ordering"] == "kazoo" and kazoo is not None:
+            pids = bench.service_pids(kazoo, log)
+        before = {name: process_cpu_s(pid) for name, pid in pids.items()}
+        res = job.run(
+            duration=case.duration_s,
+            warmup=case.warmup_s,
+            faults=[case.fault] if case.fault is not None else [],
+            progress=False,
+            check=case.check == "reference",
+        )
+        used = [process_cpu_s(pid) for pid in pids.values()]
+        if pids and None not in used and None not in before.values():
+            row.services_cpu_s = round(sum(used) - sum(before.values()), 3)
+        if case.check == "sequence":
+            row.lost, row.duplicates = bench.sequence_check(res)
+        else:
+            row.lost, row.duplicates = res.lost, res.duplicates
+        if row.lost is None or row.duplicates is None:
+            raise td.TandemError("the output could not be checked against the reference")
+    except Exception as exc:  # reported in the row, and the run fails at the end
+        row.status, row.error = "error", f"{type(exc).__name__}: {exc}"
+        row.run_s = round(time.monotonic() - started, 2)
+        return row
+    row.run_s = round(time.monotonic() - started, 2)
+    _measure(row, res, case)
+    return row
+
+
+def _measure(row: Row, res: td.Result, case: Case) -> None:
+    row.events_in, row.events_out = res.events_in, res.events_out
+    row.digests_match = res.digests_match
+    row.p50_ms, row.p99_ms, row.max_ms = _r(res.p50_ms), _r(res.p99_ms), _r(res.max_ms)
+    row.max_gap_ms = _r(res.max_gap_ms, 1)
+    row.cpu_s, row.steady_cpu_s = _r(res.cpu_s, 3), _r(res.steady_cpu_s, 3)
+    if res.cpu_s is not None and res.events_in:
+        row.whole_run_cpu_s_per_m_events = round(res.cpu_s / res.events_in * 1e6, 1)
+    if res.steady_cpu_s is not None and row.steady_events:
+        row.cpu_s_per_m_events = round(res.steady_cpu_s / row.steady_events * 1e6, 1)
+        row.cpu_basis = "steady"
+    elif row.whole_run_cpu_s_per_m_events is not None:  # a run too short for both readings
+        row.cpu_s_per_m_events = row.whole_run_cpu_s_per_m_events
+        row.cpu_basis = "whole run"
+    row.rss_mb_total = round(sum(res.rss_mb.values()), 1) if res.rss_mb else None
+    row.rss_mb_max = round(max(res.rss_mb.values()), 1) if res.rss_mb else None
+    row.processes = res.processes
+    row.leaders = res.leaders
+    row.per_second_p99_ms = [_r(v, 1) for v in res.per_second_p99_ms]
+    if case.fault is not None:
+        row.victim = res.faults[0].get("victim") if res.faults else None
+    if case.experiment in FAULT_EXPERIMENTS:
+        half = int(case.duration_s / 2)
+        series = res.per_second_p99_ms
+        before = [v for v in series[:half] if v is not None]
+        after = [v for v in series[half : half + 6] if v is not None]
+        row.p99_before_ms = _r(np.median(before), 1) if before else None
+        row.peak_p99_after_ms = _r(max(after), 1) if after else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 2)
+
+
+def add_ratios(rows: list[Row]) -> None:
+    """p99 and CPU of every measured row against the ``r1`` row of its experiment and group."""
+    base = {(r.experiment, r.group): r for r in rows if r.config == "r1" and r.status == "ok"}
+    for r in rows:
+        b = base.get((r.experiment, r.group))
+        if b is None or r.status != "ok":
+            continue
+        r.p99_ratio_vs_r1 = _ratio(r.p99_ms, b.p99_ms)
+        if r.cpu_basis == b.cpu_basis:
+            r.cpu_ratio_vs_r1 = _ratio(r.cpu_s_per_m_events, b.cpu_s_per_m_events)
+        else:  # compare like with like
+            r.cpu_ratio_vs_r1 = _ratio(
+                r.whole_run_cpu_s_per_m_events, b.whole_run_cpu_s_per_m_events
+            )
+
+
+def failures(rows: list[Row], experiments) -> list[str]:
+    """What makes the run fail: a run that did not complete, an experiment without a
+    measured row, a row of an exactly-once configuration that lost or repeated rows (or
+    whose replicas' digests differed). Never timings."""
+    out = []
+    for r in rows:
+        where = f"{r.experiment} {r.group}{' ' + r.variant if r.variant else ''} {r.config}"
+        if r.status == "error":
+            out.append(f"{where}: did not run ({r.error})")
+        elif r.status == "ok" and r.exactly_once:
+            if r.lost or r.duplicates:
+                out.append(f"{where}: lost {r.lost}, duplicates {r.duplicates}")
+            if r.digests_match is False:
+                out.append(f"{where}: the replicas' output digests differed")
+    measured = {r.experiment for r in rows if r.status == "ok"}
+    out += [f"{e}: no configuration ran" for e in experiments if e not in measured]
+    return out
+
+
+# -- progress ----------------------------------------------------------------------------
+
+OVERHEAD_S = 3.5
+"""About what a run costs beyond its duration on 2 cores: start-up, shutdown, the check."""
+
+
+def estimate_s(case: Case) -> float:
+    """A guess of a case's wall time, for the progress lines."""
+    extra = 1.5 if CONFIGS[case.config]["ordering"] == "kazoo" else 0.0
+    if case.check == "reference":
+        extra += case.rate * case.duration_s / 20_000  # the reference executor, the drain
+    return case.duration_s + OVERHEAD_S + extra
+
+
+def _clock(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 60}:{s % 60:02d}"
+
+
+def _label(c: Case | Row) -> str:
+    return f"{c.experiment} {c.group}{' · ' + c.variant if c.variant else ''} · {c.config}"
+
+
+def summary_line(row: Row) -> str:
+    if row.status != "ok":
+        return f"    {row.status}: {row.error}"
+    extra = ""
+    if row.kill:
+        extra = f", longest output gap {row.max_gap_ms} ms, peak p99 after {row.peak_p99_after_ms}"
+    return (
+        f"    p50 {row.p50_ms} / p99 {row.p99_ms} / max {row.max_ms} ms, lost {row.lost}, "
+        f"duplicates {row.duplicates}, CPU {row.cpu_s} s{extra} ({row.run_s:.1f} s)"
+    )
+
+
+def run_all(all_cases: list[Case], kazoo: td.KazooConfig | None, log=None) -> list[Row]:
+    """Every case in turn, one at a time (so that they do not compete for the machine),
+    with a progress line before each (elapsed, about how long is left) and a line of
+    figures after it."""
+    log = log or sys.stderr
+    rows: list[Row] = []
+    start = time.monotonic()
+    spent_guess = 0.0
+    remaining = sum(estimate_s(c) for c in all_cases)
+    for i, case in enumerate(all_cases, 1):
+        elapsed = time.monotonic() - start
+        # Scale the rest of the guess by how the guesses so far compared with the clock.
+        scale = elapsed / spent_guess if spent_guess else 1.0
+        print(
+            f"[{i:>{len(str(len(all_cases)))}}/{len(all_cases)}] {_label(case)}: "
+            f"{case.duration_s:g} s run (elapsed {_clock(elapsed)}, about "
+            f"{_clock(remaining * scale)} to go)",
+            file=log,
+            flush=True,
+        )
+        row = run_case(case, kazoo, log)
+        guess = estimate_s(case)
+        spent_guess += guess
+        remaining -= guess
+        print(summary_line(row), file=log, flush=True)
+        rows.append(row)
+    return rows
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def _cell(v, digits: int = 1, suffix: str = "") -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "—"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}{suffix}"
+    return f"{v:,}{suffix}" if isinstance(v, int) else f"{v}{suffix}"
+
+
+def _note(r: Row) -> str:
+    if r.status == "error":
+        return f"did not run: {r.error}"
+    if r.status != "ok":
+        return r.note or r.status
+    notes = []
+    if not r.exactly_once and (r.lost or r.duplicates):
+        notes.append("unordered: loses and repeats rows by design")
+    if r.digests_match is False:
+        notes.append("replica digests differ")
+    if r.cpu_basis == "whole run":
+        notes.append("CPU of the whole run (no steady-state reading)")
+    if r.services_cpu_s is not None:
+        notes.append(f"ZooKeeper + Kafka: {r.services_cpu_s:.2f} CPU-s")
+    return "; ".join(notes)
+
+
+def markdown(rows: list[Row], meta: dict) -> str:
+    """The report: a table per experiment, the paper's figures beside ours."""
+    out = [
+        f"tandem {meta['tandem']} ({meta['build']} build), {meta['cpus']} cores, "
+        f"{meta['started']}: `{meta['command']}`, {_clock(meta['wall_s'])} in all.",
+        "",
+        "Latency in ms: sink receive time - source release time, after the warm-up (p50 / "
+        "p99 / max). lost / dup: rows missing / repeated at the sink, checked (a sequence "
+        "check at the sink, or row by row against the reference executor). CPU: CPU-seconds "
+        "of the job's processes in the steady state per million events. RSS: the processes' "
+        "peak resident memory, summed. x r1: against the r1 row of the same point in this "
+        "run. paper: the paper's figure for the cell (37 servers; p50 / p99 ms unless said).",
+    ]
+    for experiment in dict.fromkeys(r.experiment for r in rows):
+        rs = [r for r in rows if r.experiment == experiment]
+        ran = next((r for r in rs if r.status == "ok"), rs[0])
+        faulty = experiment in FAULT_EXPERIMENTS
+        run = (
+            ""
+            if ran.duration_s is None
+            else f"{ran.duration_s:g} s runs, warm-up {ran.warmup_s:g} s"
+        )
+        if faulty and ran.duration_s is not None:
+            run += f", kill at {ran.duration_s / 2:g} s"
+        out += ["", f"### {TITLES[experiment]}", "", f"{_rates(experiment, rs)}; {run}.", ""]
+        head = ["point", "config"] + (["fault"] if faulty else [])
+        head += ["p50", "p99", "max"]
+        head += ["longest gap", "p99 before", "peak p99 after"] if faulty else []
+        head += ["lost", "dup", "CPU-s / M ev", "RSS MB", "p99 x r1", "CPU x r1", "paper", "note"]
+        out += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        for r in rs:
+            point = r.group + (f", {r.variant}" if r.variant and not faulty else "")
+            cells = [point, r.config] + ([r.variant or "—"] if faulty else [])
+            cells += [_cell(r.p50_ms), _cell(r.p99_ms), _cell(r.max_ms)]
+            if faulty:
+                cells += [_cell(r.max_gap_ms), _cell(r.p99_before_ms), _cell(r.peak_p99_after_ms)]
+            cells += [
+                _cell(r.lost),
+                _cell(r.duplicates),
+                _cell(r.cpu_s_per_m_events, 0),
+                _cell(r.rss_mb_total, 0),
+                _cell(r.p99_ratio_vs_r1, 2, "x"),
+                _cell(r.cpu_ratio_vs_r1, 2, "x"),
+                r.paper or "—",
+                _note(r),
+            ]
+            out.append("| " + " | ".join(cells) + " |")
+        out += ["", f"The paper: {PAPER_NOTES[experiment]}"]
+    out += [
+        "",
+        "Not in this table: Spark Structured Streaming (`tandem bench spark` runs MiB1 of "
+        "length 3 on it, with a driver kill) and passive replication (issue #10).",
+    ]
+    return "\n".join(out)
+
+
+def _rates(experiment: str, rows: list[Row]) -> str:
+    r = next((r for r in rows if r.rate is not None), None)
+    if r is None:
+        return "not run"
+    if experiment == "mib3":
+        return "a 5 ev/s source and one at the rate of the point"
+    if experiment == "bettercloud":
+        rules = BETTERCLOUD_RULE_RATE
+        return f"customer events at the rate of the point, rule updates at {rules} ev/s"
+    return f"{r.rate:,} ev/s"
+
+
+# -- figures -----------------------------------------------------------------------------
+
+COLORS = {
+    "r1": "#4c72b0",
+    "none": "#8c8c8c",
+    "liverobin": "#55a868",
+    "kazoo": "#c44e52",
+}
+
+
+def _box_stats(r: Row) -> dict:
+    """Quartiles and extremes of the per-second p99 values measured after the warm-up
+    (the run's p99 alone when it has none)."""
+    start = int(r.warmup_s or 0)
+    values = [v for v in r.per_second_p99_ms[start:] if v is not None] or [r.p99_ms]
+    q1, med, q3 = np.percentile(values, [25, 50, 75])
+    return {
+        "med": med,
+        "q1": q1,
+        "q3": q3,
+        "whislo": min(values),
+        "whishi": max(values),
+        "fliers": [],
+    }
+
+
+BOX_CAPTION = (
+    "box: per-second p99 over the measured seconds (quartiles; whiskers: lowest and highest "
+    "second); dot: the run's p50; triangle: its max. Log scale."
+)
+
+
+def plot_latency(rows: list[Row], experiment: str, path: str) -> None:
+    """Box plots of latency per configuration at every point of ``experiment``: the
+    engine reports percentiles, not samples, so each box is the distribution of the
+    per-second p99 (see :data:`BOX_CAPTION`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = [r for r in rows if r.experiment == experiment and r.status == "ok"]
+    if not rs:
+        return
+    points = list(dict.fromkeys((r.group, r.variant) for r in rs))
+    configs = list(dict.fromkeys(r.config for r in rs))
+    width = 0.8 / len(configs)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(points) + 2), 4.0), dpi=120)
+    for r in rs:
+        i = points.index((r.group, r.variant))
+        here = [
+            c
+            for c in configs
+            if any(x.config == c and (x.group, x.variant) == (r.group, r.variant) for x in rs)
+        ]
+        pos = i + (here.index(r.config) - (len(here) - 1) / 2) * width
+        color = COLORS.get(r.config, "black")
+        boxes = ax.bxp(
+            [_box_stats(r)],
+            positions=[pos],
+            widths=width * 0.8,
+            patch_artist=True,
+            showfliers=False,
+            medianprops={"color": "black"},
+        )
+        for box in boxes["boxes"]:
+            box.set(facecolor=color, alpha=0.45, edgecolor=color)
+        ax.plot([pos], [r.p50_ms], "o", color=color, markersize=3)
+        ax.plot([pos], [r.max_ms], "^", color=color, markersize=4)
+    ax.set_xticks(range(len(points)), [v or g for g, v in points], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("latency (ms)")
+    ax.grid(axis="y", alpha=0.3)
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, facecolor=COLORS.get(c, "black"), alpha=0.45) for c in configs
+    ]
+    ax.legend(handles, configs, fontsize=8, loc="upper left")
+    ax.set_title(TITLES[experiment], fontsize=10)
+    caption = textwrap.fill(BOX_CAPTION, int(fig.get_figwidth() * 16))
+    fig.text(0.01, 0.01, caption, fontsize=6.5, color="#444444", va="bottom")
+    fig.tight_layout(rect=(0, 0.03 + 0.035 * caption.count("\n"), 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_over_time(rows: list[Row], experiment: str, path: str) -> None:
+    """Per-second p99 over the run for every case of a fault experiment, one panel per
+    point, the kill marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = [r for r in rows if r.experiment == experiment and r.status == "ok"]
+    if not rs:
+        return
+    groups = list(dict.fromkeys(r.group for r in rs))
+    fig, axes = plt.subplots(len(groups), 1, figsize=(8, 3.2 * len(groups)), dpi=120, squeeze=False)
+    for ax, group in zip(axes[:, 0], groups, strict=True):
+        for r in (r for r in rs if r.group == group):
+            xs = [s + 0.5 for s, v in enumerate(r.per_second_p99_ms) if v is not None]
+            ys = [v for v in r.per_second_p99_ms if v is not None]
+            style = "--" if r.variant == "kill follower" else "-"
+            label = f"{r.config} ({r.variant})" if r.variant else r.config
+            ax.plot(
+                xs,
+                ys,
+                style,
+                marker="o",
+                markersize=2,
+                linewidth=1,
+                label=label,
+                color=COLORS.get(r.config),
+            )
+        kill = next((r for r in rs if r.group == group and r.kill_at_s is not None), None)
+        if kill is not None:
+            ax.axvline(kill.kill_at_s, color="crimson", linestyle=":", linewidth=1)
+            ax.annotate(
+                f"SIGKILL {kill.kill.split()[0]}",
+                (kill.kill_at_s, 0.02),
+                xycoords=("data", "axes fraction"),
+                xytext=(4, 0),
+                textcoords="offset points",
+                color="crimson",
+                fontsize=8,
+            )
+        ax.set_yscale("log")
+        ax.set_xlabel("seconds since start")
+        ax.set_ylabel("p99 per second (ms)")
+        ax.set_title(f"{TITLES[experiment]}: {group}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_figures(rows: list[Row], out_dir: Path, log=None) -> list[str]:
+    """Every figure as a PNG in ``out_dir``; [] (and a line on ``log``) without matplotlib."""
+    log = log or sys.stderr
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(
+            "no figures: matplotlib is not installed (pip install 'tandem-stream[plot]'); "
+            "the JSON and Markdown are written all the same",
+            file=log,
+        )
+        return []
+    written = []
+    for experiment in dict.fromkeys(r.experiment for r in rows if r.status == "ok"):
+        path = out_dir / f"{experiment}_latency.png"
+        plot_latency(rows, experiment, str(path))
+        written.append(str(path))
+        if experiment in FAULT_EXPERIMENTS:
+            path = out_dir / f"{experiment}_p99_over_time.png"
+            plot_over_time(rows, experiment, str(path))
+            written.append(str(path))
+    return written
+
+
+# -- the whole -----------------------------------------------------------------------------
+
+
+def paper(
+    settings: Settings,
+    experiments=EXPERIMENTS,
+    configs=ALL_CONFIGS,
+    out_dir: str | os.PathLike = "out/paper",
+    kazoo: td.KazooConfig | None = None,
+    command: str = "tandem bench paper",
+    log=None,
+) -> dict:
+    """Run ``experiments`` in ``configs``, write ``paper.json``, ``paper.md`` and the PNG
+    figures into ``out_dir``, and return the JSON document (its ``failures``: what makes
+    the run fail, see :func:`failures`)."""
+    log = log or sys.stderr
+    experiments, configs = tuple(experiments), tuple(configs)
+    check_selection(experiments, configs)
+    all_cases = cases(settings, experiments, configs)
+    missing = [e for e in experiments if not any(c.experiment == e for c in all_cases)]
+    if missing:
+        raise td.ConfigError(
+            f"bench paper: {', '.join(missing)} would run nothing with --configs "
+            f"{','.join(configs)} (heartbeat needs r1 or liverobin; fault and bettercloud "
+            "need r1, liverobin or kazoo)"
+        )
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    t = time.monotonic()
+    rows = run_all(all_cases, kazoo, log)
+    add_ratios(rows)
+    if PASSIVE in configs:
+        rows = _with_passive(rows, passive_rows(all_cases))
+    wall = time.monotonic() - t
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "tandem": td.__version__,
+        "build": td.build_profile,
+        "cpus": os.cpu_count(),
+        "started": started,
+        "command": command,
+        "wall_s": round(wall, 1),
+    }
+    doc = {
+        "experiment": "paper",
+        **meta,
+        "settings": asdict(settings),
+        "experiments": list(experiments),
+        "configs": list(configs),
+        "config_settings": CONFIGS,
+        "passive": PASSIVE_NOTE,
+        "paper_notes": {e: PAPER_NOTES[e] for e in experiments},
+        "rows": [asdict(r) for r in rows],
+        "failures": failures(rows, experiments),
+    }
+    doc["figures"] = write_figures(rows, out, log)
+    (out / "paper.md").write_text(markdown(rows, meta) + "\n")
+    (out / "paper.json").write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def _with_passive(rows: list[Row], passive: list[Row]) -> list[Row]:
+    """``rows`` with each passive row after the last row of its experiment and group."""
+    out = list(rows)
+    for p in passive:
+        last = max(
+            (i for i, r in enumerate(out) if (r.experiment, r.group) == (p.experiment, p.group)),
+            default=len(out) - 1,
+        )
+        out.insert(last + 1, p)
+    return out
+
+
+def check_selection(experiments, configs) -> None:
+    """Raise ConfigError for an unknown or empty selection, before anything runs."""
+    for what, given, known in (
+        ("experiments", experiments, EXPERIMENTS),
+        ("configs", configs, ALL_CONFIGS),
+    ):
+        unknown = sorted(set(given) - set(known))
+        if unknown or not given:
+            raise td.ConfigError(
+                f"bench paper: --{what}: unknown {unknown or '(none given)'}; choose from "
+                f"{','.join(known)}"
+            )
+    if not set(configs) & set(CONFIGS):
+        raise td.ConfigError(
+            f"bench paper: --configs {','.join(configs)} runs nothing; add one of "
+            f"{','.join(CONFIGS)}"
+        )

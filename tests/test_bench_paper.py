@@ -1,0 +1,195 @@
+"""`tandem bench paper`: the paper's evaluation, every configuration side by side.
+
+The end-to-end test runs the whole `--quick` set from the CLI, in-process, against the real
+ZooKeeper and Kafka (KaZoo), and checks that every experiment ran in every configuration it
+has, that no row of an exactly-once configuration lost or repeated a row, and that the JSON,
+the Markdown and the figures were written. The others check the pieces without running a job
+(the BetterCloud-like job on the reference executor only), fast.
+"""
+
+import json
+import sys
+
+import pyarrow as pa
+import pytest
+
+import tandem as td
+from tandem import bench_paper as bp
+from tandem.cli import main
+
+FIGURES = [
+    "mib1_latency.png",
+    "mib2_latency.png",
+    "mib3_latency.png",
+    "heartbeat_latency.png",
+    "fault_latency.png",
+    "fault_p99_over_time.png",
+    "bettercloud_latency.png",
+    "bettercloud_p99_over_time.png",
+]
+
+EXPECTED_CONFIGS = {
+    "mib1": {"r1", "none", "liverobin", "kazoo"},
+    "mib2": {"r1", "none", "liverobin", "kazoo"},
+    "mib3": {"r1", "none", "liverobin", "kazoo"},
+    "heartbeat": {"r1", "liverobin"},
+    "fault": {"r1", "liverobin", "kazoo"},
+    "bettercloud": {"r1", "liverobin", "kazoo"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_paper_quick_runs_every_experiment_in_every_configuration(
+    zookeeper, kafka, tmp_path, capsys
+):
+    code = main(["bench", "paper", "--quick", "--out", str(tmp_path)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out[-4000:] + printed.err[-4000:]
+    doc = json.loads((tmp_path / "paper.json").read_text())
+    assert doc["build"] == "release" and doc["failures"] == []
+    assert doc["experiments"] == list(bp.EXPERIMENTS)
+    rows = doc["rows"]
+    runs = [r for r in rows if r["config"] != "passive"]
+    assert len(runs) == len(bp.cases(bp.QUICK, bp.EXPERIMENTS, bp.ALL_CONFIGS)) == 23
+    for experiment, configs in EXPECTED_CONFIGS.items():
+        ran = {r["config"] for r in runs if r["experiment"] == experiment}
+        assert ran == configs, experiment
+        passive = [r for r in rows if r["experiment"] == experiment and r["config"] == "passive"]
+        assert passive and all(r["status"] == "not available yet" for r in passive), experiment
+    for r in runs:
+        where = f"{r['experiment']} {r['group']} {r['variant']} {r['config']}"
+        assert r["status"] == "ok", (where, r["error"])
+        # Checked in every row, never None; exactly once wherever the configuration promises it.
+        assert isinstance(r["lost"], int) and isinstance(r["duplicates"], int), where
+        if r["config"] in bp.EXACTLY_ONCE:
+            assert r["lost"] == 0 and r["duplicates"] == 0 and r["digests_match"], where
+        assert r["events_in"] > 0 and r["events_out"] > 0, where
+        assert r["p99_ms"] >= r["p50_ms"] > 0 and r["max_ms"] >= r["p99_ms"], where
+        assert r["cpu_s_per_m_events"] > 0 and r["rss_mb_total"] > 0, where
+        assert r["cpu_basis"] in ("steady", "whole run"), where
+        assert r["p99_ratio_vs_r1"] is not None and r["cpu_ratio_vs_r1"] is not None, where
+        if r["config"] == "r1":
+            assert r["p99_ratio_vs_r1"] == 1.0 and r["cpu_ratio_vs_r1"] == 1.0, where
+        if r["config"] == "kazoo":
+            assert r["services_cpu_s"] is not None, where
+    kills = [r for r in runs if r["kill"] is not None]
+    assert {(r["experiment"], r["variant"]) for r in kills} == {
+        (e, v)
+        for e in bp.FAULT_EXPERIMENTS
+        for v in ("kill replica 0", "kill leader", "kill follower")
+    }
+    for r in kills:
+        assert r["victim"] is not None and r["max_gap_ms"] is not None, r["variant"]
+        assert r["peak_p99_after_ms"] is not None, r["variant"]
+    md = (tmp_path / "paper.md").read_text()
+    for title in bp.TITLES.values():
+        assert f"### {title}" in md
+    assert "| length 3 | liverobin | " in md and "20.9 / 41.4" in md  # the paper beside ours
+    assert md in printed.out
+    assert doc["figures"] == [str(tmp_path / f) for f in FIGURES]
+    for f in FIGURES:
+        assert (tmp_path / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f
+    assert printed.err.count("to go)") == 23  # a progress line per run
+
+
+def test_quick_and_full_grids():
+    quick = bp.cases(bp.QUICK, bp.EXPERIMENTS, bp.ALL_CONFIGS)
+    assert {c.experiment for c in quick} == set(bp.EXPERIMENTS)
+    assert sum(bp.estimate_s(c) for c in quick) < 180
+    full = bp.cases(bp.FULL, bp.EXPERIMENTS, bp.ALL_CONFIGS)
+    assert len(full) == 16 * 3 + 6 + 4 + 8
+    assert sum(bp.estimate_s(c) for c in full) < 30 * 60
+    fault = [c for c in full if c.experiment == "fault"]
+    assert [(c.config, c.fault and c.fault.replica) for c in fault] == [
+        ("r1", None),
+        ("liverobin", 0),
+        ("kazoo", "leader"),
+        ("kazoo", "follower"),
+    ]
+    assert all(c.fault is None or c.fault.at == c.duration_s / 2 for c in full)
+    only = bp.cases(bp.QUICK, ["heartbeat"], ["liverobin"])
+    assert [c.heartbeat_ms for c in only] == [5, 100]
+
+
+def _row(config, lost=0, duplicates=0, status="ok", experiment="mib1", **kw):
+    row = bp.Row(experiment, "length 1", 1, "", config, status, lost=lost, duplicates=duplicates)
+    for k, v in kw.items():
+        setattr(row, k, v)
+    return row
+
+
+def test_failures_count_losses_only_where_exactly_once_is_promised():
+    rows = [_row("r1"), _row("none", lost=5, duplicates=7), _row("liverobin")]
+    assert bp.failures(rows, ["mib1"]) == []
+    rows.append(_row("kazoo", duplicates=1))
+    assert bp.failures(rows, ["mib1"]) == ["mib1 length 1 kazoo: lost 0, duplicates 1"]
+    err = _row("liverobin", status="error", experiment="mib2", error="ServiceUnavailable: x")
+    assert bp.failures([err], ["mib2", "mib3"]) == [
+        "mib2 length 1 liverobin: did not run (ServiceUnavailable: x)",
+        "mib2: no configuration ran",
+        "mib3: no configuration ran",
+    ]
+    assert bp.failures([_row("r1", digests_match=False)], ["mib1"]) == [
+        "mib1 length 1 r1: the replicas' output digests differed"
+    ]
+
+
+def test_ratios_and_report_rows():
+    r1 = _row("r1", p99_ms=10.0, cpu_s_per_m_events=100.0, cpu_basis="steady")
+    lr = _row("liverobin", p99_ms=12.5, cpu_s_per_m_events=180.0, cpu_basis="steady")
+    # Without a steady-state reading on one side, the whole runs are compared.
+    kz = _row("kazoo", p99_ms=20.0, cpu_s_per_m_events=300.0, cpu_basis="whole run")
+    r1.whole_run_cpu_s_per_m_events, kz.whole_run_cpu_s_per_m_events = 200.0, 300.0
+    lr.paper = bp.paper_figure("mib1", 1, "liverobin", "")
+    rows = [r1, lr]
+    bp.add_ratios([*rows, kz])
+    assert (lr.p99_ratio_vs_r1, lr.cpu_ratio_vs_r1) == (1.25, 1.8)
+    assert (kz.p99_ratio_vs_r1, kz.cpu_ratio_vs_r1) == (2.0, 1.5)
+    assert "CPU of the whole run" in bp._note(kz)
+    cases = bp.cases(bp.QUICK, ["mib1"], ["r1", "liverobin"])
+    rows = bp._with_passive(rows, bp.passive_rows(cases))
+    assert [r.config for r in rows] == ["r1", "liverobin", "passive"]
+    meta = {"tandem": "0", "build": "release", "cpus": 2, "started": "now", "command": "c"}
+    md = bp.markdown(rows, {**meta, "wall_s": 61})
+    assert (
+        "| length 1 | liverobin | — | 12.5 | — | 0 | 0 | 180 | — | 1.25x | 1.80x | 7.6 / 21.5 |"
+        in md
+    )
+    assert "| length 3 | passive |" in md and bp.PASSIVE_NOTE in md
+    assert "1:01 in all" in md
+
+
+def test_cli_rejects_what_paper_cannot_run(capsys):
+    assert main(["bench", "paper", "--experiments", "mib9"]) == 2
+    assert "--experiments: unknown ['mib9']" in capsys.readouterr().err
+    assert main(["bench", "paper", "--configs", "passive"]) == 2
+    assert "runs nothing" in capsys.readouterr().err
+    assert main(["bench", "paper", "--experiments", "fault", "--configs", "none"]) == 2
+    assert "fault would run nothing" in capsys.readouterr().err
+    assert main(["bench", "paper", "--configs", "kazoo", "--experiments", "heartbeat"]) == 2
+    assert "heartbeat would run nothing" in capsys.readouterr().err
+    assert main(["bench", "paper", "--json", "x.json"]) == 2
+    assert "--json: not for `tandem bench paper`" in capsys.readouterr().err
+    assert main(["bench", "mib1", "--out", "x"]) == 2
+    assert "--out: for `tandem bench paper` only" in capsys.readouterr().err
+
+
+def test_figures_without_matplotlib_say_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    assert bp.write_figures([_row("r1")], tmp_path, log=sys.stderr) == []
+    assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_bettercloud_job_on_the_reference():
+    job = bp.bettercloud_job(1_000, "liverobin", None, td.sinks.Collect())
+    plan = job.plan()
+    tasks = {t.name: t for t in plan.tasks}
+    assert tasks["flat_map"].parallelism == 2
+    assert {"join_logins", "join_messages", "filter_logins", "filter_messages"} <= set(tasks)
+    res = job.run_reference(duration=3.0)
+    out: pa.Table = res.output
+    assert 0 < out.num_rows < res.events_in
+    actions = set(out.column("action").to_pylist())
+    assert actions == {1, 2}  # alerts, and the escalations the flat_map adds
+    assert out.column("limit").null_count < out.num_rows  # some events met a rule
