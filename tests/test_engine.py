@@ -254,3 +254,12 @@ def test_garbage_and_wrong_secret_clients_are_rejected(monkeypatch):
     res = job.run(duration=DURATION, progress=False)
     assert seen["n"] > 0
     assert_same_as_reference(job, res)
+
+
+def test_the_progress_bar_shows_source_time_and_the_workers_killed(capsys):
+    job = pipeline(2)
+    res = job.run(duration=2.0, faults=[td.KillWorker(0, at=1.0)], progress=True, check=False)
+    err = capsys.readouterr().err
+    assert "2.0/2s" in err  # drawn to the end of the stream
+    assert "killed worker 0 at 1.0s" in err
+    assert res.lost_replicas  # the kill the bar reports happened

@@ -295,6 +295,7 @@ class _Run:
         warmup: float = 0.0,
     ) -> None:
         self.plan, self.duration, self.progress, self.host = plan, duration, progress, host
+        self._bar = None  # the tqdm progress bar, while drawn
         self.warmup = warmup
         self.zoo: KazooRun | None = zoo
         self.faults = sorted(faults, key=lambda f: f.at)
@@ -529,21 +530,30 @@ class _Run:
         return f"worker {w}"
 
     def _draw(self, elapsed: float, done: bool = False) -> None:
+        """The progress bar (tqdm, on stderr): source time run so far, and the workers
+        killed, when."""
         if not self.progress:
             return
-        elapsed = min(max(elapsed, 0.0), self.duration)
-        width = 30
-        filled = int(width * elapsed / self.duration)
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=self.duration,
+                file=sys.stderr,
+                bar_format="{desc} |{bar:30}| {n:5.1f}/{total:g}s{postfix}",
+                desc=self.plan.job,
+                leave=True,
+            )
         killed: dict[int, float] = {}
         for rid, t in self.killed.items():
             killed.setdefault(self.worker_of[rid], t)
-        note = "".join(f"  killed {self._worker_name(w)} at {t:.1f}s" for w, t in killed.items())
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {elapsed:5.1f}/{self.duration:g}s{note}"
-        )
+        note = ", ".join(f"killed {self._worker_name(w)} at {t:.1f}s" for w, t in killed.items())
+        self._bar.n = min(max(elapsed, 0.0), self.duration)
+        self._bar.set_postfix_str(note, refresh=False)
+        self._bar.refresh()
         if done:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+            self._bar.close()
+            self._bar = None
 
     def result(self, check: bool) -> Result:
         lost = [(rid, "killed") for rid in self.killed] + [(rid, "crashed") for rid in self.crashed]
