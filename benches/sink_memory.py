@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-import tandem as td
+from tandem.testing import CountRows
 
 
 def _arrays(batches, nows) -> int:
@@ -70,27 +70,10 @@ def record() -> None:
             )
 
 
-class Count(td.sinks.Sink):
-    """Keeps a row count only: the sink's memory is the runtime's."""
-
-    def open(self, partition, parallelism=1, schema=None):
-        super().open(partition, parallelism, schema)
-        self.n = 0
-
-    def write(self, batch):
-        self.n += batch.num_rows
-
-    def close(self):
-        return self.n
-
-    def combine(self, parts, schema=None):
-        return sum(p for p in parts if p is not None)
-
-
 def run(rate: int, duration: float) -> None:
     from tandem import bench
 
-    job = bench.mib1_job(1, 2, "liverobin", rate, sink=Count(), keyed=False)
+    job = bench.mib1_job(1, 2, "liverobin", rate, sink=CountRows(), keyed=False)
     res = job.run(duration=duration, warmup=1.0, progress=False, check=False)
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     coordinator = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -16,6 +16,7 @@ import tandem as td
 from tandem import _core, latency, runtime
 from tandem.engines import common
 from tandem.engines.common import assemble_result
+from tandem.testing import CountRows
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -127,29 +128,11 @@ def test_receive_times_never_go_back():
     assert got.max_gap_ms == 0.0
 
 
-class Count(td.sinks.Sink):
-    """Keeps nothing but a row count, so the report is the latency record and a few
-    scalars."""
-
-    def open(self, partition, parallelism=1, schema=None):
-        super().open(partition, parallelism, schema)
-        self.n = 0
-
-    def write(self, batch):
-        self.n += batch.num_rows
-
-    def close(self):
-        return self.n
-
-    def combine(self, parts, schema=None):
-        return sum(p for p in parts if p is not None)
-
-
 def _sink_report(monkeypatch, rate: int, duration: float) -> tuple[runtime.ReplicaReport, int]:
     """Drive a real sink replica with ``duration`` seconds of a source's batches at
     ``rate``, each received 1-20 ms after its last row was released (a fake clock)."""
     job = td.Job("flat", buffer_timeout_ms=5)
-    job.source(td.sources.Synthetic(rate=rate, keys=10, seed=1)).sink(Count())
+    job.source(td.sources.Synthetic(rate=rate, keys=10, seed=1)).sink(CountRows())
     plan = job.plan()
     src, sink = plan.sources()[0].id, plan.sinks()[0].id
     t0 = 10**18
@@ -198,7 +181,7 @@ def test_a_sinks_report_stays_flat_as_its_rows_grow(monkeypatch):
 
 def test_assemble_result_fills_the_latency_fields_from_sink_reports():
     job = td.Job("asm")
-    job.source(td.sources.Synthetic(rate=100, keys=5, seed=1)).sink(Count())
+    job.source(td.sources.Synthetic(rate=100, keys=5, seed=1)).sink(CountRows())
     plan = job.plan()
     sink = plan.sinks()[0].id
     rec = latency.LatencyRecorder(0, S // 2)  # warm-up 0.5 s

@@ -64,8 +64,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tandem.sinks import Sink
+
 __all__ = [
     "BATCH_FUNCTIONS",
+    "CountRows",
     "Data",
     "End",
     "Heartbeat",
@@ -680,3 +683,21 @@ def killed_replicas(result) -> set[tuple[str, int, int]]:
 def lost_replicas(result) -> set[tuple[str, int, int]]:
     """``(task, partition, replica)`` of every replica in ``result.lost_replicas``."""
     return {(x["task"], x["partition"], x["replica"]) for x in result.lost_replicas}
+
+
+class CountRows(Sink):
+    """A sink that keeps a row count only: what a run's sinks hold is then the runtime's
+    own bookkeeping (latency record, report), nothing of the rows."""
+
+    def open(self, partition, parallelism=1, schema=None):
+        super().open(partition, parallelism, schema)
+        self.n = 0
+
+    def write(self, batch):
+        self.n += batch.num_rows
+
+    def close(self):
+        return self.n
+
+    def combine(self, parts, schema=None):
+        return sum(p for p in parts if p is not None)

@@ -377,17 +377,7 @@ impl Outbox {
     /// as on `send`; a channel left with no live link fails the next call that sends on it.
     pub fn push(&mut self) {
         for (c, ch) in self.channels.iter_mut().enumerate() {
-            ch.links.retain_mut(|link| match link.push() {
-                Ok(()) => true,
-                Err(e) => {
-                    eprintln!(
-                        "tandem outbox: dropping {} of output channel {c}: {e}; the other \
-                         replicas of that partition keep receiving",
-                        link.describe()
-                    );
-                    false
-                }
-            });
+            retain_live(c, &mut ch.links, |link| link.push());
         }
     }
 
@@ -577,7 +567,22 @@ fn send_all(c: usize, links: &mut Vec<Box<dyn Link>>, frame: &OutFrame) -> Resul
     if links.is_empty() {
         return Err(closed_channel(c));
     }
-    links.retain_mut(|link| match link.send(frame) {
+    retain_live(c, links, |link| link.send(frame));
+    if links.is_empty() {
+        Err(closed_channel(c))
+    } else {
+        Ok(())
+    }
+}
+
+/// Apply `op` to every link of channel `c`, dropping (and logging) each one it fails on:
+/// that peer is gone for good, and the other replicas of its partition keep receiving.
+fn retain_live(
+    c: usize,
+    links: &mut Vec<Box<dyn Link>>,
+    mut op: impl FnMut(&mut Box<dyn Link>) -> Result<()>,
+) {
+    links.retain_mut(|link| match op(link) {
         Ok(()) => true,
         Err(e) => {
             eprintln!(
@@ -588,11 +593,6 @@ fn send_all(c: usize, links: &mut Vec<Box<dyn Link>>, frame: &OutFrame) -> Resul
             false
         }
     });
-    if links.is_empty() {
-        Err(closed_channel(c))
-    } else {
-        Ok(())
-    }
 }
 
 fn closed_channel(c: usize) -> Error {
