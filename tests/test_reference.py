@@ -164,6 +164,34 @@ def test_count_per_key_counts_in_input_order():
     assert fresh.on_batch(b.slice(1, 1))["count"].to_pylist() == [3]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    keys=st.lists(
+        st.one_of(st.none(), st.integers(0, 5), st.sampled_from(["a", "b"])), max_size=40
+    ),
+    cut=st.integers(0, 40),
+)
+def test_count_per_key_small_batch_loop_agrees_with_the_vectorised_path(keys, cut):
+    """CountPerKey counts small batches in a loop and large ones with numpy: both paths
+    must give the same counts and leave the same state, whatever the batch split."""
+    ints = [k for k in keys if not isinstance(k, str)]
+    strs = [k for k in keys if not isinstance(k, int)]
+    for col, typ in ((ints, pa.int64()), (strs, pa.string())):
+        b = pa.record_batch({"k": pa.array(col, typ)})
+        runs = []
+        for loop_rows in (-1, 1 << 20):  # -1: always vectorised; huge: always the loop
+            saved, td.operators._LOOP_ROWS = td.operators._LOOP_ROWS, loop_rows
+            try:
+                op = td.CountPerKey()
+                op.open(OperatorContext("t", 0, 0, 1, key="k"))
+                at = min(cut, len(b))
+                outs = [op.on_batch(b.slice(0, at)), op.on_batch(b.slice(at))]
+            finally:
+                td.operators._LOOP_ROWS = saved
+            runs.append(([o["count"].to_pylist() for o in outs], list(op.state.items())))
+        assert runs[0] == runs[1]
+
+
 def test_join_snapshot_restore_and_left_fill():
     op = td.operators.Join("key", "left")
     ev = pa.record_batch({"key": pa.array([1, 2], pa.int64()), "event_time_ns": [0, 1]})

@@ -284,6 +284,44 @@ def test_next_times_out_with_none_and_delivery_fields():
         out.emit(rows(0, 1))
 
 
+class _CapsuleOnly:
+    """Rows behind the Arrow PyCapsule protocol only (not a pyarrow object)."""
+
+    def __init__(self, batch: pa.RecordBatch) -> None:
+        self.batch = batch
+
+    def __arrow_c_array__(self, requested_schema=None):
+        return self.batch.__arrow_c_array__(requested_schema)
+
+
+def test_batches_cross_the_boundary_intact_whatever_their_layout_and_schema():
+    """Batches move between pyarrow and Rust by their C data only once the schema is known:
+    slices, nulls, strings, nested types, schema metadata and a schema change mid-stream
+    all come out as they went in."""
+    plain = pa.record_batch(
+        {
+            "n": pa.array([1, None, 3, 4, 5], pa.int64()),
+            "s": pa.array(["a", None, "ccc", "", "e"]),
+            "l": pa.array([[1], [], None, [2, 3], [4]], pa.list_(pa.int32())),
+        }
+    )
+    tagged = plain.replace_schema_metadata({"origin": "test"})
+    other = pa.record_batch({"x": pa.array([0.5, 1.5], pa.float64())})
+    sent = [plain, plain.slice(1, 3), tagged, plain.slice(2), other, tagged.slice(4), plain]
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)], ordering="none") as ib:
+        out = _core.Outbox(JOB, SECRET, (TASK, 0, 0), [[(HOST, ib.port)]])
+        for b in sent:
+            out.emit(b)
+        out.emit(_CapsuleOnly(plain.slice(0, 2)))
+        got = [ib.next(timeout=10) for _ in range(len(sent) + 1)]
+        out.close()
+    for want, d in zip([*sent, plain.slice(0, 2)], got, strict=True):
+        assert d.kind == "data"
+        assert d.batch.equals(want, check_metadata=True), (want, d.batch)
+    with pytest.raises(ValueError, match="__arrow_c_array__"):
+        out.emit([1, 2, 3])
+
+
 def test_outbox_sends_each_emit_at_once_in_frames_cut_at_fixed_offsets():
     with _core.Inbox(JOB, SECRET, [(TASK, 0)], ordering="none") as ib:
         out = _core.Outbox(JOB, SECRET, (TASK, 0, 0), [[(HOST, ib.port)]], batch_rows=4)

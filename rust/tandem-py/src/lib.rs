@@ -1,11 +1,13 @@
 //! `tandem._core`: a thin PyO3 layer over tandem-core, one topic per file.
 //!
 //! Arrow crosses the boundary as PyCapsules (pyo3-arrow): a `pyarrow.RecordBatch` goes in
-//! and out without copying. Blocking calls release the GIL through [`gil::wait`], which
+//! and out without copying. On the hot path (a worker's batches to Python, an outbox's from
+//! it) only the rows cross, the schema converted once ([`batch`]). Blocking calls release the GIL through [`gil::wait`], which
 //! still honours Ctrl-C.
 
 use pyo3::prelude::*;
 
+mod batch;
 mod dedup;
 mod errors;
 mod gil;

@@ -23,6 +23,7 @@ use tandem_core::wire::{Identity, DEFAULT_MAX_FRAME_BYTES};
 use tandem_core::worker::Handle;
 use tandem_core::{Delivery as CoreDelivery, Error};
 
+use crate::batch::SchemaCache;
 use crate::errors::{ConfigError, IntoPyResult};
 use crate::gil;
 use crate::orderlog::{stats_dict, verdict_str};
@@ -436,6 +437,7 @@ pub struct Outbox {
     /// `next_seqs` as of the last completed call, readable while another thread is blocked
     /// in `emit` holding `inner` (back-pressure may last as long as the consumer sleeps).
     seqs: Mutex<Vec<u64>>,
+    schemas: SchemaCache,
 }
 
 impl Outbox {
@@ -538,6 +540,7 @@ impl Outbox {
         Ok(Outbox {
             seqs: Mutex::new(outbox.next_seqs().to_vec()),
             inner: Arc::new(Mutex::new(Some(outbox))),
+            schemas: SchemaCache::default(),
         })
     }
 
@@ -545,8 +548,8 @@ impl Outbox {
     /// `__arrow_c_array__`) and send each channel's part now, as frames of at most
     /// `batch_rows` rows. A batch that cannot be encoded or digested is refused whole
     /// (nothing sent). Blocks (GIL released) while a downstream queue is full.
-    fn emit(&self, py: Python<'_>, batch: PyRecordBatch) -> PyResult<()> {
-        let batch = batch.into_inner();
+    fn emit(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<()> {
+        let batch = self.schemas.import(py, batch)?;
         self.with(py, "emit", move |ob| ob.emit(&batch))
     }
 

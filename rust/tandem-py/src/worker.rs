@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use pyo3_arrow::PyRecordBatch;
 use tandem_core::sync::Doorbell;
 use tandem_core::worker::{SlotConfig, SourceClock, Work, Worker as CoreWorker};
 
+use crate::batch::SchemaCache;
 use crate::errors::{ConfigError, IntoPyResult};
 use crate::gil;
 use crate::transport::{Inbox, Outbox};
@@ -72,7 +72,7 @@ impl WorkItem {
     }
 }
 
-fn item(py: Python<'_>, work: Work) -> PyResult<WorkItem> {
+fn item(py: Python<'_>, cache: &SchemaCache, work: Work) -> PyResult<WorkItem> {
     let base = |kind, slot| WorkItem {
         kind,
         slot,
@@ -91,7 +91,7 @@ fn item(py: Python<'_>, work: Work) -> PyResult<WorkItem> {
         } => WorkItem {
             channel: Some(channel),
             first_seq: Some(first_seq),
-            batch: Some(PyRecordBatch::new(batch).into_pyarrow(py)?.unbind()),
+            batch: Some(cache.export(py, batch)?.unbind()),
             ..base("data", slot)
         },
         Work::Watermark { slot, epoch } => WorkItem {
@@ -117,6 +117,7 @@ fn item(py: Python<'_>, work: Work) -> PyResult<WorkItem> {
 pub struct Worker {
     inner: Mutex<CoreWorker>,
     bell: Arc<Doorbell>,
+    schemas: SchemaCache,
 }
 
 impl Worker {
@@ -147,6 +148,7 @@ impl Worker {
         Worker {
             bell: inner.bell(),
             inner: Mutex::new(inner),
+            schemas: SchemaCache::default(),
         }
     }
 
@@ -237,7 +239,7 @@ impl Worker {
             }
         })?
         .py()?;
-        got.map(|w| item(py, w)).transpose()
+        got.map(|w| item(py, &self.schemas, w)).transpose()
     }
 
     /// `{"heartbeats", "data", "watermarks", "credit_waits"}`.
