@@ -595,6 +595,11 @@ class Stream:
             )
         name = self.job._name(name, "sink")
         par = _positive_int(parallelism, f"sink {name!r}: parallelism")
+        if self.schema is not None:
+            try:
+                sink.check(self.schema)
+            except ConfigError as exc:
+                raise ConfigError(f"sink {name!r} ({sink.describe()}): {exc}") from exc
         self.job._add(
             _Node(
                 name, "sink", par, self.schema, self._inputs(0, self.key), sink=sink, key=self.key

@@ -38,6 +38,11 @@ class Sink(abc.ABC):
     def describe(self) -> str:
         return type(self).__name__
 
+    def check(self, schema: pa.Schema) -> None:
+        """Raise ConfigError if this sink cannot take a stream of ``schema`` (e.g. a
+        column it names is missing). ``Stream.sink()`` calls it, before anything runs."""
+        return None
+
     def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
         """Start writing partition ``partition`` of ``parallelism``."""
         self.partition = partition

@@ -159,6 +159,10 @@ class SparkEngine:
         sc = self.spark.sparkContext
         placement = plan.placement()
         check_cluster(self.spark, len(placement), self.spare_slots)
+        for task in plan.tasks:  # e.g. a staging directory only this machine can see
+            check_master = getattr(task.source or task.sink, "check_master", None)
+            if check_master is not None:
+                check_master(sc.master)
         if faults and not is_local(sc.master):
             raise ConfigError(
                 f"td.Kill needs the executors' processes on this machine (a local or "
