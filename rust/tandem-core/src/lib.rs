@@ -29,6 +29,7 @@ pub mod liverobin;
 pub mod merge;
 pub mod orderlog;
 pub mod outbox;
+pub mod socket;
 pub mod sync;
 pub mod transport;
 pub mod wire;

@@ -33,7 +33,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
@@ -49,6 +49,7 @@ use crate::digest::{to_hex, Digest};
 use crate::merge::{self, Merge, OrderingMode};
 use crate::orderlog::{OrderLog, OrderLogStats, Verdict};
 use crate::outbox::{Link, OutFrame};
+use crate::socket::{self, Listener, Stream};
 use crate::sync::Doorbell;
 use crate::wire::{self, Frame, FrameReader, Identity, Next};
 use crate::{Chunk, Delivery, Error, Item, Result};
@@ -274,7 +275,7 @@ pub struct ChannelStats {
 /// Counters of one connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnectionStats {
-    pub peer: SocketAddr,
+    pub peer: String,
     /// Who the peer proved to be (None if the handshake did not complete).
     pub identity: Option<Identity>,
     /// Frames read after the handshake.
@@ -312,7 +313,7 @@ struct ChannelCounters {
 }
 
 struct ConnCounters {
-    peer: SocketAddr,
+    peer: String,
     identity: Mutex<Option<Identity>>,
     frames: AtomicU64,
     bytes: AtomicU64,
@@ -321,7 +322,7 @@ struct ConnCounters {
     /// A second handle on the socket so `close()` can shut it down under a blocked reader.
     /// The reader drops it when it exits, so the socket really closes then (the peer sees
     /// it at once) rather than when the inbox goes away.
-    handle: Mutex<Option<TcpStream>>,
+    handle: Mutex<Option<Stream>>,
 }
 
 struct Conn {
@@ -363,6 +364,8 @@ pub struct Inbox {
     bell: Arc<Doorbell>,
     local_addr: SocketAddr,
     accept: Option<JoinHandle<()>>,
+    /// The accept thread of the Unix socket paired with `local_addr` (see [`socket`]).
+    local_accept: Option<JoinHandle<()>>,
 }
 
 impl Inbox {
@@ -406,11 +409,25 @@ impl Inbox {
             divergence_count: AtomicU64::new(0),
             bell: Arc::clone(&bell),
         });
+        let local = socket::listen_local(local_addr);
         let accept = {
             let shared = Arc::clone(&shared);
+            let listener = Listener::Tcp(listener);
             std::thread::Builder::new()
                 .name(format!("tandem-accept-{}", local_addr.port()))
                 .spawn(move || accept_loop(&shared, &listener))?
+        };
+        let local_accept = match local {
+            Some(l) => {
+                let shared = Arc::clone(&shared);
+                let listener = Listener::Unix(l);
+                Some(
+                    std::thread::Builder::new()
+                        .name(format!("tandem-accept-{}u", local_addr.port()))
+                        .spawn(move || accept_loop(&shared, &listener))?,
+                )
+            }
+            None => None,
         };
         let orders = matches!(cfg.ordering, OrderingMode::Positional)
             .then(|| Arc::new(Mutex::new(OrderLog::new(n))));
@@ -422,6 +439,7 @@ impl Inbox {
             bell,
             local_addr,
             accept: Some(accept),
+            local_accept,
         })
     }
 
@@ -541,7 +559,7 @@ impl Inbox {
             .map(|c| {
                 let k = &c.counters;
                 ConnectionStats {
-                    peer: k.peer,
+                    peer: k.peer.clone(),
                     identity: k.identity.lock().clone(),
                     frames: k.frames.load(Ordering::Relaxed),
                     bytes: k.bytes.load(Ordering::Relaxed),
@@ -578,8 +596,13 @@ impl Inbox {
                 IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
             });
         }
-        if TcpStream::connect_timeout(&wake, ACCEPT_WAKE_TIMEOUT).is_ok() {
+        if std::net::TcpStream::connect_timeout(&wake, ACCEPT_WAKE_TIMEOUT).is_ok() {
             let _ = accept.join();
+        }
+        if let Some(local) = self.local_accept.take() {
+            if socket::poke_local(wake) {
+                let _ = local.join();
+            }
         }
         // The accept thread has exited: no connection can be registered any more.
         let threads: Vec<JoinHandle<()>> = {
@@ -659,12 +682,12 @@ impl OrderFeed {
     }
 }
 
-fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
+fn accept_loop(shared: &Arc<Shared>, listener: &Listener) {
     while !shared.stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok(_) if shared.stop.load(Ordering::SeqCst) => return,
             Ok((stream, peer)) => {
-                if let Err(e) = start_connection(shared, stream, peer) {
+                if let Err(e) = start_connection(shared, stream, peer.clone()) {
                     eprintln!("tandem inbox: cannot serve connection from {peer}: {e}");
                 }
             }
@@ -678,9 +701,12 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     }
 }
 
-fn start_connection(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) -> Result<()> {
+fn start_connection(shared: &Arc<Shared>, stream: Stream, peer: String) -> Result<()> {
     stream.set_nonblocking(false)?;
-    stream.set_nodelay(true)?;
+    if let Stream::Tcp(s) = &stream {
+        s.set_nodelay(true)?;
+    }
+    let thread_name = format!("tandem-read-{peer}");
     stream.set_read_timeout(Some(shared.handshake_timeout))?;
     stream.set_write_timeout(Some(shared.handshake_timeout))?;
     let handle = stream.try_clone()?;
@@ -699,7 +725,7 @@ fn start_connection(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) -
         let shared = Arc::clone(shared);
         let counters = Arc::clone(&counters);
         std::thread::Builder::new()
-            .name(format!("tandem-read-{peer}"))
+            .name(thread_name)
             .spawn(move || serve(&shared, stream, &counters))?
     };
     conns.push(Conn {
@@ -744,9 +770,9 @@ enum ConnEnd {
 }
 
 /// One connection's reader thread.
-fn serve(shared: &Shared, stream: TcpStream, counters: &ConnCounters) {
+fn serve(shared: &Shared, stream: Stream, counters: &ConnCounters) {
     let end = serve_inner(shared, stream, counters);
-    let peer = counters.peer;
+    let peer = &counters.peer;
     match &end {
         ConnEnd::Eof | ConnEnd::Stopped => {}
         ConnEnd::Rejected(why) => {
@@ -764,7 +790,7 @@ fn serve(shared: &Shared, stream: TcpStream, counters: &ConnCounters) {
     counters.open.store(false, Ordering::SeqCst);
 }
 
-fn serve_inner(shared: &Shared, stream: TcpStream, counters: &ConnCounters) -> ConnEnd {
+fn serve_inner(shared: &Shared, stream: Stream, counters: &ConnCounters) -> ConnEnd {
     let mut stream = Counting {
         inner: stream,
         bytes: &counters.bytes,
@@ -949,7 +975,7 @@ fn offer(shared: &Shared, idx: usize, item: Item<RecordBatch>) -> Option<Item<Re
 
 /// Counts the bytes read through it.
 struct Counting<'a> {
-    inner: TcpStream,
+    inner: Stream,
     bytes: &'a AtomicU64,
 }
 
@@ -1013,7 +1039,7 @@ pub struct TcpLink {
     shared: Arc<LinkShared>,
     /// Receives one message when the writer thread is about to exit.
     done: Receiver<()>,
-    socket: TcpStream,
+    socket: Stream,
     writer: Option<JoinHandle<()>>,
     close_timeout: Duration,
     /// Frames that may wait for the writer thread before `send` blocks.
@@ -1068,13 +1094,11 @@ impl TcpLink {
         let deadline = Instant::now() + cfg.connect_timeout;
         let mut backoff = Duration::from_millis(5);
         let stream = loop {
-            let attempt =
-                TcpStream::connect_timeout(&target, cfg.handshake_timeout).and_then(|s| {
-                    s.set_nodelay(true)?;
-                    s.set_read_timeout(Some(cfg.handshake_timeout))?;
-                    s.set_write_timeout(Some(cfg.handshake_timeout))?;
-                    Ok(s)
-                });
+            let attempt = Stream::connect(target, cfg.handshake_timeout).and_then(|s| {
+                s.set_read_timeout(Some(cfg.handshake_timeout))?;
+                s.set_write_timeout(Some(cfg.handshake_timeout))?;
+                Ok(s)
+            });
             let err = match attempt
                 .map_err(Error::from)
                 .and_then(|mut s| wire::client_handshake(&mut s, me, secret).map(|()| s))
@@ -1205,7 +1229,7 @@ impl TcpLink {
 
 /// The writer thread: write what `send` queued, in order, blocking; on a clean close,
 /// half-close and wait for the peer to finish reading, so nothing queued is lost.
-fn write_loop(stream: &TcpStream, shared: &LinkShared, close_timeout: Duration) -> io::Result<()> {
+fn write_loop(stream: &Stream, shared: &LinkShared, close_timeout: Duration) -> io::Result<()> {
     let mut out = stream;
     loop {
         let (frame, written) = {
@@ -2063,7 +2087,7 @@ mod tests {
         };
         let good = upstream(addr, 0, 0, plan);
 
-        let mut garbage = TcpStream::connect(addr).unwrap();
+        let mut garbage = std::net::TcpStream::connect(addr).unwrap();
         let junk: Vec<u8> = (0..4096u32)
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
             .collect();
@@ -2136,7 +2160,7 @@ mod tests {
         let mut ib = inbox(1, OrderingMode::LiveRobin, 8);
         let addr = ib.local_addr();
         let dial = |replica| {
-            let mut s = TcpStream::connect(addr).unwrap();
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
             wire::client_handshake(&mut s, &identity(0, replica), SECRET).unwrap();
             s
         };
@@ -2186,7 +2210,7 @@ mod tests {
         let mut ib = inbox(1, OrderingMode::LiveRobin, 1);
         let addr = ib.local_addr();
         // A peer that connects and says nothing (stuck in the handshake).
-        let _silent = TcpStream::connect(addr).unwrap();
+        let _silent = std::net::TcpStream::connect(addr).unwrap();
         // A peer whose frames fill the queue: its reader waits for space forever.
         let mut ob = Outbox::new(
             Partitioner::Forward,
