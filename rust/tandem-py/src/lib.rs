@@ -2,13 +2,15 @@
 //!
 //! Arrow crosses the boundary as PyCapsules (pyo3-arrow): a `pyarrow.RecordBatch` goes in
 //! and out without copying. Blocking calls release the GIL through [`gil::wait`], which
-//! still honours Ctrl-C.
+//! still honours Ctrl-C. The core's log records reach Python's `logging` through
+//! [`logs`].
 
 use pyo3::prelude::*;
 
 mod dedup;
 mod errors;
 mod gil;
+mod logs;
 mod merge;
 mod orderlog;
 mod transport;
@@ -27,6 +29,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("build_profile", BUILD_PROFILE)?;
     errors::register(m)?;
+    logs::register(m)?;
     wire::register(m)?;
     dedup::register(m)?;
     merge::register(m)?;
