@@ -4,6 +4,7 @@ batches with ``tandem._core.Outbox``, downstream replicas receive them with
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -438,7 +439,8 @@ def test_divergent_replicas_make_next_raise_determinism_error():
         assert all_closed(ib)["divergence_count"] == 1, "cycles 1 and 3 agree"
 
 
-def test_divergent_replicas_under_log_are_reported_and_delivery_goes_on(capfd):
+def test_divergent_replicas_under_log_are_reported_and_delivery_goes_on(caplog):
+    caplog.set_level(logging.WARNING, logger="tandem")
     with _core.Inbox(JOB, SECRET, [(TASK, 0)], on_divergence="log") as ib:
         senders = Threads()
         for r in (0, 1):
@@ -453,8 +455,11 @@ def test_divergent_replicas_under_log_are_reported_and_delivery_goes_on(capfd):
         assert sorted(d["replicas"]) == [0, 1]
         first, second = d["digests"]
         assert len(first) == len(second) == 32 and first != second
+    tandem.logs.flush()
     lines = [
-        line for line in capfd.readouterr().err.splitlines() if "different output digests" in line
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "tandem.core.inbox" and "different output digests" in r.getMessage()
     ]
     assert len(lines) == 1 and "heartbeat cycle 2" in lines[0], lines
 

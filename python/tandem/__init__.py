@@ -5,7 +5,7 @@ same order; downstream keeps the first copy of every event, so a crashed replica
 masked: no output gap, no loss, no duplicates.
 """
 
-from tandem import _core, operators, sinks, sources
+from tandem import _core, logs, operators, sinks, sources
 from tandem.api import Job, Result, Stream
 from tandem.exceptions import (
     AuthenticationError,
@@ -47,6 +47,7 @@ __all__ = [
     "TaskFailed",
     "__version__",
     "build_profile",
+    "logs",
     "operators",
     "sinks",
     "sources",

@@ -223,12 +223,16 @@ class Inbox:
         handshake_timeout: float = 2.0,
         on_divergence: Literal["fail", "log"] = "fail",
         worker: Worker | None = None,
+        me: tuple[int, int, int] | None = None,
+        name: str | None = None,
     ) -> None:
         """``upstreams``: ``(task, partition)`` pairs; the position is the channel index.
         ``queue_capacity``: frames queued per channel before the readers stop reading (the
         back-pressure). ``port=0`` picks a free port (see ``port``). ``worker``: the
         ``Worker`` that will serve this inbox (``Worker.add_task``); its ``next()`` then
-        wakes on this inbox's input."""
+        wakes on this inbox's input. ``me``: ``(task, partition, replica)`` this inbox
+        receives for, and ``name`` how its log lines (logger ``tandem.core.inbox``) name
+        it; without ``me`` they name the inbox by its address."""
     @property
     def port(self) -> int: ...
     def next(self, timeout: float | None = None) -> Delivery | None:
@@ -324,10 +328,13 @@ class Outbox:
         batch_rows: int = 1024,
         connect_timeout: float = 10.0,
         queue_frames: int = 256,
+        name: str | None = None,
     ) -> None:
         """``me``: ``(task, partition, replica)``. ``downstream[c]``: ``(host, port)`` of
         each replica of downstream partition ``c``. ``queue_frames``: frames queued per
-        connection before ``emit`` blocks."""
+        connection before ``emit`` blocks. ``name``: how log lines (logger
+        ``tandem.core.outbox``) name this replica (default ``task T partition P replica
+        R``)."""
     def emit(self, batch: pa.RecordBatch) -> None:
         """Partition ``batch`` and send each channel's part now. A batch that cannot be
         encoded or digested is refused whole (nothing sent). Blocks (GIL released) while a
@@ -410,3 +417,20 @@ class Worker:
         the GIL while waiting; Ctrl-C interrupts."""
     def stats(self) -> dict[str, int]:
         """``{"heartbeats", "data", "watermarks", "credit_waits"}``."""
+
+def sync_level() -> None:
+    """Cache the effective level of the logger ``tandem.core`` as the Rust core's: records
+    below it are never formatted. Inbox and Outbox construction call it too."""
+
+def flush_logs(timeout: float = 5.0) -> bool:
+    """Wait (GIL released) until every Rust log record logged before the call has been
+    handed to ``logging``, at most ``timeout`` seconds; True if it was."""
+
+def shutdown_logs() -> None:
+    """Stop forwarding Rust log records (at interpreter exit; ``tandem.logs`` registers
+    it with ``atexit``)."""
+
+def _log_from_thread(
+    level: str, target: str, message: str, me: tuple[int, int, int] | None = None
+) -> None:
+    """Test hook: log ``message`` from a Rust thread that never holds the GIL."""

@@ -22,6 +22,31 @@ KILL_RE = re.compile(
 )
 
 
+def _log_level(value: str) -> int:
+    try:
+        return tandem.logs.parse_level(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def configure_logging(verbose: int = 0, log_level: int | str | None = None) -> int:
+    """Log to stderr at the level ``-v``/``--log-level`` ask for (else
+    ``$TANDEM_LOG_LEVEL``, else WARNING): tandem's own loggers at that level, other
+    libraries' at WARNING; worker processes inherit it through ``$TANDEM_LOG_LEVEL``.
+    Returns the level."""
+    if log_level is None and not verbose:
+        log_level = os.environ.get(tandem.logs.LEVEL_ENV) or None
+    try:
+        level = tandem.logs.cli_level(verbose, log_level)
+    except ValueError:  # a bad $TANDEM_LOG_LEVEL: the default
+        level = logging.WARNING
+    logging.basicConfig(level=logging.WARNING, format="tandem: %(levelname)s %(message)s")
+    logging.getLogger("tandem").setLevel(level)
+    os.environ[tandem.logs.LEVEL_ENV] = logging.getLevelName(level)
+    tandem.logs.sync_level()
+    return level
+
+
 def parse_kill(spec: str) -> tandem.Kill:
     """``TASK:PARTITION:REPLICA@SECONDS`` → ``td.Kill``."""
     m = KILL_RE.match(spec)
@@ -497,6 +522,21 @@ def _write_json(path: str | None, out: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=tandem.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tandem {tandem.__version__}")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log more: -v info (faults injected, connections lost), -vv debug (every link "
+        "dropped); workers too",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        metavar="LEVEL",
+        help="debug, info, warning (the default), error or critical; overrides -v. Also "
+        f"read from ${tandem.logs.LEVEL_ENV}",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the replicated demo pipeline and kill a replica")
@@ -588,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="tandem: %(levelname)s %(message)s")
+    configure_logging(args.verbose, args.log_level)
     try:
         return args.func(args)
     except argparse.ArgumentTypeError as exc:

@@ -120,6 +120,7 @@ class _Output:
         addresses: Addresses,
         secret: bytes,
         local: dict[ReplicaId, _core.Inbox],
+        name: str | None = None,
     ) -> None:
         down = plan.tasks[edge.downstream]
         targets = [
@@ -140,6 +141,7 @@ class _Output:
             partitioner=partitioner,
             key=None if single else edge.key,
             batch_rows=plan.batch_rows,
+            name=name,
         )
 
     def emit(self, batch: pa.RecordBatch | None) -> int:
@@ -207,6 +209,8 @@ class Replica:
             on_divergence=self.plan.on_divergence,
             host=host,
             worker=self.core,
+            me=self.me,
+            name=self.name,
         )
         if ordering == "kazoo":
             if self.kazoo is None:
@@ -234,7 +238,7 @@ class Replica:
         t, p, r = self.me
         self.t0_ns = t0_ns
         self.outputs += [
-            _Output(self.plan, self.me, e, addresses, self.secret, local)
+            _Output(self.plan, self.me, e, addresses, self.secret, local, self.name)
             for e in self.plan.output_edges(t, p)
         ]
         boxes = [o.outbox for o in self.outputs]

@@ -47,6 +47,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tandem import logs
 from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options
 from tandem.engines.local import STARTUP_S
@@ -196,7 +197,9 @@ class SparkEngine:
             zoo=zoo,
             warmup=warmup,
         )
-        udf = _worker_main(plan, secret, registry.address, host, schema, collect, zoo)
+        udf = _worker_main(
+            plan, secret, registry.address, host, schema, collect, zoo, logs.driver_level()
+        )
         with registry, _driver_path_on_workers(sc, local):
             df = self._placement(plan, placement).mapInArrow(udf, _spark_schema(schema))
             sc.addJobTag(tag)
@@ -341,9 +344,11 @@ def _spark_schema(schema: pa.Schema):
         ) from exc
 
 
-def _worker_main(plan, secret, registry_address, host, schema, collect, zoo):
+def _worker_main(plan, secret, registry_address, host, schema, collect, zoo, log_level):
     """The Arrow-backed UDF for ``mapInArrow``; everything it needs travels in its closure
-    (cloudpickle), the job secret included."""
+    (cloudpickle), the job secret included. The worker logs to its executor's stderr (the
+    driver's console on a local master) at the driver's ``log_level``, as ``tandem[worker
+    N] LEVEL logger: message``."""
     index = {rid: i for i, rid in enumerate(plan.replicas())}
 
     def worker_main(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -359,11 +364,13 @@ def _worker_main(plan, secret, registry_address, host, schema, collect, zoo):
             answer = reg.receive(conn, "worker identity")
             if answer[0] == "retire":
                 return
-            _, _, rids = answer
+            _, w, rids = answer
+            logs.configure_worker(w, log_level)
             worker = Worker(plan, [tuple(rid) for rid in rids], secret, kazoo=zoo)
             conn.send(("bound", worker.bind(bind_host)))
             _, addresses, t0_ns, duration, warmup = reg.receive(conn, "start signal")
             reports = worker.run(addresses, t0_ns, duration, warmup)
+            logs.flush(1.0)
             failures = [(rid, r.error, r.diverged) for rid, r in reports.items() if r.error]
             conn.send(("done", failures))
         for rid, report in reports.items():

@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -36,6 +37,7 @@ from typing import Any
 import cloudpickle
 import psutil
 
+from tandem import logs
 from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options, multiset_diff
 from tandem.exceptions import ConfigError, TandemError, TaskFailed
@@ -90,17 +92,24 @@ def serve(plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooRu
     if msg[0] != "go":
         return
     _, addresses, t0_ns, duration, warmup = msg
-    conn.send(("done", worker.run(addresses, t0_ns, duration, warmup)))
+    reports = worker.run(addresses, t0_ns, duration, warmup)
+    # The coordinator may stop this process once it has the reports: hand what the core
+    # logged to logging first.
+    logs.flush(1.0)
+    conn.send(("done", reports))
 
 
 def _worker_env() -> dict[str, str]:
     """The environment of a worker process: this one's, with the folder tandem was
-    imported from on PYTHONPATH unless the interpreter finds it anyway (site-packages)."""
+    imported from on PYTHONPATH unless the interpreter finds it anyway (site-packages),
+    and the log level (``TANDEM_LOG_LEVEL``) of this process's ``tandem`` logger unless it
+    is set already."""
     import site
 
     import tandem
 
     env = dict(os.environ)
+    env[logs.LEVEL_ENV] = logs.driver_level()
     root = os.path.dirname(os.path.dirname(os.path.abspath(tandem.__file__)))
     default = set(site.getsitepackages()) | {site.getusersitepackages()}
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -110,9 +119,11 @@ def _worker_env() -> dict[str, str]:
 
 
 class _Process:
-    """A worker process (``python -m tandem.engines.worker``) and its end of the link."""
+    """A worker process (``python -m tandem.engines.worker``) and its end of the link.
+    ``relay``: its stderr comes through a pipe and is written line by line above the
+    progress bar (:func:`_relay`) instead of across it."""
 
-    def __init__(self, payload: tuple, env: dict[str, str]) -> None:
+    def __init__(self, payload: tuple, env: dict[str, str], worker: int, relay: bool) -> None:
         mine, theirs = socket.socketpair()
         try:
             self.popen = subprocess.Popen(
@@ -122,9 +133,11 @@ class _Process:
                     "tandem.engines.worker",
                     str(theirs.fileno()),
                     str(os.getpid()),
+                    str(worker),
                 ],
                 pass_fds=(theirs.fileno(),),
                 env=env,
+                stderr=subprocess.PIPE if relay else None,
             )
         except BaseException:
             mine.close()
@@ -134,6 +147,12 @@ class _Process:
         self.conn = Connection(mine.detach())
         self.pid = self.popen.pid
         self.payload = payload
+        self.relay: threading.Thread | None = None
+        if relay:
+            self.relay = threading.Thread(
+                target=_relay, args=(self.popen.stderr,), name=f"tandem-relay-{worker}", daemon=True
+            )
+            self.relay.start()
 
     def send_payload(self) -> None:
         """Send the job (a worker that already died shows as EOF on the link)."""
@@ -156,6 +175,18 @@ class _Process:
     def join(self, timeout: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout)
+        if self.relay is not None and self.popen.poll() is not None:
+            self.relay.join(timeout)  # its last lines, up to the exit
+
+
+def _relay(pipe) -> None:
+    """Copy a worker's stderr to ours line by line through ``tqdm.write``, which clears the
+    progress bar, writes the line and draws the bar again, until the worker exits."""
+    from tqdm import tqdm
+
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            tqdm.write(raw.decode(errors="replace").rstrip("\n"), file=sys.stderr)
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -267,8 +298,9 @@ class LocalEngine:
         run = _Run(plan, duration, list(faults), progress, host, zoo, warmup)
         try:
             try:
-                run.start()
-                run.watch(timeout if timeout is not None else duration + 60.0, cost)
+                with _above_the_bar(progress):
+                    run.start()
+                    run.watch(timeout if timeout is not None else duration + 60.0, cost)
             finally:
                 run.stop()
             cost.finish()
@@ -279,6 +311,16 @@ class LocalEngine:
         finally:
             if zoo is not None:
                 kazoo.cleanup(zoo)
+
+
+def _above_the_bar(progress: bool):
+    """While the progress bar is drawn, this process's console log handlers (on the root
+    logger and on ``tandem``) write through tqdm, above the bar instead of across it."""
+    if not progress:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm(loggers=[logging.root, logging.getLogger("tandem")])
 
 
 class _Run:
@@ -323,7 +365,9 @@ class _Run:
         blob = cloudpickle.dumps(self.plan)
         env = _worker_env()
         for w, rids in enumerate(self.placement):
-            proc = _Process((list(sys.path), blob, rids, self.secret, self.zoo), env)
+            proc = _Process(
+                (list(sys.path), blob, rids, self.secret, self.zoo), env, w, relay=self.progress
+            )
             self.procs[w], self.conns[w] = proc, proc.conn
         for proc in self.procs.values():
             proc.send_payload()

@@ -1,4 +1,5 @@
-"""A worker process of the local engine: ``python -m tandem.engines.worker FD PARENT_PID``.
+"""A worker process of the local engine: ``python -m tandem.engines.worker FD PARENT_PID
+[WORKER]``.
 
 The coordinator (:mod:`tandem.engines.local`) starts this module as a fresh interpreter
 rather than with ``multiprocessing``, so that the user's main script is never imported
@@ -8,6 +9,8 @@ The coordinator first sends ``(sys.path, plan, rids, secret, kazoo)``, the plan 
 cloudpickle blob — functions, lambdas and closures defined in ``__main__`` travel by
 value, those of importable modules by reference, found through the coordinator's
 ``sys.path``. Then the ready/go/done exchange of :func:`tandem.engines.local.serve`.
+``WORKER`` (the worker's index) names the process in its log lines, which go to stderr at
+the level in ``TANDEM_LOG_LEVEL`` (:func:`tandem.logs.configure_worker`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl-C
     argv = sys.argv[1:] if argv is None else argv
     fd, parent = int(argv[0]), int(argv[1])
+    worker = argv[2] if len(argv) > 2 else "?"
 
+    from tandem import logs
     from tandem.engines import local
+
+    logs.configure_worker(worker)
 
     local.die_with_parent()
     if os.getppid() != parent:  # the coordinator died before we asked to die with it

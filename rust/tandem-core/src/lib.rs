@@ -17,6 +17,8 @@
 //! * [`transport`] — TCP listener/dialers on I/O threads, bounded queues, blocking `next()`.
 //! * [`worker`] — one thread serving many task replicas: watermarks, heartbeat forwarding
 //!   and source clocks without waking the host language.
+//! * [`logs`] — what the core logs (through the `log` facade), under which target, naming
+//!   which replica.
 //!
 //! Sequence numbers are `u64` and count *every* element of a channel, data rows and
 //! heartbeats alike (DESIGN §2, invariant 1).
@@ -26,6 +28,7 @@ pub mod digest;
 pub mod error;
 pub mod item;
 pub mod liverobin;
+pub mod logs;
 pub mod merge;
 pub mod orderlog;
 pub mod outbox;

@@ -30,10 +30,12 @@ use arrow_array::types::{
 };
 use arrow_array::{Array, ArrayRef, ArrowPrimitiveType, RecordBatch, UInt32Array};
 use arrow_schema::DataType;
+use log::Level;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::digest::{CycleDigest, Digest};
 use crate::item::Item;
+use crate::logs::{log_replica, ReplicaTag, OUTBOX};
 use crate::wire;
 use crate::{Error, Result};
 
@@ -153,6 +155,13 @@ pub trait Link: Send {
     fn describe(&self) -> String {
         "link".to_owned()
     }
+
+    /// Whether the link failed because the peer closed its end (a downstream replica that
+    /// finished on its twins' copies, or one that is gone) rather than for a reason worth
+    /// a warning. The outbox logs the first at debug level only. The default is false.
+    fn peer_closed(&self) -> bool {
+        false
+    }
 }
 
 /// Frame policy of an [`Outbox`].
@@ -206,6 +215,8 @@ pub struct Outbox {
     /// Links write only on [`Outbox::push`] (a worker's outboxes: see
     /// [`Outbox::defer_writes`]); otherwise at the end of every call that sends.
     deferred: bool,
+    /// The replica this outbox sends for, as its log lines name it.
+    me: Option<ReplicaTag>,
 }
 
 impl Outbox {
@@ -255,7 +266,15 @@ impl Outbox {
             digests: VecDeque::new(),
             ended: false,
             deferred: false,
+            me: None,
         })
+    }
+
+    /// Name the replica this outbox sends for in its log lines (see [`crate::logs`]).
+    #[must_use]
+    pub fn tagged(mut self, me: ReplicaTag) -> Self {
+        self.me = Some(me);
+        self
     }
 
     /// Number of output channels.
@@ -327,7 +346,7 @@ impl Outbox {
                     digest: None,
                     bytes: frame.bytes,
                 };
-                if let Err(e) = send_all(c, &mut ch.links, &out) {
+                if let Err(e) = send_all(self.me.as_ref(), c, &mut ch.links, &out) {
                     first_err.get_or_insert(e);
                 }
             }
@@ -377,7 +396,7 @@ impl Outbox {
     /// as on `send`; a channel left with no live link fails the next call that sends on it.
     pub fn push(&mut self) {
         for (c, ch) in self.channels.iter_mut().enumerate() {
-            retain_live(c, &mut ch.links, |link| link.push());
+            retain_live(self.me.as_ref(), c, &mut ch.links, |link| link.push());
         }
     }
 
@@ -425,7 +444,19 @@ impl Outbox {
         for ch in &mut self.channels {
             for mut link in ch.links.drain(..) {
                 if let Err(e) = link.close() {
-                    eprintln!("tandem outbox: closing {} failed: {e}", link.describe());
+                    let level = if link.peer_closed() {
+                        Level::Debug
+                    } else {
+                        Level::Warn
+                    };
+                    log_replica!(
+                        level,
+                        OUTBOX,
+                        self.me.as_ref(),
+                        "{}: closing the link to {} failed: {e}",
+                        who(self.me.as_ref()),
+                        link.describe()
+                    );
                 }
             }
         }
@@ -484,7 +515,7 @@ impl Outbox {
             };
             ch.next_seq += 1;
             self.seqs[c] = ch.next_seq;
-            if let Err(e) = send_all(c, &mut ch.links, &out) {
+            if let Err(e) = send_all(self.me.as_ref(), c, &mut ch.links, &out) {
                 first_err.get_or_insert(e);
             }
         }
@@ -563,11 +594,16 @@ fn frames(
 
 /// Send `frame` to every link of channel `c`; a link that fails is dropped (logged). Only
 /// a channel left with no live link is an error: nobody can receive its output.
-fn send_all(c: usize, links: &mut Vec<Box<dyn Link>>, frame: &OutFrame) -> Result<()> {
+fn send_all(
+    me: Option<&ReplicaTag>,
+    c: usize,
+    links: &mut Vec<Box<dyn Link>>,
+    frame: &OutFrame,
+) -> Result<()> {
     if links.is_empty() {
         return Err(closed_channel(c));
     }
-    retain_live(c, links, |link| link.send(frame));
+    retain_live(me, c, links, |link| link.send(frame));
     if links.is_empty() {
         Err(closed_channel(c))
     } else {
@@ -576,8 +612,11 @@ fn send_all(c: usize, links: &mut Vec<Box<dyn Link>>, frame: &OutFrame) -> Resul
 }
 
 /// Apply `op` to every link of channel `c`, dropping (and logging) each one it fails on:
-/// that peer is gone for good, and the other replicas of its partition keep receiving.
+/// that peer is gone for good, and the other replicas of its partition keep receiving. A
+/// peer that closed its end is logged at debug level: a downstream replica that finished
+/// on its twins' copies does that, and a lost one is the engine's to report.
 fn retain_live(
+    me: Option<&ReplicaTag>,
     c: usize,
     links: &mut Vec<Box<dyn Link>>,
     mut op: impl FnMut(&mut Box<dyn Link>) -> Result<()>,
@@ -585,14 +624,28 @@ fn retain_live(
     links.retain_mut(|link| match op(link) {
         Ok(()) => true,
         Err(e) => {
-            eprintln!(
-                "tandem outbox: dropping {} of output channel {c}: {e}; the other replicas of that \
+            let level = if link.peer_closed() {
+                Level::Debug
+            } else {
+                Level::Warn
+            };
+            log_replica!(
+                level,
+                OUTBOX,
+                me,
+                "{}: dropping {} of output channel {c}: {e}; the other replicas of that \
                  partition keep receiving",
+                who(me),
                 link.describe()
             );
             false
         }
     });
+}
+
+/// How a log line names the sending replica.
+fn who(me: Option<&ReplicaTag>) -> &str {
+    me.map_or("outbox", |m| m.name.as_str())
 }
 
 fn closed_channel(c: usize) -> Error {

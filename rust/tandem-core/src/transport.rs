@@ -42,10 +42,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use arrow_array::RecordBatch;
+use log::Level;
 use parking_lot::{Condvar, Mutex};
 
 use crate::dedup::{self, DedupReceiver, DedupSender, Offer};
 use crate::digest::{to_hex, Digest};
+use crate::logs::{log_replica, ReplicaTag, INBOX};
 use crate::merge::{self, Merge, OrderingMode};
 use crate::orderlog::{OrderLog, OrderLogStats, Verdict};
 use crate::outbox::{Link, OutFrame};
@@ -197,6 +199,9 @@ pub struct InboxConfig {
     /// The doorbell rung when input arrives; None: the inbox's own. The inboxes of one
     /// worker share one, so the worker sleeps on all of them at once.
     pub bell: Option<Arc<Doorbell>>,
+    /// The replica this inbox receives for, as its log lines name it; None: they name the
+    /// inbox by its address.
+    pub me: Option<ReplicaTag>,
 }
 
 impl InboxConfig {
@@ -220,6 +225,7 @@ impl InboxConfig {
             handshake_timeout: Duration::from_secs(2),
             on_divergence: OnDivergence::Fail,
             bell: None,
+            me: None,
         }
     }
 
@@ -352,6 +358,10 @@ struct Shared {
     divergence_count: AtomicU64,
     /// Wakes the consumer when a divergence must fail it.
     bell: Arc<Doorbell>,
+    /// The replica this inbox receives for (log lines).
+    me: Option<ReplicaTag>,
+    /// How log lines name this inbox: its replica's name, or its address.
+    who: String,
 }
 
 /// The receiving side of one task partition replica. See the module documentation.
@@ -408,6 +418,11 @@ impl Inbox {
             divergences: Mutex::new(Vec::new()),
             divergence_count: AtomicU64::new(0),
             bell: Arc::clone(&bell),
+            who: cfg
+                .me
+                .as_ref()
+                .map_or_else(|| format!("inbox at {local_addr}"), |m| m.name.clone()),
+            me: cfg.me,
         });
         let local = socket::listen_local(local_addr);
         let accept = {
@@ -688,13 +703,25 @@ fn accept_loop(shared: &Arc<Shared>, listener: &Listener) {
             Ok(_) if shared.stop.load(Ordering::SeqCst) => return,
             Ok((stream, peer)) => {
                 if let Err(e) = start_connection(shared, stream, peer.clone()) {
-                    eprintln!("tandem inbox: cannot serve connection from {peer}: {e}");
+                    log_replica!(
+                        Level::Warn,
+                        INBOX,
+                        shared.me.as_ref(),
+                        "{}: cannot serve the connection from {peer}: {e}",
+                        shared.who
+                    );
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 // E.g. out of file descriptors: back off instead of spinning.
-                eprintln!("tandem inbox: accept failed: {e}");
+                log_replica!(
+                    Level::Warn,
+                    INBOX,
+                    shared.me.as_ref(),
+                    "{}: accepting a connection failed: {e}",
+                    shared.who
+                );
                 std::thread::sleep(POLL);
             }
         }
@@ -765,25 +792,64 @@ enum ConnEnd {
     Stopped,
     /// Refused before any frame was accepted (counted as rejected).
     Rejected(String),
-    /// A failure after the handshake.
+    /// A failure after the handshake: a frame that does not decode, a mis-wired sender.
     Failed(String),
+    /// The sender went away mid-stream (reset, or a frame cut short): a crash its twins
+    /// mask, not a protocol problem.
+    Lost(String),
 }
 
 /// One connection's reader thread.
 fn serve(shared: &Shared, stream: Stream, counters: &ConnCounters) {
     let end = serve_inner(shared, stream, counters);
     let peer = &counters.peer;
+    let me = shared.me.as_ref();
+    let sender = || {
+        counters.identity.lock().as_ref().map_or_else(
+            || peer.to_string(),
+            |id| {
+                format!(
+                    "upstream task {} partition {} replica {} at {peer}",
+                    id.task, id.partition, id.replica
+                )
+            },
+        )
+    };
     match &end {
         ConnEnd::Eof | ConnEnd::Stopped => {}
         ConnEnd::Rejected(why) => {
             shared.rejected.fetch_add(1, Ordering::Relaxed);
-            eprintln!("tandem inbox: rejected connection from {peer}: {why}");
+            log_replica!(
+                Level::Warn,
+                INBOX,
+                me,
+                "{}: rejected a connection from {peer}: {why}",
+                shared.who
+            );
         }
         ConnEnd::Failed(why) => {
-            eprintln!("tandem inbox: closed connection from {peer}: {why}");
+            log_replica!(
+                Level::Warn,
+                INBOX,
+                me,
+                "{}: closed the connection from {}: {why}",
+                shared.who,
+                sender()
+            );
+        }
+        ConnEnd::Lost(why) => {
+            log_replica!(
+                Level::Info,
+                INBOX,
+                me,
+                "{}: lost the connection from {}: {why}; the other replicas of that partition \
+                 keep sending",
+                shared.who,
+                sender()
+            );
         }
     }
-    if let ConnEnd::Rejected(why) | ConnEnd::Failed(why) = end {
+    if let ConnEnd::Rejected(why) | ConnEnd::Failed(why) | ConnEnd::Lost(why) = end {
         *counters.error.lock() = Some(why);
     }
     drop(counters.handle.lock().take());
@@ -839,14 +905,19 @@ fn serve_inner(shared: &Shared, stream: Stream, counters: &ConnCounters) -> Conn
             }
             Ok(None) => return ConnEnd::Eof,
             Err(_) if shared.stop.load(Ordering::SeqCst) => return ConnEnd::Stopped,
+            Err(e) if sender_lost(&e) => return ConnEnd::Lost(e.to_string()),
             Err(e) => return ConnEnd::Failed(e.to_string()),
         };
         counters.frames.fetch_add(1, Ordering::Relaxed);
         if let Frame::Order { .. } = frame {
             if !shared.order_frames_logged.swap(true, Ordering::Relaxed) {
-                eprintln!(
-                    "tandem inbox: ignoring order frames from {}: orders travel on the KaZoo \
-                     order log, never on replica connections (logged once)",
+                log_replica!(
+                    Level::Warn,
+                    INBOX,
+                    shared.me.as_ref(),
+                    "{}: ignoring order frames from {}: orders travel on the KaZoo order log, \
+                     never on replica connections (logged once)",
+                    shared.who,
                     counters.peer
                 );
             }
@@ -873,6 +944,28 @@ fn serve_inner(shared: &Shared, stream: Stream, counters: &ConnCounters) -> Conn
             return ConnEnd::Stopped;
         }
     }
+}
+
+/// Whether a read error means the sender went away (its process died, or it reset the
+/// connection) rather than that it sent something wrong.
+fn sender_lost(e: &Error) -> bool {
+    match e {
+        Error::Io(io) => peer_gone(io.kind()),
+        Error::Protocol(crate::error::ProtocolError::Truncated { .. }) => true,
+        _ => false,
+    }
+}
+
+/// The I/O errors of a connection whose peer closed or reset it.
+fn peer_gone(kind: io::ErrorKind) -> bool {
+    matches!(
+        kind,
+        io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::UnexpectedEof
+    )
 }
 
 /// Every connection of one upstream partition must use one wire channel number: a second
@@ -919,10 +1012,14 @@ fn check_digest(shared: &Shared, idx: usize, replica: u32, epoch: u64, digest: D
         OnDivergence::Fail => shared.bell.ring(),
         OnDivergence::Log => {
             if !shared.divergence_logged[idx].swap(true, Ordering::Relaxed) {
-                eprintln!(
-                    "tandem inbox: {d}; the operator of task {} is not deterministic for a \
-                     given input batch (on_divergence=\"log\": the job keeps running; later \
-                     divergences on this input are only counted)",
+                log_replica!(
+                    Level::Warn,
+                    INBOX,
+                    shared.me.as_ref(),
+                    "{}: {d}; the operator of task {} is not deterministic for a given input \
+                     batch (on_divergence=\"log\": the job keeps running; later divergences on \
+                     this input are only counted)",
+                    shared.who,
                     d.upstream.0
                 );
             }
@@ -1073,6 +1170,8 @@ struct WriteState {
     closing: bool,
     /// Why writing failed, once it did.
     failure: Option<String>,
+    /// The failure was the peer closing or resetting the connection.
+    peer_closed: bool,
 }
 
 impl TcpLink {
@@ -1134,7 +1233,11 @@ impl TcpLink {
                 .name(format!("tandem-write-{addr}"))
                 .spawn(move || {
                     if let Err(e) = write_loop(&stream, &shared, close_timeout) {
-                        shared.state.lock().failure.get_or_insert(e.to_string());
+                        let mut st = shared.state.lock();
+                        if st.failure.is_none() {
+                            st.failure = Some(e.to_string());
+                            st.peer_closed = peer_gone(e.kind());
+                        }
                     }
                     shared.space.notify_all(); // a sender blocked on a full queue fails now
                     let _ = done_tx.send(());
@@ -1177,6 +1280,7 @@ impl TcpLink {
                 Ok(n) if n == bytes.len() => return Ok(()),
                 Ok(n) => n,
                 Err(e) => {
+                    st.peer_closed = peer_gone(e.kind());
                     let why = st.failure.insert(e.to_string()).clone();
                     shared.work.notify_one();
                     return Err(self.dead(Some(&why)));
@@ -1350,6 +1454,10 @@ impl Link for TcpLink {
     fn describe(&self) -> String {
         format!("downstream replica at {}", self.peer)
     }
+
+    fn peer_closed(&self) -> bool {
+        self.shared.state.lock().peer_closed
+    }
 }
 
 impl Drop for TcpLink {
@@ -1428,6 +1536,10 @@ impl Link for LocalLink {
     fn describe(&self) -> String {
         format!("downstream replica at {} (in this worker)", self.peer)
     }
+
+    fn peer_closed(&self) -> bool {
+        self.shared.stop.load(Ordering::SeqCst)
+    }
 }
 
 #[cfg(test)]
@@ -1442,6 +1554,7 @@ mod tests {
     use arrow_schema::{DataType, Field, Schema};
 
     use crate::digest::to_hex;
+    use crate::logs::ReplicaTag;
     use crate::outbox::{Outbox, OutboxConfig, Partitioner};
 
     const JOB: &str = "job-7";
@@ -2153,6 +2266,76 @@ mod tests {
             "{errors:?}"
         );
         drop(garbage);
+    }
+
+    #[test]
+    fn a_rejected_handshake_is_a_warning_naming_the_replica() {
+        crate::logs::capture::install();
+        let mut cfg = InboxConfig::new(JOB, SECRET, vec![(TASK, 0)]);
+        cfg.me = Some(ReplicaTag::new(4, 2, 1).named("logtest-reject"));
+        let ib = Inbox::bind(cfg).unwrap();
+        let link_cfg = LinkConfig {
+            connect_timeout: Duration::from_secs(5),
+            ..LinkConfig::default()
+        };
+        let r = TcpLink::connect(
+            &ib.local_addr().to_string(),
+            &identity(0, 0),
+            b"guess",
+            &link_cfg,
+        );
+        assert!(matches!(r, Err(Error::Handshake(_))), "{:?}", r.err());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let got = loop {
+            let got = crate::logs::capture::matching("logtest-reject: rejected a connection");
+            if !got.is_empty() || Instant::now() > deadline {
+                break got;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].level, log::Level::Warn);
+        assert_eq!(got[0].target, "tandem.core.inbox");
+        assert_eq!(got[0].kv("task"), Some("4"));
+        assert_eq!(got[0].kv("partition"), Some("2"));
+        assert_eq!(got[0].kv("replica"), Some("1"));
+        assert!(got[0].message.contains("handshake"), "{got:?}");
+    }
+
+    #[test]
+    fn a_downstream_that_closed_is_dropped_at_debug_level() {
+        crate::logs::capture::install();
+        let mut ib = inbox(1, OrderingMode::LiveRobin, 4);
+        let l = link(ib.local_addr(), &identity(0, 0));
+        let mut ob = Outbox::new(
+            Partitioner::Forward,
+            vec![vec![l]],
+            OutboxConfig { batch_rows: 64 },
+        )
+        .unwrap()
+        .tagged(ReplicaTag::new(TASK, 0, 0).named("logtest-finished"));
+        // The downstream replica finished (on its twin's copies, say) and closed its end.
+        ib.close();
+        drop(ib);
+        let mut failed = false;
+        for i in 0..2000 {
+            if ob.emit(&fat_rows(i * 64..(i + 1) * 64)).is_err() {
+                failed = true;
+                break;
+            }
+        }
+        assert!(failed, "sending to a closed inbox kept succeeding");
+        ob.close();
+        let got = crate::logs::capture::matching("logtest-finished");
+        assert!(!got.is_empty(), "the dropped link was not logged");
+        assert!(
+            got.iter().all(|c| c.level == log::Level::Debug),
+            "a peer that closed its end is not a warning: {got:?}"
+        );
+        assert!(
+            got[0].message.contains("dropping downstream replica"),
+            "{got:?}"
+        );
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //!
 //! Arrow crosses the boundary as PyCapsules (pyo3-arrow): a `pyarrow.RecordBatch` goes in
 //! and out without copying. On the hot path (a worker's batches to Python, an outbox's from
-//! it) only the rows cross, the schema converted once ([`batch`]). Blocking calls release the GIL through [`gil::wait`], which
-//! still honours Ctrl-C.
+//! it) only the rows cross, the schema converted once ([`batch`]). Blocking calls release
+//! the GIL through [`gil::wait`], which still honours Ctrl-C. The core's log records reach
+//! Python's `logging` through [`logs`].
 
 use pyo3::prelude::*;
 
@@ -11,6 +12,7 @@ mod batch;
 mod dedup;
 mod errors;
 mod gil;
+mod logs;
 mod merge;
 mod orderlog;
 mod transport;
@@ -29,6 +31,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("build_profile", BUILD_PROFILE)?;
     errors::register(m)?;
+    logs::register(m)?;
     wire::register(m)?;
     dedup::register(m)?;
     merge::register(m)?;

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3_arrow::PyRecordBatch;
 use tandem_core::digest::to_hex;
+use tandem_core::logs::{ReplicaTag, OUTBOX};
 use tandem_core::merge::OrderingMode;
 use tandem_core::outbox::{Link, Outbox as CoreOutbox, OutboxConfig, Partitioner};
 use tandem_core::transport::{
@@ -49,6 +50,23 @@ fn arg_at_least_1(name: &str, v: i64) -> PyResult<usize> {
         return Err(config_err(format!("{name} must be ≥ 1, got {v}")));
     }
     usize::try_from(v).map_err(|_| config_err(format!("{name} is too large: {v}")))
+}
+
+/// The tag of the replica `me` (task, partition, replica) for log lines, named `name` if
+/// given.
+fn replica_tag(me: Option<(i64, i64, i64)>, name: Option<String>) -> PyResult<Option<ReplicaTag>> {
+    let Some((t, p, r)) = me else {
+        return Ok(None);
+    };
+    let tag = ReplicaTag::new(
+        arg_u32("me task", t)?,
+        arg_u32("me partition", p)?,
+        arg_u32("me replica", r)?,
+    );
+    Ok(Some(match name {
+        Some(n) => tag.named(n),
+        None => tag,
+    }))
 }
 
 fn arg_seconds(name: &str, v: f64) -> PyResult<Duration> {
@@ -182,7 +200,7 @@ impl Inbox {
     #[pyo3(signature = (job, secret, upstreams, ordering = "liverobin", queue_capacity = 1024,
                         max_frame_bytes = DEFAULT_MAX_FRAME_BYTES as i64, host = "127.0.0.1",
                         port = 0, handshake_timeout = 2.0, on_divergence = "fail",
-                        worker = None))]
+                        worker = None, me = None, name = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -197,7 +215,10 @@ impl Inbox {
         handshake_timeout: f64,
         on_divergence: &str,
         worker: Option<PyRef<'_, crate::worker::Worker>>,
+        me: Option<(i64, i64, i64)>,
+        name: Option<String>,
     ) -> PyResult<Self> {
+        crate::logs::sync_level(py)?;
         let ordering = match ordering {
             "liverobin" => OrderingMode::LiveRobin,
             "none" => OrderingMode::None,
@@ -238,6 +259,7 @@ impl Inbox {
         cfg.handshake_timeout = arg_seconds("handshake_timeout", handshake_timeout)?;
         cfg.on_divergence = OnDivergence::parse(on_divergence).py()?;
         cfg.bell = worker.map(|w| w.bell());
+        cfg.me = replica_tag(me, name)?;
         let inbox = py.detach(|| CoreInbox::bind(cfg)).py()?;
         let port = inbox.local_addr().port();
         Ok(Inbox {
@@ -464,7 +486,8 @@ impl Outbox {
 impl Outbox {
     #[new]
     #[pyo3(signature = (job, secret, me, downstream, partitioner = "forward", key = None,
-                        batch_rows = 1024, connect_timeout = 10.0, queue_frames = 256))]
+                        batch_rows = 1024, connect_timeout = 10.0, queue_frames = 256,
+                        name = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -477,7 +500,10 @@ impl Outbox {
         batch_rows: i64,
         connect_timeout: f64,
         queue_frames: i64,
+        name: Option<String>,
     ) -> PyResult<Self> {
+        crate::logs::sync_level(py)?;
+        let tag = replica_tag(Some(me), name)?;
         let partitioner = Partitioner::parse(partitioner, key).py()?;
         let me = Identity {
             job: job.to_owned(),
@@ -533,8 +559,12 @@ impl Outbox {
         }
         let secret = secret.to_vec();
         let outbox = py.detach(move || -> tandem_core::Result<CoreOutbox> {
-            let links = dial_all(&targets, &me, &secret, &link_cfg)?;
-            CoreOutbox::new(partitioner, links, cfg)
+            let links = dial_all(&targets, &me, tag.as_ref(), &secret, &link_cfg)?;
+            let outbox = CoreOutbox::new(partitioner, links, cfg)?;
+            Ok(match tag {
+                Some(t) => outbox.tagged(t),
+                None => outbox,
+            })
         });
         let outbox = outbox.py()?;
         Ok(Outbox {
@@ -646,6 +676,7 @@ impl Target {
 fn dial_all(
     targets: &[Vec<Target>],
     me: &Identity,
+    tag: Option<&ReplicaTag>,
     secret: &[u8],
     cfg: &LinkConfig,
 ) -> tandem_core::Result<Vec<Vec<Box<dyn Link>>>> {
@@ -700,8 +731,21 @@ fn dial_all(
                     return Err(e)
                 }
                 Err(e) => {
-                    eprintln!(
-                        "tandem outbox: skipping downstream replica {} of channel {c}: {e}",
+                    let who = tag.map_or_else(
+                        || {
+                            format!(
+                                "task {} partition {} replica {}",
+                                me.task, me.partition, me.replica
+                            )
+                        },
+                        |t| t.name.clone(),
+                    );
+                    log::warn!(
+                        target: OUTBOX,
+                        task = me.task, partition = me.partition, replica = me.replica;
+                        "{who}: skipping downstream replica {} of output channel {c}, which \
+                         cannot be reached: {e}; the other replicas of that partition receive \
+                         its output",
                         targets[c][r].describe()
                     );
                     last_err = Some(e);
