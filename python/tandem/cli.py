@@ -274,8 +274,9 @@ def _bench(args: argparse.Namespace) -> int:
         f"--{f.replace('_', '-')}" for f in COST_ONLY_FLAGS if getattr(args, f) not in (None, False)
     ]
     if given:
+        where = "cost` or `tandem bench paper" if given == ["--quick"] else "cost"
         raise tandem.ConfigError(
-            f"{', '.join(given)}: for `tandem bench cost` only, not `tandem bench "
+            f"{', '.join(given)}: for `tandem bench {where}` only, not `tandem bench "
             f"{args.experiment}`"
         )
     args.rate = 5_000 if args.rate is None else args.rate
