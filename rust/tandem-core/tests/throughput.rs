@@ -10,11 +10,14 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arrow_array::{Int64Array, RecordBatch};
+use arrow_array::types::Int32Type;
+use arrow_array::{ArrayRef, DictionaryArray, Int64Array, RecordBatch, StringArray};
+use arrow_buffer::Buffer;
 use tandem_core::dedup::{channel, Offer};
 use tandem_core::liverobin::LiveRobin;
 use tandem_core::merge::Merge;
 use tandem_core::sync::Doorbell;
+use tandem_core::wire::{self, Frame};
 use tandem_core::{Delivery, Item};
 
 const BATCH_ROWS: usize = 1024;
@@ -126,4 +129,59 @@ fn liverobin_four_channels_with_heartbeats() {
     });
     assert_eq!(rows, (channels * batches * BATCH_ROWS) as u64);
     report("liverobin (rust core)", rows, t);
+}
+
+/// A batch of `n` rows in three columns: an Int64, a nullable Utf8 and a dictionary of Utf8.
+fn mixed_batch(n: usize) -> RecordBatch {
+    let ids = Int64Array::from_iter_values((0..n as i64).map(|i| i * 7));
+    let names = StringArray::from_iter((0..n).map(|i| (i % 3 != 0).then(|| format!("name-{i}"))));
+    let colours: DictionaryArray<Int32Type> =
+        (0..n).map(|i| ["red", "green", "blue"][i % 3]).collect();
+    RecordBatch::try_from_iter([
+        ("id", Arc::new(ids) as ArrayRef),
+        ("name", Arc::new(names) as ArrayRef),
+        ("colour", Arc::new(colours) as ArrayRef),
+    ])
+    .expect("valid batch")
+}
+
+/// Decoding Data frames as a receiver does (`FrameReader`: the frame in an aligned Arrow
+/// buffer, the batch decoded zero-copy and validated), for small and large batches of a
+/// one-column Int64 schema and of a three-column mixed schema.
+#[test]
+#[ignore = "throughput measurement; run with --ignored --nocapture on a release build"]
+fn decode_data_frames() {
+    let frames_per_round = 2000;
+    for (schema, rows) in [
+        ("int64", 16),
+        ("int64", 1024),
+        ("mixed", 16),
+        ("mixed", 1024),
+    ] {
+        let b = if schema == "int64" {
+            batch(0, rows)
+        } else {
+            mixed_batch(rows)
+        };
+        let frame = Buffer::from_vec(wire::encode_data(0, 0, &b).expect("encodes"));
+        let (rows_decoded, t) = best_of(20, || {
+            let mut total = 0u64;
+            for _ in 0..frames_per_round {
+                let (f, _) = wire::decode_frame_buffer(&frame, wire::DEFAULT_MAX_FRAME_BYTES)
+                    .expect("decodes");
+                match f {
+                    Frame::Data { batch, .. } => total += batch.num_rows() as u64,
+                    other => panic!("decoded {other:?}"),
+                }
+            }
+            total
+        });
+        assert_eq!(rows_decoded, (frames_per_round * rows) as u64);
+        println!(
+            "decode {schema} x {rows} rows ({} bytes): {:.2} us/frame, {:.1} M rows/s",
+            frame.len(),
+            t.as_secs_f64() * 1e6 / frames_per_round as f64,
+            rows_decoded as f64 / t.as_secs_f64() / 1e6
+        );
+    }
 }

@@ -1,7 +1,11 @@
-//! `decode_frame` must return a frame or a `ProtocolError` for any input, never panic; a
-//! decoded frame must survive a re-encode/decode round trip, and a decoded batch must be
-//! exportable through the Arrow C Data Interface (how it reaches Python).
+//! `decode_frame` must return a frame or a `ProtocolError` for any input, never panic (a
+//! panic inside arrow-ipc must be caught by its unwind guard); a decoded frame must survive a
+//! re-encode/decode round trip, and a decoded batch must be exportable through the Arrow C
+//! Data Interface (how it reaches Python).
 #![no_main]
+
+#[path = "../src/escape.rs"]
+mod escape;
 
 use arrow_array::{Array, StructArray};
 use libfuzzer_sys::fuzz_target;
@@ -10,7 +14,11 @@ use tandem_core::wire::{self, Frame};
 /// Small enough that libFuzzer also explores the Oversized path.
 const LIMIT: u64 = 1 << 16;
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: escape::init(), |data: &[u8]| {
+    escape::check(|| decode(data))
+});
+
+fn decode(data: &[u8]) {
     if let Ok((frame, used)) = wire::decode_frame(data, LIMIT) {
         assert!(
             used <= data.len(),
@@ -54,4 +62,4 @@ fuzz_target!(|data: &[u8]| {
         let (back, _) = wire::decode_frame(&again, u64::MAX).expect("a re-encoded frame decodes");
         assert_eq!(back, frame);
     }
-});
+}

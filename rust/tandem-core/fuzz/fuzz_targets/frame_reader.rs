@@ -2,6 +2,9 @@
 //! `Ok(None)` or an error, never panic or loop, and agree with `decode_frame` frame by frame.
 #![no_main]
 
+#[path = "../src/escape.rs"]
+mod escape;
+
 use std::io::{self, Read};
 
 use libfuzzer_sys::fuzz_target;
@@ -39,7 +42,11 @@ impl Read for Chunks<'_> {
     }
 }
 
-fuzz_target!(|input: &[u8]| {
+fuzz_target!(init: escape::init(), |input: &[u8]| {
+    escape::check(|| read(input))
+});
+
+fn read(input: &[u8]) {
     // First byte: how many of the following bytes describe chunk sizes.
     let Some((&n, rest)) = input.split_first() else {
         return;
@@ -78,4 +85,4 @@ fuzz_target!(|input: &[u8]| {
             Err(_) => break,
         }
     }
-});
+}
