@@ -329,12 +329,17 @@ class Outbox:
         connect_timeout: float = 10.0,
         queue_frames: int = 256,
         name: str | None = None,
+        evict_after_ms: float | None = None,
     ) -> None:
         """``me``: ``(task, partition, replica)``. ``downstream[c]``: ``(host, port)`` of
         each replica of downstream partition ``c``. ``queue_frames``: frames queued per
         connection before ``emit`` blocks. ``name``: how log lines (logger
         ``tandem.core.outbox``) name this replica (default ``task T partition P replica
-        R``)."""
+        R``). ``evict_after_ms``: drop a downstream replica on another process whose
+        frames have waited this long to be read, or that has ``queue_frames / 2`` frames
+        waiting, while another replica of its channel keeps up (logged); the backlog a
+        worker reads is then each channel's least backed-up link's. None: wait for every
+        replica."""
     def emit(self, batch: pa.RecordBatch) -> None:
         """Partition ``batch`` and send each channel's part now. A batch that cannot be
         encoded or digested is refused whole (nothing sent). Blocks (GIL released) while a

@@ -95,7 +95,11 @@ class Job:
     ``kazoo``: a ``tandem.ordering.kazoo.KazooConfig`` (service addresses, session timeout,
     order batch) for ``ordering="kazoo"``; ``workers``: worker processes per replica group
     (default: the machine's cores divided by ``replication``, at least 1; see
-    :meth:`tandem.plan.Plan.placement`).
+    :meth:`tandem.plan.Plan.placement`); ``evict_after_ms``: a downstream replica whose
+    input has waited this long for it to read (a frozen or overloaded process) while another
+    replica of its partition keeps up is dropped by its upstream replicas, so it never holds
+    its twins back (None: wait for it; one that falls half a link queue behind is dropped
+    sooner).
 
     The batch is the unit of determinism: every replica of a task partition is called
     with the same batches, so an operator function must be deterministic for a given input
@@ -114,6 +118,7 @@ class Job:
         kazoo: Any = None,
         on_divergence: str = "fail",
         workers: int | None = None,
+        evict_after_ms: float | None = 1000,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Job name must be a non-empty string, got {name!r}")
@@ -145,6 +150,12 @@ class Job:
             )
         self.on_divergence = on_divergence
         self.workers = None if workers is None else _positive_int(workers, f"Job {name!r}: workers")
+        if evict_after_ms is not None and _number(evict_after_ms, f"Job {name!r}: evict_after_ms") < 0:
+            raise ConfigError(
+                f"Job {name!r}: evict_after_ms must be >= 0 or None (got {evict_after_ms}); "
+                "None never drops a slow replica"
+            )
+        self.evict_after_ms = evict_after_ms
         if kazoo is not None:
             from tandem.ordering.kazoo import KazooConfig
 
@@ -267,6 +278,7 @@ class Job:
             kazoo=self.kazoo,
             on_divergence=self.on_divergence,
             workers=self.workers,
+            evict_after_ms=self.evict_after_ms,
         )
         plan.check_picklable()  # what cannot be shipped to the workers fails here
         return plan

@@ -161,6 +161,9 @@ class Plan:
     invariant 4): ``"fail"`` the job with ``DeterminismError``, or ``"log"`` it and go on."""
     workers: int | None = None
     """Worker processes per replica group (None: cores // replication, at least 1)."""
+    evict_after_ms: float | None = 1000
+    """How long a downstream replica may keep its input waiting, while a twin keeps up,
+    before its upstream replicas drop it (None: they wait for it)."""
 
     # -- structure ----------------------------------------------------------------------
 

@@ -142,6 +142,7 @@ class _Output:
             key=None if single else edge.key,
             batch_rows=plan.batch_rows,
             name=name,
+            evict_after_ms=plan.evict_after_ms,
         )
 
     def emit(self, batch: pa.RecordBatch | None) -> int:

@@ -23,6 +23,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{
@@ -156,12 +157,32 @@ pub trait Link: Send {
         "link".to_owned()
     }
 
+    /// How long, as of `now`, frames have been waiting for the peer to read (zero when
+    /// none are): what makes a downstream replica a straggler ([`Eviction`]). None for a
+    /// link that cannot be one — a replica of this worker, run by the same thread (the
+    /// default).
+    fn backed_up_for(&self, _now: Instant) -> Option<Duration> {
+        None
+    }
+
     /// Whether the link failed because the peer closed its end (a downstream replica that
     /// finished on its twins' copies, or one that is gone) rather than for a reason worth
     /// a warning. The outbox logs the first at debug level only. The default is false.
     fn peer_closed(&self) -> bool {
         false
     }
+}
+
+/// When an outbox drops a downstream replica that lags behind the other replicas of its
+/// channel (a frozen or overloaded process), so that it never holds back this replica and,
+/// through it, the twins it also feeds. A link lags once `frames` frames wait for its peer
+/// or frames have waited for `after`; it is dropped only while another link of the channel
+/// does not lag (a channel whose every replica is slow is back-pressure, and waits). To the
+/// dropped replica this looks like a crash of this one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eviction {
+    pub frames: usize,
+    pub after: Duration,
 }
 
 /// Frame policy of an [`Outbox`].
@@ -217,6 +238,8 @@ pub struct Outbox {
     deferred: bool,
     /// The replica this outbox sends for, as its log lines name it.
     me: Option<ReplicaTag>,
+    /// Drop stragglers ([`Outbox::evicting`]); None: wait for them.
+    eviction: Option<Eviction>,
 }
 
 impl Outbox {
@@ -267,6 +290,7 @@ impl Outbox {
             ended: false,
             deferred: false,
             me: None,
+            eviction: None,
         })
     }
 
@@ -275,6 +299,13 @@ impl Outbox {
     pub fn tagged(mut self, me: ReplicaTag) -> Self {
         self.me = Some(me);
         self
+    }
+
+    /// Drop downstream replicas that lag behind their channel's other replicas (see
+    /// [`Eviction`]) before each send, push and flush; [`Outbox::backlog`] then reports each
+    /// channel's least backed-up link, so a straggler never holds this replica back.
+    pub fn evicting(&mut self, eviction: Option<Eviction>) {
+        self.eviction = eviction;
     }
 
     /// Number of output channels.
@@ -346,7 +377,7 @@ impl Outbox {
                     digest: None,
                     bytes: frame.bytes,
                 };
-                if let Err(e) = send_all(self.me.as_ref(), c, &mut ch.links, &out) {
+                if let Err(e) = send_all(self.me.as_ref(), self.eviction, c, &mut ch.links, &out) {
                     first_err.get_or_insert(e);
                 }
             }
@@ -396,24 +427,42 @@ impl Outbox {
     /// as on `send`; a channel left with no live link fails the next call that sends on it.
     pub fn push(&mut self) {
         for (c, ch) in self.channels.iter_mut().enumerate() {
+            if let Some(ev) = self.eviction {
+                evict_stragglers(self.me.as_ref(), &ev, c, &mut ch.links);
+            }
             retain_live(self.me.as_ref(), c, &mut ch.links, |link| link.push());
         }
     }
 
-    /// Move what links queued of their own along, without blocking ([`Link::flush`]).
+    /// Move what links queued of their own along, without blocking ([`Link::flush`]), and
+    /// drop stragglers if [`Outbox::evicting`].
     pub fn flush(&mut self) {
-        for ch in &mut self.channels {
+        for (c, ch) in self.channels.iter_mut().enumerate() {
             for link in &mut ch.links {
                 link.flush();
+            }
+            if let Some(ev) = self.eviction {
+                evict_stragglers(self.me.as_ref(), &ev, c, &mut ch.links);
             }
         }
     }
 
-    /// The largest [`Link::backlog`] over every live link (0 once closed).
+    /// The largest [`Link::backlog`] over every live link (0 once closed) — or, when
+    /// evicting stragglers, over every channel its least backed-up link: a lagging replica
+    /// is dropped before it could block a send, so only a channel whose every replica is
+    /// slow holds this one back.
     pub fn backlog(&self) -> usize {
+        let per_channel = |c: &Channel| {
+            let each = c.links.iter().map(|l| l.backlog());
+            if self.eviction.is_some() {
+                each.min()
+            } else {
+                each.max()
+            }
+        };
         self.channels
             .iter()
-            .flat_map(|c| c.links.iter().map(|l| l.backlog()))
+            .filter_map(per_channel)
             .max()
             .unwrap_or(0)
     }
@@ -515,7 +564,7 @@ impl Outbox {
             };
             ch.next_seq += 1;
             self.seqs[c] = ch.next_seq;
-            if let Err(e) = send_all(self.me.as_ref(), c, &mut ch.links, &out) {
+            if let Err(e) = send_all(self.me.as_ref(), self.eviction, c, &mut ch.links, &out) {
                 first_err.get_or_insert(e);
             }
         }
@@ -596,12 +645,16 @@ fn frames(
 /// a channel left with no live link is an error: nobody can receive its output.
 fn send_all(
     me: Option<&ReplicaTag>,
+    eviction: Option<Eviction>,
     c: usize,
     links: &mut Vec<Box<dyn Link>>,
     frame: &OutFrame,
 ) -> Result<()> {
     if links.is_empty() {
         return Err(closed_channel(c));
+    }
+    if let Some(ev) = eviction {
+        evict_stragglers(me, &ev, c, links);
     }
     retain_live(me, c, links, |link| link.send(frame));
     if links.is_empty() {
@@ -640,6 +693,49 @@ fn retain_live(
             );
             false
         }
+    });
+}
+
+/// Drop (abort) the links of channel `c` that lag ([`Eviction`]) if another one does not.
+fn evict_stragglers(
+    me: Option<&ReplicaTag>,
+    ev: &Eviction,
+    c: usize,
+    links: &mut Vec<Box<dyn Link>>,
+) {
+    if links.len() < 2 {
+        return;
+    }
+    let now = Instant::now();
+    let lag: Vec<Option<Duration>> = links
+        .iter()
+        .map(|l| {
+            l.backed_up_for(now)
+                .filter(|&d| d >= ev.after || l.backlog() >= ev.frames)
+        })
+        .collect();
+    let lagging = lag.iter().filter(|d| d.is_some()).count();
+    if lagging == 0 || lagging == links.len() {
+        return;
+    }
+    let mut lag = lag.into_iter();
+    links.retain_mut(|link| {
+        let Some(waited) = lag.next().flatten() else {
+            return true;
+        };
+        log_replica!(
+            Level::Warn,
+            OUTBOX,
+            me,
+            "{}: dropping {} of output channel {c}, a straggler ({} frames unread, the oldest \
+             for {} ms) while another replica of that partition keeps up",
+            who(me),
+            link.describe(),
+            link.backlog(),
+            waited.as_millis()
+        );
+        link.abort();
+        false
     });
 }
 
@@ -1216,6 +1312,83 @@ mod tests {
         assert_eq!(links[0][0].frames.lock().len(), 1);
         assert_eq!(links[0][1].frames.lock().len(), 3);
         assert_eq!(links[1][0].frames.lock().len(), 3);
+    }
+
+    /// A link to another process whose peer reads as slowly as the test says.
+    #[derive(Clone, Default)]
+    struct SlowLink {
+        sent: Arc<Mutex<usize>>,
+        /// Frames waiting for the peer, and for how long the oldest has.
+        backlog: Arc<Mutex<(usize, Duration)>>,
+        aborted: Arc<Mutex<bool>>,
+    }
+
+    impl Link for SlowLink {
+        fn send(&mut self, _frame: &OutFrame) -> Result<()> {
+            *self.sent.lock() += 1;
+            Ok(())
+        }
+        fn backlog(&self) -> usize {
+            self.backlog.lock().0
+        }
+        fn backed_up_for(&self, _now: Instant) -> Option<Duration> {
+            Some(self.backlog.lock().1)
+        }
+        fn abort(&mut self) {
+            *self.aborted.lock() = true;
+        }
+    }
+
+    #[test]
+    fn a_straggler_is_dropped_while_its_twin_keeps_up_and_never_holds_the_sender_back() {
+        let ev = Eviction {
+            frames: 8,
+            after: Duration::from_millis(500),
+        };
+        let (fast, slow) = (SlowLink::default(), SlowLink::default());
+        let links: Vec<Box<dyn Link>> = vec![Box::new(fast.clone()), Box::new(slow.clone())];
+        let mut ob =
+            Outbox::new(Partitioner::Forward, vec![links], OutboxConfig::default()).unwrap();
+        // Without eviction the slowest link is the backlog the worker's credit rule reads.
+        *slow.backlog.lock() = (5, Duration::from_millis(100));
+        assert_eq!(ob.backlog(), 5);
+        ob.evicting(Some(ev));
+        // With it, the channel's least backed-up link is; a short lag is tolerated.
+        assert_eq!(ob.backlog(), 0);
+        ob.emit(&batch(0..3)).unwrap();
+        assert_eq!((*fast.sent.lock(), *slow.sent.lock()), (1, 1));
+        assert_eq!(ob.live_links(0), 2);
+        // Every replica of the channel slow: back-pressure, nobody is dropped.
+        *fast.backlog.lock() = (9, Duration::from_secs(2));
+        *slow.backlog.lock() = (9, Duration::from_secs(2));
+        ob.flush();
+        assert_eq!((ob.live_links(0), ob.backlog()), (2, 9));
+        // One slow for too long while the other keeps up: dropped, by time or by queue.
+        for lag in [(1, Duration::from_millis(600)), (8, Duration::ZERO)] {
+            let (fast, slow) = (SlowLink::default(), SlowLink::default());
+            let links: Vec<Box<dyn Link>> = vec![Box::new(slow.clone()), Box::new(fast.clone())];
+            let mut ob =
+                Outbox::new(Partitioner::Forward, vec![links], OutboxConfig::default()).unwrap();
+            ob.evicting(Some(ev));
+            *slow.backlog.lock() = lag;
+            ob.emit(&batch(0..3)).unwrap();
+            assert!(*slow.aborted.lock(), "{lag:?}");
+            assert_eq!((*fast.sent.lock(), *slow.sent.lock()), (1, 0));
+            assert_eq!((ob.live_links(0), ob.backlog()), (1, 0));
+        }
+        // A channel's only replica is never dropped, however slow.
+        let only = SlowLink::default();
+        *only.backlog.lock() = (100, Duration::from_secs(60));
+        let mut ob = Outbox::new(
+            Partitioner::Forward,
+            vec![vec![Box::new(only.clone()) as Box<dyn Link>]],
+            OutboxConfig::default(),
+        )
+        .unwrap();
+        ob.evicting(Some(ev));
+        ob.emit(&batch(0..1)).unwrap();
+        assert!(!*only.aborted.lock());
+        assert_eq!(ob.backlog(), 100);
     }
 
     #[test]

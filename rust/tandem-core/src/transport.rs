@@ -318,6 +318,27 @@ struct ChannelCounters {
     /// Wire channel number the upstream uses for this logical channel (`u64::MAX` until
     /// the first frame): every connection of one upstream partition must agree.
     wire_channel: AtomicU64,
+    /// Connections (past the handshake) and local links feeding this channel now.
+    feeders: AtomicU64,
+    /// Whether any ever did.
+    fed: AtomicBool,
+    /// Whether the channel's end marker was accepted.
+    ended: AtomicBool,
+}
+
+impl ChannelCounters {
+    fn feed(&self) {
+        self.feeders.fetch_add(1, Ordering::SeqCst);
+        self.fed.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether every upstream replica that fed this channel is gone (or dropped this
+    /// replica) before its end: what is missing will never come.
+    fn orphaned(&self) -> bool {
+        self.fed.load(Ordering::SeqCst)
+            && self.feeders.load(Ordering::SeqCst) == 0
+            && !self.ended.load(Ordering::SeqCst)
+    }
 }
 
 struct ConnCounters {
@@ -331,6 +352,8 @@ struct ConnCounters {
     /// The reader drops it when it exits, so the socket really closes then (the peer sees
     /// it at once) rather than when the inbox goes away.
     handle: Mutex<Option<Stream>>,
+    /// The logical channel the peer feeds, once its handshake is accepted (else `usize::MAX`).
+    channel: AtomicUsize,
 }
 
 struct Conn {
@@ -488,12 +511,14 @@ impl Inbox {
                     me.task, me.partition, self.local_addr, shared.upstreams
                 ))
             })?;
+        shared.channels[idx].feed();
         Ok(LocalLink {
             shared: Arc::clone(shared),
             idx,
             replica: me.replica,
             pending: VecDeque::new(),
             peer: self.local_addr,
+            feeding: true,
         })
     }
 
@@ -526,6 +551,19 @@ impl Inbox {
             }
             if let Some(d) = self.merge.next(&mut self.receivers) {
                 return Ok(Some(d));
+            }
+            if let Some(c) = self
+                .shared
+                .channels
+                .iter()
+                .position(ChannelCounters::orphaned)
+            {
+                let (task, partition) = self.shared.upstreams[c];
+                return Err(Error::Closed(format!(
+                    "input channel {c} (upstream task {task} partition {partition}) lost every \
+                     upstream replica feeding it before its end (gone, or they dropped this \
+                     replica as a straggler): this replica cannot go on"
+                )));
             }
             if self.accept.is_none() {
                 return Err(Error::Closed("inbox.next() after close()".to_owned()));
@@ -747,6 +785,7 @@ fn start_connection(shared: &Arc<Shared>, stream: Stream, peer: String) -> Resul
         open: AtomicBool::new(true),
         error: Mutex::new(None),
         handle: Mutex::new(Some(handle)),
+        channel: AtomicUsize::new(usize::MAX),
     });
     let mut conns = shared.conns.lock();
     prune_closed(&mut conns);
@@ -804,6 +843,11 @@ enum ConnEnd {
 /// One connection's reader thread.
 fn serve(shared: &Shared, stream: Stream, counters: &ConnCounters) {
     let end = serve_inner(shared, stream, counters);
+    let channel = counters.channel.load(Ordering::SeqCst);
+    if let Some(c) = shared.channels.get(channel) {
+        c.feeders.fetch_sub(1, Ordering::SeqCst);
+        shared.bell.ring(); // the consumer may now be waiting for what will never come
+    }
     let peer = &counters.peer;
     let me = shared.me.as_ref();
     let sender = || {
@@ -880,6 +924,8 @@ fn serve_inner(shared: &Shared, stream: Stream, counters: &ConnCounters) -> Conn
         ));
     };
     let replica = identity.replica;
+    shared.channels[idx].feed();
+    counters.channel.store(idx, Ordering::SeqCst);
     *counters.identity.lock() = Some(identity);
     // From here on, reads block until data, EOF or close() shuts the socket down; a read
     // timeout inside a frame would corrupt the stream position.
@@ -1058,7 +1104,12 @@ fn offer(shared: &Shared, idx: usize, item: Item<RecordBatch>) -> Option<Item<Re
         Item::Data { payload, .. } => payload.rows() as u64,
         Item::Heartbeat { .. } | Item::End { .. } => 0,
     };
-    match shared.senders[idx].offer(item) {
+    let end = matches!(item, Item::End { .. });
+    let offered = shared.senders[idx].offer(item);
+    if end && matches!(offered, Offer::Accepted { .. } | Offer::Duplicate) {
+        counters.ended.store(true, Ordering::SeqCst);
+    }
+    match offered {
         Offer::Accepted { trimmed_rows } => {
             counters
                 .accepted_rows
@@ -1151,6 +1202,9 @@ pub struct TcpLink {
     pending: Vec<u8>,
     /// Whether `send` holds small frames back ([`Link::defer`]).
     deferred: bool,
+    /// Since when the writer's queue has not been empty, as last seen
+    /// ([`Link::backed_up_for`]).
+    backed_up: std::cell::Cell<Option<Instant>>,
 }
 
 /// A [`TcpLink`] holds small frames back until the outbox pushes, up to this many bytes;
@@ -1259,6 +1313,7 @@ impl TcpLink {
             capacity: cfg.queue_frames,
             pending: Vec::new(),
             deferred: false,
+            backed_up: std::cell::Cell::new(None),
         })
     }
 
@@ -1464,6 +1519,16 @@ impl Link for TcpLink {
     fn peer_closed(&self) -> bool {
         self.shared.state.lock().peer_closed
     }
+
+    fn backed_up_for(&self, now: Instant) -> Option<Duration> {
+        if self.shared.queued.load(Ordering::Relaxed) == 0 {
+            self.backed_up.set(None);
+            return Some(Duration::ZERO);
+        }
+        let since = self.backed_up.get().unwrap_or(now);
+        self.backed_up.set(Some(since));
+        Some(now.saturating_duration_since(since))
+    }
 }
 
 impl Drop for TcpLink {
@@ -1485,6 +1550,25 @@ pub struct LocalLink {
     replica: u32,
     pending: VecDeque<Item<RecordBatch>>,
     peer: SocketAddr,
+    /// Counted among the channel's feeders (until closed, aborted or dropped).
+    feeding: bool,
+}
+
+impl LocalLink {
+    fn stop_feeding(&mut self) {
+        if std::mem::take(&mut self.feeding) {
+            self.shared.channels[self.idx]
+                .feeders
+                .fetch_sub(1, Ordering::SeqCst);
+            self.shared.bell.ring();
+        }
+    }
+}
+
+impl Drop for LocalLink {
+    fn drop(&mut self) {
+        self.stop_feeding();
+    }
 }
 
 impl Link for LocalLink {
@@ -1523,6 +1607,7 @@ impl Link for LocalLink {
 
     fn close(&mut self) -> Result<()> {
         self.flush();
+        self.stop_feeding();
         if self.pending.is_empty() || self.shared.stop.load(Ordering::SeqCst) {
             return Ok(());
         }
@@ -1537,6 +1622,7 @@ impl Link for LocalLink {
 
     fn abort(&mut self) {
         self.pending.clear();
+        self.stop_feeding();
     }
 
     fn describe(&self) -> String {
@@ -1690,6 +1776,59 @@ mod tests {
         local.send(&end_at(10)).unwrap();
         let got = drain(&mut ib, Duration::from_secs(5));
         assert_eq!(rows_of(&got, 0), (0..10).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_channel_whose_every_feeder_is_gone_before_its_end_fails_next_not_hangs() {
+        let ob = |ib: &Inbox, replica: u32, local: bool| {
+            let me = identity(0, replica);
+            let l: Box<dyn Link> = if local {
+                Box::new(ib.local_link(&me).unwrap())
+            } else {
+                link(ib.local_addr(), &me)
+            };
+            Outbox::new(Partitioner::Forward, vec![vec![l]], OutboxConfig::default()).unwrap()
+        };
+        let next_err = |ib: &mut Inbox| loop {
+            match ib.next(Duration::from_secs(10)) {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("next() waited for input that can never come"),
+                Err(e) => return e,
+            }
+        };
+        // One replica lost: its twin (here a local link) still feeds the channel.
+        let mut ib = inbox(1, OrderingMode::LiveRobin, 64);
+        let (mut a, mut b) = (ob(&ib, 0, false), ob(&ib, 1, true));
+        for o in [&mut a, &mut b] {
+            o.emit(&rows(0..5)).unwrap();
+            o.heartbeat(1).unwrap();
+        }
+        a.abort();
+        b.emit(&rows(5..9)).unwrap();
+        b.end().unwrap();
+        b.close();
+        let mut got = Vec::new();
+        while let Some(d) = ib.next(Duration::from_secs(10)).unwrap() {
+            let end = matches!(d, Delivery::End);
+            got.push(d);
+            if end {
+                break;
+            }
+        }
+        assert!(matches!(got.last(), Some(Delivery::End)), "{got:?}");
+        // Both lost before the end: next() says so instead of waiting forever.
+        let mut ib = inbox(1, OrderingMode::LiveRobin, 64);
+        let (mut a, mut b) = (ob(&ib, 0, false), ob(&ib, 1, true));
+        for o in [&mut a, &mut b] {
+            o.emit(&rows(0..5)).unwrap();
+        }
+        a.abort();
+        b.abort();
+        let e = next_err(&mut ib);
+        assert!(
+            matches!(&e, Error::Closed(m) if m.contains("lost every upstream replica")),
+            "{e}"
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ use pyo3_arrow::PyRecordBatch;
 use tandem_core::digest::to_hex;
 use tandem_core::logs::{ReplicaTag, OUTBOX};
 use tandem_core::merge::OrderingMode;
-use tandem_core::outbox::{Link, Outbox as CoreOutbox, OutboxConfig, Partitioner};
+use tandem_core::outbox::{Eviction, Link, Outbox as CoreOutbox, OutboxConfig, Partitioner};
 use tandem_core::transport::{
     Inbox as CoreInbox, InboxConfig, LinkConfig, OnDivergence, OrderFeed as CoreOrderFeed, TcpLink,
 };
@@ -487,7 +487,7 @@ impl Outbox {
     #[new]
     #[pyo3(signature = (job, secret, me, downstream, partitioner = "forward", key = None,
                         batch_rows = 1024, connect_timeout = 10.0, queue_frames = 256,
-                        name = None))]
+                        name = None, evict_after_ms = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -501,6 +501,7 @@ impl Outbox {
         connect_timeout: f64,
         queue_frames: i64,
         name: Option<String>,
+        evict_after_ms: Option<f64>,
     ) -> PyResult<Self> {
         crate::logs::sync_level(py)?;
         let tag = replica_tag(Some(me), name)?;
@@ -514,8 +515,16 @@ impl Outbox {
         let cfg = OutboxConfig {
             batch_rows: arg_at_least_1("batch_rows", batch_rows)?,
         };
+        let queue_frames = arg_at_least_1("queue_frames", queue_frames)?;
+        let eviction = match evict_after_ms {
+            None => None,
+            Some(ms) => Some(Eviction {
+                frames: (queue_frames / 2).max(1),
+                after: arg_seconds("evict_after_ms", ms / 1000.0)?,
+            }),
+        };
         let link_cfg = LinkConfig {
-            queue_frames: arg_at_least_1("queue_frames", queue_frames)?,
+            queue_frames,
             connect_timeout: arg_seconds("connect_timeout", connect_timeout)?,
             ..LinkConfig::default()
         };
@@ -560,7 +569,8 @@ impl Outbox {
         let secret = secret.to_vec();
         let outbox = py.detach(move || -> tandem_core::Result<CoreOutbox> {
             let links = dial_all(&targets, &me, tag.as_ref(), &secret, &link_cfg)?;
-            let outbox = CoreOutbox::new(partitioner, links, cfg)?;
+            let mut outbox = CoreOutbox::new(partitioner, links, cfg)?;
+            outbox.evicting(eviction);
             Ok(match tag {
                 Some(t) => outbox.tagged(t),
                 None => outbox,
