@@ -51,6 +51,8 @@ def src(rate=1000, keys=10, seed=1, **kw):
         ({"heartbeat_ms": 0}, "heartbeat_ms must be > 0 (got 0)"),
         ({"heartbeat_ms": -5}, "heartbeat_ms must be > 0 (got -5)"),
         ({"buffer_timeout_ms": -1}, "buffer_timeout_ms must be >= 0 (got -1)"),
+        ({"evict_after_ms": -1}, "evict_after_ms must be >= 0 or None (got -1)"),
+        ({"evict_after_ms": "soon"}, "evict_after_ms must be a finite number"),
         ({"ordering": "fifo"}, "ordering 'fifo' is unknown; use one of ['none', 'liverobin'"),
         ({"batch_rows": 0}, "batch_rows must be an int >= 1, got 0"),
     ],

@@ -150,7 +150,8 @@ class Job:
             )
         self.on_divergence = on_divergence
         self.workers = None if workers is None else _positive_int(workers, f"Job {name!r}: workers")
-        if evict_after_ms is not None and _number(evict_after_ms, f"Job {name!r}: evict_after_ms") < 0:
+        evict_what = f"Job {name!r}: evict_after_ms"
+        if evict_after_ms is not None and _number(evict_after_ms, evict_what) < 0:
             raise ConfigError(
                 f"Job {name!r}: evict_after_ms must be >= 0 or None (got {evict_after_ms}); "
                 "None never drops a slow replica"
