@@ -86,9 +86,11 @@ class Source(abc.ABC):
     def total_rows(self, duration_ns: int | None) -> int | None:
         """Rows released in ``[0, duration_ns)`` (None: unbounded)."""
 
-    @abc.abstractmethod
     def _rows(self, idx: np.ndarray) -> list[pa.Array]:
-        """The payload columns (everything but source_seq/event_time_ns) of global rows."""
+        """The payload columns (everything but source_seq/event_time_ns) of global rows:
+        what :meth:`read` builds its batches from. A source that overrides :meth:`read`
+        instead need not implement it."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither _rows nor read")
 
     # -- release schedule ------------------------------------------------------------
 

@@ -231,9 +231,6 @@ class DataFrame(Source):
             return self.rows_total
         return min(self.rows_total, self.rows_before(duration_ns))
 
-    def _rows(self, idx: np.ndarray) -> list[pa.Array]:  # pragma: no cover - read() below
-        raise NotImplementedError("DataFrame sources are read by partition ranges")
-
     def partition_start(self, partition: int, parallelism: int) -> int:
         """The position of partition ``partition``'s first row in the sorted order."""
         n = self.rows_total

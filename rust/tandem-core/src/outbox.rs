@@ -493,13 +493,8 @@ impl Outbox {
         for ch in &mut self.channels {
             for mut link in ch.links.drain(..) {
                 if let Err(e) = link.close() {
-                    let level = if link.peer_closed() {
-                        Level::Debug
-                    } else {
-                        Level::Warn
-                    };
                     log_replica!(
-                        level,
+                        failure_level(link.as_ref()),
                         OUTBOX,
                         self.me.as_ref(),
                         "{}: closing the link to {} failed: {e}",
@@ -677,13 +672,8 @@ fn retain_live(
     links.retain_mut(|link| match op(link) {
         Ok(()) => true,
         Err(e) => {
-            let level = if link.peer_closed() {
-                Level::Debug
-            } else {
-                Level::Warn
-            };
             log_replica!(
-                level,
+                failure_level(link.as_ref()),
                 OUTBOX,
                 me,
                 "{}: dropping {} of output channel {c}: {e}; the other replicas of that \
@@ -737,6 +727,16 @@ fn evict_stragglers(
         link.abort();
         false
     });
+}
+
+/// The level a link's failure is logged at: debug when the peer closed its end (a
+/// downstream replica that finished on its twins' copies does that), else warning.
+fn failure_level(link: &dyn Link) -> Level {
+    if link.peer_closed() {
+        Level::Debug
+    } else {
+        Level::Warn
+    }
 }
 
 /// How a log line names the sending replica.

@@ -138,6 +138,20 @@ impl Listener {
     }
 }
 
+/// The address a peer on this host dials to reach a listener bound to `addr`: the
+/// loopback address of its family for a wildcard bind, else `addr` itself.
+pub fn dialled(addr: SocketAddr) -> SocketAddr {
+    if !addr.ip().is_unspecified() {
+        return addr;
+    }
+    let lo: std::net::IpAddr = if addr.is_ipv4() {
+        std::net::Ipv4Addr::LOCALHOST.into()
+    } else {
+        std::net::Ipv6Addr::LOCALHOST.into()
+    };
+    SocketAddr::new(lo, addr.port())
+}
+
 /// The abstract Unix socket name of the inbox listening on TCP `addr`.
 fn local_name(addr: SocketAddr) -> String {
     format!("tandem-inbox/{addr}")
@@ -149,19 +163,10 @@ pub fn listen_local(addr: SocketAddr) -> Option<UnixListener> {
     #[cfg(target_os = "linux")]
     {
         use std::os::linux::net::SocketAddrExt;
-        let ip = addr.ip();
-        let dialled = if ip.is_unspecified() {
-            let lo: std::net::IpAddr = if addr.is_ipv4() {
-                std::net::Ipv4Addr::LOCALHOST.into()
-            } else {
-                std::net::Ipv6Addr::LOCALHOST.into()
-            };
-            SocketAddr::new(lo, addr.port())
-        } else if ip.is_loopback() {
-            addr
-        } else {
+        let dialled = dialled(addr);
+        if !dialled.ip().is_loopback() {
             return None;
-        };
+        }
         let name = std::os::unix::net::SocketAddr::from_abstract_name(local_name(dialled)).ok()?;
         UnixListener::bind_addr(&name).ok()
     }

@@ -643,14 +643,7 @@ impl Inbox {
         // The accept thread blocks in accept() (no polling while the job runs): a
         // connection of our own wakes it, and it sees `stop`. Should that fail, it is left
         // behind rather than waited for.
-        let mut wake = self.local_addr;
-        if wake.ip().is_unspecified() {
-            wake.set_ip(if wake.is_ipv4() {
-                IpAddr::from([127, 0, 0, 1])
-            } else {
-                IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
-            });
-        }
+        let wake = socket::dialled(self.local_addr);
         if std::net::TcpStream::connect_timeout(&wake, ACCEPT_WAKE_TIMEOUT).is_ok() {
             let _ = accept.join();
         }

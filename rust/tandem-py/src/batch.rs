@@ -50,25 +50,26 @@ impl SchemaCache {
                 return Ok(s.clone_ref(py));
             }
         }
-        let converted = PySchema::new(Arc::clone(schema)).into_pyarrow(py)?.unbind();
-        let mut entries = self.entries.lock();
-        if entries.len() == CAPACITY {
-            entries.remove(0);
-        }
-        entries.push((Arc::clone(schema), converted.clone_ref(py)));
-        Ok(converted)
+        let converted = PySchema::new(Arc::clone(schema)).into_pyarrow(py)?;
+        self.remember(Arc::clone(schema), &converted);
+        Ok(converted.unbind())
     }
 
     /// The Rust schema of pyarrow schema `schema`, if cached (compared with metadata).
+    /// Entries are compared newest first, each taken out under the lock alone: Python's
+    /// `equals` runs without it.
     fn lookup_py(&self, py: Python<'_>, schema: &Bound<'_, PyAny>) -> PyResult<Option<SchemaRef>> {
-        let candidates: Vec<(SchemaRef, Py<PyAny>)> = self
-            .entries
-            .lock()
-            .iter()
-            .rev()
-            .map(|(k, s)| (Arc::clone(k), s.clone_ref(py)))
-            .collect();
-        for (k, s) in candidates {
+        let mut i = self.entries.lock().len();
+        while i > 0 {
+            i -= 1;
+            let Some((k, s)) = self
+                .entries
+                .lock()
+                .get(i)
+                .map(|(k, s)| (Arc::clone(k), s.clone_ref(py)))
+            else {
+                continue; // the cache shrank meanwhile
+            };
             if schema.is(&s)
                 || schema
                     .call_method1(intern!(py, "equals"), (s.bind(py), true))?
@@ -80,6 +81,7 @@ impl SchemaCache {
         Ok(None)
     }
 
+    /// Keep the pair, dropping the oldest beyond [`CAPACITY`].
     fn remember(&self, schema: SchemaRef, py_schema: &Bound<'_, PyAny>) {
         let mut entries = self.entries.lock();
         if entries.len() == CAPACITY {
