@@ -831,6 +831,7 @@ def test_result_json_has_exactly_the_documented_fields():
         "faults",
         "digests_match",
         "lost_replicas",
+        "restored_replicas",
         "leaders",
         "output",
     }

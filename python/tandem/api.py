@@ -99,7 +99,10 @@ class Job:
     input has waited this long for it to read (a frozen or overloaded process) while another
     replica of its partition keeps up is dropped by its upstream replicas, so it never holds
     its twins back (None: wait for it; one that falls half a link queue behind is dropped
-    sooner).
+    sooner); ``restore``: when a worker dies, rebuild its replicas from live twins while the
+    job runs, so every partition gets back to ``replication`` replicas (DESIGN §4; local
+    engine, ``liverobin`` and ``none`` orderings); ``replay_ms``: how much recent output
+    every replica then keeps per channel to replay to a rebuilt downstream replica.
 
     The batch is the unit of determinism: every replica of a task partition is called
     with the same batches, so an operator function must be deterministic for a given input
@@ -119,6 +122,8 @@ class Job:
         on_divergence: str = "fail",
         workers: int | None = None,
         evict_after_ms: float | None = 1000,
+        restore: bool = False,
+        replay_ms: float = 3000,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Job name must be a non-empty string, got {name!r}")
@@ -157,6 +162,15 @@ class Job:
                 "None never drops a slow replica"
             )
         self.evict_after_ms = evict_after_ms
+        if not isinstance(restore, bool):
+            raise ConfigError(f"Job {name!r}: restore must be True or False, got {restore!r}")
+        self.restore = restore
+        if _number(replay_ms, f"Job {name!r}: replay_ms") <= 0:
+            raise ConfigError(
+                f"Job {name!r}: replay_ms must be > 0 (got {replay_ms}); it bounds the output "
+                "each replica keeps to replay to a rebuilt downstream replica"
+            )
+        self.replay_ms = replay_ms
         if kazoo is not None:
             from tandem.ordering.kazoo import KazooConfig
 
@@ -280,6 +294,8 @@ class Job:
             on_divergence=self.on_divergence,
             workers=self.workers,
             evict_after_ms=self.evict_after_ms,
+            restore=self.restore,
+            replay_ms=self.replay_ms,
         )
         plan.check_picklable()  # what cannot be shipped to the workers fails here
         return plan
@@ -633,6 +649,7 @@ JSON_FIELDS = (
     "faults",
     "digests_match",
     "lost_replicas",
+    "restored_replicas",
     "leaders",
     "output",
 )
@@ -651,6 +668,10 @@ class Result:
     histograms: percentiles and ``max_ms`` within 0.8 % above the exact value,
     ``max_gap_ms`` within 1 ms (:mod:`tandem.latency`); ``faults`` the faults injected
     (dicts), ``lost_replicas`` the replicas that died (dicts with task, partition, replica);
+    ``restored_replicas`` those rebuilt from a live twin while the job ran (``Job(restore=
+    True)``: dicts with task, partition, replica, the ``twin`` it was rebuilt from, the
+    heartbeat ``epoch`` of the cut, ``lost_s`` and ``restored_s`` — seconds from t0 — and
+    ``restore_ms``, from the loss to the new replica receiving its input);
     ``output`` the rows of the first Collect sink (a pyarrow.Table; in JSON: ``{"rows": n,
     "columns": [...]}``). Not in JSON: ``outputs`` (every sink's combined value by sink name)
     and ``t0_ns`` (the logical time origin of the run: pass it to ``run_reference`` to reproduce
@@ -689,6 +710,7 @@ class Result:
     faults: list[dict] = field(default_factory=list)
     digests_match: bool = True
     lost_replicas: list[dict] = field(default_factory=list)
+    restored_replicas: list[dict] = field(default_factory=list)
     leaders: dict[str, list[dict]] = field(default_factory=dict)
     kazoo_sessions: list[dict] = field(default_factory=list)
     output: pa.Table | None = None

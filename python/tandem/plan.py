@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import struct
 import types
@@ -164,12 +165,25 @@ class Plan:
     evict_after_ms: float | None = 1000
     """How long a downstream replica may keep its input waiting, while a twin keeps up,
     before its upstream replicas drop it (None: they wait for it)."""
+    restore: bool = False
+    """Rebuild a lost replica from a live twin while the job runs (DESIGN §4)."""
+    replay_ms: float = 3000
+    """With ``restore``: how much recent output every replica keeps per channel to replay
+    to a rebuilt downstream replica (whole heartbeat cycles)."""
 
     # -- structure ----------------------------------------------------------------------
 
     @property
     def heartbeat_ns(self) -> int:
         return round(self.heartbeat_ms * 1_000_000)
+
+    @property
+    def replay_cycles(self) -> int | None:
+        """Heartbeat cycles each output channel keeps for replay (None: none, the job does
+        not rebuild replicas)."""
+        if not self.restore or self.replication < 2:
+            return None
+        return max(1, math.ceil(self.replay_ms / self.heartbeat_ms))
 
     def task(self, ref: int | str) -> Task:
         """A task by id or name."""

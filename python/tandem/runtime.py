@@ -36,9 +36,11 @@ with :class:`tandem.DeterminismError` unless the job says ``on_divergence="log"`
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -49,6 +51,8 @@ from tandem.latency import LatencyRecorder, SinkLatency
 from tandem.operators import Operator
 from tandem.ordering.kazoo import KazooRun, KazooSession, Orderer
 from tandem.plan import OutputEdge, Plan, Task
+
+log = logging.getLogger("tandem")
 
 ReplicaId = tuple[int, int, int]  # task id, partition, replica
 Addresses = dict[ReplicaId, tuple[str, int]]
@@ -98,6 +102,22 @@ class ReplicaReport:
         return DeterminismError(self.error) if self.diverged else TaskFailed(self.error)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """What a replica rebuilt while the job runs starts from, taken from a live twin at a
+    heartbeat-cycle boundary (DESIGN §4): ``cut``, the core's part (the heartbeat epoch,
+    input positions and merge state, output seqs; opaque here) and ``state``, the
+    operator's :meth:`~tandem.operators.Operator.snapshot`."""
+
+    cut: tuple
+    state: bytes
+
+    @property
+    def epoch(self) -> int:
+        """The heartbeat after which the rebuilt replica takes over."""
+        return self.cut[0]
+
+
 def _warm_up() -> None:
     """Pay pyarrow's lazy imports now, while the job starts, not on the first batch after
     t0: building any array loads pyarrow's pandas shim, which imports pandas when it is
@@ -143,7 +163,9 @@ class _Output:
             batch_rows=plan.batch_rows,
             name=name,
             evict_after_ms=plan.evict_after_ms,
+            replay_cycles=plan.replay_cycles,
         )
+        self.edge = edge
 
     def emit(self, batch: pa.RecordBatch | None) -> int:
         if batch is None or batch.num_rows == 0:
@@ -188,6 +210,8 @@ class Replica:
         self._inst = None
         self._sink = None
         self._latency: LatencyRecorder | None = None
+        self.resume: Resume | None = None
+        """Set by the worker before :meth:`bind` when this replica is rebuilt from a twin."""
 
     @property
     def name(self) -> str:
@@ -202,6 +226,7 @@ class Replica:
         self.inputs = self.plan.input_channels(t, p)
         self._conform = [self.plan.input_conformer(t, c) for c in self.inputs]
         ordering = self.plan.inbox_ordering(t, p)
+        resume = self.resume.cut[2] if self.resume is not None else None
         self.inbox = _core.Inbox(
             self.plan.job,
             self.secret,
@@ -212,6 +237,7 @@ class Replica:
             worker=self.core,
             me=self.me,
             name=self.name,
+            resume=resume,
         )
         if ordering == "kazoo":
             if self.kazoo is None:
@@ -243,11 +269,14 @@ class Replica:
             for e in self.plan.output_edges(t, p)
         ]
         boxes = [o.outbox for o in self.outputs]
+        cut = self.resume.cut if self.resume is not None else None
         if self.task.kind == "source":
-            self.slot = self.core.add_source(boxes, t0_ns, self.plan.heartbeat_ns)
+            self.slot = self.core.add_source(boxes, t0_ns, self.plan.heartbeat_ns, resume=cut)
             return
         if self.task.kind == "operator":
             self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
+            if self.resume is not None:
+                self._inst.restore(self.resume.state)
             watermarks = type(self._inst.op).on_watermark is not Operator.on_watermark
         else:
             self._sink = self.plan.open_sink(t, p)
@@ -255,7 +284,26 @@ class Replica:
             if schema is not None and "event_time_ns" in schema.names:
                 self._latency = LatencyRecorder(t0_ns, t0_ns + round(warmup * 1e9))
             watermarks = False
-        self.slot = self.core.add_task(self.inbox, boxes, watermarks)
+        self.slot = self.core.add_task(self.inbox, boxes, watermarks, resume=cut)
+
+    def cut(self, cut: tuple | None) -> Resume | None:
+        """This replica at the heartbeat-cycle boundary the worker stopped it at (``cut``,
+        from the core; None: it cannot be cut): what a replica rebuilt from it needs."""
+        if cut is None:
+            return None
+        state = self._inst.snapshot() if self._inst is not None else b""
+        return Resume(cut, state)
+
+    def link(self, down: ReplicaId, address: tuple[str, int], after_epoch: int) -> None:
+        """Send the output meant for ``down``, a downstream replica rebuilt from a twin cut
+        at heartbeat ``after_epoch``, to its new ``address`` too — the replay window's
+        cycles after the cut first."""
+        task, part, _ = down
+        for o in self.outputs:
+            if o.edge.downstream == task and part in o.edge.partitions:
+                o.outbox.add_link(o.edge.partitions.index(part), address, after_epoch)
+                return
+        raise ConfigError(f"{self.name} has no output to {self.plan.tasks[task].name}[{part}]")
 
     def _emit(self, batch: pa.RecordBatch | None) -> None:
         for o in self.outputs:
@@ -360,6 +408,11 @@ class _Source:
         self.steps = replica.plan.source_schedule(t, p, duration)
         self.heartbeat = 0  # the last heartbeat epoch before the pending step
         self.step = None
+        if replica.resume is not None:  # rebuilt: the twin emitted everything through it
+            self.heartbeat = replica.resume.epoch
+            for step in self.steps:
+                if step.kind == "heartbeat" and step.epoch >= self.heartbeat:
+                    break
         self.advance()
 
     def advance(self) -> None:
@@ -400,9 +453,18 @@ class Worker:
         rids: list[ReplicaId],
         secret: bytes,
         kazoo: KazooRun | None = None,
+        resume: dict[ReplicaId, Resume] | None = None,
     ) -> None:
         self.plan = plan
         self.core = _core.Worker()
+        self.control: deque[tuple] = deque()
+        """Requests from the engine, taken by the worker thread between work items
+        (:meth:`request_cut`, :meth:`link`); any thread may add to it."""
+        self.on_cut = None
+        """Called (from the worker thread) with ``(rid, Resume | None, token)`` for every
+        cut taken on the engine's request."""
+        self.on_link = None
+        """Called with ``(upstream rid, downstream rid, error or None)`` after a link."""
         ordered = set(plan.ordered_partitions()) if kazoo is not None else set()
         # One ZooKeeper session and one Kafka producer/consumer for every ordered partition
         # the worker hosts.
@@ -412,6 +474,43 @@ class Worker:
             else None
         )
         self.replicas = [Replica(plan, *rid, secret, self.core, kazoo=self.kazoo) for rid in rids]
+        for r in self.replicas:
+            r.resume = (resume or {}).get(r.me)
+        self._cuts: dict[int, list] = {}  # slot -> tokens of the cuts asked of it
+
+    # -- requests from the engine (any thread) ------------------------------------------
+
+    def request_cut(self, rid: ReplicaId, token) -> None:
+        """Take a cut of replica ``rid`` at its next heartbeat-cycle boundary and hand it to
+        :attr:`on_cut` with ``token``."""
+        self.control.append(("cut", rid, token))
+
+    def link(self, up: ReplicaId, down: ReplicaId, address: tuple[str, int], epoch: int) -> None:
+        """Have replica ``up`` send to ``down``, rebuilt from a cut at heartbeat ``epoch``
+        and listening at ``address`` (:meth:`Replica.link`); the outcome goes to
+        :attr:`on_link`."""
+        self.control.append(("link", up, down, address, epoch))
+
+    def _serve_control(self, by_rid: dict[ReplicaId, Replica]) -> None:
+        while self.control:
+            req = self.control.popleft()
+            rep = by_rid.get(req[1])
+            if req[0] == "cut":
+                if rep is None or rep.slot is None or rep.done:
+                    self.on_cut(req[1], None, req[2])
+                    continue
+                self._cuts.setdefault(rep.slot, []).append(req[2])
+                self.core.request_cut(rep.slot)
+            else:
+                _, up, down, address, epoch = req
+                try:
+                    if rep is None:
+                        raise ConfigError(f"this worker hosts no replica {up}")
+                    rep.link(down, address, epoch)
+                except Exception as exc:
+                    self.on_link(up, down, f"{type(exc).__name__}: {exc}")
+                else:
+                    self.on_link(up, down, None)
 
     def bind(self, host: str = "127.0.0.1") -> dict[ReplicaId, int | None]:
         """Create every hosted replica's inbox, and start contending for the leadership of
@@ -446,6 +545,7 @@ class Worker:
                     if r.report.error:
                         return self._finish()
             self._loop(duration)
+            self._serve_control({r.me: r for r in self.replicas})
         except Exception as exc:  # a fault of the worker itself: blame every live replica
             for r in self.replicas:
                 if not r.done:
@@ -469,9 +569,13 @@ class Worker:
         by_slot = {r.slot: r for r in self.replicas if not r.done}
         sources = [_Source(r, duration) for r in by_slot.values() if r.task.kind == "source"]
         orderers = [r.orderer for r in self.replicas if r.orderer is not None]
+        by_rid = {r.me: r for r in self.replicas}
+        control = self.control
         live = len(by_slot)
         checked = time.monotonic()
         while live:
+            if control:
+                self._serve_control(by_rid)
             wait = IDLE_WAIT_S
             if sources:
                 now = time.time_ns()
@@ -487,7 +591,7 @@ class Worker:
                             return
                         if rep.done:
                             live -= 1
-                            core.retire(rep.slot)
+                            self._retire(rep)
                             break
                     if src.step is not None and not rep.done:
                         due_s = CREDIT_POLL_S if blocked else (src.due_ns() - now) / 1e9
@@ -501,15 +605,32 @@ class Worker:
             item = core.next(timeout=wait)
             if item is not None:
                 rep = by_slot[item.slot]
+                if item.kind == "cut":
+                    self._cut(rep, item)
+                    continue
                 if not self._dispatch(rep, item):
                     return
                 if rep.done:
                     live -= 1
-                    core.retire(rep.slot)
+                    self._retire(rep)
             if orderers and time.monotonic() - checked >= IDLE_WAIT_S:
                 checked = time.monotonic()
                 for o in orderers:
                     o.check()
+
+    def _retire(self, rep: Replica) -> None:
+        self.core.retire(rep.slot)
+        for token in self._cuts.pop(rep.slot, []):  # no boundary will come any more
+            self.on_cut(rep.me, None, token)
+
+    def _cut(self, rep: Replica, item) -> None:
+        try:
+            taken = rep.cut(item.cut)
+        except Exception:
+            log.exception("%s: taking a cut failed", rep.name)
+            taken = None
+        for token in self._cuts.pop(item.slot, []):
+            self.on_cut(rep.me, taken, token)
 
     @staticmethod
     def _dispatch(rep: Replica, item) -> bool:

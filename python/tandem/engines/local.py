@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -45,7 +45,7 @@ from tandem.faults import Kill, KillWorker, Pause, ReplicaFault
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
-from tandem.runtime import ReplicaId, ReplicaReport, Worker
+from tandem.runtime import ReplicaId, ReplicaReport, Resume, Worker, _warm_up
 
 log = logging.getLogger("tandem")
 
@@ -54,6 +54,39 @@ STARTUP_S = 1.0
 
 ON_READY = None
 """Test hook: called with every inbox address once all replicas listen, before they start."""
+
+
+REJOIN_TIMEOUT_S = 30.0
+"""How long rebuilding a lost worker's replicas may take before the run gives up on it
+(the partitions go on with fewer replicas)."""
+
+REJOIN_MARGIN_S = 1.0
+"""A worker lost this close to the end of the stream is not rebuilt."""
+
+REJOIN_ATTEMPTS = 3
+"""Cuts taken for one loss before giving up: a cut that left an upstream replica's replay
+window (the rebuild took longer than ``Job(replay_ms=...)``) is retried with a later one."""
+
+
+@dataclass
+class _Rejoin:
+    """A lost worker being rebuilt (``Job(restore=True)``): its new process, the live twin
+    each of its replicas is rebuilt from, and how far it got."""
+
+    worker: int
+    proc: _Process
+    twins: dict[ReplicaId, ReplicaId]
+    lost_s: float
+    deadline: float
+    generation: int
+    state: str = "starting"  # starting -> cutting -> binding -> linking
+    cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
+    links: int = 0
+    """Link requests not yet answered."""
+    fed: dict[tuple[ReplicaId, tuple[int, int]], bool] = field(default_factory=dict)
+    """(rebuilt replica, upstream partition) -> whether a live upstream replica feeds it."""
+    stale: bool = False
+    """Some upstream replica's replay window no longer reached back to a cut."""
 
 
 @dataclass(frozen=True)
@@ -71,11 +104,30 @@ def die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def serve(plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooRun | None) -> None:
-    """The ready/go/done exchange of a worker process with the coordinator, over ``conn``
-    (see :mod:`tandem.engines.worker`, the process's entry point)."""
+def serve(
+    plan: Plan,
+    rids: list[ReplicaId],
+    secret: bytes,
+    conn,
+    kazoo: KazooRun | None,
+    rejoin: bool = False,
+) -> None:
+    """The exchange of a worker process with the coordinator, over ``conn`` (see
+    :mod:`tandem.engines.worker`, the process's entry point): ``ready`` with its ports,
+    ``go``, then ``done`` with its reports. Meanwhile the coordinator may ask it for cuts
+    of its replicas and to link them to rebuilt downstream replicas (``cut``, ``link``;
+    answered by ``cut`` and ``linked`` messages). A worker that rebuilds lost replicas
+    (``rejoin``) first says it is ``waiting`` and gets their twins' cuts (``resume``)."""
+    resume = None
+    if rejoin:
+        _warm_up()
+        conn.send(("waiting", None))
+        msg = conn.recv()
+        if msg[0] != "resume":
+            return
+        resume = msg[1]
     try:
-        worker = Worker(plan, rids, secret, kazoo=kazoo)
+        worker = Worker(plan, rids, secret, kazoo=kazoo, resume=resume)
 
         def terminate(_signo, _frame) -> None:
             # A graceful stop: hand leadership over at once instead of after a session
@@ -92,11 +144,35 @@ def serve(plan: Plan, rids: list[ReplicaId], secret: bytes, conn, kazoo: KazooRu
     if msg[0] != "go":
         return
     _, addresses, t0_ns, duration, warmup = msg
+    sending = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with sending, contextlib.suppress(OSError):
+            conn.send(message)
+
+    worker.on_cut = lambda rid, taken, token: send(("cut", rid, taken, token))
+    worker.on_link = lambda up, down, error: send(("linked", up, down, error))
+    threading.Thread(
+        target=_requests, args=(conn, worker), name="tandem-requests", daemon=True
+    ).start()
     reports = worker.run(addresses, t0_ns, duration, warmup)
     # The coordinator may stop this process once it has the reports: hand what the core
     # logged to logging first.
     logs.flush(1.0)
-    conn.send(("done", reports))
+    send(("done", reports))
+
+
+def _requests(conn, worker: Worker) -> None:
+    """Hand the coordinator's requests during the run to the worker thread."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "cut":
+            worker.request_cut(msg[1], msg[2])
+        elif msg[0] == "link":
+            worker.link(*msg[1:])
 
 
 def _worker_env() -> dict[str, str]:
@@ -306,7 +382,7 @@ class LocalEngine:
             cost.finish()
             result = run.result(check)
             sinks = [r for (t, _, _), r in run.reports.items() if plan.tasks[t].kind == "sink"]
-            cost.apply(result, len(run.procs), sinks)
+            cost.apply(result, len(run._all_procs()), sinks)
             return result
         finally:
             if zoo is not None:
@@ -348,11 +424,25 @@ class _Run:
         }
         self.procs: dict[int, _Process] = {}
         self.conns: dict[int, Connection] = {}
+        self.retired: list[_Process] = []  # processes of workers since rebuilt
+        self.running: set[int] = set()
         self.reports: dict[ReplicaId, ReplicaReport] = {}
         self.killed: dict[ReplicaId, float] = {}
         self.killed_workers: set[int] = set()
         self.crashed: list[ReplicaId] = []
+        self.lost: list[tuple[ReplicaId, str]] = []  # every loss, in order, with its cause
+        self.down: set[ReplicaId] = set()  # lost and not (yet) rebuilt
         self.injected: list[dict] = []
+        # Rebuilding lost replicas from their twins (DESIGN §4): KaZoo replicas follow an
+        # order log instead, which a rebuilt replica cannot join yet.
+        self.restoring = plan.restore and plan.replication > 1 and not plan.ordered_partitions()
+        self.rejoins: dict[int, _Rejoin] = {}
+        self.restored: list[dict] = []
+        self._generation = 0
+        self._attempts: dict[int, int] = {}  # worker -> rebuild attempts for its last loss
+        self.addresses: dict[ReplicaId, tuple[str, int]] = {}
+        self._blob = b""
+        self._env: dict[str, str] = {}
         self.t0_ns = 0
         self.rss_mb: dict[str, float] = {}
         self._rss_at = 0.0
@@ -362,11 +452,14 @@ class _Run:
     def start(self) -> None:
         # The plan goes by cloudpickle: functions, lambdas and closures of the main script
         # by value (Job.plan checked that every task can be sent).
-        blob = cloudpickle.dumps(self.plan)
-        env = _worker_env()
+        self._blob = blob = cloudpickle.dumps(self.plan)
+        self._env = env = _worker_env()
         for w, rids in enumerate(self.placement):
             proc = _Process(
-                (list(sys.path), blob, rids, self.secret, self.zoo), env, w, relay=self.progress
+                (list(sys.path), blob, rids, self.secret, self.zoo, False),
+                env,
+                w,
+                relay=self.progress,
             )
             self.procs[w], self.conns[w] = proc, proc.conn
         for proc in self.procs.values():
@@ -398,38 +491,52 @@ class _Run:
                 pending.discard(w)
         if ON_READY is not None:
             ON_READY(addresses)
+        self.addresses = addresses
         self.t0_ns = time.time_ns() + int(STARTUP_S * 1e9)
         for conn in self.conns.values():
             conn.send(("go", addresses, self.t0_ns, self.duration, self.warmup))
+        self.running = set(self.procs)
 
     def watch(self, timeout: float, cost: _CostMeter | None = None) -> None:
-        """Inject the faults, sample memory, take ``cost``'s readings, collect the reports
-        until every worker has finished or died."""
+        """Inject the faults, sample memory, take ``cost``'s readings, rebuild lost workers
+        (``Job(restore=True)``), collect the reports until every worker has finished or
+        died."""
         deadline = time.monotonic() + STARTUP_S + timeout
         faults = list(self.faults)
-        running = set(self.procs)
+        running = self.running
         while running:
             now_s = (time.time_ns() - self.t0_ns) / 1e9
             reading = cost.due(now_s, self.duration) if cost is not None else None
             if reading is not None and reading <= 0:
-                cost.read([p.pid for p in self.procs.values()])
+                cost.read([p.pid for p in self._all_procs()])
                 reading = cost.due(now_s, self.duration)
             while faults and faults[0].at <= now_s:
                 self._inject(faults.pop(0), now_s, faults)
                 running -= self.killed_workers
+            for w, rj in list(self.rejoins.items()):
+                if time.monotonic() > rj.deadline:
+                    self._abort_rejoin(w, f"not done within {REJOIN_TIMEOUT_S:.0f} s")
             self._draw(now_s)
             self._sample_rss(running)
             # A worker that exits closes its end of the link: EOF on the connection.
-            waitables = {self.conns[w]: w for w in running}
+            waitables = {self.conns[w]: (w, False) for w in running}
+            waitables |= {
+                rj.proc.conn: (w, True)
+                for w, rj in self.rejoins.items()
+                if rj.state in ("starting", "binding")
+            }
             next_fault = (faults[0].at - now_s) if faults else 0.2
             if reading is not None:
                 next_fault = min(next_fault, reading)
             for obj in wait(list(waitables), timeout=max(0.0, min(0.2, next_fault))):
-                w = waitables[obj]
+                w, rejoining = waitables[obj]
+                if rejoining:
+                    self._rejoin_message(w, now_s)
+                    continue
                 if w not in running:
                     continue
                 try:
-                    kind, reports = obj.recv()
+                    msg = obj.recv()
                 except EOFError:
                     proc = self.procs[w]
                     proc.join(timeout=5)
@@ -437,9 +544,14 @@ class _Run:
                         proc.kill()
                         proc.join(timeout=5)
                     running.discard(w)
-                    self._crashed(w)
+                    self._crashed(w, now_s)
                     continue
-                if kind == "done":
+                if msg[0] == "cut":
+                    self._on_cut(*msg[1:], now_s=now_s)
+                elif msg[0] == "linked":
+                    self._on_linked(*msg[1:], now_s=now_s)
+                elif msg[0] == "done":
+                    reports = msg[1]
                     self.reports.update(reports)
                     running.discard(w)
                     for report in reports.values():
@@ -451,17 +563,206 @@ class _Run:
                     f"the run did not finish within {timeout:.0f} s of its start; still running: "
                     f"{stuck}. Raise timeout= if the job is expected to take longer."
                 )
+        for w in list(self.rejoins):
+            self._abort_rejoin(w, "the job ended first")
         self._draw(self.duration, done=True)
+
+    def _all_procs(self) -> list[_Process]:
+        """Every process the run started: live, retired and being rebuilt."""
+        rebuilding = [rj.proc for rj in self.rejoins.values() if rj.state != "linking"]
+        return [*self.procs.values(), *self.retired, *rebuilding]
+
+    # -- rebuilding lost workers (Job(restore=True)) --------------------------------------
+
+    def _lost_worker(self, w: int, now_s: float) -> None:
+        """Start rebuilding worker ``w``'s replicas from their twins, if the job asks for it
+        and it can be done: a new process for the worker, which waits for their cuts."""
+        if not self.restoring or w in self.rejoins:
+            return
+        self._attempts[w] = self._attempts.get(w, 0) + 1
+        rids = self.placement[w]
+        if any(self.plan.tasks[t].kind == "sink" for t, _, _ in rids):
+            return  # sinks are not replicated: nothing to rebuild them from
+        if now_s > self.duration - REJOIN_MARGIN_S:
+            log.info(
+                "%s is not rebuilt: the stream ends in under %g s",
+                self._worker_name(w),
+                REJOIN_MARGIN_S,
+            )
+            return
+        twins: dict[ReplicaId, ReplicaId] = {}
+        for rid in rids:
+            t, p, r = rid
+            live = [
+                (t, p, q)
+                for q in range(self.plan.tasks[t].replication)
+                if q != r and (t, p, q) not in self.down
+            ]
+            if not live:
+                return  # the job fails for it (_crashed)
+            twins[rid] = live[0]
+        self._generation += 1
+        proc = _Process(
+            (list(sys.path), self._blob, rids, self.secret, self.zoo, True),
+            self._env,
+            w,
+            relay=self.progress,
+        )
+        proc.send_payload()
+        self.rejoins[w] = _Rejoin(
+            w, proc, twins, now_s, time.monotonic() + REJOIN_TIMEOUT_S, self._generation
+        )
+        log.info(
+            "rebuilding %s (%s) from live twins",
+            self._worker_name(w),
+            ", ".join(self._name(r) for r in rids),
+        )
+
+    def _rejoin_message(self, w: int, now_s: float) -> None:
+        """A message from a rebuilt worker's process before it runs: ``waiting`` (ask the
+        twins for cuts), ``ready`` (link its upstream replicas to it and let it go) or an
+        error."""
+        rj = self.rejoins[w]
+        try:
+            kind, value = rj.proc.conn.recv()
+        except EOFError:
+            self._abort_rejoin(w, f"its new process exited (exit code {rj.proc.exitcode})")
+            return
+        if kind == "waiting":
+            rj.state = "cutting"
+            for rid, twin in rj.twins.items():
+                self.conns[self.worker_of[twin]].send(("cut", twin, (w, rj.generation, rid)))
+            return
+        if kind != "ready":
+            self._abort_rejoin(w, str(value))
+            return
+        for rid, port in value.items():
+            if port is not None:
+                self.addresses[rid] = (self.host, port)
+        for rid, port in value.items():
+            if port is None:
+                continue
+            t, p, _ = rid
+            epoch = rj.cuts[rid].epoch
+            for ch in self.plan.input_channels(t, p):
+                rj.fed[(rid, (ch.task, ch.partition))] = False
+                for q in range(self.plan.tasks[ch.task].replication):
+                    up = (ch.task, ch.partition, q)
+                    if up in self.down or self.worker_of[up] == w:
+                        continue
+                    self.conns[self.worker_of[up]].send(
+                        ("link", up, rid, self.addresses[rid], epoch)
+                    )
+                    rj.links += 1
+        rj.state = "linking"
+        with contextlib.suppress(OSError):
+            rj.proc.conn.send(("go", self.addresses, self.t0_ns, self.duration, self.warmup))
+        self.retired.append(self.procs[w])
+        self.procs[w], self.conns[w] = rj.proc, rj.proc.conn
+        self.killed_workers.discard(w)
+        self.running.add(w)
+        if rj.links == 0:
+            self._linked(w, now_s)
+
+    def _on_cut(self, twin: ReplicaId, taken: Resume | None, token, now_s: float) -> None:
+        w, generation, rid = token
+        rj = self.rejoins.get(w)
+        if rj is None or rj.generation != generation:
+            return
+        if taken is None:
+            self._abort_rejoin(
+                w, f"its twin {self._name(twin)} could not be cut (it finished, or failed)"
+            )
+            return
+        rj.cuts[rid] = taken
+        if len(rj.cuts) == len(rj.twins):
+            rj.state = "binding"
+            with contextlib.suppress(OSError):
+                rj.proc.conn.send(("resume", rj.cuts))
+
+    def _on_linked(self, up: ReplicaId, down: ReplicaId, error: str | None, now_s: float) -> None:
+        rj = self.rejoins.get(self.worker_of[down])
+        if rj is None or rj.state != "linking":
+            return
+        rj.links -= 1
+        if error is None:
+            rj.fed[(down, up[:2])] = True
+        else:
+            rj.stale |= "needs a later cut" in error
+            log.warning(
+                "%s could not feed the rebuilt %s: %s", self._name(up), self._name(down), error
+            )
+        if rj.links == 0:
+            self._linked(rj.worker, now_s)
+
+    def _linked(self, w: int, now_s: float) -> None:
+        rj = self.rejoins[w]
+        unfed = [
+            f"{self._name(rid)} from {self.plan.tasks[t].name}[{p}]"
+            for (rid, (t, p)), ok in rj.fed.items()
+            if not ok
+        ]
+        if unfed:
+            retry = rj.stale and self._attempts.get(w, 0) < REJOIN_ATTEMPTS
+            self._abort_rejoin(
+                w,
+                "no live upstream replica could replay its input: "
+                + ", ".join(unfed)
+                + ("; trying again from a later cut" if retry else ""),
+            )
+            if retry:
+                self._lost_worker(w, now_s)
+            return
+        del self.rejoins[w]
+        self._attempts.pop(w, None)
+        for rid in self.placement[w]:
+            self.down.discard(rid)
+            t, p, r = rid
+            self.restored.append(
+                {
+                    "task": self.plan.tasks[t].name,
+                    "partition": p,
+                    "replica": r,
+                    "twin": rj.twins[rid][2],
+                    "epoch": rj.cuts[rid].epoch,
+                    "lost_s": round(rj.lost_s, 3),
+                    "restored_s": round(now_s, 3),
+                    "restore_ms": round((now_s - rj.lost_s) * 1000, 1),
+                }
+            )
+        log.info(
+            "rebuilt %s at %.2f s (%.0f ms after its loss)",
+            self._worker_name(w),
+            now_s,
+            (now_s - rj.lost_s) * 1000,
+        )
+
+    def _abort_rejoin(self, w: int, why: str) -> None:
+        rj = self.rejoins.pop(w, None)
+        if rj is None:
+            return
+        log.warning(
+            "%s is not rebuilt: %s; its partitions go on with fewer replicas",
+            self._worker_name(w),
+            why,
+        )
+        rj.proc.kill()
+        rj.proc.join(timeout=5)
+        if self.procs.get(w) is rj.proc:  # it was already running
+            self.running.discard(w)
+            self.killed_workers.add(w)
+        else:
+            self.retired.append(rj.proc)
 
     def stop(self) -> None:
         """Kill whatever still runs and reap every child (also on errors and Ctrl-C)."""
-        for proc in self.procs.values():
+        procs = self._all_procs()
+        for proc in procs:
             if proc.is_alive():
                 proc.kill()
-        for proc in self.procs.values():
+        for proc in procs:
             proc.join(timeout=10)
-        for conn in self.conns.values():
-            conn.close()
+            proc.conn.close()
 
     def _sample_rss(self, running) -> None:
         """Peak resident memory per worker process, sampled about once a second."""
@@ -480,7 +781,7 @@ class _Run:
 
     def _alive(self, rid: ReplicaId) -> bool:
         w = self.worker_of[rid]
-        return w not in self.killed_workers and self.procs[w].is_alive()
+        return rid not in self.down and w not in self.killed_workers and self.procs[w].is_alive()
 
     def _resolve(self, task: int, partition: int, role: str) -> int:
         """The replica index holding ``role`` in a KaZoo partition right now."""
@@ -543,25 +844,41 @@ class _Run:
         for r in self.placement[w]:
             if r not in self.reports:
                 self.killed[r] = now_s
+                self.lost.append((r, "killed"))
+                self.down.add(r)
         log.info(
             "fault: SIGKILL %s (hosting %s) at %.2f s", self._worker_name(w), self._name(rid), now_s
         )
+        self._check_partitions(
+            [r for r in self.placement[w] if r in self.down], f"{self._worker_name(w)} was killed"
+        )
+        self._attempts.pop(w, None)  # a new loss
+        self._lost_worker(w, now_s)
 
-    def _crashed(self, w: int) -> None:
+    def _crashed(self, w: int, now_s: float) -> None:
         code = self.procs[w].exitcode
         log.warning("%s died unexpectedly (exit code %s)", self._worker_name(w), code)
-        lost = [r for r in self.placement[w] if r not in self.reports and r not in self.killed]
+        lost = [r for r in self.placement[w] if r not in self.reports and r not in self.down]
         self.crashed.extend(lost)
-        gone = set(self.killed) | set(self.crashed)
+        self.lost += [(r, "crashed") for r in lost]
+        self.down |= set(lost)
+        self._check_partitions(lost, f"{self._worker_name(w)} exited with code {code}")
+        self._attempts.pop(w, None)  # a new loss
+        self._lost_worker(w, now_s)
+
+    def _check_partitions(self, lost: list[ReplicaId], why: str) -> None:
+        """Fail the job if a partition of ``lost`` has no live replica left (one being
+        rebuilt does not count: it starts from a live twin)."""
         for task, part, _ in lost:
             alive = [
-                r for r in range(self.plan.tasks[task].replication) if (task, part, r) not in gone
+                r
+                for r in range(self.plan.tasks[task].replication)
+                if (task, part, r) not in self.down
             ]
             if not alive:
                 raise TandemError(
                     f"every replica of {self.plan.tasks[task].describe()} partition {part} is "
-                    f"gone ({self._worker_name(w)} exited with code {code}); the job cannot "
-                    "continue"
+                    f"gone ({why}); the job cannot continue"
                 )
 
     # -- reporting ------------------------------------------------------------------------
@@ -600,8 +917,7 @@ class _Run:
             self._bar = None
 
     def result(self, check: bool) -> Result:
-        lost = [(rid, "killed") for rid in self.killed] + [(rid, "crashed") for rid in self.crashed]
-        return assemble_result(
+        result = assemble_result(
             self.plan,
             self.duration,
             self.reports,
@@ -609,10 +925,12 @@ class _Run:
             warmup=self.warmup,
             check=check,
             faults=self.injected,
-            lost_replicas=lost,
+            lost_replicas=self.lost,
             rss_mb=self.rss_mb,
             kazoo=self.zoo,
         )
+        result.restored_replicas = list(self.restored)
+        return result
 
 
 __all__ = ["LocalEngine", "TaskFailed", "multiset_diff"]

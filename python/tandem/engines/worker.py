@@ -5,7 +5,7 @@ The coordinator (:mod:`tandem.engines.local`) starts this module as a fresh inte
 rather than with ``multiprocessing``, so that the user's main script is never imported
 again here: a plain script without an ``if __name__ == "__main__":`` guard works. ``FD`` is
 this process's end of a socket pair, a :class:`multiprocessing.connection.Connection`.
-The coordinator first sends ``(sys.path, plan, rids, secret, kazoo)``, the plan as a
+The coordinator first sends ``(sys.path, plan, rids, secret, kazoo, rejoin)``, the plan as a
 cloudpickle blob — functions, lambdas and closures defined in ``__main__`` travel by
 value, those of importable modules by reference, found through the coordinator's
 ``sys.path``. Then the ready/go/done exchange of :func:`tandem.engines.local.serve`.
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     os.set_inheritable(fd, False)  # nothing this process starts may hold the link open
     conn = Connection(fd)
     try:
-        path, blob, rids, secret, kazoo = conn.recv()
+        path, blob, rids, secret, kazoo, rejoin = conn.recv()
     except EOFError:
         return 1
     sys.path[:] = list(path) + [p for p in sys.path if p not in path]
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         return 1
-    local.serve(plan, rids, secret, conn, kazoo)
+    local.serve(plan, rids, secret, conn, kazoo, rejoin=rejoin)
     return 0
 
 

@@ -99,9 +99,19 @@ pub fn channel<P: Chunk + Send>(
     capacity: usize,
     consumer_bell: Arc<Doorbell>,
 ) -> (DedupSender<P>, DedupReceiver<P>) {
+    channel_from(0, capacity, consumer_bell)
+}
+
+/// A logical channel whose sequence numbers before `start` count as already delivered: the
+/// channel of a replica rebuilt from a twin's cut, which consumed everything before it.
+pub fn channel_from<P: Chunk + Send>(
+    start: u64,
+    capacity: usize,
+    consumer_bell: Arc<Doorbell>,
+) -> (DedupSender<P>, DedupReceiver<P>) {
     let capacity = capacity.max(1);
     let shared = Arc::new(Shared {
-        next: AtomicU64::new(0),
+        next: AtomicU64::new(start),
         permits: AtomicUsize::new(capacity),
         queue: ArrayQueue::new(capacity),
         consumer_bell,
@@ -113,7 +123,7 @@ pub fn channel<P: Chunk + Send>(
         },
         DedupReceiver {
             shared,
-            delivered: 0,
+            delivered: start,
             reorder: Vec::new(),
         },
     )

@@ -49,8 +49,9 @@
 
 use std::marker::PhantomData;
 
+use crate::error::Result;
 use crate::item::{Chunk, Delivery, Item};
-use crate::merge::{Ended, HeartbeatGate, Inputs, Merge};
+use crate::merge::{Ended, HeartbeatGate, Inputs, Merge, MergeCut};
 
 /// See the module documentation. `P` is the payload of the batches it hands out (an Arrow
 /// `RecordBatch` in production); the merge never looks inside one beyond its row count.
@@ -200,6 +201,28 @@ impl<P: Chunk + Send> Merge<P> for LiveRobin<P> {
         } else {
             Some(self.current)
         }
+    }
+
+    /// Only at a cycle boundary: every channel that has not ended is active again.
+    fn cut(&self) -> Option<MergeCut> {
+        let boundary = (0..self.active.len()).all(|c| self.active[c] != self.ended.is_ended(c));
+        boundary.then(|| MergeCut {
+            turn: self.current,
+            gen: self.gate.gen(),
+            ended: self.ended.flags(),
+        })
+    }
+
+    fn resume(&mut self, cut: &MergeCut) -> Result<()> {
+        cut.check(self.active.len())?;
+        self.current = cut.turn;
+        self.gate = HeartbeatGate::resumed(cut.gen);
+        self.ended = Ended::resumed(&cut.ended);
+        for (c, a) in self.active.iter_mut().enumerate() {
+            *a = !cut.ended[c];
+        }
+        self.active_count = self.active.iter().filter(|&&a| a).count();
+        Ok(())
     }
 }
 

@@ -73,6 +73,47 @@ pub trait Merge<P: Chunk>: Send {
              own order; only ordering 'kazoo' (positional) follows orders"
         )))
     }
+    /// The merge's state at a heartbeat-cycle boundary (see [`MergeCut`]); None if this
+    /// merge cannot be cut there (it is mid-cycle, or it follows orders decided elsewhere).
+    fn cut(&self) -> Option<MergeCut> {
+        None
+    }
+    /// Continue from `cut`, taken from a twin's merge of the same kind over the same
+    /// channels; call before the first `next`.
+    fn resume(&mut self, _cut: &MergeCut) -> Result<()> {
+        Err(Error::Config(
+            "this consumption order cannot resume from a twin's cut (KaZoo replicas follow the \
+             order log instead)"
+                .to_owned(),
+        ))
+    }
+}
+
+/// Where a merge stands at a heartbeat-cycle boundary: what a replica rebuilt from a twin
+/// needs so that, fed the same input from the cut on, it makes the same choices as the twin.
+/// Everything else a merge keeps (LiveRobin's active set) is full at a boundary.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MergeCut {
+    /// The channel whose turn is next (LiveRobin), or where the next scan starts (`none`).
+    pub turn: usize,
+    /// The highest heartbeat epoch seen (`gen` of Algorithm 1).
+    pub gen: Option<u64>,
+    /// Which channels have ended.
+    pub ended: Vec<bool>,
+}
+
+impl MergeCut {
+    /// Check that the cut fits a merge over `channels` channels.
+    pub(crate) fn check(&self, channels: usize) -> Result<()> {
+        if self.ended.len() != channels || (channels > 0 && self.turn >= channels) {
+            return Err(Error::Config(format!(
+                "a merge cut of {} channels (turn {}) does not fit a merge over {channels}",
+                self.ended.len(),
+                self.turn
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The ordering knob (`ordering` in DESIGN §5; `kazoo` replicas use [`Positional`]).
@@ -107,6 +148,12 @@ pub(crate) struct HeartbeatGate {
 }
 
 impl HeartbeatGate {
+    pub(crate) fn resumed(gen: Option<u64>) -> Self {
+        Self { gen }
+    }
+    pub(crate) fn gen(&self) -> Option<u64> {
+        self.gen
+    }
     /// Record a heartbeat of `epoch`; true if it is the first time this epoch is seen.
     pub(crate) fn see(&mut self, epoch: u64) -> bool {
         let first = self.gen.is_none_or(|g| epoch > g);
@@ -142,6 +189,15 @@ impl Ended {
     }
     pub(crate) fn all(&self) -> bool {
         self.count == self.ended.len()
+    }
+    pub(crate) fn flags(&self) -> Vec<bool> {
+        self.ended.clone()
+    }
+    pub(crate) fn resumed(flags: &[bool]) -> Self {
+        Self {
+            ended: flags.to_vec(),
+            count: flags.iter().filter(|&&e| e).count(),
+        }
     }
 }
 
@@ -221,6 +277,22 @@ impl<P: Chunk> Merge<P> for Fcfs {
 
     fn waiting_on(&self) -> Option<usize> {
         None
+    }
+
+    fn cut(&self) -> Option<MergeCut> {
+        Some(MergeCut {
+            turn: self.cursor,
+            gen: self.gate.gen(),
+            ended: self.ended.flags(),
+        })
+    }
+
+    fn resume(&mut self, cut: &MergeCut) -> Result<()> {
+        cut.check(self.ended.ended.len())?;
+        self.cursor = cut.turn;
+        self.gate = HeartbeatGate::resumed(cut.gen);
+        self.ended = Ended::resumed(&cut.ended);
+        Ok(())
     }
 }
 

@@ -171,6 +171,14 @@ pub trait Link: Send {
     fn peer_closed(&self) -> bool {
         false
     }
+
+    /// Send what a channel's [`ReplayWindow`] holds to a replica that joined late, before
+    /// anything else; every frame has its bytes if the link [`Link::wants_bytes`]. It must
+    /// not block the sender for long: a link with a writer thread hands it the whole
+    /// replay as one write. The default sends the frames one by one.
+    fn replay(&mut self, frames: &[OutFrame]) -> Result<()> {
+        frames.iter().try_for_each(|f| self.send(f))
+    }
 }
 
 /// When an outbox drops a downstream replica that lags behind the other replicas of its
@@ -200,6 +208,81 @@ impl Default for OutboxConfig {
     }
 }
 
+/// How much of each output channel an outbox keeps to replay to a replica rebuilt while the
+/// job runs ([`Outbox::add_link`]): whole heartbeat cycles, the most recent `cycles` of
+/// them, fewer if they hold more than `bytes` (the current cycle is always kept).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayWindow {
+    pub cycles: usize,
+    pub bytes: usize,
+}
+
+/// The frames one channel keeps for replay.
+#[derive(Default)]
+struct Replay {
+    /// Each frame with its size in bytes (encoded, or its rows' memory).
+    frames: VecDeque<(OutFrame, usize)>,
+    /// The window holds everything after heartbeat `after` (0: from the first element).
+    after: u64,
+    heartbeats: usize,
+    bytes: usize,
+}
+
+impl Replay {
+    fn push(&mut self, frame: &OutFrame, size: usize) {
+        if matches!(frame.item, Item::Heartbeat { .. }) {
+            self.heartbeats += 1;
+        }
+        self.bytes += size;
+        self.frames.push_back((frame.clone(), size));
+    }
+
+    /// Drop the oldest whole cycles beyond the window.
+    fn trim(&mut self, window: &ReplayWindow) {
+        while self.heartbeats > window.cycles.max(1)
+            || (self.bytes > window.bytes && self.heartbeats > 1)
+        {
+            while let Some((frame, size)) = self.frames.pop_front() {
+                self.bytes -= size;
+                if let Item::Heartbeat { epoch, .. } = frame.item {
+                    self.heartbeats -= 1;
+                    self.after = epoch;
+                    break;
+                }
+            }
+        }
+    }
+
+    /// The frames after heartbeat `epoch` — or, if this channel has not sent that one yet,
+    /// after the latest it sent; None if the window no longer reaches back to it.
+    fn after(&self, epoch: u64) -> Option<Vec<OutFrame>> {
+        if epoch < self.after {
+            return None;
+        }
+        let start = self
+            .frames
+            .iter()
+            .rposition(|(f, _)| matches!(f.item, Item::Heartbeat { epoch: e, .. } if e <= epoch))
+            .map_or(0, |i| i + 1);
+        Some(
+            self.frames
+                .iter()
+                .skip(start)
+                .map(|(f, _)| f.clone())
+                .collect(),
+        )
+    }
+}
+
+/// Where an outbox stands at a heartbeat-cycle boundary: the seq each channel's next
+/// element takes and the rows emitted so far (the `rebalance` partitioner's position). An
+/// outbox resumed from it emits what its twin emits after the cut, with the same seqs.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OutboxCut {
+    pub seqs: Vec<u64>,
+    pub rows_emitted: u64,
+}
+
 /// Closed cycle digests kept for [`Outbox::take_digests`] before the oldest are dropped
 /// (receivers compare digests online; this record only feeds reports, and must stay
 /// bounded when nobody takes it).
@@ -212,6 +295,8 @@ struct Channel {
     next_seq: u64,
     /// Digest of the Data frames sent since the last heartbeat.
     digest: CycleDigest,
+    /// What a replica that joins late is sent first (None: nothing is kept).
+    replay: Option<Replay>,
 }
 
 /// One Data frame of an emit, encoded (if some link wants bytes) but not yet sent.
@@ -240,6 +325,8 @@ pub struct Outbox {
     me: Option<ReplicaTag>,
     /// Drop stragglers ([`Outbox::evicting`]); None: wait for them.
     eviction: Option<Eviction>,
+    /// What each channel keeps for replay ([`Outbox::keep_replay`]).
+    window: Option<ReplayWindow>,
 }
 
 impl Outbox {
@@ -278,6 +365,7 @@ impl Outbox {
                 links,
                 next_seq: 0,
                 digest: CycleDigest::new(),
+                replay: None,
             })
             .collect();
         Ok(Outbox {
@@ -291,6 +379,7 @@ impl Outbox {
             deferred: false,
             me: None,
             eviction: None,
+            window: None,
         })
     }
 
@@ -306,6 +395,89 @@ impl Outbox {
     /// channel's least backed-up link, so a straggler never holds this replica back.
     pub fn evicting(&mut self, eviction: Option<Eviction>) {
         self.eviction = eviction;
+    }
+
+    /// Keep each channel's recent cycles (`window`), so that a downstream replica rebuilt
+    /// while the job runs can be sent everything after its cut ([`Outbox::add_link`]).
+    /// None: keep nothing (the default).
+    pub fn keep_replay(&mut self, window: Option<ReplayWindow>) {
+        self.window = window;
+        for ch in &mut self.channels {
+            ch.replay = window.map(|_| Replay {
+                after: 0,
+                ..Replay::default()
+            });
+        }
+    }
+
+    /// Where this outbox stands (see [`OutboxCut`]): call at a heartbeat-cycle boundary.
+    pub fn cut(&self) -> OutboxCut {
+        OutboxCut {
+            seqs: self.seqs.clone(),
+            rows_emitted: self.rows_emitted,
+        }
+    }
+
+    /// Continue from a twin's `cut`: the next elements take the seqs the twin's did. Only
+    /// before anything was sent.
+    pub fn resume(&mut self, cut: &OutboxCut) -> Result<()> {
+        if cut.seqs.len() != self.channels.len() {
+            return Err(Error::Config(format!(
+                "a cut of {} output channels cannot resume an outbox of {}",
+                cut.seqs.len(),
+                self.channels.len()
+            )));
+        }
+        if self.rows_emitted > 0 || self.seqs.iter().any(|&s| s > 0) {
+            return Err(Error::Config(
+                "resume() after the outbox sent something; resume a fresh outbox".to_owned(),
+            ));
+        }
+        for (ch, &seq) in self.channels.iter_mut().zip(&cut.seqs) {
+            ch.next_seq = seq;
+        }
+        self.seqs.clone_from(&cut.seqs);
+        self.rows_emitted = cut.rows_emitted;
+        Ok(())
+    }
+
+    /// Add `link`, a downstream replica of channel `channel` rebuilt from a twin's cut at
+    /// heartbeat `after_epoch`: it is first sent what the channel's replay window holds
+    /// after that heartbeat (its dedup drops what it has already), then everything else.
+    /// Fails, adding nothing, if the window no longer reaches back to the cut (the
+    /// replica needs a later one) or if this outbox keeps no window.
+    pub fn add_link(
+        &mut self,
+        channel: usize,
+        mut link: Box<dyn Link>,
+        after_epoch: u64,
+    ) -> Result<()> {
+        let n = self.channels.len();
+        let ch = self
+            .channels
+            .get_mut(channel)
+            .ok_or_else(|| Error::Config(format!("no output channel {channel} (of {n})")))?;
+        let replay = ch.replay.as_ref().ok_or_else(|| {
+            Error::Config("this outbox keeps no replay window (keep_replay)".to_owned())
+        })?;
+        let mut frames = replay.after(after_epoch).ok_or_else(|| {
+            Error::Closed(format!(
+                "output channel {channel} keeps the cycles after heartbeat {} only; a replica \
+                 cut at heartbeat {after_epoch} needs a later cut",
+                replay.after
+            ))
+        })?;
+        if link.wants_bytes() {
+            for f in &mut frames {
+                if f.bytes.is_none() {
+                    f.bytes = Some(encoded(channel, f)?);
+                }
+            }
+        }
+        link.defer(self.deferred);
+        link.replay(&frames)?;
+        ch.links.push(link);
+        Ok(())
     }
 
     /// Number of output channels.
@@ -379,6 +551,13 @@ impl Outbox {
                 };
                 if let Err(e) = send_all(self.me.as_ref(), self.eviction, c, &mut ch.links, &out) {
                     first_err.get_or_insert(e);
+                }
+                if let Some(r) = ch.replay.as_mut() {
+                    let size = out
+                        .bytes
+                        .as_ref()
+                        .map_or_else(|| rows_size(&out.item), |b| b.len());
+                    r.push(&out, size);
                 }
             }
             self.seqs[c] = ch.next_seq;
@@ -562,6 +741,10 @@ impl Outbox {
             if let Err(e) = send_all(self.me.as_ref(), self.eviction, c, &mut ch.links, &out) {
                 first_err.get_or_insert(e);
             }
+            if let (Some(r), Some(window)) = (ch.replay.as_mut(), self.window.as_ref()) {
+                r.push(&out, CONTROL_FRAME_BYTES);
+                r.trim(window);
+            }
         }
         self.push_unless_deferred();
         first_err.map_or(Ok(()), Err)
@@ -572,6 +755,31 @@ impl Outbox {
             self.push();
         }
     }
+}
+
+/// What a heartbeat or end marker counts for in a replay window.
+const CONTROL_FRAME_BYTES: usize = 64;
+
+/// The memory a Data frame's rows hold (buffers shared with other frames of one emitted
+/// batch are counted in each: the estimate errs on the large side).
+fn rows_size(item: &Item<RecordBatch>) -> usize {
+    match item {
+        Item::Data { payload, .. } => payload.get_array_memory_size(),
+        _ => CONTROL_FRAME_BYTES,
+    }
+}
+
+/// `frame` encoded for the wire as an element of channel `c`.
+fn encoded(c: usize, frame: &OutFrame) -> Result<Arc<[u8]>> {
+    let c = c as u32;
+    Ok(match (&frame.item, &frame.digest) {
+        (Item::Data { first_seq, payload }, _) => wire::encode_data(c, *first_seq, payload)?.into(),
+        (Item::Heartbeat { seq, epoch }, Some(d)) => {
+            wire::encode_heartbeat_digest(c, *seq, *epoch, d).into()
+        }
+        (Item::Heartbeat { seq, epoch }, None) => wire::encode_heartbeat(c, *seq, *epoch).into(),
+        (Item::End { seq }, _) => wire::encode_end(c, *seq).into(),
+    })
 }
 
 /// Route row `i` of `batch` to channel `targets[i]`: one `take` per non-empty channel, in
@@ -926,6 +1134,69 @@ mod tests {
         (0..channels)
             .map(|_| (0..replicas).map(|_| MemLink::default()).collect())
             .collect()
+    }
+
+    #[test]
+    fn the_replay_window_keeps_whole_recent_cycles_and_replays_what_follows_a_cut() {
+        let links = mem(1, 1);
+        let mut ob = outbox(Partitioner::Forward, &links, 8);
+        ob.keep_replay(Some(ReplayWindow {
+            cycles: 2,
+            bytes: 1 << 20,
+        }));
+        for k in 1..=3u64 {
+            let at = (k as i64 - 1) * 10;
+            ob.emit(&batch(at..at + 2)).unwrap();
+            ob.heartbeat(k).unwrap();
+        }
+        ob.emit(&batch(30..32)).unwrap();
+        // Cycles 2 and 3 and the rows after heartbeat 3 are kept; cycle 1 was dropped whole.
+        let late = MemLink::default();
+        ob.add_link(0, Box::new(late.clone()), 2).unwrap();
+        assert_eq!(
+            late.summary(),
+            vec![
+                ('D', 6, 2, vec![20, 21]),
+                ('H', 8, 3, vec![]),
+                ('D', 9, 2, vec![30, 31])
+            ]
+        );
+        // A link added late takes everything from then on, like the others.
+        ob.heartbeat(4).unwrap();
+        assert_eq!(late.summary().last(), Some(&('H', 11, 4, vec![])));
+        assert_eq!(links[0][0].summary().last(), Some(&('H', 11, 4, vec![])));
+        // A cut the window no longer reaches back to is refused, adding nothing.
+        let too_late = MemLink::default();
+        let err = ob.add_link(0, Box::new(too_late.clone()), 1).unwrap_err();
+        assert!(err.to_string().contains("needs a later cut"), "{err}");
+        assert!(too_late.summary().is_empty());
+        assert_eq!(ob.live_links(0), 2);
+        // A cut this channel has not reached yet (its twin's upstream ran ahead of it)
+        // replays from the latest heartbeat it sent.
+        let ahead = MemLink::default();
+        ob.add_link(0, Box::new(ahead.clone()), 9).unwrap();
+        assert!(ahead.summary().is_empty());
+    }
+
+    #[test]
+    fn an_outbox_resumed_from_a_cut_numbers_on_like_its_twin() {
+        let (a_links, b_links) = (mem(2, 1), mem(2, 1));
+        let mut a = outbox(Partitioner::Rebalance, &a_links, 8);
+        a.emit(&batch(0..3)).unwrap();
+        a.heartbeat(1).unwrap();
+        let cut = a.cut();
+        let mut b = outbox(Partitioner::Rebalance, &b_links, 8);
+        b.resume(&cut).unwrap();
+        for ob in [&mut a, &mut b] {
+            ob.emit(&batch(3..8)).unwrap();
+            ob.heartbeat(2).unwrap();
+        }
+        for c in 0..2 {
+            let tail = a_links[c][0].frames.lock()[2..].to_vec();
+            assert_eq!(*b_links[c][0].frames.lock(), tail, "channel {c}");
+        }
+        let err = b.resume(&cut).unwrap_err();
+        assert!(err.to_string().contains("fresh outbox"), "{err}");
     }
 
     #[test]

@@ -48,7 +48,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::dedup::{self, DedupReceiver, DedupSender, Offer};
 use crate::digest::{to_hex, Digest};
 use crate::logs::{log_replica, ReplicaTag, INBOX};
-use crate::merge::{self, Merge, OrderingMode};
+use crate::merge::{self, Merge, MergeCut, OrderingMode};
 use crate::orderlog::{OrderLog, OrderLogStats, Verdict};
 use crate::outbox::{Link, OutFrame};
 use crate::socket::{self, Listener, Stream};
@@ -204,6 +204,18 @@ pub struct InboxConfig {
     /// The replica this inbox receives for, as its log lines name it; None: they name the
     /// inbox by its address.
     pub me: Option<ReplicaTag>,
+    /// Start from a twin's cut ([`Inbox::cut`]) instead of from the beginning of every
+    /// channel: a replica rebuilt while the job runs.
+    pub resume: Option<InboxCut>,
+}
+
+/// Where an inbox stands at a heartbeat-cycle boundary: per logical channel the first
+/// sequence number not yet consumed, and the merge's state. A replica resumed from it and
+/// fed every channel from there consumes exactly what its twin consumes after the cut.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxCut {
+    pub positions: Vec<u64>,
+    pub merge: MergeCut,
 }
 
 impl InboxConfig {
@@ -228,6 +240,7 @@ impl InboxConfig {
             on_divergence: OnDivergence::Fail,
             bell: None,
             me: None,
+            resume: None,
         }
     }
 
@@ -417,8 +430,17 @@ impl Inbox {
         let local_addr = listener.local_addr()?;
         let bell = cfg.bell.clone().unwrap_or_default();
         let n = cfg.upstreams.len();
+        if let Some(cut) = &cfg.resume {
+            if cut.positions.len() != n {
+                return Err(Error::Config(format!(
+                    "a cut of {} input channels cannot resume an inbox of {n}",
+                    cut.positions.len()
+                )));
+            }
+        }
+        let start = |c: usize| cfg.resume.as_ref().map_or(0, |cut| cut.positions[c]);
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..n)
-            .map(|_| dedup::channel(cfg.queue_capacity, Arc::clone(&bell)))
+            .map(|c| dedup::channel_from(start(c), cfg.queue_capacity, Arc::clone(&bell)))
             .unzip();
         let shared = Arc::new(Shared {
             job: cfg.job,
@@ -471,10 +493,17 @@ impl Inbox {
         };
         let orders = matches!(cfg.ordering, OrderingMode::Positional)
             .then(|| Arc::new(Mutex::new(OrderLog::new(n))));
+        let mut merge = merge::build(&cfg.ordering, n);
+        if let Some(cut) = &cfg.resume {
+            merge.resume(&cut.merge)?;
+            for (c, &ended) in cut.merge.ended.iter().enumerate() {
+                shared.channels[c].ended.store(ended, Ordering::SeqCst);
+            }
+        }
         Ok(Inbox {
             shared,
             receivers,
-            merge: merge::build(&cfg.ordering, n),
+            merge,
             orders,
             bell,
             local_addr,
@@ -576,6 +605,15 @@ impl Inbox {
             };
             self.bell.wait(seen, left);
         }
+    }
+
+    /// Where this inbox stands now, if its merge can be cut here (see [`InboxCut`]): call
+    /// right after a delivery that ended a heartbeat cycle.
+    pub fn cut(&self) -> Option<InboxCut> {
+        Some(InboxCut {
+            positions: self.receivers.iter().map(DedupReceiver::next_seq).collect(),
+            merge: self.merge.cut()?,
+        })
     }
 
     /// The handle through which the KaZoo orderer feeds the order log to this inbox and
@@ -1511,6 +1549,31 @@ impl Link for TcpLink {
 
     fn peer_closed(&self) -> bool {
         self.shared.state.lock().peer_closed
+    }
+
+    /// One write of every frame: the writer thread takes it while the sender goes on, and
+    /// it counts as one queued frame, so a long replay neither blocks the sender nor makes
+    /// the new replica look like a straggler by the frame count.
+    fn replay(&mut self, frames: &[OutFrame]) -> Result<()> {
+        let mut all = Vec::with_capacity(
+            frames
+                .iter()
+                .map(|f| f.bytes.as_ref().map_or(0, |b| b.len()))
+                .sum(),
+        );
+        for f in frames {
+            let Some(bytes) = f.bytes.as_ref() else {
+                return Err(Error::Config(
+                    "an outbox handed a TCP link a replayed frame without its bytes".to_owned(),
+                ));
+            };
+            all.extend_from_slice(bytes);
+        }
+        if all.is_empty() {
+            return Ok(());
+        }
+        self.push()?;
+        self.write(all.into())
     }
 
     fn backed_up_for(&self, now: Instant) -> Option<Duration> {

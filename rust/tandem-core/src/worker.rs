@@ -35,9 +35,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use arrow_array::RecordBatch;
 use parking_lot::Mutex;
 
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, OutboxCut};
 use crate::sync::Doorbell;
-use crate::transport::Inbox;
+use crate::transport::{Inbox, InboxCut};
 use crate::{Delivery, Error, Result};
 
 /// An inbox or outbox shared between the worker and its host-language wrapper; `None`
@@ -73,6 +73,23 @@ pub struct SlotConfig {
     pub watermarks: bool,
     /// Sources: when heartbeats are due.
     pub clock: Option<SourceClock>,
+    /// A replica rebuilt from a twin: continue from the twin's cut (its inbox was bound
+    /// with [`SlotCut::inbox`] already; the outboxes must not have sent anything).
+    pub resume: Option<SlotCut>,
+}
+
+/// A slot's state at a heartbeat-cycle boundary: right after the worker forwarded (or, for
+/// a source, sent) heartbeat `epoch`, before anything later was handed out. With the
+/// operator's own state (taken by the caller before it runs anything else of the slot),
+/// it is what a replica rebuilt from this one starts from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotCut {
+    pub epoch: u64,
+    /// Per input channel, the highest heartbeat epoch it delivered.
+    pub epochs: Vec<u64>,
+    /// None for a source.
+    pub inbox: Option<InboxCut>,
+    pub outboxes: Vec<OutboxCut>,
 }
 
 /// What the caller must do next.
@@ -93,6 +110,10 @@ pub enum Work {
     /// `slot` failed (a divergence detected in its input, a lost downstream channel); the
     /// worker no longer serves it.
     Failed { slot: usize, error: Error },
+    /// `slot` reached the heartbeat-cycle boundary a cut was asked for
+    /// ([`Worker::request_cut`]): take the operator's state now, before anything else of
+    /// the slot runs. None: the slot cannot be cut (its inputs follow KaZoo's order log).
+    Cut { slot: usize, cut: Option<SlotCut> },
 }
 
 struct Slot {
@@ -108,6 +129,10 @@ struct Slot {
     /// Sources: heartbeats may be sent through this epoch.
     allowed: u64,
     active: bool,
+    /// A cut was asked for: take it at the next heartbeat forwarded.
+    cut_asked: bool,
+    /// A cut taken and not yet handed out (`Some(None)`: the slot cannot be cut).
+    cut: Option<Option<SlotCut>>,
 }
 
 impl Slot {
@@ -125,6 +150,7 @@ impl Slot {
     }
 
     /// Send heartbeats `forwarded + 1 ..= epoch` on every outbox; how many were sent.
+    /// Takes the cut asked for, if any, once they are out.
     fn forward_through(&mut self, epoch: u64) -> Result<u64> {
         let from = self.forwarded;
         while self.forwarded < epoch {
@@ -138,7 +164,29 @@ impl Slot {
             }
             self.forwarded = k;
         }
+        if self.forwarded > from && self.cut_asked {
+            self.cut_asked = false;
+            self.cut = Some(self.take_cut());
+        }
         Ok(self.forwarded - from)
+    }
+
+    /// This slot's cut, right after heartbeat `forwarded` (see [`SlotCut`]).
+    fn take_cut(&self) -> Option<SlotCut> {
+        let inbox = match &self.cfg.inbox {
+            Some(h) => Some(h.lock().as_ref()?.cut()?),
+            None => None,
+        };
+        let mut outboxes = Vec::with_capacity(self.cfg.outboxes.len());
+        for o in &self.cfg.outboxes {
+            outboxes.push(o.lock().as_ref()?.cut());
+        }
+        Some(SlotCut {
+            epoch: self.forwarded,
+            epochs: self.epochs.clone(),
+            inbox,
+            outboxes,
+        })
     }
 }
 
@@ -212,19 +260,47 @@ impl Worker {
                 .ok_or_else(|| Error::Closed("add_slot() with a closed inbox".to_owned()))?,
             None => 0,
         };
+        let (epochs, forwarded) = match &cfg.resume {
+            None => (vec![0; channels], 0),
+            Some(cut) => {
+                if cut.epochs.len() != channels || cut.outboxes.len() != cfg.outboxes.len() {
+                    return Err(Error::Config(format!(
+                        "a cut of {} input channels and {} outputs cannot resume a slot of {} \
+                         and {}",
+                        cut.epochs.len(),
+                        cut.outboxes.len(),
+                        channels,
+                        cfg.outboxes.len()
+                    )));
+                }
+                for (o, oc) in cfg.outboxes.iter().zip(&cut.outboxes) {
+                    if let Some(ob) = o.lock().as_mut() {
+                        ob.resume(oc)?;
+                    }
+                }
+                (cut.epochs.clone(), cut.epoch)
+            }
+        };
         for o in &cfg.outboxes {
             if let Some(ob) = o.lock().as_mut() {
                 ob.defer_writes(true);
             }
         }
+        let current = if channels == 0 {
+            forwarded
+        } else {
+            epochs.iter().copied().min().unwrap_or(0)
+        };
         self.slots.push(Slot {
             cfg,
-            epochs: vec![0; channels],
-            current: 0,
-            forwarded: 0,
+            epochs,
+            current,
+            forwarded,
             handed: None,
-            allowed: 0,
+            allowed: forwarded,
             active: true,
+            cut_asked: false,
+            cut: None,
         });
         self.bell.ring();
         Ok(self.slots.len() - 1)
@@ -252,6 +328,20 @@ impl Worker {
         s.allowed = s.allowed.max(epoch);
         let sent = s.forward_through(epoch)?;
         self.stats.heartbeats += sent;
+        Ok(())
+    }
+
+    /// Take a cut of `slot` at its next heartbeat-cycle boundary: [`Worker::next`] hands
+    /// it out as [`Work::Cut`] right after the heartbeat leaves. A slot that is not
+    /// served any more (it finished) hands out `cut: None` at once.
+    pub fn request_cut(&mut self, slot: usize) -> Result<()> {
+        let s = self.slot(slot)?;
+        if s.active {
+            s.cut_asked = true;
+        } else {
+            s.cut = Some(None);
+        }
+        self.bell.ring();
         Ok(())
     }
 
@@ -342,6 +432,9 @@ impl Worker {
             let poll = Instant::now() + CREDIT_POLL;
             *wake = Some(wake.map_or(poll, |w| w.min(poll)));
         }
+        if let Some(cut) = s.cut.take() {
+            return Some(Work::Cut { slot: idx, cut });
+        }
         if !s.active {
             return None;
         }
@@ -350,6 +443,9 @@ impl Worker {
             if let Err(error) = s.forward_through(k) {
                 s.active = false;
                 return Some(Work::Failed { slot: idx, error });
+            }
+            if let Some(cut) = s.cut.take() {
+                return Some(Work::Cut { slot: idx, cut });
             }
         }
         if backlog >= CREDIT_FRAMES {
@@ -366,6 +462,9 @@ impl Worker {
                     s.active = false;
                     return Some(Work::Failed { slot: idx, error });
                 }
+            }
+            if let Some(cut) = s.cut.take() {
+                return Some(Work::Cut { slot: idx, cut });
             }
             if s.forwarded < s.allowed {
                 let next = (s.forwarded + 1).saturating_mul(clock.heartbeat_ns);
@@ -427,6 +526,9 @@ impl Worker {
                                 s.active = false;
                                 return Some(Work::Failed { slot: idx, error });
                             }
+                        }
+                        if let Some(cut) = s.cut.take() {
+                            return Some(Work::Cut { slot: idx, cut });
                         }
                     }
                 }

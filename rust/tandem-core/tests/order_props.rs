@@ -16,10 +16,10 @@ use std::sync::Arc;
 
 use common::{channel_content, replica_stream, Rng};
 use proptest::prelude::*;
-use tandem_core::dedup::{channel, DedupReceiver, DedupSender, Offer};
+use tandem_core::dedup::{channel, channel_from, DedupReceiver, DedupSender, Offer};
 use tandem_core::item::Rows;
 use tandem_core::liverobin::LiveRobin;
-use tandem_core::merge::{Fcfs, Merge, Positional};
+use tandem_core::merge::{Fcfs, Merge, MergeCut, Positional};
 use tandem_core::sync::Doorbell;
 use tandem_core::{Chunk, Delivery, Item};
 
@@ -208,6 +208,76 @@ fn consume(w: &Workload, merge: &mut dyn Merge<Rows>, seed: u64, capacity: usize
     panic!("no End after a million steps; consumed so far: {out:?}");
 }
 
+/// Where a consumer stood at a cut: its merge's state, each channel's position, and how
+/// many deliveries came before.
+struct Cut {
+    merge: MergeCut,
+    positions: Vec<u64>,
+    delivered: usize,
+}
+
+/// [`consume`] with dedup channels starting at `start` (a replica resumed from a cut:
+/// everything before is dropped as already consumed), taking a cut the way a worker does:
+/// right after the delivery that makes every channel's heartbeat epoch reach `cut_at`.
+fn consume_from(
+    w: &Workload,
+    merge: &mut dyn Merge<Rows>,
+    seed: u64,
+    start: &[u64],
+    cut_at: Option<u64>,
+) -> (Vec<Ev>, Option<Cut>) {
+    let mut rng = Rng::new(seed);
+    let bell = Arc::new(Doorbell::new());
+    let (senders, mut receivers): (Vec<DedupSender<Rows>>, Vec<DedupReceiver<Rows>>) = start
+        .iter()
+        .map(|&s| channel_from(s, 3, Arc::clone(&bell)))
+        .unzip();
+    let mut pending: Vec<(usize, VecDeque<Item<Rows>>)> = w
+        .streams
+        .iter()
+        .enumerate()
+        .flat_map(|(c, reps)| reps.iter().map(move |s| (c, s.iter().cloned().collect())))
+        .collect();
+    let mut epochs = vec![0u64; start.len()];
+    let (mut out, mut cut) = (Vec::new(), None);
+    loop {
+        let live: Vec<usize> = (0..pending.len())
+            .filter(|&i| !pending[i].1.is_empty())
+            .collect();
+        if live.is_empty() || rng.chance(30) {
+            match merge.next(&mut receivers) {
+                Some(d) => {
+                    if let Delivery::Heartbeat { channel, epoch, .. } = d {
+                        epochs[channel] = epochs[channel].max(epoch);
+                    }
+                    let end = d == Delivery::End;
+                    record(d, &mut out);
+                    if end {
+                        return (out, cut);
+                    }
+                    let low = epochs.iter().copied().min().unwrap_or(0);
+                    if cut.is_none() && cut_at == Some(low) {
+                        cut = Some(Cut {
+                            merge: merge.cut().expect("a cycle boundary can be cut"),
+                            positions: receivers.iter().map(DedupReceiver::next_seq).collect(),
+                            delivered: out.len(),
+                        });
+                    }
+                }
+                None if live.is_empty() => panic!("merge stalled; consumed so far: {out:?}"),
+                None => {}
+            }
+            continue;
+        }
+        let (c, queue) = &mut pending[live[rng.below(live.len())]];
+        let item = queue.pop_front().expect("live stream");
+        match senders[*c].offer(item) {
+            Offer::Accepted { .. } | Offer::Duplicate => {}
+            Offer::Full(back) | Offer::Gap { item: back, .. } => queue.push_front(back),
+        }
+    }
+}
+
 /// The orders a KaZoo leader would publish for a consumption sequence: one "channel c up to
 /// seq s" entry per run of consecutive data deliveries from the same channel, each bound at
 /// the end of a batch.
@@ -331,6 +401,30 @@ proptest! {
         prop_assert_eq!(&a, &reference);
         let b = consume(&w, &mut LiveRobin::new(channels), arrival_b, capacity);
         prop_assert_eq!(&a, &b, "two downstream replicas delivered different batch sequences");
+    }
+
+    /// Restoring r (DESIGN §4): a replica rebuilt from a twin's cut at the end of any
+    /// heartbeat cycle, fed every stream again from the start (its dedup drops what lies
+    /// before the cut), delivers exactly what the twin delivers after the cut.
+    #[test]
+    fn liverobin_resumed_from_a_cut_continues_exactly_as_its_twin(
+        seed in any::<u64>(),
+        channels in 1usize..=3,
+        replicas in 1usize..=3,
+        cut_at in 1u64..=4,
+        arrival_a in any::<u64>(),
+        arrival_b in any::<u64>(),
+    ) {
+        let w = workload(seed, channels, replicas, false);
+        let zero = vec![0; channels];
+        let (twin, cut) =
+            consume_from(&w, &mut LiveRobin::new(channels), arrival_a, &zero, Some(cut_at));
+        prop_assert_eq!(&twin, &model(&w.batches));
+        let cut = cut.expect("every channel delivers heartbeats 1..=4");
+        let mut resumed = LiveRobin::new(channels);
+        resumed.resume(&cut.merge).unwrap();
+        let (rest, _) = consume_from(&w, &mut resumed, arrival_b, &cut.positions, None);
+        prop_assert_eq!(&rest[..], &twin[cut.delivered..]);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 use pyo3::prelude::*;
 
 mod batch;
+mod cut;
 mod dedup;
 mod errors;
 mod gil;

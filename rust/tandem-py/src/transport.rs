@@ -16,7 +16,9 @@ use pyo3_arrow::PyRecordBatch;
 use tandem_core::digest::to_hex;
 use tandem_core::logs::{ReplicaTag, OUTBOX};
 use tandem_core::merge::OrderingMode;
-use tandem_core::outbox::{Eviction, Link, Outbox as CoreOutbox, OutboxConfig, Partitioner};
+use tandem_core::outbox::{
+    Eviction, Link, Outbox as CoreOutbox, OutboxConfig, Partitioner, ReplayWindow,
+};
 use tandem_core::transport::{
     Inbox as CoreInbox, InboxConfig, LinkConfig, OnDivergence, OrderFeed as CoreOrderFeed, TcpLink,
 };
@@ -200,7 +202,7 @@ impl Inbox {
     #[pyo3(signature = (job, secret, upstreams, ordering = "liverobin", queue_capacity = 1024,
                         max_frame_bytes = DEFAULT_MAX_FRAME_BYTES as i64, host = "127.0.0.1",
                         port = 0, handshake_timeout = 2.0, on_divergence = "fail",
-                        worker = None, me = None, name = None))]
+                        worker = None, me = None, name = None, resume = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -217,6 +219,7 @@ impl Inbox {
         worker: Option<PyRef<'_, crate::worker::Worker>>,
         me: Option<(i64, i64, i64)>,
         name: Option<String>,
+        resume: Option<crate::cut::PyInboxCut>,
     ) -> PyResult<Self> {
         crate::logs::sync_level(py)?;
         let ordering = match ordering {
@@ -260,6 +263,7 @@ impl Inbox {
         cfg.on_divergence = OnDivergence::parse(on_divergence).py()?;
         cfg.bell = worker.map(|w| w.bell());
         cfg.me = replica_tag(me, name)?;
+        cfg.resume = resume.map(crate::cut::inbox_from_py);
         let inbox = py.detach(|| CoreInbox::bind(cfg)).py()?;
         let port = inbox.local_addr().port();
         Ok(Inbox {
@@ -456,6 +460,10 @@ impl OrderFeed {
 #[pyclass(frozen, module = "tandem._core")]
 pub struct Outbox {
     pub(crate) inner: Handle<CoreOutbox>,
+    /// Who this outbox sends as, and how it dials: for `add_link`.
+    me: Identity,
+    secret: Vec<u8>,
+    link_cfg: LinkConfig,
     /// `next_seqs` as of the last completed call, readable while another thread is blocked
     /// in `emit` holding `inner` (back-pressure may last as long as the consumer sleeps).
     seqs: Mutex<Vec<u64>>,
@@ -487,7 +495,8 @@ impl Outbox {
     #[new]
     #[pyo3(signature = (job, secret, me, downstream, partitioner = "forward", key = None,
                         batch_rows = 1024, connect_timeout = 10.0, queue_frames = 256,
-                        name = None, evict_after_ms = None))]
+                        name = None, evict_after_ms = None, replay_cycles = None,
+                        replay_bytes = 64 << 20))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -502,6 +511,8 @@ impl Outbox {
         queue_frames: i64,
         name: Option<String>,
         evict_after_ms: Option<f64>,
+        replay_cycles: Option<i64>,
+        replay_bytes: i64,
     ) -> PyResult<Self> {
         crate::logs::sync_level(py)?;
         let tag = replica_tag(Some(me), name)?;
@@ -566,11 +577,19 @@ impl Outbox {
             }
             targets.push(ch);
         }
+        let window = match replay_cycles {
+            None => None,
+            Some(cycles) => Some(ReplayWindow {
+                cycles: arg_at_least_1("replay_cycles", cycles)?,
+                bytes: arg_at_least_1("replay_bytes", replay_bytes)?,
+            }),
+        };
         let secret = secret.to_vec();
-        let outbox = py.detach(move || -> tandem_core::Result<CoreOutbox> {
+        let outbox = py.detach(|| -> tandem_core::Result<CoreOutbox> {
             let links = dial_all(&targets, &me, tag.as_ref(), &secret, &link_cfg)?;
             let mut outbox = CoreOutbox::new(partitioner, links, cfg)?;
             outbox.evicting(eviction);
+            outbox.keep_replay(window);
             Ok(match tag {
                 Some(t) => outbox.tagged(t),
                 None => outbox,
@@ -580,8 +599,34 @@ impl Outbox {
         Ok(Outbox {
             seqs: Mutex::new(outbox.next_seqs().to_vec()),
             inner: Arc::new(Mutex::new(Some(outbox))),
+            me,
+            secret,
+            link_cfg,
             schemas: SchemaCache::default(),
         })
+    }
+
+    /// Dial `address` (`(host, port)`), a replica of downstream partition `channel` rebuilt
+    /// from a twin's cut at heartbeat `after_epoch`, send it what the replay window holds
+    /// after that heartbeat, and send it everything from now on. Fails (ConnectionError)
+    /// if it cannot be reached or the window no longer reaches back to the cut.
+    fn add_link(
+        &self,
+        py: Python<'_>,
+        channel: usize,
+        address: (String, u16),
+        after_epoch: u64,
+    ) -> PyResult<()> {
+        let addr = format!("{}:{}", address.0, address.1);
+        py.detach(|| -> tandem_core::Result<()> {
+            let link = TcpLink::connect(&addr, &self.me, &self.secret, &self.link_cfg)?;
+            let mut guard = self.inner.lock();
+            let ob = guard
+                .as_mut()
+                .ok_or_else(|| Error::Closed("the outbox is closed".to_owned()))?;
+            ob.add_link(channel, Box::new(link), after_epoch)
+        })
+        .py()
     }
 
     /// Partition the rows of `batch` (a pyarrow.RecordBatch or anything with

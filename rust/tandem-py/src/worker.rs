@@ -33,7 +33,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 ///   and emit the output (the worker forwards the heartbeat on the next `next()`);
 /// * `"end"`: every input of `slot` ended: finish it and send its end markers;
 /// * `"failed"`: `slot` stopped with `error` (an exception instance, e.g.
-///   `tandem.DeterminismError` or `ChannelClosed`).
+///   `tandem.DeterminismError` or `ChannelClosed`);
+/// * `"cut"`: `slot` is at the heartbeat-cycle boundary `Worker.request_cut` asked for:
+///   take its operator's state now; `cut` is the rest (None: it cannot be cut).
 #[pyclass(frozen, module = "tandem._core")]
 pub struct WorkItem {
     #[pyo3(get)]
@@ -50,6 +52,9 @@ pub struct WorkItem {
     batch: Option<Py<PyAny>>,
     #[pyo3(get)]
     error: Option<Py<PyAny>>,
+    /// `"cut"`: the slot's cut (a tuple, see `Worker.request_cut`), or None.
+    #[pyo3(get)]
+    cut: Option<Py<PyAny>>,
 }
 
 #[pymethods]
@@ -81,6 +86,7 @@ fn item(py: Python<'_>, cache: &SchemaCache, work: Work) -> PyResult<WorkItem> {
         epoch: None,
         batch: None,
         error: None,
+        cut: None,
     };
     Ok(match work {
         Work::Data {
@@ -102,6 +108,19 @@ fn item(py: Python<'_>, cache: &SchemaCache, work: Work) -> PyResult<WorkItem> {
         Work::Failed { slot, error } => WorkItem {
             error: Some(crate::errors::to_py(error).into_value(py).into_any()),
             ..base("failed", slot)
+        },
+        Work::Cut { slot, cut } => WorkItem {
+            epoch: cut.as_ref().map(|c| c.epoch),
+            cut: match cut {
+                Some(c) => Some(
+                    crate::cut::slot_to_py(c)
+                        .into_pyobject(py)?
+                        .into_any()
+                        .unbind(),
+                ),
+                None => None,
+            },
+            ..base("cut", slot)
         },
     })
 }
@@ -154,13 +173,15 @@ impl Worker {
 
     /// Add a source slot: its rows come from Python; the worker sends heartbeat `k` on
     /// `outboxes` at `t0_ns + k·heartbeat_ns` (ns since the Unix epoch) once `allow`ed.
-    /// Returns the slot index.
+    /// `resume`: a twin's cut to continue from. Returns the slot index.
+    #[pyo3(signature = (outboxes, t0_ns, heartbeat_ns, resume = None))]
     fn add_source(
         &self,
         py: Python<'_>,
         outboxes: Vec<PyRef<'_, Outbox>>,
         t0_ns: i64,
         heartbeat_ns: u64,
+        resume: Option<crate::cut::PySlotCut>,
     ) -> PyResult<usize> {
         let cfg = SlotConfig {
             inbox: None,
@@ -170,27 +191,40 @@ impl Worker {
                 t0_ns,
                 heartbeat_ns,
             }),
+            resume: resume.map(crate::cut::slot_from_py),
         };
         self.with(py, move |w| w.add_slot(cfg))
     }
 
     /// Add an operator or sink slot reading `inbox` (created with `worker=self`) and
     /// writing `outboxes`; `watermarks`: hand out watermark advances (the operator has an
-    /// `on_watermark`). Returns the slot index.
+    /// `on_watermark`). `resume`: a twin's cut to continue from (the inbox must have been
+    /// bound with its inbox part). Returns the slot index.
+    #[pyo3(signature = (inbox, outboxes, watermarks, resume = None))]
     fn add_task(
         &self,
         py: Python<'_>,
         inbox: PyRef<'_, Inbox>,
         outboxes: Vec<PyRef<'_, Outbox>>,
         watermarks: bool,
+        resume: Option<crate::cut::PySlotCut>,
     ) -> PyResult<usize> {
         let cfg = SlotConfig {
             inbox: Some(Arc::clone(&inbox.inner)),
             outboxes: handles(&outboxes),
             watermarks,
             clock: None,
+            resume: resume.map(crate::cut::slot_from_py),
         };
         self.with(py, move |w| w.add_slot(cfg))
+    }
+
+    /// Take a cut of `slot` at its next heartbeat-cycle boundary: `next()` hands out a
+    /// `"cut"` item for it right after that heartbeat leaves — the tuple
+    /// `(epoch, epochs, inbox, outboxes)` a replica rebuilt from this one resumes from
+    /// (`Inbox(resume=cut[2])`, `add_task(resume=cut)`), or None if the slot cannot be cut.
+    fn request_cut(&self, py: Python<'_>, slot: usize) -> PyResult<()> {
+        self.with(py, move |w| w.request_cut(slot))
     }
 
     /// A source slot may send its heartbeats through `epoch`, each when due.
