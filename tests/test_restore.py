@@ -8,6 +8,8 @@ the rebuilt replicas' from their first complete cycle.
 
 from __future__ import annotations
 
+import itertools
+
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -69,11 +71,53 @@ def test_without_restore_the_second_kill_loses_the_partition():
         counting_job(restore=False).run(duration=4.5, faults=faults)
 
 
+def test_a_frozen_worker_is_declared_lost_fenced_and_rebuilt_while_its_twins_go_on():
+    # SIGSTOP for longer than the run: without keepalives it would never be replaced.
+    job = counting_job(restore=True)
+    job.failure_timeout_ms = 1000
+    res = job.run(duration=7, faults=[td.Pause("count", 0, 1, at=1.5, for_s=10)])
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    # Its keepalives stopped, and its upstream replicas dropped it as a straggler: either
+    # declares it lost.
+    causes = {r["cause"] for r in res.lost_replicas}
+    assert len(causes) == 1 and causes <= {"silent", "evicted"}, res.lost_replicas
+    rebuilt = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
+    assert ("count", 0, 1) in rebuilt
+    # The twins never waited for the frozen worker (eviction), nor for its rebuild.
+    assert res.max_gap_ms is not None and res.max_gap_ms < 500, res.max_gap_ms
+
+
+def test_chaos_kills_worker_after_worker_and_r_is_restored_before_each_next_kill():
+    chaos = td.Chaos(at=1.0, every_s=(2.5, 3.5), seed=7)
+    res = counting_job(restore=True).run(duration=12, faults=[chaos])
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    kills = [f for f in res.faults if f["kind"] == "chaos"]
+    assert len(kills) >= 2, res.faults
+    restored = sorted({r["lost_s"] for r in res.restored_replicas})
+    assert restored == sorted(f["injected_at"] for f in kills), (restored, kills)
+    # Each kill came after the previous loss was rebuilt.
+    for prev, nxt in itertools.pairwise(kills):
+        back = max(
+            r["restored_s"] for r in res.restored_replicas if r["lost_s"] == prev["injected_at"]
+        )
+        assert back <= nxt["injected_at"]
+    assert res.max_gap_ms is not None and res.max_gap_ms < 1000
+
+
+def test_chaos_needs_restore():
+    with pytest.raises(td.ConfigError, match="set restore=True"):
+        counting_job(restore=False).run(duration=3, faults=[td.Chaos()])
+
+
 def test_restore_is_a_checked_knob():
     with pytest.raises(td.ConfigError, match="restore must be True or False"):
         td.Job("j", restore="yes")
     with pytest.raises(td.ConfigError, match="replay_ms must be > 0"):
         td.Job("j", restore=True, replay_ms=0)
+    with pytest.raises(td.ConfigError, match="failure_timeout_ms must be > 0"):
+        td.Job("j", restore=True, failure_timeout_ms=-1)
     plan = counting_job(restore=True, replay_ms=95).plan()
     assert plan.replay_cycles == 10  # whole heartbeat cycles of 10 ms
     assert counting_job(restore=False).plan().replay_cycles is None

@@ -17,7 +17,7 @@ from tandem.exceptions import (
     TandemError,
     TaskFailed,
 )
-from tandem.faults import Kill, KillWorker, Pause
+from tandem.faults import Chaos, Kill, KillWorker, Pause
 from tandem.operators import CountPerKey, KeyedProcess, Operator
 from tandem.ordering.kazoo import KazooConfig
 from tandem.plan import Plan
@@ -28,6 +28,7 @@ build_profile: str = _core.build_profile
 __all__ = [
     "AuthenticationError",
     "ChannelClosed",
+    "Chaos",
     "ConfigError",
     "CountPerKey",
     "DeterminismError",

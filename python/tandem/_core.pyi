@@ -225,6 +225,7 @@ class Inbox:
         worker: Worker | None = None,
         me: tuple[int, int, int] | None = None,
         name: str | None = None,
+        resume: InboxCut | None = None,
     ) -> None:
         """``upstreams``: ``(task, partition)`` pairs; the position is the channel index.
         ``queue_capacity``: frames queued per channel before the readers stop reading (the
@@ -232,7 +233,9 @@ class Inbox:
         ``Worker`` that will serve this inbox (``Worker.add_task``); its ``next()`` then
         wakes on this inbox's input. ``me``: ``(task, partition, replica)`` this inbox
         receives for, and ``name`` how its log lines (logger ``tandem.core.inbox``) name
-        it; without ``me`` they name the inbox by its address."""
+        it; without ``me`` they name the inbox by its address. ``resume``: the inbox part
+        of a twin's cut (``SlotCut[2]``): every channel starts at the twin's position (what
+        comes before is dropped as consumed) and the merge at the twin's state."""
     @property
     def port(self) -> int: ...
     def next(self, timeout: float | None = None) -> Delivery | None:
@@ -330,6 +333,8 @@ class Outbox:
         queue_frames: int = 256,
         name: str | None = None,
         evict_after_ms: float | None = None,
+        replay_cycles: int | None = None,
+        replay_bytes: int = 64 << 20,
     ) -> None:
         """``me``: ``(task, partition, replica)``. ``downstream[c]``: ``(host, port)`` of
         each replica of downstream partition ``c``. ``queue_frames``: frames queued per
@@ -339,7 +344,14 @@ class Outbox:
         frames have waited this long to be read, or that has ``queue_frames / 2`` frames
         waiting, while another replica of its channel keeps up (logged); the backlog a
         worker reads is then each channel's least backed-up link's. None: wait for every
-        replica."""
+        replica. ``replay_cycles``: keep each channel's last that many heartbeat cycles
+        (fewer if they hold more than ``replay_bytes``) for ``add_link``; None keeps
+        nothing."""
+    def add_link(self, channel: int, address: tuple[str, int], after_epoch: int) -> None:
+        """Dial ``address``, a replica of downstream partition ``channel`` rebuilt from a
+        twin's cut at heartbeat ``after_epoch``; send it what the replay window holds after
+        that heartbeat (one write), then everything from now on. Raises if it cannot be
+        reached or the window no longer reaches back to the cut ("needs a later cut")."""
     def emit(self, batch: pa.RecordBatch) -> None:
         """Partition ``batch`` and send each channel's part now. A batch that cannot be
         encoded or digested is refused whole (nothing sent). Blocks (GIL released) while a
@@ -361,6 +373,9 @@ class Outbox:
     def abort(self) -> None:
         """Cut every connection now, dropping what is queued (a crash, for fault
         injection)."""
+    def take_evicted(self) -> list[tuple[int, str]]:
+        """The downstream replicas dropped as stragglers since the last call: ``(channel,
+        "host:port")``."""
     @property
     def next_seqs(self) -> list[int]:
         """The seq the next element of each channel takes, as of the last completed call;
@@ -373,6 +388,14 @@ class Outbox:
         tb: TracebackType | None,
     ) -> None: ...
 
+InboxCut = tuple[list[int], int, int | None, list[bool]]
+"""``(positions, turn, gen, ended)``: per channel the first seq not consumed, and the
+merge's state."""
+
+SlotCut = tuple[int, list[int], InboxCut | None, list[tuple[list[int], int]]]
+"""A replica's state at a heartbeat-cycle boundary, without its operator's: ``(epoch,
+input channel epochs, inbox cut or None for a source, per output (seqs, rows emitted))``."""
+
 WORKER_CREDIT_FRAMES: int
 """A worker slot whose downstream links hold this many queued frames is not served until
 they drain."""
@@ -380,7 +403,7 @@ they drain."""
 class WorkItem:
     """One thing for the Python runtime to do (see ``Worker.next``)."""
 
-    kind: Literal["data", "watermark", "end", "failed"]
+    kind: Literal["data", "watermark", "end", "failed", "cut"]
     slot: int
     channel: int | None
     """data: the input channel."""
@@ -390,6 +413,9 @@ class WorkItem:
     batch: pyarrow.RecordBatch | None
     error: BaseException | None
     """failed: why the slot stopped (``DeterminismError``, ``ChannelClosed``, ...)."""
+    cut: SlotCut | None
+    """cut: the slot at the boundary ``request_cut`` asked for (None: it cannot be cut);
+    take the operator's snapshot before running anything else of the slot."""
 
 class Worker:
     """Serves many task replicas ("slots") of one worker process from one thread, in Rust:
@@ -403,12 +429,29 @@ class Worker:
     ``next()`` again: that keeps heartbeat ``k`` behind every row that precedes it."""
 
     def __init__(self) -> None: ...
-    def add_source(self, outboxes: list[Outbox], t0_ns: int, heartbeat_ns: int) -> int:
+    def add_source(
+        self,
+        outboxes: list[Outbox],
+        t0_ns: int,
+        heartbeat_ns: int,
+        resume: SlotCut | None = None,
+    ) -> int:
         """A source slot: heartbeat ``k`` goes out on ``outboxes`` at ``t0_ns +
-        k·heartbeat_ns`` (ns since the Unix epoch), once ``allow``ed. Returns the slot."""
-    def add_task(self, inbox: Inbox, outboxes: list[Outbox], watermarks: bool) -> int:
+        k·heartbeat_ns`` (ns since the Unix epoch), once ``allow``ed. ``resume``: a twin's
+        cut to continue from. Returns the slot."""
+    def add_task(
+        self,
+        inbox: Inbox,
+        outboxes: list[Outbox],
+        watermarks: bool,
+        resume: SlotCut | None = None,
+    ) -> int:
         """An operator or sink slot; ``watermarks``: hand out watermark advances (the
-        operator overrides ``on_watermark``). Returns the slot."""
+        operator overrides ``on_watermark``). ``resume``: a twin's cut to continue from
+        (the inbox bound with its inbox part). Returns the slot."""
+    def request_cut(self, slot: int) -> None:
+        """Cut ``slot`` at its next heartbeat-cycle boundary: ``next()`` hands out a
+        ``"cut"`` item right after that heartbeat leaves."""
     def allow(self, slot: int, epoch: int) -> None:
         """A source slot may send its heartbeats through ``epoch``, each when due."""
     def heartbeats_through(self, slot: int, epoch: int) -> None:

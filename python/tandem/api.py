@@ -102,7 +102,9 @@ class Job:
     sooner); ``restore``: when a worker dies, rebuild its replicas from live twins while the
     job runs, so every partition gets back to ``replication`` replicas (DESIGN §4; local
     engine, ``liverobin`` and ``none`` orderings); ``replay_ms``: how much recent output
-    every replica then keeps per channel to replay to a rebuilt downstream replica.
+    every replica then keeps per channel to replay to a rebuilt downstream replica;
+    ``failure_timeout_ms``: with ``restore``, a worker that sends no keepalive for this long
+    (frozen, wedged) is declared lost: killed, so it never comes back, and rebuilt.
 
     The batch is the unit of determinism: every replica of a task partition is called
     with the same batches, so an operator function must be deterministic for a given input
@@ -124,6 +126,7 @@ class Job:
         evict_after_ms: float | None = 1000,
         restore: bool = False,
         replay_ms: float = 3000,
+        failure_timeout_ms: float = 2000,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Job name must be a non-empty string, got {name!r}")
@@ -171,6 +174,11 @@ class Job:
                 "each replica keeps to replay to a rebuilt downstream replica"
             )
         self.replay_ms = replay_ms
+        if _number(failure_timeout_ms, f"Job {name!r}: failure_timeout_ms") <= 0:
+            raise ConfigError(
+                f"Job {name!r}: failure_timeout_ms must be > 0 (got {failure_timeout_ms})"
+            )
+        self.failure_timeout_ms = failure_timeout_ms
         if kazoo is not None:
             from tandem.ordering.kazoo import KazooConfig
 
@@ -296,6 +304,7 @@ class Job:
             evict_after_ms=self.evict_after_ms,
             restore=self.restore,
             replay_ms=self.replay_ms,
+            failure_timeout_ms=self.failure_timeout_ms,
         )
         plan.check_picklable()  # what cannot be shipped to the workers fails here
         return plan

@@ -196,3 +196,45 @@ def validate_faults(faults: list[Any], plan: Plan, duration: float) -> None:
 
 
 __all__ = ["ROLES", "Fault", "Kill", "KillWorker", "Pause", "ReplicaFault", "validate_faults"]
+
+
+@dataclass(frozen=True)
+class Chaos(Fault):
+    """Kill a random worker (SIGKILL, every replica it hosts) every ``every_s`` seconds —
+    a uniform draw from ``(low, high)`` after the previous kill, seeded by ``seed`` —
+    from ``at`` until ``until`` (None: the end of the run), each kill only once every
+    partition is back at its full replication: never the last live replica of a
+    partition. Meant for jobs that rebuild lost replicas (``Job(restore=True)``); the
+    local engine injects it."""
+
+    at: float = 2.0
+    every_s: tuple[float, float] = (5.0, 10.0)
+    seed: int = 0
+    until: float | None = None
+
+    def __post_init__(self) -> None:
+        low, high = self.every_s if len(self.every_s) == 2 else (None, None)
+        if not (isinstance(low, int | float) and isinstance(high, int | float) and 0 < low <= high):
+            raise ConfigError(
+                f"Chaos: every_s must be (low, high) seconds, 0 < low <= high; got {self.every_s!r}"
+            )
+        if not (isinstance(self.at, int | float) and math.isfinite(self.at) and self.at >= 0):
+            raise ConfigError(f"Chaos: at must be seconds >= 0, got {self.at!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"Chaos: seed must be an int, got {self.seed!r}")
+
+    def validate(self, plan: Plan, duration: float) -> None:
+        if plan.replication < 2:
+            raise ConfigError(
+                "Chaos kills workers of a replicated job; this job has replication=1, so every "
+                "kill would lose its partitions"
+            )
+        if not plan.restore:
+            raise ConfigError(
+                "Chaos kills a worker again and again: without Job(restore=True) the second "
+                "kill of a replica group would lose partitions; set restore=True"
+            )
+        if self.at >= duration:
+            raise ConfigError(
+                f"Chaos: at={self.at} s is not before the end of the run (duration={duration} s)"
+            )

@@ -167,6 +167,9 @@ class Plan:
     before its upstream replicas drop it (None: they wait for it)."""
     restore: bool = False
     """Rebuild a lost replica from a live twin while the job runs (DESIGN §4)."""
+    failure_timeout_ms: float = 2000
+    """With ``restore``: a worker silent this long (no keepalive) is declared lost, killed
+    and rebuilt."""
     replay_ms: float = 3000
     """With ``restore``: how much recent output every replica keeps per channel to replay
     to a rebuilt downstream replica (whole heartbeat cycles)."""

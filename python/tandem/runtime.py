@@ -143,6 +143,13 @@ class _Output:
         name: str | None = None,
     ) -> None:
         down = plan.tasks[edge.downstream]
+        self.peers: dict[str, ReplicaId] = {
+            "{}:{}".format(*addresses[rid]): rid
+            for rid in ((down.id, p, r) for p in edge.partitions for r in range(down.replication))
+            if rid not in local and rid in addresses
+        }
+        """Where each remote downstream replica listens (``host:port``), to name the ones
+        the outbox drops as stragglers."""
         targets = [
             [
                 local.get((down.id, p, r)) or addresses[(down.id, p, r)]
@@ -294,6 +301,16 @@ class Replica:
         state = self._inst.snapshot() if self._inst is not None else b""
         return Resume(cut, state)
 
+    def evicted(self) -> list[ReplicaId]:
+        """The downstream replicas this replica's outboxes dropped as stragglers since the
+        last call."""
+        found = []
+        for o in self.outputs:
+            for _, peer in o.outbox.take_evicted():
+                if peer in o.peers:
+                    found.append(o.peers[peer])
+        return found
+
     def link(self, down: ReplicaId, address: tuple[str, int], after_epoch: int) -> None:
         """Send the output meant for ``down``, a downstream replica rebuilt from a twin cut
         at heartbeat ``after_epoch``, to its new ``address`` too — the replay window's
@@ -302,6 +319,7 @@ class Replica:
         for o in self.outputs:
             if o.edge.downstream == task and part in o.edge.partitions:
                 o.outbox.add_link(o.edge.partitions.index(part), address, after_epoch)
+                o.peers["{}:{}".format(*address)] = down
                 return
         raise ConfigError(f"{self.name} has no output to {self.plan.tasks[task].name}[{part}]")
 
@@ -465,6 +483,9 @@ class Worker:
         cut taken on the engine's request."""
         self.on_link = None
         """Called with ``(upstream rid, downstream rid, error or None)`` after a link."""
+        self.on_evicted = None
+        """Called with ``(upstream rid, downstream rid)`` when an outbox dropped a
+        downstream replica as a straggler (checked every ``IDLE_WAIT_S``)."""
         ordered = set(plan.ordered_partitions()) if kazoo is not None else set()
         # One ZooKeeper session and one Kafka producer/consumer for every ordered partition
         # the worker hosts.
@@ -613,10 +634,14 @@ class Worker:
                 if rep.done:
                     live -= 1
                     self._retire(rep)
-            if orderers and time.monotonic() - checked >= IDLE_WAIT_S:
+            if time.monotonic() - checked >= IDLE_WAIT_S:
                 checked = time.monotonic()
                 for o in orderers:
                     o.check()
+                if self.on_evicted is not None:
+                    for r in self.replicas:
+                        for down in r.evicted():
+                            self.on_evicted(r.me, down)
 
     def _retire(self, rep: Replica) -> None:
         self.core.retire(rep.slot)

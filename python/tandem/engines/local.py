@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import resource
 import signal
 import socket
@@ -41,7 +42,7 @@ from tandem import logs
 from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options, multiset_diff
 from tandem.exceptions import ConfigError, TandemError, TaskFailed
-from tandem.faults import Kill, KillWorker, Pause, ReplicaFault
+from tandem.faults import Chaos, Kill, KillWorker, Pause, ReplicaFault
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
@@ -95,6 +96,7 @@ class _Resume:
 
     worker: int
     at: float
+    pid: int
 
 
 def die_with_parent() -> None:
@@ -152,9 +154,20 @@ def serve(
 
     worker.on_cut = lambda rid, taken, token: send(("cut", rid, taken, token))
     worker.on_link = lambda up, down, error: send(("linked", up, down, error))
+    if plan.restore:
+        worker.on_evicted = lambda up, down: send(("evicted", up, down))
     threading.Thread(
         target=_requests, args=(conn, worker), name="tandem-requests", daemon=True
     ).start()
+    if plan.restore:
+        period = plan.failure_timeout_ms / 4000
+
+        def keepalive() -> None:
+            while True:
+                time.sleep(period)
+                send(("alive", None))
+
+        threading.Thread(target=keepalive, name="tandem-keepalive", daemon=True).start()
     reports = worker.run(addresses, t0_ns, duration, warmup)
     # The coordinator may stop this process once it has the reports: hand what the core
     # logged to logging first.
@@ -369,7 +382,7 @@ class LocalEngine:
         if progress is None:
             progress = sys.stderr.isatty()
         cost = _CostMeter(warmup)
-        check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause))
+        check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause, Chaos))
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         run = _Run(plan, duration, list(faults), progress, host, zoo, warmup)
         try:
@@ -440,7 +453,11 @@ class _Run:
         self.restored: list[dict] = []
         self._generation = 0
         self._attempts: dict[int, int] = {}  # worker -> rebuild attempts for its last loss
+        self.chaos: Chaos | None = None
+        self._chaos_rng = random.Random(0)
+        self._chaos_at = 0.0
         self.addresses: dict[ReplicaId, tuple[str, int]] = {}
+        self.heard: dict[int, float] = {}  # worker -> when it last spoke (monotonic)
         self._blob = b""
         self._env: dict[str, str] = {}
         self.t0_ns = 0
@@ -496,6 +513,7 @@ class _Run:
         for conn in self.conns.values():
             conn.send(("go", addresses, self.t0_ns, self.duration, self.warmup))
         self.running = set(self.procs)
+        self.heard = dict.fromkeys(self.procs, time.monotonic())
 
     def watch(self, timeout: float, cost: _CostMeter | None = None) -> None:
         """Inject the faults, sample memory, take ``cost``'s readings, rebuild lost workers
@@ -512,6 +530,9 @@ class _Run:
                 reading = cost.due(now_s, self.duration)
             while faults and faults[0].at <= now_s:
                 self._inject(faults.pop(0), now_s, faults)
+                running -= self.killed_workers
+            if self.chaos is not None:
+                self._chaos_step(now_s)
                 running -= self.killed_workers
             for w, rj in list(self.rejoins.items()):
                 if time.monotonic() > rj.deadline:
@@ -546,10 +567,13 @@ class _Run:
                     running.discard(w)
                     self._crashed(w, now_s)
                     continue
+                self.heard[w] = time.monotonic()
                 if msg[0] == "cut":
                     self._on_cut(*msg[1:], now_s=now_s)
                 elif msg[0] == "linked":
                     self._on_linked(*msg[1:], now_s=now_s)
+                elif msg[0] == "evicted":
+                    self._on_evicted(*msg[1:], now_s=now_s)
                 elif msg[0] == "done":
                     reports = msg[1]
                     self.reports.update(reports)
@@ -557,6 +581,8 @@ class _Run:
                     for report in reports.values():
                         if report.error:
                             raise report.failure()
+            if self.restoring:
+                self._silent(now_s)
             if running and time.monotonic() > deadline:
                 stuck = sorted(self._worker_name(w) for w in running)
                 raise TandemError(
@@ -566,6 +592,42 @@ class _Run:
         for w in list(self.rejoins):
             self._abort_rejoin(w, "the job ended first")
         self._draw(self.duration, done=True)
+
+    def _silent(self, now_s: float) -> None:
+        """Declare lost every running worker that has not spoken for the job's
+        ``failure_timeout_ms`` (a frozen or wedged process: its keepalives stopped), and
+        fence it — SIGKILL, so it never comes back to send stale output — to rebuild it."""
+        limit = self.plan.failure_timeout_ms / 1000
+        now = time.monotonic()
+        for w in sorted(self.running):
+            if now - self.heard.get(w, now) <= limit or self._hosts_sinks(w):
+                continue  # a sink has no twin to take over: killing it would lose the job
+            log.warning(
+                "%s has been silent for %.0f ms (failure_timeout_ms=%g): declared lost",
+                self._worker_name(w),
+                (now - self.heard[w]) * 1000,
+                self.plan.failure_timeout_ms,
+            )
+            self._kill_worker(w, now_s, "silent")
+            self.running.discard(w)
+
+    def _on_evicted(self, up: ReplicaId, down: ReplicaId, now_s: float) -> None:
+        """``up`` dropped ``down`` as a straggler: its input is incomplete from then on, so
+        its worker is declared lost — fenced (SIGKILL) and rebuilt from the twins."""
+        w = self.worker_of[down]
+        if w not in self.running or down in self.down or self._hosts_sinks(w):
+            return
+        log.warning(
+            "%s dropped %s as a straggler: %s declared lost",
+            self._name(up),
+            self._name(down),
+            self._worker_name(w),
+        )
+        self._kill_worker(w, now_s, "evicted")
+        self.running.discard(w)
+
+    def _hosts_sinks(self, w: int) -> bool:
+        return any(self.plan.tasks[t].kind == "sink" for t, _, _ in self.placement[w])
 
     def _all_procs(self) -> list[_Process]:
         """Every process the run started: live, retired and being rebuilt."""
@@ -581,7 +643,7 @@ class _Run:
             return
         self._attempts[w] = self._attempts.get(w, 0) + 1
         rids = self.placement[w]
-        if any(self.plan.tasks[t].kind == "sink" for t, _, _ in rids):
+        if self._hosts_sinks(w):
             return  # sinks are not replicated: nothing to rebuild them from
         if now_s > self.duration - REJOIN_MARGIN_S:
             log.info(
@@ -661,6 +723,7 @@ class _Run:
         self.procs[w], self.conns[w] = rj.proc, rj.proc.conn
         self.killed_workers.discard(w)
         self.running.add(w)
+        self.heard[w] = time.monotonic()
         if rj.links == 0:
             self._linked(w, now_s)
 
@@ -790,14 +853,50 @@ class _Run:
         ]
         return kazoo.resolve_role(self.zoo, task, partition, role, alive)
 
+    def _chaos_step(self, now_s: float) -> None:
+        """Kill a random worker of replicated tasks once the chaos schedule says so and
+        every partition is back at full replication (see :class:`tandem.faults.Chaos`)."""
+        chaos = self.chaos
+        if chaos.until is not None and now_s >= chaos.until:
+            self.chaos = None
+            return
+        if now_s < self._chaos_at or self.rejoins or self.down:
+            return
+        if now_s > self.duration - REJOIN_MARGIN_S - chaos.every_s[0]:
+            return
+        victims = sorted(w for w in self.running if not self._hosts_sinks(w))
+        if not victims:
+            return
+        w = self._chaos_rng.choice(victims)
+        self.injected.append(
+            {
+                "kind": "chaos",
+                "worker": w,
+                "replicas": [
+                    {"task": self.plan.tasks[t].name, "partition": p, "replica": r}
+                    for t, p, r in self.placement[w]
+                ],
+                "injected_at": round(now_s, 3),
+            }
+        )
+        log.info("chaos: SIGKILL %s at %.2f s", self._worker_name(w), now_s)
+        self._kill_worker(w, now_s, "killed")
+        self._chaos_at = now_s + self._chaos_rng.uniform(*chaos.every_s)
+
     def _inject(
-        self, fault: ReplicaFault | KillWorker | _Resume, now_s: float, pending: list
+        self, fault: ReplicaFault | KillWorker | _Resume | Chaos, now_s: float, pending: list
     ) -> None:
         """Inject ``fault`` on the worker hosting its replica (or the worker it names); a
-        Pause also schedules its resume in ``pending``."""
+        Pause also schedules its resume in ``pending``; Chaos starts its schedule."""
+        if isinstance(fault, Chaos):
+            self.chaos, self._chaos_at = fault, now_s
+            self._chaos_rng = random.Random(fault.seed)
+            return
         if isinstance(fault, _Resume):
+            if self.procs[fault.worker].pid != fault.pid:
+                return  # declared lost and killed meanwhile (Job(restore=True))
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.procs[fault.worker].pid, signal.SIGCONT)
+                os.kill(fault.pid, signal.SIGCONT)
             log.info("fault: SIGCONT %s at %.2f s", self._worker_name(fault.worker), now_s)
             return
         if isinstance(fault, KillWorker):
@@ -825,7 +924,7 @@ class _Run:
         if isinstance(fault, Pause):
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGSTOP)
-            pending.append(_Resume(w, fault.at + fault.for_s))
+            pending.append(_Resume(w, fault.at + fault.for_s, proc.pid))
             pending.sort(key=lambda f: f.at)
             log.info(
                 "fault: SIGSTOP %s (hosting %s) at %.2f s for %g s",
@@ -837,6 +936,15 @@ class _Run:
             return
         if w in self.killed_workers:
             return  # already dead: a kill of another replica it hosted
+        log.info(
+            "fault: SIGKILL %s (hosting %s) at %.2f s", self._worker_name(w), self._name(rid), now_s
+        )
+        self._kill_worker(w, now_s, "killed")
+
+    def _kill_worker(self, w: int, now_s: float, cause: str) -> None:
+        """SIGKILL worker ``w``; its replicas are lost (``cause``) and rebuilt if the job
+        restores them. Fails the job if a partition has no live replica left."""
+        proc = self.procs[w]
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(timeout=5)
@@ -844,13 +952,11 @@ class _Run:
         for r in self.placement[w]:
             if r not in self.reports:
                 self.killed[r] = now_s
-                self.lost.append((r, "killed"))
+                self.lost.append((r, cause))
                 self.down.add(r)
-        log.info(
-            "fault: SIGKILL %s (hosting %s) at %.2f s", self._worker_name(w), self._name(rid), now_s
-        )
         self._check_partitions(
-            [r for r in self.placement[w] if r in self.down], f"{self._worker_name(w)} was killed"
+            [r for r in self.placement[w] if r in self.down],
+            f"{self._worker_name(w)} was {'killed' if cause == 'killed' else 'declared lost'}",
         )
         self._attempts.pop(w, None)  # a new loss
         self._lost_worker(w, now_s)

@@ -327,6 +327,9 @@ pub struct Outbox {
     eviction: Option<Eviction>,
     /// What each channel keeps for replay ([`Outbox::keep_replay`]).
     window: Option<ReplayWindow>,
+    /// Links dropped as stragglers, `(channel, peer)`, not yet taken
+    /// ([`Outbox::take_evicted`]).
+    evicted: Vec<(usize, String)>,
 }
 
 impl Outbox {
@@ -380,6 +383,7 @@ impl Outbox {
             me: None,
             eviction: None,
             window: None,
+            evicted: Vec::new(),
         })
     }
 
@@ -418,9 +422,10 @@ impl Outbox {
         }
     }
 
-    /// Continue from a twin's `cut`: the next elements take the seqs the twin's did. Only
-    /// before anything was sent.
-    pub fn resume(&mut self, cut: &OutboxCut) -> Result<()> {
+    /// Continue from a twin's `cut`, taken right after heartbeat `epoch`: the next elements
+    /// take the seqs the twin's did, and the replay window starts there. Only before
+    /// anything was sent.
+    pub fn resume(&mut self, cut: &OutboxCut, epoch: u64) -> Result<()> {
         if cut.seqs.len() != self.channels.len() {
             return Err(Error::Config(format!(
                 "a cut of {} output channels cannot resume an outbox of {}",
@@ -435,6 +440,9 @@ impl Outbox {
         }
         for (ch, &seq) in self.channels.iter_mut().zip(&cut.seqs) {
             ch.next_seq = seq;
+            if let Some(r) = ch.replay.as_mut() {
+                r.after = epoch;
+            }
         }
         self.seqs.clone_from(&cut.seqs);
         self.rows_emitted = cut.rows_emitted;
@@ -478,6 +486,12 @@ impl Outbox {
         link.replay(&frames)?;
         ch.links.push(link);
         Ok(())
+    }
+
+    /// The links dropped as stragglers since the last call, `(channel, peer)` with the
+    /// peer as [`Link::describe`] names it: replicas the engine should replace.
+    pub fn take_evicted(&mut self) -> Vec<(usize, String)> {
+        std::mem::take(&mut self.evicted)
     }
 
     /// Number of output channels.
@@ -549,7 +563,14 @@ impl Outbox {
                     digest: None,
                     bytes: frame.bytes,
                 };
-                if let Err(e) = send_all(self.me.as_ref(), self.eviction, c, &mut ch.links, &out) {
+                if let Err(e) = send_all(
+                    self.me.as_ref(),
+                    self.eviction,
+                    c,
+                    &mut ch.links,
+                    &out,
+                    &mut self.evicted,
+                ) {
                     first_err.get_or_insert(e);
                 }
                 if let Some(r) = ch.replay.as_mut() {
@@ -607,7 +628,7 @@ impl Outbox {
     pub fn push(&mut self) {
         for (c, ch) in self.channels.iter_mut().enumerate() {
             if let Some(ev) = self.eviction {
-                evict_stragglers(self.me.as_ref(), &ev, c, &mut ch.links);
+                evict_stragglers(self.me.as_ref(), &ev, c, &mut ch.links, &mut self.evicted);
             }
             retain_live(self.me.as_ref(), c, &mut ch.links, |link| link.push());
         }
@@ -621,7 +642,7 @@ impl Outbox {
                 link.flush();
             }
             if let Some(ev) = self.eviction {
-                evict_stragglers(self.me.as_ref(), &ev, c, &mut ch.links);
+                evict_stragglers(self.me.as_ref(), &ev, c, &mut ch.links, &mut self.evicted);
             }
         }
     }
@@ -738,7 +759,14 @@ impl Outbox {
             };
             ch.next_seq += 1;
             self.seqs[c] = ch.next_seq;
-            if let Err(e) = send_all(self.me.as_ref(), self.eviction, c, &mut ch.links, &out) {
+            if let Err(e) = send_all(
+                self.me.as_ref(),
+                self.eviction,
+                c,
+                &mut ch.links,
+                &out,
+                &mut self.evicted,
+            ) {
                 first_err.get_or_insert(e);
             }
             if let (Some(r), Some(window)) = (ch.replay.as_mut(), self.window.as_ref()) {
@@ -852,12 +880,13 @@ fn send_all(
     c: usize,
     links: &mut Vec<Box<dyn Link>>,
     frame: &OutFrame,
+    evicted: &mut Vec<(usize, String)>,
 ) -> Result<()> {
     if links.is_empty() {
         return Err(closed_channel(c));
     }
     if let Some(ev) = eviction {
-        evict_stragglers(me, &ev, c, links);
+        evict_stragglers(me, &ev, c, links, evicted);
     }
     retain_live(me, c, links, |link| link.send(frame));
     if links.is_empty() {
@@ -900,6 +929,7 @@ fn evict_stragglers(
     ev: &Eviction,
     c: usize,
     links: &mut Vec<Box<dyn Link>>,
+    evicted: &mut Vec<(usize, String)>,
 ) {
     if links.len() < 2 {
         return;
@@ -932,6 +962,7 @@ fn evict_stragglers(
             link.backlog(),
             waited.as_millis()
         );
+        evicted.push((c, link.describe()));
         link.abort();
         false
     });
@@ -1186,7 +1217,7 @@ mod tests {
         a.heartbeat(1).unwrap();
         let cut = a.cut();
         let mut b = outbox(Partitioner::Rebalance, &b_links, 8);
-        b.resume(&cut).unwrap();
+        b.resume(&cut, 1).unwrap();
         for ob in [&mut a, &mut b] {
             ob.emit(&batch(3..8)).unwrap();
             ob.heartbeat(2).unwrap();
@@ -1195,7 +1226,7 @@ mod tests {
             let tail = a_links[c][0].frames.lock()[2..].to_vec();
             assert_eq!(*b_links[c][0].frames.lock(), tail, "channel {c}");
         }
-        let err = b.resume(&cut).unwrap_err();
+        let err = b.resume(&cut, 1).unwrap_err();
         assert!(err.to_string().contains("fresh outbox"), "{err}");
     }
 

@@ -1236,6 +1236,9 @@ pub struct TcpLink {
     /// Since when the writer's queue has not been empty, as last seen
     /// ([`Link::backed_up_for`]).
     backed_up: std::cell::Cell<Option<Instant>>,
+    /// The replay handed to the writer ([`Link::replay`]): while it is still being written,
+    /// the link is catching up, not lagging.
+    replaying: std::cell::Cell<Option<Arc<[u8]>>>,
 }
 
 /// A [`TcpLink`] holds small frames back until the outbox pushes, up to this many bytes;
@@ -1345,6 +1348,7 @@ impl TcpLink {
             pending: Vec::new(),
             deferred: false,
             backed_up: std::cell::Cell::new(None),
+            replaying: std::cell::Cell::new(None),
         })
     }
 
@@ -1573,13 +1577,32 @@ impl Link for TcpLink {
             return Ok(());
         }
         self.push()?;
-        self.write(all.into())
+        let all: Arc<[u8]> = all.into();
+        self.write(Arc::clone(&all))?;
+        if self.shared.queued.load(Ordering::Relaxed) > 0 {
+            self.replaying.set(Some(all)); // the writer thread has the rest of it
+        }
+        Ok(())
     }
 
     fn backed_up_for(&self, now: Instant) -> Option<Duration> {
         if self.shared.queued.load(Ordering::Relaxed) == 0 {
             self.backed_up.set(None);
             return Some(Duration::ZERO);
+        }
+        if let Some(replay) = self.replaying.take() {
+            let st = self.shared.state.lock();
+            if st
+                .queue
+                .front()
+                .is_some_and(|(f, _)| Arc::ptr_eq(f, &replay))
+            {
+                // A replica catching up on its replay is not a straggler (yet).
+                drop(st);
+                self.replaying.set(Some(replay));
+                self.backed_up.set(None);
+                return Some(Duration::ZERO);
+            }
         }
         let since = self.backed_up.get().unwrap_or(now);
         self.backed_up.set(Some(since));

@@ -275,7 +275,7 @@ impl Worker {
                 }
                 for (o, oc) in cfg.outboxes.iter().zip(&cut.outboxes) {
                     if let Some(ob) = o.lock().as_mut() {
-                        ob.resume(oc)?;
+                        ob.resume(oc, cut.epoch)?;
                     }
                 }
                 (cut.epochs.clone(), cut.epoch)

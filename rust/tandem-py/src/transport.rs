@@ -684,6 +684,19 @@ impl Outbox {
         });
     }
 
+    /// The downstream replicas dropped as stragglers since the last call: `(channel,
+    /// peer)`, the peer as `host:port`.
+    fn take_evicted(&self, py: Python<'_>) -> PyResult<Vec<(usize, String)>> {
+        let taken = self.with(py, "take_evicted", |ob| Ok(ob.take_evicted()))?;
+        Ok(taken
+            .into_iter()
+            .map(|(c, peer)| {
+                let addr = peer.rsplit(' ').next().unwrap_or(&peer).to_owned();
+                (c, addr)
+            })
+            .collect())
+    }
+
     /// The seq the next element of each channel takes, as of the last completed call.
     /// Never blocks, even while another thread is in `emit`.
     #[getter]
