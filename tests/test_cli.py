@@ -49,6 +49,21 @@ def test_demo_masks_the_kill_and_writes_json_and_plot(tmp_path, capsys):
     assert "fault masked" in printed
 
 
+def test_chaos_demo_rebuilds_what_it_kills_and_marks_it_on_the_plot(tmp_path, capsys):
+    out, png = tmp_path / "chaos.json", tmp_path / "chaos.png"
+    flags = ["--duration", "10", "--rate", "1000", "--no-progress", "--json", str(out)]
+    code = main(["demo", "--chaos", "5", *flags, "--plot", str(png)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads(out.read_text())
+    assert result["lost"] == 0 and result["duplicates"] == 0 and result["digests_match"]
+    kills = [f for f in result["faults"] if f["kind"] == "chaos"]
+    assert kills, result["faults"]
+    assert {r["lost_s"] for r in result["restored_replicas"]} == {f["injected_at"] for f in kills}
+    assert "chaos: SIGKILL a random worker" in printed and "replicas rebuilt" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_kazoo_demo_kills_the_leader_and_masks_it(zookeeper, kafka, tmp_path, capsys):
     out = tmp_path / "kazoo.json"
     flags = ["--duration", "4", "--rate", "600", "--no-progress", "--json", str(out)]

@@ -134,9 +134,12 @@ def _demo_job(args: argparse.Namespace, demo, kazoo) -> int:
         heartbeat_ms=args.heartbeat_ms,
         buffer_timeout_ms=args.buffer_timeout_ms,
         kazoo=kazoo,
+        restore=args.restore or args.chaos is not None,
     )
     victim = "leader" if args.ordering == "kazoo" else 0
     default = [tandem.Kill("count", partition=0, replica=victim, at=args.duration / 2)]
+    if args.chaos is not None:
+        default = [tandem.Chaos(at=2.0, every_s=(5.0, 10.0), seed=args.chaos)]
     faults = _faults(args, default if args.replication > 1 else [])
     print(
         f"tandem {tandem.__version__} ({tandem.build_profile} build) demo: "
@@ -145,7 +148,14 @@ def _demo_job(args: argparse.Namespace, demo, kazoo) -> int:
         f"{args.duration:g} s"
     )
     for f in faults:
-        print(f"  fault: SIGKILL {f.task}[{f.partition}] replica {f.replica} at {f.at:g} s")
+        if isinstance(f, tandem.Chaos):
+            low, high = f.every_s
+            print(
+                f"  chaos: SIGKILL a random worker every {low:g}-{high:g} s from {f.at:g} s, "
+                "each once every partition is back at full replication"
+            )
+        else:
+            print(f"  fault: SIGKILL {f.task}[{f.partition}] replica {f.replica} at {f.at:g} s")
     if kazoo is not None:
         print(
             f"  KaZoo: ZooKeeper {kazoo.zk_hosts}, Kafka {kazoo.kafka_bootstrap}, session "
@@ -226,6 +236,20 @@ def print_summary(r: tandem.Result) -> None:
             or "none",
         ),
     ]
+    if r.restored_replicas:
+        by_loss: dict[float, list[dict]] = {}
+        for x in r.restored_replicas:
+            by_loss.setdefault(x["lost_s"], []).append(x)
+        rows.append(
+            (
+                "replicas rebuilt",
+                "; ".join(
+                    f"{len(xs)} lost at {lost:.1f} s, back at {xs[0]['restored_s']:.1f} s "
+                    f"({xs[0]['restore_ms']:.0f} ms)"
+                    for lost, xs in sorted(by_loss.items())
+                ),
+            )
+        )
     width = max(len(k) for k, _ in rows)
     print()
     for k, v in rows:
@@ -551,6 +575,20 @@ def main(argv: list[str] | None = None) -> int:
         "this; default 0.5, as for the benchmarks)",
     )
     demo.add_argument("--replication", type=int, default=2, metavar="N")
+    demo.add_argument(
+        "--restore",
+        action="store_true",
+        help="rebuild a killed replica group from its twins while the job runs",
+    )
+    demo.add_argument(
+        "--chaos",
+        type=int,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="SEED",
+        help="kill a random worker every 5-10 s, each once r is restored (implies --restore)",
+    )
     demo.add_argument("--rate", type=int, default=5_000, metavar="EV_PER_S")
     demo.add_argument("--heartbeat-ms", type=float, default=10.0)
     demo.add_argument("--buffer-timeout-ms", type=float, default=5.0)

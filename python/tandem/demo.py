@@ -33,6 +33,7 @@ def build(
     buffer_timeout_ms: float = 5.0,
     sink: td.sinks.Sink | None = None,
     kazoo: td.KazooConfig | None = None,
+    restore: bool = False,
 ) -> td.Job:
     """The demo job. Under ``ordering="none"`` (the unordered baseline, whose replicas are
     expected to diverge) divergence is logged and shown in the summary instead of stopping
@@ -45,6 +46,7 @@ def build(
         buffer_timeout_ms=buffer_timeout_ms,
         kazoo=kazoo,
         on_divergence="log" if ordering == "none" else "fail",
+        restore=restore,
     )
     events = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=7), parallelism=2)
     counted = (
@@ -71,15 +73,29 @@ def plot(result: td.Result, path: str, title: str = "tandem demo") -> None:
         at = f.get("injected_at", f.get("at"))
         ax.axvline(at, color="crimson", linestyle="--", linewidth=1)
         signal = "SIGSTOP" if f.get("kind") == "pause" else "SIGKILL"
-        victim = f"r{f.get('victim', f['replica'])}"
-        if isinstance(f["replica"], str):
-            victim = f"{f['replica']} ({victim})"
+        if "task" in f:
+            victim = f"r{f.get('victim', f['replica'])}"
+            if isinstance(f["replica"], str):
+                victim = f"{f['replica']} ({victim})"
+            what = f"{signal} {f['task']}[{f['partition']}] {victim}"
+        else:  # a whole worker (td.KillWorker, td.Chaos)
+            what = f"{signal} worker {f['worker']}"
         ax.annotate(
-            f"{signal} {f['task']}[{f['partition']}] {victim}",
+            what,
             (at, ax.get_ylim()[1]),
             xytext=(4, -12),
             textcoords="offset points",
             color="crimson",
+            fontsize=8,
+        )
+    for at in sorted({r["restored_s"] for r in result.restored_replicas}):
+        ax.axvline(at, color="seagreen", linestyle=":", linewidth=1)
+        ax.annotate(
+            "r restored",
+            (at, ax.get_ylim()[1]),
+            xytext=(4, -24),
+            textcoords="offset points",
+            color="seagreen",
             fontsize=8,
         )
     ax.set_xlabel("seconds since start")

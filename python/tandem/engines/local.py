@@ -1015,6 +1015,9 @@ class _Run:
         for rid, t in self.killed.items():
             killed.setdefault(self.worker_of[rid], t)
         note = ", ".join(f"killed {self._worker_name(w)} at {t:.1f}s" for w, t in killed.items())
+        rebuilt = sorted({(r["lost_s"], r["restored_s"]) for r in self.restored})
+        if rebuilt:
+            note += f"; r restored {len(rebuilt)}x (last at {rebuilt[-1][1]:.1f}s)"
         self._bar.n = min(max(elapsed, 0.0), self.duration)
         self._bar.set_postfix_str(note, refresh=False)
         self._bar.refresh()
