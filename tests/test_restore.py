@@ -121,3 +121,28 @@ def test_restore_is_a_checked_knob():
     plan = counting_job(restore=True, replay_ms=95).plan()
     assert plan.replay_cycles == 10  # whole heartbeat cycles of 10 ms
     assert counting_job(restore=False).plan().replay_cycles is None
+
+
+def test_bench_recovery_rebuilds_a_stateful_replica_and_reports_its_cost():
+    from tandem import bench
+
+    (row,) = bench.recovery(sizes=(4,), rate=1000, duration=7, kill_at=2.5)
+    assert row.lost == 0 and row.duplicates == 0 and row.digests_match
+    # The killed worker hosted replica 0 of both source and both state partitions.
+    assert row.rebuilt == 4
+    assert row.restore_ms is not None and 0 < row.restore_ms < 10_000
+    assert row.p99_before_ms > 0 and row.during_vs_before > 0
+
+
+def test_ballast_state_survives_a_snapshot_and_restore():
+    from tandem import bench
+
+    a = bench.Ballast(0.01)
+    rows = pa.RecordBatch.from_pydict({"key": [1, 2, 3]})
+    for _ in range(5):
+        a.on_batch(rows)
+    b = bench.Ballast(0.01)
+    b.restore(a.snapshot())
+    assert b.state["batches"] == 5
+    assert b.state["bytes"].tobytes() == a.state["bytes"].tobytes()
+    assert a.state["bytes"][:5].tolist() == [1, 1, 1, 1, 1]

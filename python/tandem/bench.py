@@ -909,3 +909,112 @@ def plot_cost(rows: list[CostRow], path: str) -> None:
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(path)
     plt.close(fig)
+
+
+# -- recovery: restoring r (Job(restore=True)) against state size -----------------------
+
+
+class Ballast(td.KeyedProcess):
+    """Passes its rows on and carries ``mb`` MiB of state per partition (a byte array it
+    touches once per batch): what a replica rebuilt from its twin must receive."""
+
+    def __init__(self, mb: float) -> None:
+        self.mb = mb
+
+    def process(self, batch: pa.RecordBatch, state: dict) -> pa.RecordBatch:
+        if "bytes" not in state:
+            state["bytes"], state["batches"] = np.zeros(max(1, round(self.mb * 2**20)), np.uint8), 0
+        ballast = state["bytes"]
+        ballast[state["batches"] % len(ballast)] ^= 1
+        state["batches"] += 1
+        return batch
+
+    def snapshot(self) -> bytes:
+        st = self.state
+        if "bytes" not in st:
+            return b""
+        return st["batches"].to_bytes(8, "little") + st["bytes"].tobytes()
+
+    def restore(self, data: bytes) -> None:
+        self.state.clear()
+        if data:
+            self.state["batches"] = int.from_bytes(data[:8], "little")
+            self.state["bytes"] = np.frombuffer(data[8:], dtype=np.uint8).copy()
+
+
+@dataclass
+class RecoveryRow:
+    """One run of ``recovery``: a replica group holding ``state_mb`` MiB per stateful
+    partition is killed at ``kill_at_s`` and rebuilt from its twins. ``restore_ms``: from
+    the kill to the rebuilt replicas receiving their input (process start, cuts, state
+    transfer, replay); ``p99_before_ms``: median per-second p99 before the kill;
+    ``p99_during_ms``: the worst per-second p99 from the kill's second until 2 s after the
+    rebuild, and ``during_vs_before`` their ratio; ``rebuilt``: replicas restored."""
+
+    state_mb: float
+    rate: int
+    kill_at_s: float
+    restore_ms: float | None
+    rebuilt: int
+    p99_before_ms: float
+    p99_during_ms: float
+    during_vs_before: float
+    max_gap_ms: float | None
+    lost: int
+    duplicates: int
+    digests_match: bool
+    per_second_p99_ms: list
+
+
+def recovery_job(state_mb: float, rate: int) -> td.Job:
+    job = td.Job("recovery", replication=2, restore=True)
+    events = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=5), parallelism=2)
+    (
+        events.key_by("key")
+        .process(Ballast(state_mb), parallelism=2, name="state")
+        .sink(td.sinks.Collect())
+    )
+    return job
+
+
+def recovery(
+    sizes=(1, 10, 100),
+    rate: int = 5_000,
+    duration: float = 12.0,
+    kill_at: float = 4.0,
+    log=sys.stderr,
+) -> list[RecoveryRow]:
+    """Kill the replica group holding ``state[0]`` replica 0 at ``kill_at`` and rebuild it
+    from its twins (``Job(restore=True)``), once per state size; every run is checked
+    against the reference executor."""
+    rows = []
+    for mb in sizes:
+        print(f"recovery: {mb:g} MiB of state per partition ...", file=log, flush=True)
+        res = recovery_job(mb, rate).run(
+            duration=duration, faults=[td.Kill("state", 0, 0, at=kill_at)], progress=False
+        )
+        series = res.per_second_p99_ms
+        restored = [r for r in res.restored_replicas if r["lost_s"] >= kill_at - 0.5]
+        back = max((r["restored_s"] for r in restored), default=kill_at)
+        before = [v for v in series[1 : int(kill_at)] if v is not None]
+        during = [v for v in series[int(kill_at) : int(back) + 3] if v is not None]
+        calm = float(np.median(before)) if before else float("nan")
+        worst = max(during) if during else float("nan")
+        rows.append(
+            RecoveryRow(
+                mb,
+                rate,
+                kill_at,
+                max((r["restore_ms"] for r in restored), default=None),
+                len(restored),
+                round(calm, 1),
+                round(worst, 1),
+                round(worst / calm, 2) if calm > 0 else float("nan"),
+                res.max_gap_ms,
+                res.lost,
+                res.duplicates,
+                res.digests_match,
+                [None if v is None else round(v, 1) for v in series],
+            )
+        )
+    return rows

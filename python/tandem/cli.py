@@ -305,6 +305,17 @@ def _bench(args: argparse.Namespace) -> int:
         )
     args.rate = 5_000 if args.rate is None else args.rate
     args.warmup = 30.0 if args.warmup is None else args.warmup
+    if args.experiment == "recovery":
+        sizes = [float(x) for x in (args.sizes or "1,10,100").split(",")]
+        rows = bench.recovery(sizes=sizes, rate=args.rate, duration=args.duration or 12.0)
+        out = {"experiment": "recovery", "rows": [vars(r) for r in rows]}
+        print(
+            bench.table(
+                [{k: v for k, v in vars(r).items() if k != "per_second_p99_ms"} for r in rows]
+            )
+        )
+        _write_json(args.json, out)
+        return 0
     if args.experiment == "spark":
         spark_bench = _spark_bench()
         out = spark_bench.run(
@@ -603,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="end-to-end experiments of the paper (§VII)")
     bench.add_argument(
         "experiment",
-        choices=["mib1", "throughput", "failover", "spark", "cost", "paper"],
+        choices=["mib1", "throughput", "failover", "recovery", "spark", "cost", "paper"],
         help="failover: the paper's fault experiment (LiveRobin, KaZoo leader and follower "
         "kills); spark: MiB1 length 3 on the local engine, the Spark engine (with a replica "
         "kill) and Spark Structured Streaming (with a driver kill); cost: CPU, memory and "
@@ -639,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--plot", metavar="PATH", help="failover, cost: PNG path")
     bench.add_argument("--lengths", default="1,2,3,4", help="mib1 pipeline lengths")
+    bench.add_argument(
+        "--sizes", help="recovery: MiB of state per partition, comma-separated (default 1,10,100)"
+    )
     bench.add_argument("--rate", type=int, metavar="EV_PER_S", help="default 5000")
     bench.add_argument(
         "--warmup", type=float, metavar="S", help="default 30; cost: 5 (left out of latency)"

@@ -281,9 +281,8 @@ class Replica:
             self.slot = self.core.add_source(boxes, t0_ns, self.plan.heartbeat_ns, resume=cut)
             return
         if self.task.kind == "operator":
-            self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
-            if self.resume is not None:
-                self._inst.restore(self.resume.state)
+            if self._inst is None:
+                self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
             watermarks = type(self._inst.op).on_watermark is not Operator.on_watermark
         else:
             self._sink = self.plan.open_sink(t, p)
@@ -292,6 +291,16 @@ class Replica:
                 self._latency = LatencyRecorder(t0_ns, t0_ns + round(warmup * 1e9))
             watermarks = False
         self.slot = self.core.add_task(self.inbox, boxes, watermarks, resume=cut)
+
+    def restore(self, t0_ns: int) -> None:
+        """A rebuilt operator replica: create the operator and load the twin's state into it
+        now (before ``start``), so that it is ready when its input is replayed."""
+        if self.resume is None or self.task.kind != "operator":
+            return
+        t, p, r = self.me
+        self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
+        self._inst.restore(self.resume.state)
+        self.resume = Resume(self.resume.cut, b"")  # the state lives in the operator now
 
     def cut(self, cut: tuple | None) -> Resume | None:
         """This replica at the heartbeat-cycle boundary the worker stopped it at (``cut``,
@@ -544,6 +553,11 @@ class Worker:
                 if r.orderer is not None:
                     r.orderer.start()
         return ports
+
+    def restore(self, t0_ns: int) -> None:
+        """Load every rebuilt replica's operator state (see :meth:`Replica.restore`)."""
+        for r in self.replicas:
+            r.restore(t0_ns)
 
     def release(self) -> None:
         """Give up every KaZoo leadership at once (a graceful stop: SIGTERM)."""

@@ -130,6 +130,10 @@ def serve(
         resume = msg[1]
     try:
         worker = Worker(plan, rids, secret, kazoo=kazoo, resume=resume)
+        if resume is not None:
+            # Load the operators' state before the upstream replicas start replaying to
+            # them (they are linked once this worker is ready).
+            worker.restore(msg[2])
 
         def terminate(_signo, _frame) -> None:
             # A graceful stop: hand leadership over at once instead of after a session
@@ -152,7 +156,14 @@ def serve(
         with sending, contextlib.suppress(OSError):
             conn.send(message)
 
-    worker.on_cut = lambda rid, taken, token: send(("cut", rid, taken, token))
+    def send_cut(rid, taken, token) -> None:
+        # A cut may carry a large state: send it from a thread of its own, so the replicas
+        # this worker serves go on meanwhile.
+        threading.Thread(
+            target=send, args=(("cut", rid, taken, token),), name="tandem-cut", daemon=True
+        ).start()
+
+    worker.on_cut = send_cut
     worker.on_link = lambda up, down, error: send(("linked", up, down, error))
     if plan.restore:
         worker.on_evicted = lambda up, down: send(("evicted", up, down))
@@ -741,7 +752,7 @@ class _Run:
         if len(rj.cuts) == len(rj.twins):
             rj.state = "binding"
             with contextlib.suppress(OSError):
-                rj.proc.conn.send(("resume", rj.cuts))
+                rj.proc.conn.send(("resume", rj.cuts, self.t0_ns))
 
     def _on_linked(self, up: ReplicaId, down: ReplicaId, error: str | None, now_s: float) -> None:
         rj = self.rejoins.get(self.worker_of[down])
