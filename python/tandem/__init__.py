@@ -17,7 +17,7 @@ from tandem.exceptions import (
     TandemError,
     TaskFailed,
 )
-from tandem.faults import Chaos, Kill, KillWorker, Pause
+from tandem.faults import Chaos, Kill, KillHeartbeats, KillWorker, Pause
 from tandem.operators import CountPerKey, KeyedProcess, Operator
 from tandem.ordering.kazoo import KazooConfig
 from tandem.plan import Plan
@@ -36,6 +36,7 @@ __all__ = [
     "KazooConfig",
     "KeyedProcess",
     "Kill",
+    "KillHeartbeats",
     "KillWorker",
     "Operator",
     "Pause",

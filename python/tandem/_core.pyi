@@ -460,9 +460,13 @@ class Worker:
         """Whether the slot's downstream links have room (a source emits only then)."""
     def retire(self, slot: int) -> None:
         """Stop serving ``slot``."""
+    def wake(self) -> None:
+        """Bring a waiting ``next()`` back early (it returns None once no slot has work),
+        from any thread, without a lock: a source reading a log on a thread of its own
+        calls it when records came."""
     def next(self, timeout: float | None = None) -> WorkItem | None:
-        """The next work item, or None after ``timeout`` seconds (None: wait). Releases
-        the GIL while waiting; Ctrl-C interrupts."""
+        """The next work item, or None after ``timeout`` seconds (None: wait) or after
+        ``wake()``. Releases the GIL while waiting; Ctrl-C interrupts."""
     def stats(self) -> dict[str, int]:
         """``{"heartbeats", "data", "watermarks", "credit_waits"}``."""
 

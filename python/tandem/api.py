@@ -51,7 +51,7 @@ from tandem.plan import (
     union_schema,
 )
 from tandem.sinks import Sink
-from tandem.sources import Source
+from tandem.sources import LogSource, Source
 
 
 def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
@@ -223,15 +223,28 @@ class Job:
         self._nodes.append(node)
         return node
 
-    def source(self, source: Source, parallelism: int = 1, name: str | None = None) -> Stream:
-        """Add a source; returns its stream."""
+    def source(
+        self, source: Source, parallelism: int | None = None, name: str | None = None
+    ) -> Stream:
+        """Add a source; returns its stream. ``parallelism``: its partitions (default 1; a
+        log such as Kafka has its own — one source partition per log partition — and
+        refuses another)."""
         if not isinstance(source, Source):
             raise ConfigError(
                 f"job.source() needs a tandem source (e.g. td.sources.Synthetic(...)), got "
                 f"{type(source).__name__}"
             )
         name = self._name(name, "source")
+        natural = source.natural_parallelism() if isinstance(source, LogSource) else None
+        if parallelism is None:
+            parallelism = natural or 1
         par = _positive_int(parallelism, f"source {name!r}: parallelism")
+        if natural is not None and par != natural:
+            raise ConfigError(
+                f"source {name!r}: parallelism={par}, but {source.describe()} has {natural} "
+                "partitions: a log is read with one source partition per partition; leave "
+                "parallelism out"
+            )
         schema = source.schema()
         ops.check_event_time(schema, f"source {name!r}")
         node = self._add(_Node(name, "source", par, schema, source=copy.deepcopy(source)))
@@ -274,6 +287,10 @@ class Job:
                     in_schemas.append(up_schema)
                 elif up_schema is not None and in_schemas[-1] is not None:
                     in_schemas[-1] = union_schema(in_schemas[-1], up_schema) or in_schemas[-1]
+            source = copy.deepcopy(n.source)
+            if isinstance(source, LogSource):
+                # Once per plan, on the plan's own copy: where every replica starts reading.
+                source.resolve(n.parallelism)
             tasks.append(
                 Task(
                     id=i,
@@ -284,7 +301,7 @@ class Job:
                     inputs=tuple(edges),
                     input_schemas=tuple(in_schemas),
                     schema=n.schema,
-                    source=copy.deepcopy(n.source),
+                    source=source,
                     operator=copy.deepcopy(n.operator),
                     sink=copy.deepcopy(n.sink),
                     key=n.key,

@@ -611,6 +611,19 @@ def main(argv: list[str] | None = None) -> int:
     _add_run_flags(run, demo=False)
     run.set_defaults(func=_run_file)
 
+    beats = sub.add_parser(
+        "heartbeats",
+        help="write heartbeat markers into every partition of Kafka topics (run two or more)",
+        description="A heartbeat generator for jobs reading Kafka: every --heartbeat-ms it "
+        "writes a marker (header tandem-heartbeat: <epoch>/<period_ns>, epoch = wall clock "
+        "// period) into every partition of every --topic, until Ctrl-C, SIGTERM or "
+        "--duration. Generators need no coordination: run several, any may die.",
+    )
+    from tandem import heartbeat
+
+    heartbeat.add_arguments(beats)
+    beats.set_defaults(func=heartbeat.run_from_args)
+
     bench = sub.add_parser("bench", help="end-to-end experiments of the paper (§VII)")
     bench.add_argument(
         "experiment",

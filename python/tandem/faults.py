@@ -177,6 +177,45 @@ class KillWorker(Fault):
             )
 
 
+@dataclass(frozen=True)
+class KillHeartbeats(Fault):
+    """Crash (SIGKILL) heartbeat generator ``generator`` ``at`` seconds after the start.
+    The engine runs the generators of a job with Kafka sources (``generators=`` per Kafka
+    cluster, 2 by default), numbered from 0 as :func:`tandem.heartbeat.specs` lists them;
+    the others' markers keep every source going."""
+
+    generator: int
+    at: float
+
+    def __post_init__(self) -> None:
+        g = self.generator
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise ConfigError(f"KillHeartbeats: generator must be an int >= 0, got {g!r}")
+        at = self.at
+        if (
+            isinstance(at, bool)
+            or not isinstance(at, int | float)
+            or not (math.isfinite(at) and at >= 0)
+        ):
+            raise ConfigError(f"KillHeartbeats({g}): at must be seconds >= 0, got {at!r}")
+
+    def validate(self, plan: Plan, duration: float) -> None:
+        from tandem.heartbeat import specs
+
+        n = len(specs(plan))
+        if self.generator >= n:
+            raise ConfigError(
+                f"KillHeartbeats({self.generator}): job {plan.job!r} runs {n} heartbeat "
+                "generators"
+                + (f" (0..{n - 1})" if n else ": it has no Kafka source with generators= above 0")
+            )
+        if self.at >= duration:
+            raise ConfigError(
+                f"KillHeartbeats({self.generator}): at={self.at} s is not before the end of "
+                f"the run (duration={duration} s)"
+            )
+
+
 def validate_faults(faults: list[Any], plan: Plan, duration: float) -> None:
     """Validate every fault; also reject two kills of the same replica."""
     seen = set()
@@ -193,9 +232,25 @@ def validate_faults(faults: list[Any], plan: Plan, duration: float) -> None:
             if f.worker in seen:
                 raise ConfigError(f"KillWorker({f.worker}): the same worker is killed twice")
             seen.add(f.worker)
+        if isinstance(f, KillHeartbeats):
+            target = ("heartbeats", f.generator)
+            if target in seen:
+                raise ConfigError(
+                    f"KillHeartbeats({f.generator}): the same generator is killed twice"
+                )
+            seen.add(target)
 
 
-__all__ = ["ROLES", "Fault", "Kill", "KillWorker", "Pause", "ReplicaFault", "validate_faults"]
+__all__ = [
+    "ROLES",
+    "Fault",
+    "Kill",
+    "KillHeartbeats",
+    "KillWorker",
+    "Pause",
+    "ReplicaFault",
+    "validate_faults",
+]
 
 
 @dataclass(frozen=True)

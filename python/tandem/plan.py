@@ -38,6 +38,11 @@ calls ``on_watermark(watermark_ns(k))``, emits that output, then forwards heartb
 on every output channel. For a single-input task that is "forward each heartbeat as it is
 dequeued"; for LiveRobin it is the end of cycle ``k``. At end of input (every channel
 delivered its end marker) it calls ``on_watermark(WATERMARK_MAX)``, emits, then sends end.
+A source that reads a log (Kafka, :class:`tandem.sources.LogSource`) has no logical clock:
+heartbeat generators write markers into the log, and its heartbeats and batch boundaries
+are where the markers are (:meth:`Plan.log_schedule`, :mod:`tandem.heartbeat`) — again the
+same at every replica, because every replica reads the same log.
+
 Batches (DESIGN §2 invariant 1: the batch is the unit of determinism): sources cut their
 rows into batches at deterministic positions (:meth:`Plan.source_schedule`); an operator is
 called once per input batch, in the order the merge decides at batch granularity (LiveRobin
@@ -57,7 +62,7 @@ import struct
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -73,6 +78,9 @@ from tandem.operators import (
 )
 from tandem.sinks import Sink
 from tandem.sources import Source
+
+if TYPE_CHECKING:
+    from tandem.heartbeat import LogSchedule
 
 ORDERINGS = ("none", "liverobin", "kazoo")
 PARTITIONERS = ("forward", "rebalance", "hash", "broadcast")
@@ -390,6 +398,27 @@ class Plan:
         """Local rows ``[j0, j1)`` of a source partition, as one batch."""
         task, src = self._source(task_id)
         return src.read(partition, task.parallelism, j0, j1, t0_ns)
+
+    def is_log_source(self, task_id: int) -> bool:
+        """Whether a source reads a log (Kafka): its batches and heartbeats come from the
+        log (:meth:`log_schedule`), not from :meth:`source_schedule`."""
+        from tandem.sources import LogSource
+
+        return isinstance(self._source(task_id)[1], LogSource)
+
+    def log_schedule(
+        self, task_id: int, partition: int, duration_s: float | None, t0_ns: int
+    ) -> LogSchedule:
+        """How a log source partition is cut into batches and heartbeats
+        (:class:`tandem.heartbeat.LogSchedule`): at the heartbeat markers of the log, taken
+        from the run's epoch ``t0 // heartbeat`` on, and at every ``batch_rows`` data rows;
+        the run ends at the first marker taken with epoch ``>= last_epoch(duration_s)``."""
+        from tandem.heartbeat import LogSchedule
+
+        task, src = self._source(task_id)
+        self._check_partition(task, partition)
+        last = None if duration_s is None else self.last_epoch(duration_s)
+        return LogSchedule(self.heartbeat_ns, t0_ns, last, self.batch_rows, src.marker)
 
     @property
     def buffer_timeout_ns(self) -> int:

@@ -6,7 +6,9 @@ threads and no network, following exactly the rules a replicated run follows (se
 
 * every source partition produces its logical schedule (:meth:`Plan.source_schedule`: the
   same batches, cut at the same deterministic positions, heartbeat ``k`` after every row
-  released before ``t0 + k * heartbeat``, end);
+  released before ``t0 + k * heartbeat``, end); a log source (Kafka) replays its log
+  through the same :class:`~tandem.heartbeat.LogSchedule` as its replicas
+  (:func:`log_steps`), so a run's reference reads the rows that run read;
 * every output is routed with the same partitioners as the Rust outbox (forward,
   rebalance with a running row counter, xxh3 hash with the same seed) and leaves as the
   same frames (:class:`tandem.plan.Router`);
@@ -35,6 +37,7 @@ true, no faults, and ``None`` for every latency field (there is no clock to meas
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Iterator
 
@@ -43,6 +46,7 @@ import pyarrow.compute as pc
 
 from tandem.api import Result
 from tandem.exceptions import ConfigError
+from tandem.heartbeat import LogStep
 from tandem.plan import InputChannel, Plan, Router, Task, WatermarkTracker
 from tandem.sinks import Collect
 from tandem.testing import ReferenceLiveRobin
@@ -174,6 +178,17 @@ def run(
         if task.kind == "source":
             for p in range(task.parallelism):
                 out = _Emitter(plan, task, p, chans)
+                if plan.is_log_source(task.id):
+                    for step in log_steps(plan, task.id, p, duration, t0_ns):
+                        if step.kind == "rows":
+                            batch = task.source.decode(p, step.records)
+                            events_in += batch.num_rows
+                            out.data(batch)
+                        elif step.kind == "heartbeat":
+                            out.control("heartbeat", step.epoch)
+                        else:
+                            out.control("end")
+                    continue
                 for step in plan.source_schedule(task.id, p, duration):
                     if step.kind == "rows":
                         batch = plan.source_batch(task.id, p, step.j0, step.j1, t0_ns)
@@ -211,6 +226,26 @@ def run(
         outputs=outputs,
         t0_ns=t0_ns,
     )
+
+
+def log_steps(
+    plan: Plan, task_id: int, partition: int, duration: float | None, t0_ns: int
+) -> Iterator[LogStep]:
+    """The steps of a log source partition in a run from ``t0_ns``, replayed from the log
+    (:meth:`tandem.sources.LogSource.replay`) through the same
+    :class:`~tandem.heartbeat.LogSchedule` the replicas ran. The log of a finished run
+    holds the marker its replicas ended at; a log that ends before such a marker (a
+    replay with no run behind it) ends where it ends: its last rows form the last batch."""
+    schedule = plan.log_schedule(task_id, partition, duration, t0_ns)
+    with contextlib.closing(plan.tasks[task_id].source.replay(partition)) as chunks:
+        for records in chunks:
+            for step in schedule.feed(records):
+                yield step
+                if step.kind == "end":
+                    return
+    if schedule.pending:
+        yield LogStep("rows", schedule.pending)
+    yield LogStep("end")
 
 
 def _run_operator(
@@ -263,4 +298,4 @@ def canonical(table: pa.Table) -> pa.Table:
     return table.take(pc.sort_indices(comparable(table), sort_keys=keys))
 
 
-__all__ = ["canonical", "comparable", "live_robin", "positional", "run"]
+__all__ = ["canonical", "comparable", "live_robin", "log_steps", "positional", "run"]

@@ -85,6 +85,8 @@ class ReplicaReport:
     """Sinks whose rows carry ``event_time_ns``: latency histograms and output times per
     second (:mod:`tandem.latency`; its size grows with the run's length, not its rows)."""
     inbox_stats: dict | None = None
+    log_stats: dict | None = None
+    """Log sources: the data rows read, the heartbeat markers taken and ignored."""
     ordering_stats: dict | None = None
     """KaZoo partitions: the epochs this replica led, orders published and followed."""
     error: str | None = None
@@ -219,6 +221,7 @@ class Replica:
         self._latency: LatencyRecorder | None = None
         self.resume: Resume | None = None
         """Set by the worker before :meth:`bind` when this replica is rebuilt from a twin."""
+        self.log_reader = None
 
     @property
     def name(self) -> str:
@@ -226,8 +229,13 @@ class Replica:
         return f"{self.task.kind} task {self.task.name!r} partition {p} replica {r}"
 
     def bind(self, host: str = "127.0.0.1") -> int | None:
-        """Listen for upstream replicas; the port, or None for a source."""
+        """Listen for upstream replicas; the port, or None for a source (a log source
+        starts reading its partition now, while the job starts)."""
         if self.task.kind == "source":
+            t, p, _ = self.me
+            if self.plan.is_log_source(t):
+                self.log_reader = self.task.source.reader(p, self.core.wake, name=self.name)
+                self.log_reader.start()
             return None
         t, p, r = self.me
         self.inputs = self.plan.input_channels(t, p)
@@ -390,6 +398,8 @@ class Replica:
     def finish(self) -> ReplicaReport:
         """Close everything; the report (call once, when the worker is done)."""
         report = self.report
+        if self.log_reader is not None:
+            self.log_reader.stop()
         for i, o in enumerate(self.outputs):
             for channel, epoch, digest in o.outbox.digests():  # before close: it drains
                 report.digests[(i, channel, epoch)] = digest.hex()
@@ -468,6 +478,63 @@ class _Source:
         else:
             rep.on_end()
             self.step = None
+
+
+class _LogSource:
+    """A log source replica (:class:`tandem.sources.LogSource`, e.g. Kafka) and its place
+    in the log (:meth:`Plan.log_schedule`).
+
+    A thread reads the partition (:attr:`Replica.log_reader`, started at bind) and wakes
+    the worker when records came; the worker cuts them into the schedule's steps and emits
+    each as soon as it is complete — a batch once the record that closes it (a heartbeat
+    marker, or its ``batch_rows``-th row) has been read, a heartbeat with
+    ``heartbeats_through``, then the end. The slot's Rust clock never sends a heartbeat of
+    its own: it may send only through the epoch it was allowed, and ``heartbeats_through``
+    allows exactly what it sends. Nothing is emitted before ``t0``."""
+
+    def __init__(self, replica: Replica, duration: float) -> None:
+        self.replica = replica
+        t, p, _ = replica.me
+        self.partition = p
+        self.source = replica.task.source
+        self.schedule = replica.plan.log_schedule(t, p, duration, replica.t0_ns)
+        self.steps: deque = deque()
+
+    def pump(self, now_ns: int) -> float | None:
+        """Emit the steps ready to go; how soon to look again without being woken (None:
+        when the reader wakes the worker)."""
+        rep = self.replica
+        if now_ns < rep.t0_ns:
+            return (rep.t0_ns - now_ns) / 1e9
+        reader = rep.log_reader
+        if reader.error is not None:
+            raise reader.error
+        records = reader.take()
+        if records:
+            self.steps.extend(self.schedule.feed(records))
+        core, slot = rep.core, rep.slot
+        while self.steps:
+            if not core.ready(slot):
+                return CREDIT_POLL_S  # its links are backed up: look again soon
+            step = self.steps.popleft()
+            if step.kind == "rows":
+                rep.on_rows(self.source.decode(self.partition, step.records))
+            elif step.kind == "heartbeat":
+                core.heartbeats_through(slot, step.epoch)
+            else:
+                rep.on_end()
+                reader.stop(timeout=0)
+                self._report()
+                return None
+        return None
+
+    def _report(self) -> None:
+        s = self.schedule
+        self.replica.report.log_stats = {
+            "rows": s.rows,
+            "markers_taken": s.markers_taken,
+            "markers_ignored": s.markers_ignored,
+        }
 
 
 class Worker:
@@ -602,7 +669,13 @@ class Worker:
     def _loop(self, duration: float) -> None:
         core = self.core
         by_slot = {r.slot: r for r in self.replicas if not r.done}
-        sources = [_Source(r, duration) for r in by_slot.values() if r.task.kind == "source"]
+        sources, logs = [], []
+        for r in by_slot.values():
+            if r.task.kind == "source":
+                if r.log_reader is not None:
+                    logs.append(_LogSource(r, duration))
+                else:
+                    sources.append(_Source(r, duration))
         orderers = [r.orderer for r in self.replicas if r.orderer is not None]
         by_rid = {r.me: r for r in self.replicas}
         control = self.control
@@ -635,6 +708,25 @@ class Worker:
                         finished = True
                 if finished:
                     sources = [s for s in sources if s.step is not None and not s.replica.done]
+                if not live:
+                    return
+            if logs:
+                now = time.time_ns()
+                for src in logs:
+                    rep = src.replica
+                    try:
+                        again = src.pump(now)
+                    except Exception as exc:
+                        rep.fail(exc)
+                        if rep.report.error is not None:
+                            return
+                        again = None
+                    if rep.done:
+                        live -= 1
+                        core.retire(rep.slot)
+                    elif again is not None:
+                        wait = min(wait, max(0.0, again))
+                logs = [s for s in logs if not s.replica.done]
                 if not live:
                     return
             item = core.next(timeout=wait)

@@ -203,6 +203,196 @@ class Csv(_FileSink):
         return table if schema is None else table.select(schema.names).cast(schema)
 
 
+def _json_type(typ: pa.DataType) -> bool:
+    return (
+        pa.types.is_integer(typ)
+        or pa.types.is_floating(typ)
+        or pa.types.is_boolean(typ)
+        or pa.types.is_string(typ)
+        or pa.types.is_large_string(typ)
+        or pa.types.is_null(typ)
+    )
+
+
+def _key_type(typ: pa.DataType) -> bool:
+    return (
+        pa.types.is_integer(typ)
+        or pa.types.is_string(typ)
+        or pa.types.is_large_string(typ)
+        or pa.types.is_binary(typ)
+        or pa.types.is_large_binary(typ)
+    )
+
+
+class Kafka(Sink):
+    """Writes every row to a Kafka topic as one record, **exactly once for a
+    ``read_committed`` consumer**: the value is a JSON object of the row's ``columns``
+    (default: all of them; integers, floats, booleans and strings), the key the ``key``
+    column's value (a string as UTF-8, an integer in decimal, binary as is; no key: none).
+
+    Sink partition ``p`` writes with a transactional producer of its own, whose
+    ``transactional.id`` is ``f"{transactional_id}.{p}"`` (default prefix:
+    ``f"tandem.{topic}"``): fixed per sink partition, so a producer started again for that
+    partition fences the one before (whose open transaction the broker then aborts) and
+    only one of them can ever commit. Transactions are committed from a thread of their
+    own, one in flight: each holds the rows that came while the previous one committed,
+    so a row becomes visible to ``read_committed`` consumers one commit after it arrives,
+    and the worker never waits for the broker. Records go to Kafka partition ``p % n`` of
+    the topic's ``n``, or, with a ``key``, to the partition of their key (murmur2, as the
+    Java clients choose). Two jobs writing one topic at the same time need different
+    ``transactional_id`` prefixes.
+
+    The engine's check reads back, ``read_committed``, the offset ranges the sink
+    committed (other writers into those partitions meanwhile would show as extra rows).
+    """
+
+    def __init__(
+        self,
+        topic: str,
+        bootstrap: str | None = None,
+        columns: list[str] | None = None,
+        key: str | None = None,
+        config: dict | None = None,
+        transactional_id: str | None = None,
+    ) -> None:
+        if not isinstance(topic, str) or not topic:
+            raise ConfigError(f"sinks.Kafka: topic must be a non-empty string, got {topic!r}")
+        if bootstrap is not None and (not isinstance(bootstrap, str) or not bootstrap):
+            raise ConfigError(f"sinks.Kafka({topic!r}): bootstrap must be 'host:port[,...]'")
+        if columns is not None and (
+            isinstance(columns, str) or not all(isinstance(c, str) for c in columns)
+        ):
+            raise ConfigError(f"sinks.Kafka({topic!r}): columns must be a list of names")
+        self.topic = topic
+        self.bootstrap = bootstrap
+        self.columns = None if columns is None else list(columns)
+        self.key = key
+        self.config = dict(config or {})
+        self.transactional_id = transactional_id or f"tandem.{topic}"
+        self._writer = None
+
+    def describe(self) -> str:
+        return f"Kafka({self.topic!r})"
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_writer"] = None
+        return state
+
+    def _bootstrap(self) -> str:
+        from tandem.kafka import default_bootstrap
+
+        if self.bootstrap is None:
+            self.bootstrap = default_bootstrap()
+        return self.bootstrap
+
+    def _names(self, schema: pa.Schema) -> list[str]:
+        return list(schema.names) if self.columns is None else self.columns
+
+    def check(self, schema: pa.Schema) -> None:
+        what = f"sinks.Kafka({self.topic!r})"
+        for name in self._names(schema):
+            if name not in schema.names:
+                raise ConfigError(f"{what}: column {name!r} is not in its input {schema.names}")
+            typ = schema.field(name).type
+            if not _json_type(typ):
+                raise ConfigError(
+                    f"{what}: column {name!r} is {typ}, which a JSON value cannot hold "
+                    "exactly; convert it in a map, or leave it out with columns="
+                )
+        if self.key is not None:
+            if self.key not in schema.names:
+                raise ConfigError(f"{what}: key {self.key!r} is not in its input {schema.names}")
+            if not _key_type(schema.field(self.key).type):
+                raise ConfigError(
+                    f"{what}: key {self.key!r} is {schema.field(self.key).type}; use an "
+                    "integer, string or binary column"
+                )
+
+    def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
+        super().open(partition, parallelism, schema)
+        from tandem.kafka import TransactionalWriter, partition_count
+
+        self.partitions = partition_count(self._bootstrap(), self.topic, self.config)
+        self._writer = TransactionalWriter(
+            self._bootstrap(), self.topic, f"{self.transactional_id}.{partition}", self.config
+        )
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if not batch.num_rows:
+            return
+        import json
+
+        names = self._names(batch.schema)
+        rows = batch.select(names).to_pylist()
+        if self.key is None:
+            keys: list = [None] * len(rows)
+            target = self.partition % self.partitions
+        else:
+            keys = [_key_bytes(k) for k in batch.column(self.key).to_pylist()]
+            target = None
+        dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+        self._writer.put([(dumps(r).encode(), k, target) for r, k in zip(rows, keys, strict=True)])
+
+    def close(self) -> dict:
+        writer, self._writer = self._writer, None
+        ranges = writer.close()
+        return {
+            "topic": self.topic,
+            "bootstrap": self._bootstrap(),
+            "transactional_id": writer.transactional_id,
+            "rows": writer.committed_rows,
+            "transactions": writer.transactions,
+            "ranges": ranges,
+        }
+
+    def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> list[dict]:
+        return [p for p in parts if p]
+
+    def rows(self, value: Any, schema: pa.Schema | None = None) -> pa.Table | None:
+        """The rows the sink committed, read back ``read_committed`` from the offset
+        ranges it wrote, decoded with the input's column types."""
+        if schema is None:
+            return None
+        import io
+
+        import pyarrow.json as pajson
+
+        from tandem.kafka import read_log
+
+        spans: dict[int, tuple[int, int]] = {}
+        for part in value or []:
+            for p, (lo, hi) in part["ranges"].items():
+                old = spans.get(p)
+                spans[p] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+        want = pa.schema([schema.field(n) for n in self._names(schema)])
+        values: list[bytes] = []
+        for p, (lo, hi) in sorted(spans.items()):
+            chunks = read_log(self._bootstrap(), self.topic, p, lo, self.config)
+            try:
+                for records in chunks:
+                    values += [m.value() for m in records if m.offset() <= hi]
+                    if records[-1].offset() >= hi:
+                        break
+            finally:
+                chunks.close()
+        if not values:
+            return want.empty_table()
+        data = b"\n".join(values)
+        table = pajson.read_json(
+            io.BytesIO(data),
+            read_options=pajson.ReadOptions(use_threads=False, block_size=len(data) + 1),
+            parse_options=pajson.ParseOptions(explicit_schema=want),
+        )
+        return table.cast(want)
+
+
+def _key_bytes(value: Any) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return str(value).encode()
+
+
 LATENCY_SCHEMA = pa.schema(
     [
         pa.field(EVENT_TIME, pa.int64(), nullable=False),
@@ -247,4 +437,4 @@ class Latency(Sink):
         return value.select([EVENT_TIME])
 
 
-__all__ = ["LATENCY_SCHEMA", "Collect", "Csv", "Latency", "Parquet", "Sink"]
+__all__ = ["LATENCY_SCHEMA", "Collect", "Csv", "Kafka", "Latency", "Parquet", "Sink"]

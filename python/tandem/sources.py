@@ -150,6 +150,335 @@ class Source(abc.ABC):
         return pa.RecordBatch.from_arrays(cols, schema=self.schema())
 
 
+class LogSource(Source):
+    """A source whose rows, batches and heartbeats come from a replicated log (Kafka)
+    instead of a clock: every replica of a source partition reads the same log partition
+    from the same offset, fixed when the job is planned, and cuts it where the log says
+    (:class:`tandem.heartbeat.LogSchedule`: at the heartbeat markers the generators write
+    into the log, and at every ``batch_rows`` data rows). The runtime reads it on a thread
+    (:meth:`reader`), the reference executor replays it (:meth:`replay`).
+
+    Subclasses implement the methods below; ``generators`` is how many heartbeat
+    generators the engine runs for it (0: you run ``tandem heartbeats`` yourself)."""
+
+    generators: int = 2
+
+    def total_rows(self, duration_ns: int | None) -> int | None:
+        return None  # as many as the log holds before the run's last heartbeat
+
+    def partition_rows(self, partition: int, parallelism: int, duration_ns: int) -> int:
+        raise ConfigError(
+            f"{self.describe()} reads a log: how many rows a run reads is known only once it "
+            "ran (Result.events_in)"
+        )
+
+    def natural_parallelism(self) -> int | None:
+        """The log's partition count: the source's parallelism."""
+        return None
+
+    @abc.abstractmethod
+    def resolve(self, parallelism: int) -> None:
+        """Fix, on the plan's own copy of the source, what every replica must agree on
+        (the offset each partition is read from); ConfigError if the log no longer has
+        ``parallelism`` partitions."""
+
+    @abc.abstractmethod
+    def reader(self, partition: int, wake, name: str = ""):
+        """A started-on-demand reader of the partition (``start()``, ``take()`` → records
+        in log order, ``stop()``, ``error``) that calls ``wake()`` when records came."""
+
+    @abc.abstractmethod
+    def replay(self, partition: int):
+        """The partition's records from its start offset to the log's current end, as
+        lists of records in log order."""
+
+    @abc.abstractmethod
+    def marker(self, record) -> int | None:
+        """The instant (ns since the Unix epoch) a heartbeat marker stands for, or None if
+        ``record`` is a data row (:func:`tandem.heartbeat.marker_ns`)."""
+
+    @abc.abstractmethod
+    def decode(self, partition: int, records: list) -> pa.RecordBatch:
+        """The batch of data rows ``records`` (never markers), in order."""
+
+    @abc.abstractmethod
+    def heartbeat_target(self) -> tuple[str, str, dict]:
+        """``(bootstrap, topic, client settings)`` the engine's generators mark."""
+
+
+_JSON_TYPES = (
+    pa.types.is_integer,
+    pa.types.is_floating,
+    pa.types.is_boolean,
+    pa.types.is_string,
+    pa.types.is_large_string,
+    pa.types.is_timestamp,
+)
+
+
+class Kafka(LogSource):
+    """The records of a Kafka topic: one source partition per Kafka partition, each read
+    ``read_committed`` by every replica from the same offset.
+
+    * ``bootstrap``: the brokers (default: the local one of ``scripts/services.sh``).
+    * ``start``: ``"earliest"`` (default), ``"latest"``, a ``{partition: offset}`` dict
+      naming every partition, or a timestamp — an aware ``datetime`` or milliseconds since
+      the Unix epoch (each partition from its first record at or after it). Resolved to
+      offsets once, when the job is planned, so that every replica starts at the same one.
+    * Rows: ``source_seq`` is the record's offset (offsets are not contiguous: markers
+      and transaction markers take some), ``event_time_ns`` the record's timestamp, or the
+      column ``event_time`` names (int64 nanoseconds, or a timestamp). The payload:
+      with ``schema=None`` the columns ``key`` and ``value`` (binary, nullable: the
+      record's bytes as they are); with ``schema`` (a ``pyarrow.Schema`` or a mapping of
+      column name → type) every value must be a JSON object, parsed into those columns
+      (a missing field is null; a field not declared is ignored; a value that does not
+      parse, or a missing non-nullable field, fails the job naming the offset).
+    * ``config``: more librdkafka settings for every client (security, say).
+    * ``generators``: heartbeat generators the engine runs for the topic (default 2, so
+      that none is a single point of failure; 0: run ``tandem heartbeats`` yourself, with
+      the job's ``heartbeat_ms``).
+
+    Records carrying the ``tandem-heartbeat`` header are heartbeat markers
+    (:mod:`tandem.heartbeat`): they cut batches and advance the heartbeat epoch, and never
+    reach an operator. The job's parallelism for the source is the topic's partition count.
+    """
+
+    def __init__(
+        self,
+        topic: str,
+        bootstrap: str | None = None,
+        start: Any = "earliest",
+        event_time: str | None = None,
+        schema: pa.Schema | Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | None = None,
+        generators: int = 2,
+    ) -> None:
+        what = f"sources.Kafka({topic!r})"
+        if not isinstance(topic, str) or not topic:
+            raise ConfigError(f"sources.Kafka: topic must be a non-empty string, got {topic!r}")
+        if bootstrap is not None and (not isinstance(bootstrap, str) or not bootstrap):
+            raise ConfigError(f"{what}: bootstrap must be 'host:port[,...]', got {bootstrap!r}")
+        from tandem.kafka import start_timestamp_ms
+
+        if not (
+            start in ("earliest", "latest")
+            or isinstance(start, Mapping)
+            or start_timestamp_ms(start) is not None
+        ):
+            raise ConfigError(
+                f"{what}: start must be 'earliest', 'latest', a {{partition: offset}} dict or "
+                f"a timestamp (aware datetime, or ms since the Unix epoch), got {start!r}"
+            )
+        if isinstance(generators, bool) or not isinstance(generators, int) or generators < 0:
+            raise ConfigError(f"{what}: generators must be an int >= 0, got {generators!r}")
+        if schema is not None and not isinstance(schema, pa.Schema):
+            if not isinstance(schema, Mapping):
+                raise ConfigError(
+                    f"{what}: schema must be a pyarrow.Schema or a mapping of column -> type, "
+                    f"got {type(schema).__name__}"
+                )
+            try:
+                schema = pa.schema(
+                    [
+                        (n, pa.type_for_alias(t) if isinstance(t, str) else t)
+                        for n, t in schema.items()
+                    ]
+                )
+            except (TypeError, ValueError, KeyError) as exc:
+                raise ConfigError(f"{what}: schema {dict(schema)!r} is not valid: {exc}") from exc
+        if schema is not None:
+            for f in schema:
+                if f.name in (SOURCE_SEQ, EVENT_TIME):
+                    raise ConfigError(
+                        f"{what}: schema column {f.name!r} clashes with the column the source "
+                        "adds itself; rename it"
+                    )
+                if not any(ok(f.type) for ok in _JSON_TYPES):
+                    raise ConfigError(
+                        f"{what}: schema column {f.name!r} has type {f.type}; JSON values "
+                        "parse into integers, floats, booleans, strings and timestamps"
+                    )
+        if event_time is not None:
+            if schema is None:
+                raise ConfigError(
+                    f"{what}: event_time={event_time!r} names a column, but without schema= "
+                    "the rows are raw key/value bytes; declare the JSON schema, or leave "
+                    "event_time out to use the record timestamps"
+                )
+            if event_time not in schema.names:
+                raise ConfigError(
+                    f"{what}: event_time={event_time!r} is not a column of the schema "
+                    f"{schema.names}"
+                )
+            typ = schema.field(event_time).type
+            if not (pa.types.is_int64(typ) or pa.types.is_timestamp(typ)):
+                raise ConfigError(
+                    f"{what}: event_time column {event_time!r} is {typ}; it must be int64 "
+                    "(ns since the Unix epoch) or a timestamp"
+                )
+        self.topic = topic
+        self.bootstrap = bootstrap
+        self.start = dict(start) if isinstance(start, Mapping) else start
+        self.event_time = event_time
+        self.payload = schema
+        self.config = dict(config or {})
+        self.generators = generators
+        self.offsets: tuple[int, ...] | None = None
+        """Where each partition is read from: set by :meth:`resolve`, at plan time."""
+        self._partitions: int | None = None
+
+    def describe(self) -> str:
+        return f"Kafka({self.topic!r})"
+
+    def _bootstrap(self) -> str:
+        from tandem.kafka import default_bootstrap
+
+        if self.bootstrap is None:
+            self.bootstrap = default_bootstrap()
+        return self.bootstrap
+
+    def schema(self) -> pa.Schema:
+        fields = [
+            pa.field(SOURCE_SEQ, pa.int64(), nullable=False),
+            pa.field(EVENT_TIME, pa.int64(), nullable=False),
+        ]
+        if self.payload is None:
+            fields += [pa.field("key", pa.binary()), pa.field("value", pa.binary())]
+        else:
+            fields += list(self.payload)
+        return pa.schema(fields)
+
+    def natural_parallelism(self) -> int:
+        if self._partitions is None:
+            from tandem.kafka import partition_count
+
+            self._partitions = partition_count(self._bootstrap(), self.topic, self.config)
+        return self._partitions
+
+    def resolve(self, parallelism: int) -> None:
+        from tandem.kafka import partition_count, resolve_offsets
+
+        n = partition_count(self._bootstrap(), self.topic, self.config)
+        if n != parallelism:
+            raise ConfigError(
+                f"{self.describe()}: the topic has {n} partitions now, but the job reads it "
+                f"with parallelism {parallelism}: one source partition per Kafka partition; "
+                "build the job again"
+            )
+        self.offsets = resolve_offsets(self._bootstrap(), self.topic, n, self.start, self.config)
+
+    def _offset(self, partition: int) -> int:
+        if self.offsets is None:
+            raise ConfigError(
+                f"{self.describe()}: no start offsets; a source is read through a plan "
+                "(job.plan() resolves them)"
+            )
+        return self.offsets[partition]
+
+    def heartbeat_target(self) -> tuple[str, str, dict]:
+        return self._bootstrap(), self.topic, {str(k): str(v) for k, v in self.config.items()}
+
+    def reader(self, partition: int, wake, name: str = ""):
+        from tandem.kafka import LogReader
+
+        return LogReader(
+            self._bootstrap(),
+            self.topic,
+            partition,
+            self._offset(partition),
+            self.config,
+            wake,
+            name=name,
+        )
+
+    def replay(self, partition: int):
+        from tandem.kafka import read_log
+
+        return read_log(
+            self._bootstrap(), self.topic, partition, self._offset(partition), self.config
+        )
+
+    def marker(self, record) -> int | None:
+        from tandem.heartbeat import marker_ns
+
+        return marker_ns(record.headers())
+
+    def decode(self, partition: int, records: list) -> pa.RecordBatch:
+        seq = pa.array([m.offset() for m in records], pa.int64())
+        values = [m.value() for m in records]
+        if self.payload is None:
+            cols = [
+                pa.array([m.key() for m in records], pa.binary()),
+                pa.array(values, pa.binary()),
+            ]
+        else:
+            cols = self._parse(partition, records, values)
+        if self.event_time is None:
+            ms = np.fromiter((m.timestamp()[1] for m in records), np.int64, len(records))
+            et = pa.array(np.maximum(ms, 0) * 1_000_000, pa.int64())
+        else:
+            et = self._event_time(
+                partition, records, cols[self.payload.names.index(self.event_time)]
+            )
+        return pa.RecordBatch.from_arrays([seq, et, *cols], schema=self.schema())
+
+    def _parse(self, partition: int, records: list, values: list) -> list[pa.Array]:
+        import io
+
+        import pyarrow.json as pajson
+
+        def parse(data: bytes) -> pa.Table:
+            return pajson.read_json(
+                io.BytesIO(data),
+                read_options=pajson.ReadOptions(use_threads=False, block_size=len(data) + 1),
+                parse_options=pajson.ParseOptions(
+                    explicit_schema=self.payload,
+                    unexpected_field_behavior="ignore",
+                    newlines_in_values=True,
+                ),
+            )
+
+        bad = None
+        if all(values):
+            try:
+                table = parse(b"\n".join(values))
+            except pa.ArrowInvalid:
+                table = None
+            if table is not None and table.num_rows == len(values):
+                return [
+                    c.combine_chunks().cast(f.type)
+                    for c, f in zip(table.columns, self.payload, strict=True)
+                ]
+        for m, v in zip(records, values, strict=True):  # find the culprit
+            try:
+                if not v:
+                    raise ValueError("the value is empty or null")
+                if parse(v).num_rows != 1:
+                    raise ValueError("the value holds more than one JSON object")
+            except (pa.ArrowInvalid, ValueError) as exc:
+                bad = (m, v, exc)
+                break
+        m, v, exc = bad if bad is not None else (records[0], values[0], "unknown")
+        shown = v if v is None or len(v) <= 200 else v[:200] + b"..."
+        raise ValueError(
+            f"{self.describe()} partition {partition} offset {m.offset()}: the value is not a "
+            f"JSON object of the declared schema ({exc}): {shown!r}"
+        )
+
+    def _event_time(self, partition: int, records: list, col: pa.Array) -> pa.Array:
+        if pa.types.is_timestamp(col.type):
+            col = col.cast(pa.timestamp("ns", tz=col.type.tz)).cast(pa.int64())
+        if col.null_count:
+            import pyarrow.compute as pc
+
+            i = pc.index(pc.is_null(col), True).as_py()
+            raise ValueError(
+                f"{self.describe()} partition {partition} offset {records[i].offset()}: the "
+                f"event_time column {self.event_time!r} is null"
+            )
+        return col
+
+
 class Synthetic(Source):
     """A generated stream: row ``i`` is released at ``t0 + i / rate``.
 
@@ -340,4 +669,4 @@ class Csv(_FileSource):
         return pacsv.read_csv(self.path)
 
 
-__all__ = ["Csv", "Parquet", "Source", "Synthetic", "splitmix64"]
+__all__ = ["Csv", "Kafka", "LogSource", "Parquet", "Source", "Synthetic", "splitmix64"]

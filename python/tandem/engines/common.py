@@ -74,7 +74,9 @@ def assemble_result(
         for (t, p, r), cause in lost_replicas
     ]
     res.events_in = sum(
-        plan.source_rows(t.id, p, duration) for t in plan.sources() for p in range(t.parallelism)
+        _source_rows(plan, t.id, p, duration, reports)
+        for t in plan.sources()
+        for p in range(t.parallelism)
     )
     for task in plan.sinks():
         parts = [reports[(task.id, p, 0)].sink_part for p in range(task.parallelism)]
@@ -90,6 +92,19 @@ def assemble_result(
     else:  # not measured: say so rather than report a reassuring zero
         res.lost = res.duplicates = None
     return res
+
+
+def _source_rows(plan: Plan, task: int, partition: int, duration: float, reports: Mapping) -> int:
+    """Rows a source partition emitted: from its schedule, or, for a log source, as its
+    replicas that finished report (they all read the same rows)."""
+    if not plan.is_log_source(task):
+        return plan.source_rows(task, partition, duration)
+    counts = [
+        reports[(task, partition, r)].rows_in
+        for r in range(plan.tasks[task].replication)
+        if (task, partition, r) in reports
+    ]
+    return max(counts, default=0)
 
 
 def _latency(res: Result, reports: Iterable[ReplicaReport], warmup: float) -> None:

@@ -42,7 +42,8 @@ from tandem import logs
 from tandem.api import Result
 from tandem.engines.common import assemble_result, check_options, multiset_diff
 from tandem.exceptions import ConfigError, TandemError, TaskFailed
-from tandem.faults import Chaos, Kill, KillWorker, Pause, ReplicaFault
+from tandem.faults import Chaos, Kill, KillHeartbeats, KillWorker, Pause, ReplicaFault
+from tandem.heartbeat import Generators
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
@@ -393,10 +394,20 @@ class LocalEngine:
         if progress is None:
             progress = sys.stderr.isatty()
         cost = _CostMeter(warmup)
-        check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause, Chaos))
+        check_options(
+            self.name,
+            duration,
+            warmup,
+            faults,
+            kinds=(Kill, KillWorker, Pause, Chaos, KillHeartbeats),
+        )
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
-        run = _Run(plan, duration, list(faults), progress, host, zoo, warmup)
+        # Kafka sources: the heartbeat generators run from before the workers start until
+        # every worker has stopped (their markers before t0 are ignored).
+        generators = Generators(plan, env=_worker_env())
+        run = _Run(plan, duration, list(faults), progress, host, zoo, warmup, generators)
         try:
+            generators.start()
             try:
                 with _above_the_bar(progress):
                     run.start()
@@ -409,6 +420,7 @@ class LocalEngine:
             cost.apply(result, len(run._all_procs()), sinks)
             return result
         finally:
+            generators.stop()
             if zoo is not None:
                 kazoo.cleanup(zoo)
 
@@ -435,8 +447,10 @@ class _Run:
         host,
         zoo,
         warmup: float = 0.0,
+        generators: Generators | None = None,
     ) -> None:
         self.plan, self.duration, self.progress, self.host = plan, duration, progress, host
+        self.generators = generators
         self._bar = None  # the tqdm progress bar, while drawn
         self.warmup = warmup
         self.zoo: KazooRun | None = zoo
@@ -895,7 +909,10 @@ class _Run:
         self._chaos_at = now_s + self._chaos_rng.uniform(*chaos.every_s)
 
     def _inject(
-        self, fault: ReplicaFault | KillWorker | _Resume | Chaos, now_s: float, pending: list
+        self,
+        fault: ReplicaFault | KillWorker | KillHeartbeats | _Resume | Chaos,
+        now_s: float,
+        pending: list,
     ) -> None:
         """Inject ``fault`` on the worker hosting its replica (or the worker it names); a
         Pause also schedules its resume in ``pending``; Chaos starts its schedule."""
@@ -909,6 +926,11 @@ class _Run:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(fault.pid, signal.SIGCONT)
             log.info("fault: SIGCONT %s at %.2f s", self._worker_name(fault.worker), now_s)
+            return
+        if isinstance(fault, KillHeartbeats):
+            pid = self.generators.kill(fault.generator) if self.generators else None
+            self.injected.append({**fault.to_dict(), "pid": pid, "injected_at": round(now_s, 3)})
+            log.info("fault: SIGKILL heartbeat generator %d at %.2f s", fault.generator, now_s)
             return
         if isinstance(fault, KillWorker):
             w, replica = fault.worker, None

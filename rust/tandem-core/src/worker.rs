@@ -27,8 +27,13 @@
 //! logical schedule; the worker sends their heartbeats at `t0 + k·heartbeat_ns` (wall
 //! clock, nanoseconds since the Unix epoch), but only through the epoch the caller
 //! allowed — the last heartbeat before the next batch of rows still to be emitted — so a
-//! heartbeat never overtakes a row that precedes it in the schedule.
+//! heartbeat never overtakes a row that precedes it in the schedule. A source whose
+//! heartbeats come from its input (markers in a log) is allowed exactly the heartbeats
+//! the caller sends itself with [`Worker::heartbeats_through`], so its clock never sends
+//! one; the caller, which reads that input on another thread, brings a waiting `next`
+//! back early through a [`Waker`].
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -202,6 +207,23 @@ pub struct WorkerStats {
     pub credit_waits: u64,
 }
 
+/// Brings a [`Worker::next`] waiting on another thread back early, without taking the
+/// worker's lock: for input that does not come through an inbox (a source reading a log
+/// on a thread of its own).
+#[derive(Clone)]
+pub struct Waker {
+    bell: Arc<Doorbell>,
+    woken: Arc<AtomicBool>,
+}
+
+impl Waker {
+    /// Make the current or next [`Worker::next`] return `Ok(None)` once no slot has work.
+    pub fn wake(&self) {
+        self.woken.store(true, Ordering::SeqCst);
+        self.bell.ring();
+    }
+}
+
 /// See the module documentation.
 pub struct Worker {
     bell: Arc<Doorbell>,
@@ -209,6 +231,10 @@ pub struct Worker {
     /// The slot served first on the next call (round robin).
     cursor: usize,
     stats: WorkerStats,
+    /// Set by a [`Waker`]; taken by `next`.
+    woken: Arc<AtomicBool>,
+    /// Whether the last `next` that returned `Ok(None)` did so because it was woken.
+    was_woken: bool,
 }
 
 impl Default for Worker {
@@ -231,7 +257,23 @@ impl Worker {
             slots: Vec::new(),
             cursor: 0,
             stats: WorkerStats::default(),
+            woken: Arc::new(AtomicBool::new(false)),
+            was_woken: false,
         }
+    }
+
+    /// A handle that brings a waiting [`Worker::next`] back early, from any thread.
+    pub fn waker(&self) -> Waker {
+        Waker {
+            bell: Arc::clone(&self.bell),
+            woken: Arc::clone(&self.woken),
+        }
+    }
+
+    /// Whether the last [`Worker::next`] that returned `Ok(None)` was woken by a
+    /// [`Waker`] (rather than reaching its deadline).
+    pub fn was_woken(&self) -> bool {
+        self.was_woken
     }
 
     /// The doorbell every inbox of this worker must ring
@@ -373,8 +415,11 @@ impl Worker {
     }
 
     /// The next work item, waiting until `deadline` (None: without limit) while there is
-    /// none; meanwhile heartbeats are tracked and forwarded. `Ok(None)` at the deadline.
+    /// none; meanwhile heartbeats are tracked and forwarded. `Ok(None)` at the deadline, or
+    /// before it when a [`Waker`] woke the worker and no slot has work
+    /// ([`Worker::was_woken`] tells which).
     pub fn next(&mut self, deadline: Option<Instant>) -> Result<Option<Work>> {
+        self.was_woken = false;
         loop {
             let seen = self.bell.generation();
             let mut wake: Option<Instant> = None;
@@ -391,6 +436,11 @@ impl Worker {
                 }
             }
             self.push();
+            // A wake after this check rings the bell, so the wait below returns at once.
+            if self.woken.swap(false, Ordering::SeqCst) {
+                self.was_woken = true;
+                return Ok(None);
+            }
             let now = Instant::now();
             let until = match (deadline, wake) {
                 (Some(d), Some(w)) => d.min(w),
@@ -542,5 +592,50 @@ impl Worker {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_waker_brings_a_waiting_next_back_early_and_only_once() {
+        let mut worker = Worker::new();
+        let waker = worker.waker();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            waker.wake();
+        });
+        let began = Instant::now();
+        let got = worker.next(Some(began + Duration::from_secs(10))).unwrap();
+        assert!(got.is_none());
+        assert!(worker.was_woken());
+        assert!(
+            began.elapsed() < Duration::from_secs(5),
+            "the wake was missed"
+        );
+        t.join().unwrap();
+        // The wake is taken: the next call waits for its deadline.
+        let began = Instant::now();
+        assert!(worker
+            .next(Some(began + Duration::from_millis(30)))
+            .unwrap()
+            .is_none());
+        assert!(!worker.was_woken());
+        assert!(began.elapsed() >= Duration::from_millis(30));
+    }
+
+    #[test]
+    fn a_wake_before_next_is_not_lost() {
+        let mut worker = Worker::new();
+        worker.waker().wake();
+        let began = Instant::now();
+        assert!(worker
+            .next(Some(began + Duration::from_secs(10)))
+            .unwrap()
+            .is_none());
+        assert!(worker.was_woken());
+        assert!(began.elapsed() < Duration::from_secs(5));
     }
 }

@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tandem_core::sync::Doorbell;
-use tandem_core::worker::{SlotConfig, SourceClock, Work, Worker as CoreWorker};
+use tandem_core::worker::{SlotConfig, SourceClock, Waker, Work, Worker as CoreWorker};
 
 use crate::batch::SchemaCache;
 use crate::errors::{ConfigError, IntoPyResult};
@@ -136,6 +136,7 @@ fn item(py: Python<'_>, cache: &SchemaCache, work: Work) -> PyResult<WorkItem> {
 pub struct Worker {
     inner: Mutex<CoreWorker>,
     bell: Arc<Doorbell>,
+    waker: Waker,
     schemas: SchemaCache,
 }
 
@@ -166,6 +167,7 @@ impl Worker {
         let inner = CoreWorker::new();
         Worker {
             bell: inner.bell(),
+            waker: inner.waker(),
             inner: Mutex::new(inner),
             schemas: SchemaCache::default(),
         }
@@ -247,8 +249,15 @@ impl Worker {
         self.with(py, move |w| w.retire(slot))
     }
 
+    /// Bring a waiting `next()` back early (it returns None once no slot has work), from
+    /// any thread: a source that reads its input on a thread of its own calls it when rows
+    /// came. Takes no lock and never blocks.
+    fn wake(&self) {
+        self.waker.wake();
+    }
+
     /// The next work item, waiting at most `timeout` seconds (None: until there is one);
-    /// None on timeout. The GIL is released while waiting; Ctrl-C interrupts.
+    /// None on timeout or after `wake()`. The GIL is released while waiting; Ctrl-C interrupts.
     #[pyo3(signature = (timeout = None))]
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<WorkItem>> {
         let deadline = match timeout {
@@ -265,8 +274,10 @@ impl Worker {
         let got = gil::wait(py, |budget| {
             let now = Instant::now();
             let step = deadline.map_or(now + budget, |d| d.min(now + budget));
-            match self.inner.lock().next(Some(step)) {
+            let mut worker = self.inner.lock();
+            match worker.next(Some(step)) {
                 Ok(Some(w)) => Some(Ok(Some(w))),
+                Ok(None) if worker.was_woken() => Some(Ok(None)),
                 Ok(None) if deadline.is_some_and(|d| Instant::now() >= d) => Some(Ok(None)),
                 Ok(None) => None,
                 Err(e) => Some(Err(e)),

@@ -1,0 +1,524 @@
+"""Kafka clients for the Kafka source and sink (confluent-kafka), kept out of the hot path.
+
+* :func:`partition_count` and :func:`resolve_offsets` run on the coordinator, when a job
+  is planned: a source's partition count and the offset every replica of each source
+  partition starts from (``earliest``/``latest``/a timestamp are resolved to numbers
+  once, so that replicas starting at different moments agree).
+* :class:`LogReader` reads one partition on a thread of its own, from a fixed offset,
+  ``read_committed``, and hands the records over in log order; it wakes the worker
+  (``tandem._core.Worker.wake``) when records came. :func:`read_log` reads a partition
+  in the calling thread up to its current end (the reference executor's replay).
+* :class:`TransactionalWriter` writes a sink partition's rows with a transactional
+  producer: one transaction in flight, on a thread of its own, so the worker never waits
+  for a commit.
+
+Every client logs through ``logging`` (``tandem.kafka.librdkafka``), not on stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
+from typing import Any
+
+from tandem.exceptions import ConfigError, ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 10.0
+"""How long a metadata or offset request may take before the service counts as down."""
+
+POLL_S = 0.05
+"""How long a reader blocks in ``consume`` before it checks whether it must stop."""
+
+
+def _require() -> None:
+    try:
+        import confluent_kafka  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigError(
+            "the Kafka source and sink need confluent-kafka: pip install 'tandem-stream[kazoo]'"
+        ) from exc
+
+
+def default_bootstrap() -> str:
+    """The broker `scripts/services.sh` runs (``TANDEM_KAFKA_PORT`` on 127.0.0.1)."""
+    from tandem.services import Services
+
+    return Services(zookeeper=False).kafka_bootstrap
+
+
+def client_config(bootstrap: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """librdkafka settings for ``bootstrap``, ``extra`` on top, logging through
+    ``logging``."""
+    conf: dict[str, Any] = {
+        "bootstrap.servers": bootstrap,
+        "logger": logging.getLogger("tandem.kafka.librdkafka"),
+    }
+    conf.update(extra or {})
+    return conf
+
+
+def _consumer(bootstrap: str, extra: Mapping[str, Any] | None, **settings: Any):
+    from confluent_kafka import Consumer
+
+    conf = client_config(bootstrap, extra)
+    conf.setdefault("group.id", f"tandem-{threading.get_ident():x}-{time.time_ns():x}")
+    conf.update(
+        {
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "isolation.level": "read_committed",
+            # A start offset that is gone (retention) must fail, never jump elsewhere:
+            # replicas would then read different records.
+            "auto.offset.reset": "error",
+        }
+    )
+    conf.update(settings)
+    return Consumer(conf)
+
+
+def _unavailable(bootstrap: str, what: str, exc: BaseException) -> ServiceUnavailable:
+    detail = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+    return ServiceUnavailable(
+        f"Kafka at {bootstrap}: {what} failed ({detail}); is the broker running? "
+        "`scripts/services.sh start kafka` starts the local one"
+    )
+
+
+def partition_count(
+    bootstrap: str, topic: str, extra: Mapping[str, Any] | None = None, timeout: float = TIMEOUT_S
+) -> int:
+    """How many partitions ``topic`` has; ConfigError if it does not exist,
+    ServiceUnavailable if the broker does not answer."""
+    _require()
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(client_config(bootstrap, extra))
+    try:
+        meta = admin.list_topics(topic=topic, timeout=timeout)
+    except KafkaException as exc:
+        raise _unavailable(bootstrap, f"reading the metadata of topic {topic!r}", exc) from exc
+    info = meta.topics.get(topic)
+    if info is None or info.error is not None or not info.partitions:
+        why = f" ({info.error.str()})" if info is not None and info.error is not None else ""
+        raise ConfigError(
+            f"Kafka topic {topic!r} does not exist at {bootstrap}{why}; create it first "
+            "(the broker of scripts/services.sh does not create topics on first use)"
+        )
+    return len(info.partitions)
+
+
+def start_timestamp_ms(start: Any) -> int | None:
+    """The timestamp (ms since the Unix epoch) a ``start=`` names, or None if it names
+    none: an int is milliseconds, a ``datetime`` must carry a time zone."""
+    if isinstance(start, datetime):
+        if start.tzinfo is None:
+            raise ConfigError(
+                f"sources.Kafka: start={start!r} has no time zone; give an aware datetime "
+                "(e.g. datetime.now(timezone.utc)) or milliseconds since the Unix epoch"
+            )
+        return int(start.timestamp() * 1000)
+    if isinstance(start, int) and not isinstance(start, bool):
+        if start < 0:
+            raise ConfigError(f"sources.Kafka: start={start} ms is before the Unix epoch")
+        return start
+    return None
+
+
+def resolve_offsets(
+    bootstrap: str,
+    topic: str,
+    partitions: int,
+    start: Any,
+    extra: Mapping[str, Any] | None = None,
+    timeout: float = TIMEOUT_S,
+) -> tuple[int, ...]:
+    """The offset each partition of ``topic`` is read from, resolved now: ``"earliest"``
+    (the first offset still in the log), ``"latest"`` (the next offset to be written), a
+    ``{partition: offset}`` dict naming every partition, or a timestamp (the first record
+    at or after it; the next offset to be written where there is none)."""
+    _require()
+    from confluent_kafka import KafkaException, TopicPartition
+
+    consumer = _consumer(bootstrap, extra)
+    try:
+        bounds = []
+        for p in range(partitions):
+            try:
+                bounds.append(
+                    consumer.get_watermark_offsets(
+                        TopicPartition(topic, p), timeout=timeout, cached=False
+                    )
+                )
+            except KafkaException as exc:
+                raise _unavailable(bootstrap, f"reading the offsets of {topic}[{p}]", exc) from exc
+        if start == "earliest":
+            return tuple(low for low, _ in bounds)
+        if start == "latest":
+            return tuple(high for _, high in bounds)
+        if isinstance(start, Mapping):
+            missing = [p for p in range(partitions) if p not in start]
+            extra_parts = [p for p in start if not (isinstance(p, int) and 0 <= p < partitions)]
+            if missing or extra_parts:
+                raise ConfigError(
+                    f"sources.Kafka({topic!r}): start offsets must name every partition "
+                    f"0..{partitions - 1} exactly (missing {missing}, unknown {extra_parts})"
+                )
+            out = []
+            for p in range(partitions):
+                off, (low, high) = start[p], bounds[p]
+                if isinstance(off, bool) or not isinstance(off, int) or not low <= off <= high:
+                    raise ConfigError(
+                        f"sources.Kafka({topic!r}): start offset {off!r} of partition {p} is "
+                        f"outside the log's offsets [{low}, {high}]"
+                    )
+                out.append(off)
+            return tuple(out)
+        ts = start_timestamp_ms(start)
+        if ts is None:
+            raise ConfigError(
+                f"sources.Kafka({topic!r}): start must be 'earliest', 'latest', a "
+                f"{{partition: offset}} dict or a timestamp, got {start!r}"
+            )
+        try:
+            found = consumer.offsets_for_times(
+                [TopicPartition(topic, p, ts) for p in range(partitions)], timeout=timeout
+            )
+        except KafkaException as exc:
+            raise _unavailable(bootstrap, f"looking up offsets of {topic!r} by time", exc) from exc
+        return tuple(
+            tp.offset if tp.offset >= 0 else bounds[tp.partition][1]
+            for tp in sorted(found, key=lambda tp: tp.partition)
+        )
+    finally:
+        consumer.close()
+
+
+def _check(msg) -> bool:
+    """True for a record; False for an end-of-partition event; raises on an error the
+    client cannot retry by itself."""
+    err = msg.error()
+    if err is None:
+        return True
+    from confluent_kafka import KafkaError, KafkaException
+
+    if err.code() == KafkaError._PARTITION_EOF:
+        return False
+    if err.fatal() or not err.retriable():
+        raise KafkaException(err)
+    log.warning("Kafka: %s (retrying)", err.str())
+    return False
+
+
+class LogReader:
+    """Reads one partition from ``offset`` on a thread of its own and queues its records
+    (lists of ``confluent_kafka.Message``, in log order) for :meth:`take`; calls ``wake``
+    when it queued some. It pauses while more than ``limit`` records wait. An error it
+    cannot retry is kept in ``error`` (and ``wake`` called)."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        partition: int,
+        offset: int,
+        extra: Mapping[str, Any] | None,
+        wake: Callable[[], None],
+        name: str = "",
+        limit: int = 65_536,
+    ) -> None:
+        self.bootstrap, self.topic, self.partition, self.offset = (
+            bootstrap,
+            topic,
+            partition,
+            offset,
+        )
+        self.extra = extra
+        self.wake = wake
+        self.limit = limit
+        self.error: BaseException | None = None
+        self._queue: deque[list] = deque()
+        self._queued = 0
+        self._lock = threading.Lock()
+        self._room = threading.Event()
+        self._room.set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"tandem-kafka-{name or topic}-{partition}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def take(self) -> list:
+        """Every record queued so far, in log order."""
+        with self._lock:
+            if not self._queue:
+                return []
+            chunks, self._queue = list(self._queue), deque()
+            self._queued = 0
+            self._room.set()
+        return chunks[0] if len(chunks) == 1 else [m for c in chunks for m in c]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._room.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        from confluent_kafka import TopicPartition
+
+        try:
+            consumer = _consumer(self.bootstrap, self.extra, **{"fetch.wait.max.ms": 10})
+            consumer.assign([TopicPartition(self.topic, self.partition, self.offset)])
+        except Exception as exc:
+            self.error = exc
+            self.wake()
+            return
+        try:
+            while not self._stop.is_set():
+                if not self._room.wait(POLL_S):
+                    continue
+                # consume() waits for its whole count or its timeout: wait for the first
+                # record alone, then take what else has come without waiting.
+                first = consumer.poll(POLL_S)
+                if first is None:
+                    continue
+                msgs = [first, *consumer.consume(num_messages=1023, timeout=0)]
+                records = [m for m in msgs if _check(m)]
+                if not records:
+                    continue
+                with self._lock:
+                    self._queue.append(records)
+                    self._queued += len(records)
+                    if self._queued >= self.limit:
+                        self._room.clear()
+                self.wake()
+        except Exception as exc:
+            self.error = exc
+            self.wake()
+        finally:
+            with contextlib.suppress(Exception):
+                consumer.close()
+
+
+def read_log(
+    bootstrap: str,
+    topic: str,
+    partition: int,
+    offset: int,
+    extra: Mapping[str, Any] | None = None,
+    timeout: float = 30.0,
+) -> Iterator[list]:
+    """The records of one partition from ``offset`` to the current end of the log (the
+    last stable offset: ``read_committed``), as lists of messages in log order. Stop
+    iterating to stop reading."""
+    _require()
+    from confluent_kafka import TopicPartition
+
+    consumer = _consumer(bootstrap, extra, **{"enable.partition.eof": True})
+    try:
+        _, high = consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=TIMEOUT_S, cached=False
+        )
+        if offset >= high:
+            return
+        consumer.assign([TopicPartition(topic, partition, offset)])
+        deadline = time.monotonic() + timeout
+        while True:
+            msgs = consumer.consume(num_messages=4096, timeout=POLL_S)
+            records = []
+            at_end = False
+            for m in msgs:
+                if _check(m):
+                    records.append(m)
+                elif m.error() is not None:
+                    at_end = True
+            if records:
+                deadline = time.monotonic() + timeout
+                yield records
+            if at_end:
+                return
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(
+                    f"Kafka at {bootstrap}: reading {topic}[{partition}] from offset {offset} "
+                    f"made no progress for {timeout:.0f} s"
+                )
+    finally:
+        consumer.close()
+
+
+class TransactionalWriter:
+    """Writes records with a transactional producer, one transaction in flight, from a
+    thread of its own: :meth:`put` queues records (``(value, key, partition)`` tuples, in
+    order) and returns at once; the thread takes everything queued, produces it in one
+    transaction and commits, then takes what came meanwhile. A transaction thus holds what
+    arrived during the previous commit: it grows with the load, and an idle stream waits
+    for no timer.
+
+    ``transactional_id`` is fixed per sink partition: a new writer with the same id fences
+    this one (its next produce or commit fails; a transaction it left open is aborted by
+    the broker before the new writer's first), so only one writer of a sink partition can
+    ever commit. :meth:`close` commits what is queued and returns the offsets it committed,
+    per partition, as ``(first, last)`` ranges."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        transactional_id: str,
+        extra: Mapping[str, Any] | None = None,
+        limit: int = 262_144,
+        timeout: float = 30.0,
+    ) -> None:
+        _require()
+        from confluent_kafka import Producer
+
+        self.topic = topic
+        self.transactional_id = transactional_id
+        self.timeout = timeout
+        self.limit = limit
+        conf = client_config(bootstrap, extra)
+        conf.update(
+            {
+                "transactional.id": transactional_id,
+                "enable.idempotence": True,
+                "acks": "all",
+                "linger.ms": 0,
+                "partitioner": "murmur2_random",  # the Java clients' choice, by key
+            }
+        )
+        self.producer = Producer(conf)
+        try:
+            self.producer.init_transactions(timeout)
+        except Exception as exc:
+            raise _unavailable(
+                bootstrap, f"starting transactions as {transactional_id!r}", exc
+            ) from exc
+        self.error: BaseException | None = None
+        self.committed_rows = 0
+        self.transactions = 0
+        self.ranges: dict[int, tuple[int, int]] = {}
+        self._pending: list = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"tandem-kafka-tx-{transactional_id}", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, records: list) -> None:
+        """Queue ``records`` for the next transaction; waits while ``limit`` records are
+        queued (back-pressure); raises what failed the writer."""
+        with self._cond:
+            while len(self._pending) >= self.limit and self.error is None:
+                self._cond.wait(0.1)
+            if self.error is not None:
+                raise self.error
+            self._pending.extend(records)
+            self._cond.notify_all()
+
+    def close(self) -> dict[int, tuple[int, int]]:
+        """Commit everything queued, stop, and return the committed offset ranges."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        self.producer.flush(self.timeout)
+        return dict(self.ranges)
+
+    def abort(self) -> None:
+        """Stop without committing what is queued (a transaction in flight still ends)."""
+        with self._cond:
+            self._pending = []
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(self.timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                batch, self._pending = self._pending, []
+                self._cond.notify_all()
+                if not batch and self._closing:
+                    return
+            try:
+                self._commit(batch)
+            except BaseException as exc:
+                with self._cond:
+                    self.error = exc
+                    self._cond.notify_all()
+                return
+
+    def _commit(self, batch: list) -> None:
+        from confluent_kafka import KafkaException
+
+        offsets: dict[int, list[int]] = {}
+        failed: list = []
+
+        def delivered(err, msg) -> None:
+            if err is not None:
+                failed.append(err)
+                return
+            seen = offsets.setdefault(msg.partition(), [msg.offset(), msg.offset()])
+            seen[0] = min(seen[0], msg.offset())
+            seen[1] = max(seen[1], msg.offset())
+
+        p = self.producer
+        for attempt in range(3):
+            offsets.clear()
+            failed.clear()
+            try:
+                p.begin_transaction()
+                for value, key, partition in batch:
+                    while True:
+                        try:
+                            p.produce(
+                                self.topic,
+                                value=value,
+                                key=key,
+                                partition=-1 if partition is None else partition,
+                                on_delivery=delivered,
+                            )
+                            break
+                        except BufferError:  # the client's queue is full: let it drain
+                            p.poll(0.01)
+                p.commit_transaction(self.timeout)
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if err is not None and err.txn_requires_abort() and attempt < 2:
+                    log.warning("Kafka sink %s: %s; retrying", self.transactional_id, err.str())
+                    p.abort_transaction(self.timeout)
+                    continue
+                raise
+            if failed:  # cannot happen after a successful commit; be loud if it does
+                raise RuntimeError(f"records failed after a commit: {failed[0]}")
+            break
+        for part, (lo, hi) in offsets.items():
+            old = self.ranges.get(part)
+            self.ranges[part] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+        self.committed_rows += len(batch)
+        self.transactions += 1
+
+
+__all__ = [
+    "LogReader",
+    "TransactionalWriter",
+    "client_config",
+    "default_bootstrap",
+    "partition_count",
+    "read_log",
+    "resolve_offsets",
+]

@@ -1,0 +1,421 @@
+"""Kafka in and out: the Kafka source, heartbeats in the log, the exactly-once Kafka sink.
+
+Everything runs against the real broker `scripts/services.sh` starts (the `kafka`
+fixture); what a job wrote is read back by a plain confluent-kafka ``read_committed``
+consumer here, independently of the engine's own check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tandem as td
+from tandem import heartbeat, testing
+from tandem.engines import local
+from tandem.heartbeat import HEADER, LogSchedule, marker_header, marker_ns
+from tandem.kafka import TransactionalWriter
+
+pytestmark = pytest.mark.timeout(180)
+
+SCHEMA = {"key": "int64", "amount": "int64"}
+
+
+def new_topic(bootstrap: str, partitions: int, prefix: str = "t") -> str:
+    name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for fut in admin.create_topics([NewTopic(name, partitions, 1)]).values():
+        fut.result(30)
+    return name
+
+
+def produce(bootstrap: str, topic: str, rows: list[dict], partitions: int) -> None:
+    """Row ``i`` goes to partition ``i % partitions`` as a JSON object."""
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    for i, row in enumerate(rows):
+        p.produce(topic, json.dumps(row).encode(), partition=i % partitions)
+    assert p.flush(30) == 0
+
+
+def read_committed(bootstrap: str, topic: str, partitions: int) -> list:
+    """Every record of ``topic`` a ``read_committed`` consumer sees, partition by
+    partition (a plain consumer: what an outside reader gets)."""
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"check-{uuid.uuid4().hex}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+        }
+    )
+    out = []
+    try:
+        for p in range(partitions):
+            c.assign([TopicPartition(topic, p, 0)])
+            while True:
+                m = c.poll(10)
+                assert m is not None, f"no end of partition {p} within 10 s"
+                if m.error() is not None:
+                    break  # end of the partition (read_committed: the last stable offset)
+                out.append(m)
+    finally:
+        c.close()
+    return out
+
+
+# -- the schedule: a pure function of the log ----------------------------------------------
+
+H = 1_000  # heartbeat period (ns) in the schedule's own unit tests
+
+
+def _records(draw_ops) -> list[tuple[int, int | None]]:
+    """(offset, marker instant or None) records from a list of ops."""
+    return [(i, op) for i, op in enumerate(draw_ops)]
+
+
+ops = st.lists(
+    st.one_of(
+        st.none(),  # a data row
+        st.integers(min_value=0, max_value=40).map(lambda k: k * H + 3),  # a marker
+        st.just(-1),  # a malformed marker
+    ),
+    max_size=300,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    log=ops,
+    cuts=st.lists(st.integers(min_value=1, max_value=50), max_size=20),
+    batch_rows=st.integers(min_value=1, max_value=17),
+    t0=st.integers(min_value=0, max_value=10 * H),
+    last=st.one_of(st.none(), st.integers(min_value=1, max_value=30)),
+)
+def test_the_schedule_is_a_function_of_the_log_not_of_how_it_arrives(
+    log, cuts, batch_rows, t0, last
+):
+    records = _records(log)
+
+    def run(chunks):
+        sched = LogSchedule(H, t0, last, batch_rows, marker=lambda r: r[1])
+        steps = []
+        for chunk in chunks:
+            steps += sched.feed(chunk)
+        return [(s.kind, [r[0] for r in s.records], s.epoch) for s in steps]
+
+    whole = run([records])
+    pieces, at = [], 0
+    for n in cuts:
+        pieces.append(records[at : at + n])
+        at += n
+    pieces.append(records[at:])
+    assert run(pieces) == whole == run([[r] for r in records])
+
+    # Batches hold data rows only, never span a taken marker, and are cut at every
+    # batch_rows-th data row; heartbeats are the markers taken, strictly increasing.
+    taken, rows_seen, epochs = t0 // H, 0, []
+    expect_batches: list[list[int]] = []
+    current: list[int] = []
+    ended = False
+    for off, m in records:
+        if m is None:
+            current.append(off)
+            rows_seen += 1
+            if rows_seen % batch_rows == 0:
+                expect_batches.append(current)
+                current = []
+        elif m >= 0 and m // H > taken:
+            taken = m // H
+            if current:
+                expect_batches.append(current)
+                current = []
+            epochs.append(taken - t0 // H)
+            if last is not None and epochs[-1] >= last:
+                ended = True
+                break
+    assert [b for kind, b, _ in whole if kind == "rows"] == expect_batches
+    assert [e for kind, _, e in whole if kind == "heartbeat"] == epochs
+    assert all(a < b for a, b in itertools.pairwise(epochs))
+    assert ([k for k, _, _ in whole].count("end") == 1) == ended
+    if ended:
+        assert whole[-1][0] == "end"
+
+
+def test_marker_headers():
+    assert marker_ns([(HEADER, marker_header(17, 10_000_000))]) == 170_000_000
+    assert marker_ns(None) is None
+    assert marker_ns([("other", b"x")]) is None
+    assert marker_ns([(HEADER, b"junk")]) == -1
+
+
+# -- the generator -------------------------------------------------------------------------
+
+
+def test_heartbeats_command_marks_every_partition_with_wall_clock_epochs(kafka):
+    topic = new_topic(kafka.kafka_bootstrap, 3, "hb")
+    began = time.time_ns()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "heartbeats",
+            "--bootstrap",
+            kafka.kafka_bootstrap,
+            "--topic",
+            topic,
+            "--heartbeat-ms",
+            "20",
+            "--duration",
+            "0.6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    ended = time.time_ns()
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote" in proc.stdout
+    records = read_committed(kafka.kafka_bootstrap, topic, 3)
+    by_part: dict[int, list[int]] = {}
+    for m in records:
+        assert m.value() is None and m.key() is None
+        header = dict(m.headers())[HEADER].decode()
+        epoch, period = map(int, header.split("/"))
+        assert period == 20_000_000
+        assert began // period <= epoch <= ended // period
+        by_part.setdefault(m.partition(), []).append(epoch)
+    assert set(by_part) == {0, 1, 2}
+    for epochs in by_part.values():
+        assert epochs == sorted(set(epochs)) and len(epochs) >= 10
+    assert by_part[0] == by_part[1] == by_part[2]
+
+
+# -- the source: offsets fixed at plan time, one partition per Kafka partition ------------
+
+
+def test_start_offsets_are_resolved_once_when_the_job_is_planned(kafka):
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 2, "start")
+    produce(b, topic, [{"key": i, "amount": i} for i in range(6)], 2)
+    now_ms = int(time.time() * 1000)
+    time.sleep(0.05)
+    produce(b, topic, [{"key": i, "amount": i} for i in range(4)], 2)
+
+    def planned(start, parallelism=None):
+        job = td.Job("start", replication=2)
+        src = td.sources.Kafka(topic, bootstrap=b, start=start, schema=SCHEMA)
+        job.source(src, parallelism=parallelism).sink(td.sinks.Collect())
+        return job.plan().tasks[0].source.offsets
+
+    assert planned("earliest") == (0, 0)
+    assert planned("latest") == (5, 5)
+    assert planned(now_ms) == (3, 3)
+    assert planned({0: 1, 1: 2}) == (1, 2)
+    latest = planned("latest")
+    produce(b, topic, [{"key": 1, "amount": 1}] * 2, 2)
+    assert planned("latest") == (6, 6) != latest  # a new plan, a new resolution
+
+    with pytest.raises(td.ConfigError, match="2 partitions"):
+        planned("earliest", parallelism=3)
+    with pytest.raises(td.ConfigError, match="every partition"):
+        planned({0: 1})
+    with pytest.raises(td.ConfigError, match="outside"):
+        planned({0: 1, 1: 99})
+    with pytest.raises(td.ConfigError, match="does not exist"):
+        td.Job("x").source(td.sources.Kafka("no-such-topic-here", bootstrap=b))
+    with pytest.raises(td.ConfigError, match="event_time"):
+        td.sources.Kafka(topic, bootstrap=b, event_time="ts")
+
+
+# -- Kafka in, Kafka out, with faults --------------------------------------------------------
+
+
+def keep(batch: pa.RecordBatch) -> pa.Array:
+    return pc.not_equal(pc.bit_wise_and(batch.column("amount"), 3), 0)
+
+
+def mean_of_amount(batch: pa.RecordBatch) -> pa.RecordBatch:
+    # A function of the whole batch: replicas handed different batches would diverge.
+    return testing.with_batch_mean(batch, "amount")
+
+
+def test_kafka_to_kafka_exactly_once_through_a_replica_and_a_generator_kill(
+    kafka, no_orphans, monkeypatch
+):
+    b = kafka.kafka_bootstrap
+    src_topic = new_topic(b, 2, "in")
+    out_topic = new_topic(b, 2, "out")
+    rows = [{"key": i % 13, "amount": i} for i in range(3_000)]
+    produce(b, src_topic, rows[:1_000], 2)  # a backlog, read from "earliest"
+
+    job = td.Job("k2k", replication=2, heartbeat_ms=10)
+    events = job.source(td.sources.Kafka(src_topic, bootstrap=b, schema=SCHEMA), name="in")
+    counted = (
+        events.map(mean_of_amount, name="mean")
+        .filter(keep, name="keep")
+        .key_by("key")
+        .process(td.CountPerKey(), parallelism=2, name="count")
+    )
+    counted.sink(
+        td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"], key="key")
+    )
+    assert job.plan().tasks[0].parallelism == 2  # the topic's partition count
+
+    # The rest of the input arrives while the job runs, in small bursts from t0 + 0.1 s to
+    # t0 + 1.6 s: well before the heartbeat the sources end at (t0 + 2.5 s).
+    duration, ready = 2.5, threading.Event()
+    monkeypatch.setattr(local, "ON_READY", lambda _addresses: ready.set())
+    fed: list[float] = []
+
+    def feed() -> None:
+        ready.wait(60)
+        t0 = time.monotonic() + local.STARTUP_S
+        p = Producer({"bootstrap.servers": b, "linger.ms": 0})
+        for i, at in zip(range(1_000, 3_000, 20), range(100), strict=True):
+            time.sleep(max(0.0, t0 + 0.1 + at * 0.015 - time.monotonic()))
+            for j in range(i, i + 20):
+                p.produce(src_topic, json.dumps(rows[j]).encode(), partition=j % 2)
+            p.poll(0)
+        assert p.flush(30) == 0
+        fed.append(time.monotonic() - t0)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    faults = [td.KillHeartbeats(0, at=0.5), td.Kill("count", partition=0, replica=1, at=1.0)]
+    result = job.run(duration=duration, faults=faults, progress=False)
+    feeder.join()
+    assert fed and fed[0] < duration - 0.3, f"the input was not all written in time ({fed})"
+
+    assert result.lost == 0 and result.duplicates == 0
+    assert result.digests_match and not result.determinism_errors
+    assert testing.lost_replicas(result) == testing.killed_replicas(result) != set()
+    assert result.events_in == len(rows)
+    assert [f["kind"] for f in result.faults] == ["killheartbeats", "kill"]
+
+    # An outside read_committed consumer sees every expected row exactly once.
+    got = Counter()
+    for m in read_committed(b, out_topic, 2):
+        r = json.loads(m.value())
+        assert m.key() == str(r["key"]).encode()
+        got[(r["key"], r["amount"], r["count"])] += 1
+    kept = [r for r in rows if r["amount"] & 3]
+    # A row's count depends on the order the two source partitions were merged in, so
+    # compare per key: every kept row once, with the counts 1..n of its key.
+    per_key: dict[int, list[tuple[int, int]]] = {}
+    for (key, amount, count), n in got.items():
+        assert n == 1, f"row {(key, amount, count)} read {n} times"
+        per_key.setdefault(key, []).append((amount, count))
+    want = Counter(r["key"] for r in kept)
+    assert sorted(per_key) == sorted(want)
+    for key, items in per_key.items():
+        assert sorted(a for a, _ in items) == sorted(r["amount"] for r in kept if r["key"] == key)
+        assert sorted(c for _, c in items) == list(range(1, want[key] + 1))
+
+
+def test_raw_records_arrive_once_and_markers_never_reach_an_operator(kafka, no_orphans):
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 2, "raw")
+    p = Producer({"bootstrap.servers": b})
+    sent = {}
+    for i in range(400):
+        key, value = f"k{i}".encode(), f"v{i}".encode()
+        p.produce(topic, value, key, partition=i % 2, headers=[("user-header", b"x")])
+        sent[value] = key
+    assert p.flush(30) == 0
+
+    def no_markers(batch: pa.RecordBatch) -> pa.RecordBatch:
+        for value in batch.column("value").to_pylist():
+            if value is None or not value.startswith(b"v"):
+                raise AssertionError(f"a record that is no data row reached an operator: {value!r}")
+        return batch
+
+    job = td.Job("raw", replication=2, heartbeat_ms=5, batch_rows=64)
+    src = job.source(td.sources.Kafka(topic, bootstrap=b))
+    src.map(no_markers, name="check").sink(td.sinks.Collect())
+    result = job.run(duration=1.0, progress=False)
+    assert result.lost == 0 and result.duplicates == 0 and result.digests_match
+    out = result.output
+    assert out.num_rows == 400 == result.events_in
+    assert (
+        dict(zip(out.column("value").to_pylist(), out.column("key").to_pylist(), strict=True))
+        == sent
+    )
+    # source_seq is the record's offset: partition p holds rows p, p + 2, ... in order.
+    for v, seq in zip(
+        out.column("value").to_pylist(), out.column("source_seq").to_pylist(), strict=True
+    ):
+        assert seq == int(v[1:]) // 2
+
+
+def test_a_second_writer_with_the_same_transactional_id_fences_the_first(kafka):
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 1, "fence")
+    tid = f"fence-{uuid.uuid4().hex[:8]}"
+    first = TransactionalWriter(b, topic, tid)
+    first.put([(b"committed-1", None, 0)])
+    first.close()  # committed, and its producer kept open
+
+    # A transaction left open, as by a sink that crashed before its commit.
+    first.producer.begin_transaction()
+    first.producer.produce(topic, b"never-committed", partition=0)
+    first.producer.flush(10)
+
+    second = TransactionalWriter(b, topic, tid)  # fences the first, aborts its transaction
+    with pytest.raises(KafkaException) as fenced:
+        first.producer.produce(topic, b"zombie", partition=0)
+        first.producer.commit_transaction(10)
+    assert fenced.value.args[0].fatal()
+    second.put([(b"committed-2", None, 0)])
+    ranges = second.close()
+    assert set(ranges) == {0}
+
+    values = [m.value() for m in read_committed(b, topic, 1)]
+    assert values == [b"committed-1", b"committed-2"]
+
+
+def test_an_aborted_transaction_is_invisible_to_read_committed(kafka):
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 1, "abort")
+    w = TransactionalWriter(b, topic, f"abort-{uuid.uuid4().hex[:8]}")
+    p = w.producer
+    w.put([(b"a", None, 0)])
+    w.close()
+    p.begin_transaction()
+    p.produce(topic, b"aborted", partition=0)
+    p.abort_transaction(10)
+    p.begin_transaction()
+    p.produce(topic, b"b", partition=0)
+    p.commit_transaction(10)
+    assert [m.value() for m in read_committed(b, topic, 1)] == [b"a", b"b"]
+
+
+def test_generator_specs_and_the_fault_are_checked(kafka):
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 2, "spec")
+    job = td.Job("specs", replication=2)
+    job.source(td.sources.Kafka(topic, bootstrap=b, generators=3)).sink(td.sinks.Collect())
+    plan = job.plan()
+    assert [s.topics for s in heartbeat.specs(plan)] == [(topic,)] * 3
+    with pytest.raises(td.ConfigError, match="runs 3 heartbeat generators"):
+        job.run(duration=1, faults=[td.KillHeartbeats(3, at=0.5)])
+    synthetic = td.Job("nokafka")
+    synthetic.source(td.sources.Synthetic(rate=10)).sink(td.sinks.Collect())
+    with pytest.raises(td.ConfigError, match="no Kafka source"):
+        synthetic.run(duration=1, faults=[td.KillHeartbeats(0, at=0.5)])
