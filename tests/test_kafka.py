@@ -377,7 +377,8 @@ def test_a_second_writer_with_the_same_transactional_id_fences_the_first(kafka):
     first.producer.produce(topic, b"never-committed", partition=0)
     first.producer.flush(10)
 
-    second = TransactionalWriter(b, topic, tid)  # fences the first, aborts its transaction
+    second = TransactionalWriter(b, topic, tid)
+    second.ready(30)  # it fenced the first and aborted its open transaction
     with pytest.raises(KafkaException) as fenced:
         first.producer.produce(topic, b"zombie", partition=0)
         first.producer.commit_transaction(10)

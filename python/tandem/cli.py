@@ -1,6 +1,7 @@
 """The ``tandem`` command line: ``tandem demo``, ``tandem run path/to/job.py`` (each on the
-local or the Spark engine) and ``tandem bench`` (the paper's experiments, and ``cost``:
-what replication costs the machine)."""
+local or the Spark engine), ``tandem bench`` (the paper's experiments, and ``cost``: what
+replication costs the machine) and ``tandem heartbeats`` (a heartbeat generator for jobs
+reading Kafka)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 import tandem
-from tandem import engines
+from tandem import engines, heartbeat
 
 KILL_RE = re.compile(
     r"^(?P<task>[^:@]+):(?P<partition>\d+):(?P<replica>\d+|leader|follower)"
@@ -619,8 +620,6 @@ def main(argv: list[str] | None = None) -> int:
         "// period) into every partition of every --topic, until Ctrl-C, SIGTERM or "
         "--duration. Generators need no coordination: run several, any may die.",
     )
-    from tandem import heartbeat
-
     heartbeat.add_arguments(beats)
     beats.set_defaults(func=heartbeat.run_from_args)
 

@@ -367,8 +367,10 @@ class TransactionalWriter:
     ``transactional_id`` is fixed per sink partition: a new writer with the same id fences
     this one (its next produce or commit fails; a transaction it left open is aborted by
     the broker before the new writer's first), so only one writer of a sink partition can
-    ever commit. :meth:`close` commits what is queued and returns the offsets it committed,
-    per partition, as ``(first, last)`` ranges."""
+    ever commit. Taking the id (``init_transactions``, which fences the predecessors) is
+    the thread's first step (:meth:`ready` waits for it). :meth:`close` commits what is
+    queued and returns the offsets it committed, per partition, as ``(first, last)``
+    ranges."""
 
     def __init__(
         self,
@@ -396,14 +398,10 @@ class TransactionalWriter:
                 "partitioner": "murmur2_random",  # the Java clients' choice, by key
             }
         )
+        self.bootstrap = bootstrap
         self.producer = Producer(conf)
-        try:
-            self.producer.init_transactions(timeout)
-        except Exception as exc:
-            raise _unavailable(
-                bootstrap, f"starting transactions as {transactional_id!r}", exc
-            ) from exc
         self.error: BaseException | None = None
+        self._initialised = threading.Event()
         self.committed_rows = 0
         self.transactions = 0
         self.ranges: dict[int, tuple[int, int]] = {}
@@ -414,6 +412,15 @@ class TransactionalWriter:
             target=self._run, name=f"tandem-kafka-tx-{transactional_id}", daemon=True
         )
         self._thread.start()
+
+    def ready(self, timeout: float | None = None) -> bool:
+        """Wait until the writer holds its ``transactional.id`` (its predecessors fenced
+        off and their open transaction aborted): the thread does that first, so that
+        creating a writer never waits for the broker. Raises what failed it."""
+        done = self._initialised.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        return done
 
     def put(self, records: list) -> None:
         """Queue ``records`` for the next transaction; waits while ``limit`` records are
@@ -446,6 +453,17 @@ class TransactionalWriter:
         self._thread.join(self.timeout)
 
     def _run(self) -> None:
+        try:
+            self.producer.init_transactions(self.timeout)
+        except Exception as exc:
+            with self._cond:
+                self.error = _unavailable(
+                    self.bootstrap, f"starting transactions as {self.transactional_id!r}", exc
+                )
+                self._cond.notify_all()
+            return
+        finally:
+            self._initialised.set()
         while True:
             with self._cond:
                 while not self._pending and not self._closing:

@@ -25,7 +25,9 @@ the channels advances to ``k``, the operator's ``on_watermark`` output is emitte
 heartbeat ``k`` is forwarded on every output channel.
 
 Batches are the unit of determinism (DESIGN §2 invariant 1): a source emits exactly the
-batches of :meth:`tandem.plan.Plan.source_schedule`, each when it falls due; an operator
+batches of :meth:`tandem.plan.Plan.source_schedule`, each when it falls due (a source that
+reads a log, Kafka, those of :meth:`tandem.plan.Plan.log_schedule`, each once its closing
+record has been read: see :class:`_LogSource`); an operator
 is called once per input batch and its output leaves at once, as one frame per output
 channel (the Rust outbox has no timer). The Rust outbox digests every channel's frames per
 heartbeat cycle and sends the digest inside the heartbeat; every receiver compares the
