@@ -355,7 +355,9 @@ class Job:
 
     def run_reference(self, duration: float, t0_ns: int = 0) -> Result:
         """Run the job in this process with the deterministic single-process reference
-        executor (:mod:`tandem.reference`), the oracle replicated runs are compared with."""
+        executor (:mod:`tandem.reference`), the oracle replicated runs are compared with.
+        A Kafka source is replayed from its log: pass the ``t0_ns`` of the run to replay
+        (``Result.t0_ns``), whose heartbeat markers cut its batches and end it."""
         from tandem import reference
 
         if _number(duration, "duration") <= 0:

@@ -610,9 +610,16 @@ class _Run:
                 self._silent(now_s)
             if running and time.monotonic() > deadline:
                 stuck = sorted(self._worker_name(w) for w in running)
+                logs_hint = ""
+                if any(self.plan.is_log_source(t.id) for t in self.plan.sources()):
+                    logs_hint = (
+                        " A Kafka source ends only at a heartbeat marker in its log: is a "
+                        "heartbeat generator running for its topic (generators=, or "
+                        "`tandem heartbeats`)?"
+                    )
                 raise TandemError(
                     f"the run did not finish within {timeout:.0f} s of its start; still running: "
-                    f"{stuck}. Raise timeout= if the job is expected to take longer."
+                    f"{stuck}. Raise timeout= if the job is expected to take longer.{logs_hint}"
                 )
         for w in list(self.rejoins):
             self._abort_rejoin(w, "the job ended first")
