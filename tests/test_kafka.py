@@ -420,3 +420,32 @@ def test_generator_specs_and_the_fault_are_checked(kafka):
     synthetic.source(td.sources.Synthetic(rate=10)).sink(td.sinks.Collect())
     with pytest.raises(td.ConfigError, match="no Kafka source"):
         synthetic.run(duration=1, faults=[td.KillHeartbeats(0, at=0.5)])
+
+
+@pytest.mark.spark
+def test_kafka_to_kafka_on_spark_with_a_worker_killed(kafka):
+    """The same source, generators and sink on the Spark engine: the generators run on the
+    driver, the source replicas read Kafka inside the worker tasks."""
+    import tandem_spark
+
+    b = kafka.kafka_bootstrap
+    src_topic, out_topic = new_topic(b, 2, "sin"), new_topic(b, 2, "sout")
+    rows = [{"key": i % 7, "amount": i} for i in range(2_000)]
+    produce(b, src_topic, rows, 2)
+    job = td.Job("spark-kafka", replication=2)
+    events = job.source(td.sources.Kafka(src_topic, bootstrap=b, schema=SCHEMA))
+    counted = events.key_by("key").process(td.CountPerKey(), parallelism=2, name="count")
+    counted.sink(td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"]))
+    spark = tandem_spark.local_session(job)
+    try:
+        kill = td.Kill("count", partition=0, replica=1, at=1.0)
+        result = job.run(duration=2.0, faults=[kill], engine=tandem_spark.SparkEngine(spark))
+    finally:
+        spark.stop()
+    assert result.lost == 0 and result.duplicates == 0 and result.digests_match
+    assert result.events_in == len(rows)
+    out = [json.loads(m.value()) for m in read_committed(b, out_topic, 2)]
+    assert sorted(r["amount"] for r in out) == list(range(len(rows)))
+    counts = Counter(r["key"] for r in rows)
+    for key, n in counts.items():
+        assert sorted(r["count"] for r in out if r["key"] == key) == list(range(1, n + 1))
