@@ -365,7 +365,8 @@ class Generators:
         return [i for i, p in enumerate(self.procs) if p.poll() is None]
 
     def stop(self, grace: float = 3.0) -> None:
-        """SIGTERM every generator, SIGKILL what is left after ``grace`` s, reap them."""
+        """SIGTERM every generator, SIGKILL what is left after ``grace`` s, reap them (a
+        second call does nothing more)."""
         for p in self.procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -396,10 +397,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_from_args(args)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 __all__ = [
     "DEFAULT_GENERATORS",
     "HEADER",
@@ -412,3 +409,7 @@ __all__ = [
     "marker_ns",
     "specs",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

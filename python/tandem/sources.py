@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from tandem.exceptions import ConfigError
+from tandem.heartbeat import DEFAULT_GENERATORS
 from tandem.operators import EVENT_TIME, SOURCE_SEQ
 
 _NS = 1_000_000_000
@@ -161,7 +162,7 @@ class LogSource(Source):
     Subclasses implement the methods below; ``generators`` is how many heartbeat
     generators the engine runs for it (0: you run ``tandem heartbeats`` yourself)."""
 
-    generators: int = 2
+    generators: int = DEFAULT_GENERATORS
 
     def total_rows(self, duration_ns: int | None) -> int | None:
         return None  # as many as the log holds before the run's last heartbeat
@@ -251,7 +252,7 @@ class Kafka(LogSource):
         event_time: str | None = None,
         schema: pa.Schema | Mapping[str, Any] | None = None,
         config: Mapping[str, Any] | None = None,
-        generators: int = 2,
+        generators: int = DEFAULT_GENERATORS,
     ) -> None:
         what = f"sources.Kafka({topic!r})"
         if not isinstance(topic, str) or not topic:

@@ -414,6 +414,7 @@ class LocalEngine:
                     run.watch(timeout if timeout is not None else duration + 60.0, cost)
             finally:
                 run.stop()
+                generators.stop()
             cost.finish()
             result = run.result(check)
             sinks = [r for (t, _, _), r in run.reports.items() if plan.tasks[t].kind == "sink"]
