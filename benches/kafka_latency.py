@@ -4,11 +4,12 @@ The job: source → filter → keyed count (2 partitions) → sink, r = 2, LiveR
 heartbeats, ``rate`` events per second. ``synthetic`` reads ``td.sources.Synthetic``
 (event time = the logical release instant); ``kafka`` reads a fresh 2-partition topic that
 a producer thread of this process fills at ``rate`` during the run (event time = the
-record's timestamp, set when it was produced: Kafka's own produce → fetch path is in the
-figure), with the engine's two heartbeat generators. Both measure at the sink (receive -
-event time, after ``warmup``). ``kafka-sink`` writes the output to a topic with the
-exactly-once sink instead and also measures, with an outside ``read_committed`` consumer,
-when each row became visible there (that includes the transaction it waited for).
+record's timestamp, set when it was produced, by a producer lingering up to 2 ms: Kafka's
+own produce → fetch path is in the figure), with the engine's two heartbeat generators.
+Both measure at the sink (receive - event time, after ``warmup``). ``kafka-sink`` writes
+the output to a topic with the exactly-once sink instead and also measures, with an
+outside ``read_committed`` consumer, when each row became visible there (that includes
+the transaction it waited for).
 
     scripts/services.sh start kafka
     python benches/kafka_latency.py --rate 5000 --duration 20 --warmup 5
@@ -57,7 +58,7 @@ def feed(bootstrap: str, name: str, rate: int, duration: float, ready: threading
     """Produce ``rate`` JSON rows per second from t0 to t0 + duration, in 1 ms steps."""
     ready.wait(120)
     t0 = time.monotonic() + local.STARTUP_S
-    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0, "acks": 1})
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2, "acks": 1})
     i, step = 0, 0.001
     while True:
         now = time.monotonic() - t0
@@ -83,6 +84,10 @@ def summary(name: str, res: td.Result) -> dict:
         "lost": res.lost,
         "duplicates": res.duplicates,
         "digests_match": res.digests_match,
+        "cpu_s": round(res.cpu_s, 1),
+        "steady_cpu_s": round(res.steady_cpu_s, 1),
+        "coordinator_cpu_s": round(res.coordinator_cpu_s, 1),
+        "per_second_p99_ms": [x if x is None else round(x, 1) for x in res.per_second_p99_ms],
     }
 
 

@@ -241,6 +241,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     parser.add_argument(
+        "--parent",
+        type=int,
+        metavar="PID",
+        help="exit when process PID exits (as the engine runs it)",
+    )
+    parser.add_argument(
         "-X",
         dest="config",
         action="append",
@@ -261,6 +267,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         if not sep or not key:
             raise SystemExit(f"tandem heartbeats: -X {item!r}: expected KEY=VALUE")
         config[key] = value
+    if args.parent is not None:
+        from tandem.engines.local import die_with_parent
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops it with SIGTERM
+        die_with_parent()
+        if os.getppid() != args.parent:
+            return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     bootstrap = args.bootstrap or default_bootstrap()
@@ -323,7 +336,7 @@ def specs(plan) -> list[GeneratorSpec]:
 
 class Generators:
     """The heartbeat generators of one run (:func:`specs`), each a process
-    (``python -m tandem.heartbeat``) that dies with its parent."""
+    (``tandem heartbeats --parent PID``) that dies with its parent."""
 
     def __init__(self, plan, env: dict[str, str] | None = None) -> None:
         self.specs = specs(plan)
@@ -338,7 +351,8 @@ class Generators:
             cmd = [
                 sys.executable,
                 "-m",
-                "tandem.heartbeat",
+                "tandem.cli",
+                "heartbeats",
                 "--bootstrap",
                 spec.bootstrap,
                 "--heartbeat-ms",
@@ -380,23 +394,6 @@ class Generators:
                 p.wait(5)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tandem.heartbeat``: a generator as the engine runs it (``--parent PID``:
-    die with that process)."""
-    parser = argparse.ArgumentParser(prog="python -m tandem.heartbeat")
-    add_arguments(parser)
-    parser.add_argument("--parent", type=int, help="exit when this process dies")
-    args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops it with SIGTERM
-    if args.parent is not None:
-        from tandem.engines.local import die_with_parent
-
-        die_with_parent()
-        if os.getppid() != args.parent:
-            return 1
-    return run_from_args(args)
-
-
 __all__ = [
     "DEFAULT_GENERATORS",
     "HEADER",
@@ -409,7 +406,3 @@ __all__ = [
     "marker_ns",
     "specs",
 ]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
