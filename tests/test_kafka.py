@@ -155,6 +155,18 @@ def test_the_schedule_is_a_function_of_the_log_not_of_how_it_arrives(
     if ended:
         assert whole[-1][0] == "end"
 
+    # A replica rebuilt from a cut at any heartbeat, reading the log from the record after
+    # that heartbeat's marker, emits exactly what follows it in the whole schedule.
+    full = LogSchedule(H, t0, last, batch_rows, marker=lambda r: r[1]).feed(records)
+    for i, step in enumerate(full):
+        if step.kind != "heartbeat":
+            continue
+        after = step.records[0][0] + 1
+        rebuilt = LogSchedule(
+            H, t0, last, batch_rows, marker=lambda r: r[1], resume=(step.epoch, step.rows)
+        ).feed(records[after:])
+        assert rebuilt == full[i + 1 :]
+
 
 def test_marker_headers():
     assert marker_ns([(HEADER, marker_header(17, 10_000_000))]) == 170_000_000
@@ -327,6 +339,51 @@ def test_kafka_to_kafka_exactly_once_through_a_replica_and_a_generator_kill(
     for key, items in per_key.items():
         assert sorted(a for a, _ in items) == sorted(r["amount"] for r in kept if r["key"] == key)
         assert sorted(c for _, c in items) == list(range(1, want[key] + 1))
+
+
+def test_a_lost_kafka_source_replica_is_rebuilt_from_its_twins_log_position(kafka, no_orphans):
+    """Job(restore=True): the worker holding replica 0 of everything is killed and rebuilt
+    from the twins' cuts — a rebuilt Kafka source replica reads on from the record after
+    the marker its twin took at the cut — then the twins' worker is killed: the rebuilt
+    replicas alone carry the job to its end, exactly once."""
+    b = kafka.kafka_bootstrap
+    src_topic, out_topic = new_topic(b, 2, "rin"), new_topic(b, 2, "rout")
+    rows = [{"key": i % 11, "amount": i} for i in range(3_000)]
+    produce(b, src_topic, rows[:500], 2)
+    job = td.Job("kafka-restore", replication=2, restore=True, batch_rows=64)
+    events = job.source(td.sources.Kafka(src_topic, bootstrap=b, schema=SCHEMA), name="in")
+    counted = (
+        events.map(mean_of_amount, name="mean")
+        .key_by("key")
+        .process(td.CountPerKey(), parallelism=2, name="count")
+    )
+    counted.sink(td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"]))
+
+    def feed() -> None:  # the rest arrives during the first 2.5 s of the run
+        p = Producer({"bootstrap.servers": b, "linger.ms": 0})
+        for i in range(500, 3_000, 50):
+            time.sleep(0.05)
+            for j in range(i, i + 50):
+                p.produce(src_topic, json.dumps(rows[j]).encode(), partition=j % 2)
+            p.poll(0)
+        assert p.flush(30) == 0
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    faults = [td.Kill("in", 0, 0, at=1.0), td.Kill("in", 0, 1, at=3.5)]
+    result = job.run(duration=5.0, faults=faults, progress=False)
+    feeder.join()
+
+    assert result.lost == 0 and result.duplicates == 0
+    assert result.digests_match, result.determinism_errors
+    rebuilt = {(r["task"], r["partition"], r["replica"]) for r in result.restored_replicas}
+    assert {("in", 0, 0), ("in", 1, 0), ("count", 0, 0)} <= rebuilt
+    assert result.events_in == len(rows)
+    out = [json.loads(m.value()) for m in read_committed(b, out_topic, 2)]
+    assert sorted(r["amount"] for r in out) == list(range(len(rows)))
+    counts = Counter(r["key"] for r in rows)
+    for key, n in counts.items():
+        assert sorted(r["count"] for r in out if r["key"] == key) == list(range(1, n + 1))
 
 
 def test_raw_records_arrive_once_and_markers_never_reach_an_operator(kafka, no_orphans):

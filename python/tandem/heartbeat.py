@@ -89,11 +89,14 @@ def marker_ns(headers: list | None) -> int | None:
 @dataclass(frozen=True)
 class LogStep:
     """A step of a log-driven source partition: ``rows`` (the records of one batch, in log
-    order), ``heartbeat`` (the job's epoch ``epoch``) or ``end``."""
+    order), ``heartbeat`` (the job's epoch ``epoch``; ``records`` holds the marker taken,
+    and ``rows`` counts the data rows before it: where a replica rebuilt from a cut at this
+    heartbeat resumes) or ``end``."""
 
     kind: str
     records: tuple | list = ()
     epoch: int = 0
+    rows: int = 0
 
 
 class LogSchedule:
@@ -105,7 +108,11 @@ class LogSchedule:
     (``K0 = t0 // h``); ``last_epoch``: the run ends after the first marker taken with
     ``k >= last_epoch`` (None: never); ``batch_rows``: a batch ends where the count of data
     rows read reaches a multiple of it. ``marker(record)`` is the instant a record marks,
-    or None for a data row (:func:`marker_ns` of its headers)."""
+    or None for a data row (:func:`marker_ns` of its headers).
+
+    ``resume=(k, rows)``: continue right after heartbeat ``k``, before which ``rows`` data
+    rows were read (a replica rebuilt from a twin's cut, fed the log from the record after
+    that marker): the same steps follow as for a schedule fed the whole log."""
 
     def __init__(
         self,
@@ -114,24 +121,30 @@ class LogSchedule:
         last_epoch: int | None,
         batch_rows: int,
         marker: Callable[[Any], int | None],
+        resume: tuple[int, int] | None = None,
     ) -> None:
         if heartbeat_ns < 1 or batch_rows < 1:
             raise ValueError("heartbeat_ns and batch_rows must be >= 1")
         self.heartbeat_ns = heartbeat_ns
         self.base = t0_ns // heartbeat_ns
-        self.taken = self.base
+        self.taken = self.base + (resume[0] if resume else 0)
         self.last = last_epoch
         self.cap = batch_rows
         self.marker = marker
-        self.rows = 0
+        self.rows = resume[1] if resume else 0
         self.markers_taken = 0
         self.markers_ignored = 0
         self.pending: list = []
         self.ended = False
+        # Resumed at the run's last heartbeat: the end is all that follows.
+        self._end_due = resume is not None and last_epoch is not None and resume[0] >= last_epoch
 
     def feed(self, records: Iterable) -> list[LogStep]:
         """The steps completed by ``records`` (the next records of the log, in order)."""
         out: list[LogStep] = []
+        if self._end_due:
+            self._end_due, self.ended = False, True
+            return [LogStep("end")]
         if self.ended:
             return out
         pending, cap, marker = self.pending, self.cap, self.marker
@@ -154,7 +167,7 @@ class LogSchedule:
                 out.append(LogStep("rows", pending))
                 pending = []
             k = epoch - self.base
-            out.append(LogStep("heartbeat", epoch=k))
+            out.append(LogStep("heartbeat", (rec,), epoch=k, rows=self.rows))
             if self.last is not None and k >= self.last:
                 out.append(LogStep("end"))
                 self.ended = True

@@ -407,18 +407,26 @@ class Plan:
         return isinstance(self._source(task_id)[1], LogSource)
 
     def log_schedule(
-        self, task_id: int, partition: int, duration_s: float | None, t0_ns: int
+        self,
+        task_id: int,
+        partition: int,
+        duration_s: float | None,
+        t0_ns: int,
+        resume: tuple[int, int] | None = None,
     ) -> LogSchedule:
         """How a log source partition is cut into batches and heartbeats
         (:class:`tandem.heartbeat.LogSchedule`): at the heartbeat markers of the log, taken
         from the run's epoch ``t0 // heartbeat`` on, and at every ``batch_rows`` data rows;
-        the run ends at the first marker taken with epoch ``>= last_epoch(duration_s)``."""
+        the run ends at the first marker taken with epoch ``>= last_epoch(duration_s)``.
+        ``resume``: see :class:`~tandem.heartbeat.LogSchedule`."""
         from tandem.heartbeat import LogSchedule
 
         task, src = self._source(task_id)
         self._check_partition(task, partition)
         last = None if duration_s is None else self.last_epoch(duration_s)
-        return LogSchedule(self.heartbeat_ns, t0_ns, last, self.batch_rows, src.marker)
+        return LogSchedule(
+            self.heartbeat_ns, t0_ns, last, self.batch_rows, src.marker, resume=resume
+        )
 
     @property
     def buffer_timeout_ns(self) -> int:

@@ -38,11 +38,12 @@ with :class:`tandem.DeterminismError` unless the job says ``on_divergence="log"`
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 import traceback
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -61,6 +62,10 @@ Addresses = dict[ReplicaId, tuple[str, int]]
 
 IDLE_WAIT_S = 0.05
 """How long a worker waits for input before checking on its KaZoo orderers again."""
+
+LOG_POSITIONS_KEPT = 1024
+"""Heartbeats a log source remembers the log position of, for cuts (one is asked for at a
+time, and taken as the next heartbeat leaves)."""
 
 CREDIT_POLL_S = 0.001
 """How soon a worker looks again at a source whose downstream links are backed up."""
@@ -224,6 +229,8 @@ class Replica:
         self.resume: Resume | None = None
         """Set by the worker before :meth:`bind` when this replica is rebuilt from a twin."""
         self.log_reader = None
+        self.log_positions: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        """A log source's latest heartbeats sent: epoch → (next offset, data rows read)."""
 
     @property
     def name(self) -> str:
@@ -236,7 +243,10 @@ class Replica:
         if self.task.kind == "source":
             t, p, _ = self.me
             if self.plan.is_log_source(t):
-                self.log_reader = self.task.source.reader(p, self.core.wake, name=self.name)
+                offset = self.log_resume()[1] if self.resume is not None else None
+                self.log_reader = self.task.source.reader(
+                    p, self.core.wake, name=self.name, offset=offset
+                )
                 self.log_reader.start()
             return None
         t, p, r = self.me
@@ -314,11 +324,23 @@ class Replica:
 
     def cut(self, cut: tuple | None) -> Resume | None:
         """This replica at the heartbeat-cycle boundary the worker stopped it at (``cut``,
-        from the core; None: it cannot be cut): what a replica rebuilt from it needs."""
+        from the core; None: it cannot be cut): what a replica rebuilt from it needs. A log
+        source's state is where its log continues after the marker it took as that
+        heartbeat, and the data rows it read before it."""
         if cut is None:
             return None
+        if self.log_reader is not None:
+            position = self.log_positions.get(cut[0])
+            if position is None:  # not a heartbeat it sent lately: try a later cut
+                return None
+            return Resume(cut, json.dumps(position).encode())
         state = self._inst.snapshot() if self._inst is not None else b""
         return Resume(cut, state)
+
+    def log_resume(self) -> tuple[int, int, int]:
+        """A rebuilt log source's ``(heartbeat, next offset, data rows before it)``."""
+        offset, rows = json.loads(self.resume.state)
+        return self.resume.epoch, offset, rows
 
     def evicted(self) -> list[ReplicaId]:
         """The downstream replicas this replica's outboxes dropped as stragglers since the
@@ -492,15 +514,23 @@ class _LogSource:
     marker, or its ``batch_rows``-th row) has been read, a heartbeat with
     ``heartbeats_through``, then the end. The slot's Rust clock never sends a heartbeat of
     its own: it may send only through the epoch it was allowed, and ``heartbeats_through``
-    allows exactly what it sends. Nothing is emitted before ``t0``."""
+    allows exactly what it sends. Nothing is emitted before ``t0``. A replica rebuilt from
+    a twin's cut at heartbeat ``k`` (``Job(restore=True)``) reads from the record after the
+    marker the twin took as ``k``, its schedule resumed there: the schedule is a function of
+    the log, so it emits what the twin emits after ``k``."""
 
     def __init__(self, replica: Replica, duration: float) -> None:
         self.replica = replica
         t, p, _ = replica.me
         self.partition = p
         self.source = replica.task.source
-        self.schedule = replica.plan.log_schedule(t, p, duration, replica.t0_ns)
-        self.steps: deque = deque()
+        resume = None
+        if replica.resume is not None:  # rebuilt: its reader starts after the cut's marker
+            epoch, _, rows = replica.log_resume()
+            resume = (epoch, rows)
+            replica.report.rows_in = rows
+        self.schedule = replica.plan.log_schedule(t, p, duration, replica.t0_ns, resume)
+        self.steps: deque = deque(self.schedule.feed(()))  # resumed at its end: the end
 
     def pump(self, now_ns: int) -> float | None:
         """Emit the steps ready to go; how soon to look again without being woken (None:
@@ -522,6 +552,12 @@ class _LogSource:
             if step.kind == "rows":
                 rep.on_rows(self.source.decode(self.partition, step.records))
             elif step.kind == "heartbeat":
+                # Where a replica rebuilt from a cut at this heartbeat would resume (the
+                # core takes a cut asked for as the heartbeat leaves).
+                positions = rep.log_positions
+                positions[step.epoch] = (self.source.next_offset(step.records[0]), step.rows)
+                if len(positions) > LOG_POSITIONS_KEPT:
+                    positions.popitem(last=False)
                 core.heartbeats_through(slot, step.epoch)
             else:
                 rep.on_end()
@@ -725,7 +761,7 @@ class Worker:
                         again = None
                     if rep.done:
                         live -= 1
-                        core.retire(rep.slot)
+                        self._retire(rep)
                     elif again is not None:
                         wait = min(wait, max(0.0, again))
                 logs = [s for s in logs if not s.replica.done]

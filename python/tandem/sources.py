@@ -184,9 +184,14 @@ class LogSource(Source):
         ``parallelism`` partitions."""
 
     @abc.abstractmethod
-    def reader(self, partition: int, wake, name: str = ""):
+    def reader(self, partition: int, wake, name: str = "", offset: int | None = None):
         """A started-on-demand reader of the partition (``start()``, ``take()`` → records
-        in log order, ``stop()``, ``error``) that calls ``wake()`` when records came."""
+        in log order, ``stop()``, ``error``) that calls ``wake()`` when records came; it
+        reads from the start offset, or from ``offset``."""
+
+    @abc.abstractmethod
+    def next_offset(self, record) -> int:
+        """Where the log continues after ``record``."""
 
     @abc.abstractmethod
     def replay(self, partition: int):
@@ -379,18 +384,21 @@ class Kafka(LogSource):
     def heartbeat_target(self) -> tuple[str, str, dict]:
         return self._bootstrap(), self.topic, {str(k): str(v) for k, v in self.config.items()}
 
-    def reader(self, partition: int, wake, name: str = ""):
+    def reader(self, partition: int, wake, name: str = "", offset: int | None = None):
         from tandem.kafka import LogReader
 
         return LogReader(
             self._bootstrap(),
             self.topic,
             partition,
-            self._offset(partition),
+            self._offset(partition) if offset is None else offset,
             self.config,
             wake,
             name=name,
         )
+
+    def next_offset(self, record) -> int:
+        return record.offset() + 1
 
     def replay(self, partition: int):
         from tandem.kafka import read_log
