@@ -1,7 +1,7 @@
 """Session fixtures for the real services: `zookeeper` and `kafka`.
 
 A test that takes either fixture is marked `zookeeper` / `kafka` automatically (so
-`-m "not kafka"` deselects it) and gets the `tandem.services.Services` object, with
+`-m "not kafka"` deselects it) and gets the `tandem._services.Services` object, with
 `.zk_hosts` and `.kafka_bootstrap`. The servers are the real ones `scripts/services.sh` runs;
 nothing is mocked and nothing is skipped: when a server cannot be started the test errors
 with the script's own message (which port is taken, Java missing, ...).
@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from tandem.services import SERVICE_NAMES, Services
+from tandem._services import SERVICE_NAMES, Services
 
 _NEEDED = pytest.StashKey[frozenset]()
 

@@ -817,8 +817,8 @@ def test_result_json_has_exactly_the_documented_fields():
         lost_replicas=[{"task": "m"}],
     )
     data = json.loads(r.to_json())
-    assert list(data) == list(td.api.JSON_FIELDS)
-    assert set(td.api.JSON_FIELDS) == {
+    assert list(data) == list(td.result.JSON_FIELDS)
+    assert set(td.result.JSON_FIELDS) == {
         "events_in",
         "events_out",
         "lost",

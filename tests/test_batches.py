@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import tandem as td
 from tandem import testing
-from tandem.engines.local import multiset_diff
+from tandem.engines.common import multiset_diff
 from tandem.reference import canonical
 from tandem.testing import BATCH_FUNCTIONS, noisy, two_thresholds
 

@@ -19,7 +19,7 @@ import pytest
 import tandem as td
 from tandem import bench
 from tandem.cli import main
-from tandem.engines import local
+from tandem.engines import common, local
 
 
 def test_cost_bench_quick_r1_r2_reports_every_figure_from_one_run(tmp_path, capsys):
@@ -67,7 +67,7 @@ def test_cost_bench_quick_r1_r2_reports_every_figure_from_one_run(tmp_path, caps
         assert 0 < r["core_share"] < os.cpu_count() and r["steady_core_share"] > 0, where
         # Nothing arrives before t0, which is STARTUP_S after every replica listens; and
         # the first output comes while the run is on.
-        assert local.STARTUP_S < r["first_output_s"] < r["wall_s"], where
+        assert common.STARTUP_S < r["first_output_s"] < r["wall_s"], where
         steady = r["duration_s"] - r["warmup_s"]
         assert r["steady_wall_s"] == pytest.approx(steady, abs=0.6), where
         assert r["rss_mb_total"] > r["rss_mb_max"] > 0, where

@@ -16,7 +16,7 @@ import pytest
 
 import tandem as td
 from tandem import testing
-from tandem.engines.local import multiset_diff
+from tandem.engines.common import multiset_diff
 from tandem.exceptions import TaskFailed
 from tandem.reference import canonical
 

@@ -17,7 +17,7 @@ import pytest
 import tandem
 from tandem import _core, cli
 from tandem import logs as tlogs
-from tandem.engines import local
+from tandem.engines import local, process
 
 JOB = "logs-job"
 SECRET = b"logs-secret"
@@ -199,7 +199,7 @@ def test_verbose_and_log_level_set_the_level_of_tandem_and_of_the_workers(
     assert cli.main([*argv, "run", str(missing)]) != 0  # fails after configuring logging
     assert logging.getLevelName(tandem_level.level) == want
     assert os.environ[tlogs.LEVEL_ENV] == want
-    env = local._worker_env()
+    env = process.child_env()
     assert env[tlogs.LEVEL_ENV] == want
 
 

@@ -21,6 +21,7 @@ def test_version_and_build_profile_are_exported():
         ("ChannelClosed", "TandemError"),
         ("DeterminismError", "TandemError"),
         ("ServiceUnavailable", "TandemError"),
+        ("TaskFailed", "TandemError"),
     ],
 )
 def test_exception_tree(name, parent):

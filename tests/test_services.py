@@ -28,7 +28,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from kazoo.client import KazooClient, KazooState
 
 from tandem import ServiceUnavailable
-from tandem.services import Services, ensure_running, find_script
+from tandem._services import Services, ensure_running, find_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "services.sh"

@@ -6,7 +6,7 @@ masked: no output gap, no loss, no duplicates.
 """
 
 from tandem import _core, logs, operators, sinks, sources
-from tandem.api import Job, Result, Stream
+from tandem.api import Job, Stream
 from tandem.exceptions import (
     AuthenticationError,
     ChannelClosed,
@@ -21,6 +21,7 @@ from tandem.faults import Chaos, Kill, KillHeartbeats, KillWorker, Pause
 from tandem.operators import CountPerKey, KeyedProcess, Operator
 from tandem.ordering.kazoo import KazooConfig
 from tandem.plan import Plan
+from tandem.result import Result
 
 __version__: str = _core.__version__
 build_profile: str = _core.build_profile

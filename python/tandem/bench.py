@@ -511,7 +511,7 @@ def service_pids(kazoo: td.KazooConfig, log=None) -> dict[str, int]:
     """The PIDs of the ZooKeeper and Kafka servers ``kazoo`` points at: the ones
     ``scripts/services.sh`` started (its PID files), else whoever listens on the port (a
     server started from another checkout, or by hand)."""
-    from tandem.services import Services
+    from tandem._services import Services
 
     zoo = kazoo.resolved()
     ports = {"zookeeper": _port(zoo.zk_hosts), "kafka": _port(zoo.kafka_bootstrap)}

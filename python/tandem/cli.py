@@ -66,7 +66,13 @@ def parse_kill(spec: str) -> tandem.Kill:
 
 
 def _add_run_flags(p: argparse.ArgumentParser, demo: bool) -> None:
-    p.add_argument("--engine", choices=engines.ENGINES, default="local")
+    p.add_argument(
+        "--engine",
+        default=engines.DEFAULT,
+        metavar="NAME",
+        help=f"the engine to run on (installed: {', '.join(engines.available())}; "
+        f"default {engines.DEFAULT})",
+    )
     p.add_argument(
         "--master",
         metavar="URL",
@@ -107,7 +113,7 @@ def _kazoo_services(needed: bool, session_timeout: float):
     if not needed:
         yield None
         return
-    from tandem.services import ensure_running
+    from tandem._services import ensure_running
 
     print("KaZoo needs ZooKeeper and Kafka: starting what is not running ...", flush=True)
     services = ensure_running()
@@ -318,7 +324,8 @@ def _bench(args: argparse.Namespace) -> int:
         _write_json(args.json, out)
         return 0
     if args.experiment == "spark":
-        spark_bench = _spark_bench()
+        # An engine package's own benchmark, found through its entry point.
+        spark_bench = engines.load(engines.BENCHMARK_GROUP, "spark", "benchmark")
         out = spark_bench.run(
             rate=args.rate, warmup=args.warmup, measure=args.measure, master=args.master
         )
@@ -538,13 +545,6 @@ def _bench_paper(args: argparse.Namespace) -> int:
 
 def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else ()
-
-
-def _spark_bench():
-    engines.get("spark")  # the clear error when tandem_spark or pyspark is missing
-    from tandem_spark import bench
-
-    return bench
 
 
 def _write_json(path: str | None, out: dict) -> None:

@@ -281,7 +281,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise SystemExit(f"tandem heartbeats: -X {item!r}: expected KEY=VALUE")
         config[key] = value
     if args.parent is not None:
-        from tandem.engines.local import die_with_parent
+        from tandem.engines.process import die_with_parent
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops it with SIGTERM
         die_with_parent()
@@ -327,13 +327,11 @@ def specs(plan) -> list[GeneratorSpec]:
     as many as the most any of those sources asks for (``generators=``, default 2), each
     marking every source topic of that cluster. Generator ``i`` of the job is
     ``specs(plan)[i]`` (:class:`tandem.KillHeartbeats` names it)."""
-    from tandem.sources import LogSource
-
     clusters: dict[tuple, tuple[list[str], int]] = {}
     for task in plan.sources():
-        src = task.source
-        if not isinstance(src, LogSource):
+        if not plan.is_log_source(task.id):
             continue
+        src = task.source
         bootstrap, topic, config = src.heartbeat_target()
         key = (bootstrap, tuple(sorted(config.items())))
         topics, n = clusters.get(key, ([], 0))

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
+from tandem import endpoints
 from tandem.exceptions import ConfigError, ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,7 @@ def _require() -> None:
 
 def default_bootstrap() -> str:
     """The broker `scripts/services.sh` runs (``TANDEM_KAFKA_PORT`` on 127.0.0.1)."""
-    from tandem.services import Services
-
-    return Services(zookeeper=False).kafka_bootstrap
+    return endpoints.default_kafka_bootstrap()
 
 
 def client_config(bootstrap: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

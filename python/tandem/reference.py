@@ -44,10 +44,10 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tandem.api import Result
 from tandem.exceptions import ConfigError
 from tandem.heartbeat import LogStep
 from tandem.plan import InputChannel, Plan, Router, Task, WatermarkTracker
+from tandem.result import Result
 from tandem.sinks import Collect
 from tandem.testing import ReferenceLiveRobin
 

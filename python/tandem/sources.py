@@ -58,7 +58,9 @@ def _unit(bits: np.ndarray) -> np.ndarray:
     return (bits >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-def _parse_rate(rate: Any, what: str) -> Fraction | None:
+def parse_rate(rate: Any, what: str) -> Fraction | None:
+    """A source's ``rate=`` (rows per second, > 0; None: all rows at once) as the exact
+    fraction the release schedule uses; ``what`` names the source in the ConfigError."""
     if rate is None:
         return None
     if isinstance(rate, bool) or not isinstance(rate, int | float | Fraction):
@@ -517,7 +519,7 @@ class Synthetic(Source):
         limit: int | None = None,
     ) -> None:
         what = "sources.Synthetic"
-        self.rate = _parse_rate(rate, what)
+        self.rate = parse_rate(rate, what)
         if self.rate is None:
             raise ConfigError(f"{what}: rate is required (rows per second), got None")
         if isinstance(keys, bool) or not isinstance(keys, int) or keys < 1:
@@ -611,7 +613,7 @@ class _FileSource(Source):
         what = f"sources.{type(self).__name__}({self.path!r})"
         if not os.path.exists(self.path):
             raise ConfigError(f"{what}: no such file or directory; check the path")
-        self.rate = _parse_rate(rate, what)
+        self.rate = parse_rate(rate, what)
         self._table: pa.Table | None = None
         schema = self._load().schema
         for col in (SOURCE_SEQ, EVENT_TIME):
@@ -678,4 +680,13 @@ class Csv(_FileSource):
         return pacsv.read_csv(self.path)
 
 
-__all__ = ["Csv", "Kafka", "LogSource", "Parquet", "Source", "Synthetic", "splitmix64"]
+__all__ = [
+    "Csv",
+    "Kafka",
+    "LogSource",
+    "Parquet",
+    "Source",
+    "Synthetic",
+    "parse_rate",
+    "splitmix64",
+]

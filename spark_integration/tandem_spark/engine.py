@@ -48,14 +48,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tandem import logs
-from tandem.api import Result
-from tandem.engines.common import assemble_result, check_options
-from tandem.engines.local import STARTUP_S, _worker_env
+from tandem.engines.common import STARTUP_S, assemble_result, check_options
+from tandem.engines.process import child_env
 from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Kill, KillWorker
 from tandem.heartbeat import Generators
 from tandem.ordering import kazoo
 from tandem.plan import Plan, Task
+from tandem.result import Result
 from tandem.runtime import ReplicaId, ReplicaReport, Worker
 from tandem.sinks import Collect
 from tandem_spark import registry as reg
@@ -152,7 +152,7 @@ class SparkEngine:
         # KaZoo: the run's order topics, deleted once the result (which reads them) is in.
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         # Kafka sources: their heartbeat generators run on the driver, for the whole job.
-        generators = Generators(plan, env=_worker_env())
+        generators = Generators(plan, env=child_env())
         try:
             generators.start()
             return self._run_with(plan, duration, faults, warmup, check, timeout, zoo)

@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from tandem.exceptions import ConfigError
 from tandem.operators import EVENT_TIME, SOURCE_SEQ
-from tandem.sources import Source, _parse_rate
+from tandem.sources import Source, parse_rate
 from tandem_spark.session import is_local
 
 
@@ -141,7 +141,7 @@ class DataFrame(Source):
                     f"{what}: the DataFrame already has a column {col!r}, which the source "
                     "adds itself; rename or drop it (df.withColumnRenamed / df.drop)"
                 )
-        self.rate = _parse_rate(rate, what)
+        self.rate = parse_rate(rate, what)
         self.order_by = keys
         master = df.sparkSession.sparkContext.master
         if path is None:

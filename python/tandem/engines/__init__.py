@@ -1,38 +1,101 @@
-"""Execution engines. ``get(name)`` returns the engine a ``Job.run(engine=name)`` uses.
+"""Execution engines, found through the ``tandem.engines`` entry point group.
 
-* ``local`` (the default): worker processes on this machine, each hosting many replicas
-  (:meth:`tandem.plan.Plan.placement`), TCP on 127.0.0.1 between them.
-* ``spark``: one long-running Spark task per worker (the ``tandem_spark`` package from
-  ``spark_integration/``), on a session it creates for the run and stops after it; pass a
-  ``tandem_spark.SparkEngine(spark)`` object instead to use a session of your own.
+An engine is a class whose instances have ``run(plan, duration=, faults=, ...)`` and
+return a :class:`tandem.Result`. A package offers one by declaring an entry point in the
+``tandem.engines`` group (``name = "module:Class"`` under
+``[project.entry-points."tandem.engines"]`` in its ``pyproject.toml``); ``get(name,
+**options)`` loads it and constructs it with ``options``. ``Job.run(engine="name")`` and
+``tandem demo --engine name`` go through it.
+
+* ``local`` (the default; declared by tandem itself): worker processes on this machine,
+  each hosting many replicas (:meth:`tandem.plan.Plan.placement`), talking over Unix
+  sockets or TCP on 127.0.0.1.
+* ``spark``: declared by the Spark integration (``spark_integration/``): one long-running
+  Spark task per worker, on a session it creates for the run and stops after it; pass the
+  engine object itself to ``Job.run(engine=...)`` to use a session of your own.
+
+tandem never imports an engine package: engines depend on tandem — on its public modules,
+:mod:`tandem.engines.common` being what every engine shares — and not the other way round.
+Benchmarks that an engine package brings are found the same way, in the
+``tandem.benchmarks`` group: a module with ``run(**options)`` and ``table(out)``, loaded by
+the command line (``tandem bench <name>``), not by the library.
 """
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any
 
 from tandem.exceptions import ConfigError
 
-ENGINES = ("local", "spark")
+ENGINE_GROUP = "tandem.engines"
+BENCHMARK_GROUP = "tandem.benchmarks"
+DEFAULT = "local"
+
+_BUILTIN = {
+    ENGINE_GROUP: {DEFAULT: "tandem.engines.local:LocalEngine"},
+    BENCHMARK_GROUP: {},
+}
+"""What tandem declares itself (``pyproject.toml``), for a tandem imported from a source
+tree whose distribution metadata is not installed; installed metadata wins."""
+
+_INSTALL_HINTS = {
+    "spark": "the Spark engine and its benchmark come with the tandem-spark package: "
+    "`pip install ./spark_integration` from a tandem checkout (`make install` does)",
+}
+
+
+def entry_points(group: str = ENGINE_GROUP) -> dict[str, metadata.EntryPoint]:
+    """The installed entry points of ``group`` by name (tandem's own included even when
+    its metadata is not installed)."""
+    found = {
+        name: metadata.EntryPoint(name=name, value=value, group=group)
+        for name, value in _BUILTIN[group].items()
+    }
+    found.update({ep.name: ep for ep in metadata.entry_points(group=group)})
+    return found
+
+
+def available() -> list[str]:
+    """The names of the installed engines, the default first."""
+    return sorted(entry_points(ENGINE_GROUP), key=lambda name: (name != DEFAULT, name))
+
+
+def load(group: str, name: str, what: str) -> Any:
+    """The object the entry point ``name`` of ``group`` names, imported; a ConfigError
+    naming the installed ones (and how to install a known one) if there is no such entry
+    point or its package does not import. ``what`` names the kind in the message."""
+    found = entry_points(group)
+    hint = _INSTALL_HINTS.get(name)
+    if name not in found:
+        raise ConfigError(
+            f"unknown {what} {name!r}; installed: {sorted(found) or 'none'}"
+            + (f" ({hint})" if hint else "")
+        )
+    ep = found[name]
+    try:
+        return ep.load()
+    except ImportError as exc:
+        dist = getattr(ep, "dist", None)
+        origin = f", from {dist.name} {dist.version}" if dist is not None else ""
+        raise ConfigError(
+            f"the {name} {what} ({ep.value}{origin}) cannot be loaded: {exc}; "
+            + (hint or "reinstall the package that provides it, with its dependencies")
+        ) from exc
 
 
 def get(name: str, **options: Any) -> Any:
-    """The engine called ``name``; ``options`` go to the engine's constructor (for
-    ``spark``: e.g. ``master``, the Spark master URL of the session it creates)."""
-    if name == "local":
-        from tandem.engines.local import LocalEngine
-
-        return LocalEngine(**options)
-    if name == "spark":
-        try:
-            import tandem_spark
-        except ImportError as exc:
-            raise ConfigError(
-                f"the spark engine needs the tandem_spark package and pyspark ({exc}); "
-                "install them with `pip install ./spark_integration` from a tandem checkout"
-            ) from exc
-        return tandem_spark.SparkEngine(**options)
-    raise ConfigError(f"unknown engine {name!r}; available engines: {list(ENGINES)}")
+    """The engine called ``name``, constructed with ``options`` (for ``spark``: e.g.
+    ``master``, the Spark master URL of the session it creates)."""
+    return load(ENGINE_GROUP, name, "engine")(**options)
 
 
-__all__ = ["ENGINES", "get"]
+__all__ = [
+    "BENCHMARK_GROUP",
+    "DEFAULT",
+    "ENGINE_GROUP",
+    "available",
+    "entry_points",
+    "get",
+    "load",
+]

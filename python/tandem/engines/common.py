@@ -16,15 +16,19 @@ import numpy as np
 import pyarrow as pa
 
 from tandem import latency
-from tandem.api import Result
 from tandem.exceptions import ConfigError
 from tandem.faults import Kill
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
+from tandem.result import Result
 from tandem.runtime import ReplicaId, ReplicaReport
 
 log = logging.getLogger("tandem")
+
+STARTUP_S = 1.0
+"""Time between the go signal and t0 on every engine: every replica dials its downstream
+peers meanwhile."""
 
 
 def check_options(
@@ -234,4 +238,4 @@ def multiset_diff(want: pa.Table, got: pa.Table) -> tuple[int, int]:
     return int(np.maximum(w - g, 0).sum()), int(np.maximum(g - w, 0).sum())
 
 
-__all__ = ["assemble_result", "check_options", "multiset_diff"]
+__all__ = ["STARTUP_S", "assemble_result", "check_options", "multiset_diff"]

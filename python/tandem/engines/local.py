@@ -20,7 +20,6 @@ its parent — and finally hands the replicas' reports to
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import random
@@ -39,20 +38,18 @@ import cloudpickle
 import psutil
 
 from tandem import logs
-from tandem.api import Result
-from tandem.engines.common import assemble_result, check_options, multiset_diff
-from tandem.exceptions import ConfigError, TandemError, TaskFailed
+from tandem.engines.common import STARTUP_S, assemble_result, check_options
+from tandem.engines.process import child_env
+from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Chaos, Kill, KillHeartbeats, KillWorker, Pause, ReplicaFault
 from tandem.heartbeat import Generators
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
+from tandem.result import Result
 from tandem.runtime import ReplicaId, ReplicaReport, Resume, Worker, _warm_up
 
 log = logging.getLogger("tandem")
-
-STARTUP_S = 1.0
-"""Time between the go signal and t0: every replica dials its downstream peers meanwhile."""
 
 ON_READY = None
 """Test hook: called with every inbox address once all replicas listen, before they start."""
@@ -98,13 +95,6 @@ class _Resume:
     worker: int
     at: float
     pid: int
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans, ever)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):  # libc without prctl: nothing to do
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def serve(
@@ -198,25 +188,6 @@ def _requests(conn, worker: Worker) -> None:
             worker.request_cut(msg[1], msg[2])
         elif msg[0] == "link":
             worker.link(*msg[1:])
-
-
-def _worker_env() -> dict[str, str]:
-    """The environment of a worker process: this one's, with the folder tandem was
-    imported from on PYTHONPATH unless the interpreter finds it anyway (site-packages),
-    and the log level (``TANDEM_LOG_LEVEL``) of this process's ``tandem`` logger unless it
-    is set already."""
-    import site
-
-    import tandem
-
-    env = dict(os.environ)
-    env[logs.LEVEL_ENV] = logs.driver_level()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(tandem.__file__)))
-    default = set(site.getsitepackages()) | {site.getusersitepackages()}
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in default and root not in paths:
-        env["PYTHONPATH"] = os.pathsep.join([root, *paths])
-    return env
 
 
 class _Process:
@@ -313,7 +284,7 @@ def _self_cpu_s() -> float:
 
 class _CostMeter:
     """What a run costs this machine, for ``tandem bench cost`` (see the cost fields of
-    :class:`~tandem.api.Result`).
+    :class:`~tandem.result.Result`).
 
     The replica processes are children of the coordinator, and it reaps every one of them
     before the run returns (:meth:`_Run.stop`), so the CPU they used — start-up, run,
@@ -404,7 +375,7 @@ class LocalEngine:
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         # Kafka sources: the heartbeat generators run from before the workers start until
         # every worker has stopped (their markers before t0 are ignored).
-        generators = Generators(plan, env=_worker_env())
+        generators = Generators(plan, env=child_env())
         run = _Run(plan, duration, list(faults), progress, host, zoo, warmup, generators)
         try:
             generators.start()
@@ -496,7 +467,7 @@ class _Run:
         # The plan goes by cloudpickle: functions, lambdas and closures of the main script
         # by value (Job.plan checked that every task can be sent).
         self._blob = blob = cloudpickle.dumps(self.plan)
-        self._env = env = _worker_env()
+        self._env = env = child_env()
         for w, rids in enumerate(self.placement):
             proc = _Process(
                 (list(sys.path), blob, rids, self.secret, self.zoo, False),
@@ -1083,4 +1054,4 @@ class _Run:
         return result
 
 
-__all__ = ["LocalEngine", "TaskFailed", "multiset_diff"]
+__all__ = ["LocalEngine"]

@@ -29,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     worker = argv[2] if len(argv) > 2 else "?"
 
     from tandem import logs
-    from tandem.engines import local
+    from tandem.engines import local, process
 
     logs.configure_worker(worker)
 
-    local.die_with_parent()
+    process.die_with_parent()
     if os.getppid() != parent:  # the coordinator died before we asked to die with it
         return 1
     os.set_inheritable(fd, False)  # nothing this process starts may hold the link open

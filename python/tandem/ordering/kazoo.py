@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tandem import _core
+from tandem import _core, endpoints
 from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError
 
 if TYPE_CHECKING:
@@ -93,12 +93,9 @@ class KazooConfig:
         """This config with the service addresses filled in."""
         if self.zk_hosts and self.kafka_bootstrap:
             return self
-        from tandem.services import Services
-
-        services = Services()
         return KazooConfig(
-            zk_hosts=self.zk_hosts or services.zk_hosts,
-            kafka_bootstrap=self.kafka_bootstrap or services.kafka_bootstrap,
+            zk_hosts=self.zk_hosts or endpoints.default_zk_hosts(),
+            kafka_bootstrap=self.kafka_bootstrap or endpoints.default_kafka_bootstrap(),
             session_timeout_s=self.session_timeout_s,
             batch=self.batch,
         )
@@ -150,11 +147,9 @@ def prepare(plan: Plan, config: KazooConfig | None = None, timeout: float = 10.0
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from tandem.services import probe_kafka, probe_zookeeper
-
     config = (config or plan.kazoo or KazooConfig()).resolved()
-    probe_zookeeper(config.zk_hosts, timeout=timeout)
-    probe_kafka(config.kafka_bootstrap, timeout=timeout)
+    endpoints.probe_zookeeper(config.zk_hosts, timeout=timeout)
+    endpoints.probe_kafka(config.kafka_bootstrap, timeout=timeout)
     run = KazooRun(config, plan.job, os.urandom(4).hex(), tuple(plan.ordered_partitions()))
     if run.partitions:
         admin = AdminClient(

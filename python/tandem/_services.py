@@ -1,13 +1,15 @@
-"""Real ZooKeeper and Kafka for the KaZoo ordering: find them, start them, probe them.
+"""Tooling, not library API: start, stop and watch the real ZooKeeper and Kafka that
+KaZoo runs against on a developer machine and in CI — for the tests (``tests/conftest.py``),
+``tandem demo --ordering kazoo`` and the benchmarks. Private (not exported by ``tandem``);
+a job's own services are the user's business, and the library only needs their addresses
+and probes (:mod:`tandem.endpoints`).
 
-KaZoo needs a ZooKeeper (leader election) and a Kafka broker (the order topic). On a developer
-machine and in CI both come from `scripts/services.sh`, which runs a standalone ZooKeeper and
-a single-node KRaft Kafka from Maven Central jars, bound to 127.0.0.1 and kept under
-`.services/`. This module is the Python face of that script, used by the tests, the demo and
-CI:
+The servers come from `scripts/services.sh` in a tandem checkout, which runs a standalone
+ZooKeeper and a single-node KRaft Kafka from Maven Central jars, bound to 127.0.0.1 and
+kept under `.services/`. This module is the Python face of that script:
 
 ```python
-from tandem.services import ensure_running
+from tandem._services import ensure_running
 
 services = ensure_running()  # starts what is not already reachable
 services.zk_hosts  # "127.0.0.1:21810"
@@ -16,10 +18,10 @@ services.stop()  # only stops the servers this Services started
 ```
 
 The script does the process work (jars, configs, PID files, readiness of the server
-itself); this module adds what only a real client can tell — a kazoo session and a Kafka
-metadata request succeed — and turns every failure into `tandem.ServiceUnavailable` naming
-the address and how to start the services. Ports come from `TANDEM_ZK_PORT` (21810) and
-`TANDEM_KAFKA_PORT` (19092), the same variables the script reads.
+itself); this module adds what only a real client can tell (the probes of
+:mod:`tandem.endpoints`) and turns every failure into `tandem.ServiceUnavailable`
+naming the address and how to start the services. Ports come from `TANDEM_ZK_PORT` (21810)
+and `TANDEM_KAFKA_PORT` (19092), the same variables the script reads.
 """
 
 from __future__ import annotations
@@ -32,52 +34,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.endpoints import (
+    DEFAULT_KAFKA_PORT,
+    DEFAULT_ZK_PORT,
+    HOST,
+    PORT_ENV,
+    port_from_env,
+    probe_kafka,
+    probe_zookeeper,
+)
 from tandem.exceptions import ConfigError, ServiceUnavailable
-
-__all__ = [
-    "DEFAULT_KAFKA_PORT",
-    "DEFAULT_ZK_PORT",
-    "SERVICE_NAMES",
-    "ServiceState",
-    "Services",
-    "ensure_running",
-    "find_script",
-    "probe_kafka",
-    "probe_zookeeper",
-]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ZK_PORT = 21810
-DEFAULT_KAFKA_PORT = 19092
-HOST = "127.0.0.1"
 SERVICE_NAMES = ("zookeeper", "kafka")
-_DISPLAY = {"zookeeper": "ZooKeeper", "kafka": "Kafka"}
-_PORT_ENV = {"zookeeper": "TANDEM_ZK_PORT", "kafka": "TANDEM_KAFKA_PORT"}
 _SCRIPT = Path("scripts") / "services.sh"
 
 #: How long `start` waits for the script (jar download on the very first start included).
 START_TIMEOUT_S = 300.0
-
-
-def _start_hint(name: str) -> str:
-    return (
-        f"start it with `scripts/services.sh start {name}` (or `make services`), "
-        f"or point {_PORT_ENV[name]} at a running {_DISPLAY[name]}"
-    )
-
-
-def _port_from_env(var: str, default: int) -> int:
-    raw = os.environ.get(var)
-    if raw is None or raw == "":
-        return default
-    try:
-        port = int(raw)
-    except ValueError:
-        port = -1
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"{var}={raw!r} is not a TCP port: set it to a number in 1..65535")
-    return port
 
 
 def find_script() -> Path:
@@ -115,68 +89,6 @@ def _listening(address: str, timeout: float = 0.5) -> bool:
             return True
     except OSError:
         return False
-
-
-def probe_zookeeper(hosts: str, timeout: float = 5.0) -> None:
-    """Open and close a kazoo session with `hosts`; raise `ServiceUnavailable` if none
-    opens within `timeout` seconds (a refused connection still takes the whole timeout:
-    kazoo retries, as it would for a server that is restarting)."""
-    try:
-        from kazoo.client import KazooClient
-        from kazoo.handlers.threading import KazooTimeoutError
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ConfigError(
-            "kazoo is not installed, and the KaZoo ordering needs it: "
-            "pip install 'tandem-stream[kazoo]'"
-        ) from exc
-    client = KazooClient(hosts=hosts, timeout=max(timeout, 0.5))
-    started = time.monotonic()
-    try:
-        client.start(timeout=timeout)
-    except KazooTimeoutError as exc:
-        raise ServiceUnavailable(
-            f"ZooKeeper is not reachable at {hosts}: no session within {timeout:.1f} s; "
-            + _start_hint("zookeeper")
-        ) from exc
-    try:
-        client.get_children("/")
-    finally:
-        client.stop()
-        client.close()
-    log.debug("ZooKeeper at %s answered in %.3f s", hosts, time.monotonic() - started)
-
-
-def probe_kafka(bootstrap: str, timeout: float = 5.0) -> None:
-    """Ask the broker at `bootstrap` for cluster metadata; raise `ServiceUnavailable` if it
-    does not answer within `timeout` seconds."""
-    try:
-        from confluent_kafka import KafkaException
-        from confluent_kafka.admin import AdminClient
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ConfigError(
-            "confluent-kafka is not installed, and the KaZoo ordering needs it: "
-            "pip install 'tandem-stream[kazoo]'"
-        ) from exc
-    # librdkafka prints every refused connection to stderr; route it to logging instead.
-    admin = AdminClient(
-        {
-            "bootstrap.servers": bootstrap,
-            "socket.connection.setup.timeout.ms": max(int(timeout * 1000), 1000),
-            "logger": logging.getLogger("tandem.services.librdkafka"),
-        }
-    )
-    try:
-        metadata = admin.list_topics(timeout=timeout)
-    except KafkaException as exc:
-        raise ServiceUnavailable(
-            f"Kafka is not reachable at {bootstrap}: no metadata within {timeout:.1f} s "
-            f"({exc.args[0].str() if exc.args else exc}); " + _start_hint("kafka")
-        ) from exc
-    if not metadata.brokers:
-        raise ServiceUnavailable(
-            f"Kafka at {bootstrap} answered but lists no broker yet; "
-            "wait for it to finish starting, or " + _start_hint("kafka")
-        )
 
 
 @dataclass(frozen=True)
@@ -217,8 +129,8 @@ class Services:
         )
         if not self.names:
             raise ConfigError("Services(zookeeper=False, kafka=False) selects no service")
-        self.zk_port = zk_port or _port_from_env("TANDEM_ZK_PORT", DEFAULT_ZK_PORT)
-        self.kafka_port = kafka_port or _port_from_env("TANDEM_KAFKA_PORT", DEFAULT_KAFKA_PORT)
+        self.zk_port = zk_port or port_from_env(PORT_ENV["zookeeper"], DEFAULT_ZK_PORT)
+        self.kafka_port = kafka_port or port_from_env(PORT_ENV["kafka"], DEFAULT_KAFKA_PORT)
         self._script = Path(script) if script is not None else None
         self.started: tuple[str, ...] = ()
         #: wall-clock seconds of the last `start()` that started something
@@ -388,3 +300,12 @@ def ensure_running(
     else:
         services.check(timeout)
     return services
+
+
+__all__ = [
+    "SERVICE_NAMES",
+    "ServiceState",
+    "Services",
+    "ensure_running",
+    "find_script",
+]

@@ -1,0 +1,240 @@
+"""The shape of the code: no import cycles, every module importable on its own, engines
+found through entry points, tandem never naming the Spark integration, which uses
+tandem's public names only, and service supervision out of the public surface."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import tandem
+from tandem import engines
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "tandem": ROOT / "python" / "tandem",
+    "tandem_spark": ROOT / "spark_integration" / "tandem_spark",
+}
+NATIVE = {"tandem._core"}
+
+
+def modules() -> dict[str, Path | None]:
+    """Every module of both packages, by dotted name (the native one without a file)."""
+    found: dict[str, Path | None] = dict.fromkeys(NATIVE)
+    for package, root in PACKAGES.items():
+        for path in sorted(root.rglob("*.py")):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _resolve(name: str, known) -> str | None:
+    """The module of ours ``name`` is or lives in (``tandem.plan.Plan`` → ``tandem.plan``)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(path: Path, known) -> set[str]:
+    """The modules of ours that ``path`` imports anywhere: at the top, inside functions,
+    under ``TYPE_CHECKING``. ``from tandem import logs`` imports ``tandem.logs``; the
+    implicit import of a module's parent packages is not counted."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(_resolve(a.name, known) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                found.add(full if full in known else _resolve(node.module, known))
+    found.discard(None)
+    return found
+
+
+LOADED_BY = {engines.ENGINE_GROUP: "tandem.engines", engines.BENCHMARK_GROUP: "tandem.cli"}
+"""Which module loads the entry points of each group (``engines.get``; ``tandem bench``)."""
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the modules it imports, and the module that loads an installed entry
+    point → the module the entry point names."""
+    known = modules()
+    graph = {
+        name: (imports(path, known) - {name} if path else set()) for name, path in known.items()
+    }
+    for group, loader in LOADED_BY.items():
+        for ep in engines.entry_points(group).values():
+            target = _resolve(ep.module, known)
+            if target is not None:
+                graph[loader].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "tandem.engines.local" in graph["tandem.engines"], "the local entry point"
+    found = cycles(graph)
+    detail = [{m: sorted(graph[m] & set(c)) for m in c} for c in found]
+    assert not found, f"import cycles (module -> the members it imports): {detail}"
+
+
+def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
+    """An import-order dependency (a module that works only when another was imported
+    first) fails here even where no cycle shows."""
+    names = sorted(m for m in modules() if m not in NATIVE)
+
+    def run(name: str) -> tuple[str, subprocess.CompletedProcess]:
+        done = subprocess.run(
+            [sys.executable, "-c", f"import {name}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        return name, done
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failed = {
+            name: done.stderr.strip().splitlines()[-1]
+            for name, done in pool.map(run, names)
+            if done.returncode != 0
+        }
+    assert not failed, failed
+
+
+def test_tandem_never_names_the_spark_package():
+    """tandem finds the Spark engine through its entry point; not one line of tandem,
+    code or docstring, names ``tandem_spark``."""
+    naming = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted(PACKAGES["tandem"].rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "tandem_spark" in line
+    ]
+    assert not naming, naming
+
+
+def test_the_spark_package_uses_public_names_of_tandem_only():
+    private = []
+    for path in sorted(PACKAGES["tandem_spark"].rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tandem."):
+                names = [a.name for a in node.names if a.name.startswith("_")]
+                if any(p.startswith("_") for p in node.module.split(".")) or names:
+                    private.append(f"{path.name}:{node.lineno} from {node.module} import {names}")
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                mods.append(getattr(node, "module", None) or "")
+                if any(m == "tandem.engines.local" for m in mods):
+                    private.append(f"{path.name}:{node.lineno} imports the local engine")
+    assert not private, private
+
+
+def _declared(group: str) -> dict[str, str]:
+    return {ep.name: ep.value for ep in metadata.entry_points(group=group)}
+
+
+def test_engines_are_installed_entry_points():
+    """The installed metadata declares both engines (pyproject.toml, spark_integration's
+    pyproject.toml: reinstall after changing them), and ``get`` loads them by name."""
+    import tandem_spark
+
+    assert _declared(engines.ENGINE_GROUP) == {
+        "local": "tandem.engines.local:LocalEngine",
+        "spark": "tandem_spark:SparkEngine",
+    }
+    assert _declared(engines.BENCHMARK_GROUP) == {"spark": "tandem_spark.bench"}
+    assert engines.available() == ["local", "spark"]
+    from tandem.engines.local import LocalEngine
+
+    assert isinstance(engines.get("local"), LocalEngine)
+    spark = engines.get("spark", master="local[2,2]")
+    assert isinstance(spark, tandem_spark.SparkEngine) and spark.master == "local[2,2]"
+    assert engines.load(engines.BENCHMARK_GROUP, "spark", "benchmark") is tandem_spark.bench
+
+
+def test_tandem_declares_its_builtin_entry_points_in_pyproject():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["entry-points"][engines.ENGINE_GROUP]
+    assert declared == engines._BUILTIN[engines.ENGINE_GROUP]
+
+
+def test_an_engine_not_installed_is_named_with_the_install_command(monkeypatch):
+    monkeypatch.setattr(engines.metadata, "entry_points", lambda group: [])
+    assert engines.available() == ["local"]
+    with pytest.raises(tandem.ConfigError, match=r"unknown engine 'spark'.*\['local'\]"):
+        engines.get("spark")
+    with pytest.raises(tandem.ConfigError, match=r"pip install \./spark_integration"):
+        engines.load(engines.BENCHMARK_GROUP, "spark", "benchmark")
+    with pytest.raises(tandem.ConfigError, match=r"unknown engine 'nope'; installed: \['local'\]$"):
+        engines.get("nope")
+
+
+def test_result_lives_apart_from_the_api_and_keeps_its_public_names():
+    from tandem.result import Result
+
+    assert tandem.Result is Result
+    assert "Result" not in tandem.api.__all__
+
+
+def test_service_supervision_is_not_public():
+    assert "services" not in tandem.__all__ and not hasattr(tandem, "services")
+    assert not (PACKAGES["tandem"] / "services.py").exists()
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, tandem; print('tandem._services' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.strip() == "False", "importing tandem must not load the supervision"
