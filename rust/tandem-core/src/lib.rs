@@ -5,6 +5,9 @@
 //! * [`wire`] — frame codec (fixed header + Arrow IPC body) and the authenticated handshake.
 //! * [`dedup`] — duplicate sending, first copy wins: a lock-free per-logical-channel
 //!   high-water mark fed concurrently by the connections of every upstream replica.
+//! * [`consume`] — what every consumption order shares: the [`consume::Merge`] trait, the
+//!   inputs a merge reads, the cut a rebuilt replica resumes from, heartbeat and
+//!   end-of-channel bookkeeping.
 //! * [`liverobin`] — Algorithm 1 of the paper: leaderless deterministic round-robin merge
 //!   driven by heartbeats.
 //! * [`merge`] — the other consumption orders: `none` (first come, first served) and the
@@ -23,6 +26,7 @@
 //! Sequence numbers are `u64` and count *every* element of a channel, data rows and
 //! heartbeats alike (DESIGN §2, invariant 1).
 
+pub mod consume;
 pub mod dedup;
 pub mod digest;
 pub mod error;

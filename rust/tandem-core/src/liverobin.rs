@@ -49,9 +49,9 @@
 
 use std::marker::PhantomData;
 
+use crate::consume::{Ended, HeartbeatGate, Inputs, Merge, MergeCut};
 use crate::error::Result;
 use crate::item::{Chunk, Delivery, Item};
-use crate::merge::{Ended, HeartbeatGate, Inputs, Merge, MergeCut};
 
 /// See the module documentation. `P` is the payload of the batches it hands out (an Arrow
 /// `RecordBatch` in production); the merge never looks inside one beyond its row count.

@@ -19,102 +19,17 @@
 //! A merge pops only the channel it needs and keeps at most one split remainder per
 //! channel (only [`Positional`] ever splits), so input memory stays bounded by the dedup
 //! queues (invariant 5).
+//!
+//! The [`Merge`] trait, the [`Inputs`] it reads and the [`MergeCut`] it resumes from live in
+//! [`crate::consume`], with the bookkeeping every order shares, and are re-exported here.
 
 use std::collections::VecDeque;
 
-use crate::dedup::DedupReceiver;
+use crate::consume::{take, Ended, HeartbeatGate};
+pub use crate::consume::{Inputs, Merge, MergeCut};
 use crate::error::{Error, Result};
 use crate::item::{Chunk, Delivery, Item};
 use crate::liverobin::LiveRobin;
-
-/// The input channels a merge reads, in a fixed order (channel `i` is logical upstream
-/// channel `i` at every replica).
-pub trait Inputs<P> {
-    /// Number of channels.
-    fn channels(&self) -> usize;
-    /// The next element of `channel` in sequence order, or `None` if none is available
-    /// yet (or `channel` is out of range).
-    fn pop(&mut self, channel: usize) -> Option<Item<P>>;
-}
-
-impl<P: Chunk + Send> Inputs<P> for Vec<DedupReceiver<P>> {
-    fn channels(&self) -> usize {
-        self.len()
-    }
-    fn pop(&mut self, channel: usize) -> Option<Item<P>> {
-        self.get_mut(channel)?.pop()
-    }
-}
-
-/// Pre-filled channels: tests, benchmarks and the Python bindings feed these directly.
-impl<P> Inputs<P> for Vec<VecDeque<Item<P>>> {
-    fn channels(&self) -> usize {
-        self.len()
-    }
-    fn pop(&mut self, channel: usize) -> Option<Item<P>> {
-        self.get_mut(channel)?.pop_front()
-    }
-}
-
-/// A consumption order. See the module documentation. The `inputs` passed to `next` must
-/// be the same channels, in the same order, on every call and at every replica (a merge
-/// built for `n` channels waits forever on a channel index the inputs do not have).
-pub trait Merge<P: Chunk>: Send {
-    /// Next delivery in this replica's consumption order, or None if it must wait for more input.
-    fn next(&mut self, inputs: &mut dyn Inputs<P>) -> Option<Delivery<P>>;
-    /// The channel it is blocked on (None = any channel would do).
-    fn waiting_on(&self) -> Option<usize>;
-    /// Append the order "consume `channel` until its next sequence number is `up_to_seq`".
-    /// Only [`Positional`] follows orders; the other merges decide for themselves and
-    /// refuse.
-    fn push_order(&mut self, channel: usize, up_to_seq: u64) -> Result<()> {
-        Err(Error::Config(format!(
-            "order (channel {channel}, up to seq {up_to_seq}) pushed to a merge that decides its \
-             own order; only ordering 'kazoo' (positional) follows orders"
-        )))
-    }
-    /// The merge's state at a heartbeat-cycle boundary (see [`MergeCut`]); None if this
-    /// merge cannot be cut there (it is mid-cycle, or it follows orders decided elsewhere).
-    fn cut(&self) -> Option<MergeCut> {
-        None
-    }
-    /// Continue from `cut`, taken from a twin's merge of the same kind over the same
-    /// channels; call before the first `next`.
-    fn resume(&mut self, _cut: &MergeCut) -> Result<()> {
-        Err(Error::Config(
-            "this consumption order cannot resume from a twin's cut (KaZoo replicas follow the \
-             order log instead)"
-                .to_owned(),
-        ))
-    }
-}
-
-/// Where a merge stands at a heartbeat-cycle boundary: what a replica rebuilt from a twin
-/// needs so that, fed the same input from the cut on, it makes the same choices as the twin.
-/// Everything else a merge keeps (LiveRobin's active set) is full at a boundary.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct MergeCut {
-    /// The channel whose turn is next (LiveRobin), or where the next scan starts (`none`).
-    pub turn: usize,
-    /// The highest heartbeat epoch seen (`gen` of Algorithm 1).
-    pub gen: Option<u64>,
-    /// Which channels have ended.
-    pub ended: Vec<bool>,
-}
-
-impl MergeCut {
-    /// Check that the cut fits a merge over `channels` channels.
-    pub(crate) fn check(&self, channels: usize) -> Result<()> {
-        if self.ended.len() != channels || (channels > 0 && self.turn >= channels) {
-            return Err(Error::Config(format!(
-                "a merge cut of {} channels (turn {}) does not fit a merge over {channels}",
-                self.ended.len(),
-                self.turn
-            )));
-        }
-        Ok(())
-    }
-}
 
 /// The ordering knob (`ordering` in DESIGN §5; `kazoo` replicas use [`Positional`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,77 +54,6 @@ pub fn build<P: Chunk + Send + 'static>(mode: &OrderingMode, channels: usize) ->
     }
 }
 
-/// Heartbeat bookkeeping shared by every order: an epoch is forwarded (`first: true`) only
-/// the first time it is seen, on whichever channel that is.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct HeartbeatGate {
-    /// Highest epoch seen so far (`gen` in Algorithm 1).
-    gen: Option<u64>,
-}
-
-impl HeartbeatGate {
-    pub(crate) fn resumed(gen: Option<u64>) -> Self {
-        Self { gen }
-    }
-    pub(crate) fn gen(&self) -> Option<u64> {
-        self.gen
-    }
-    /// Record a heartbeat of `epoch`; true if it is the first time this epoch is seen.
-    pub(crate) fn see(&mut self, epoch: u64) -> bool {
-        let first = self.gen.is_none_or(|g| epoch > g);
-        if first {
-            self.gen = Some(epoch);
-        }
-        first
-    }
-}
-
-/// Which channels have ended; [`Delivery::End`] once all of them have.
-#[derive(Debug, Clone)]
-pub(crate) struct Ended {
-    ended: Vec<bool>,
-    count: usize,
-}
-
-impl Ended {
-    pub(crate) fn new(channels: usize) -> Self {
-        Self {
-            ended: vec![false; channels],
-            count: 0,
-        }
-    }
-    pub(crate) fn mark(&mut self, channel: usize) {
-        if !self.ended[channel] {
-            self.ended[channel] = true;
-            self.count += 1;
-        }
-    }
-    pub(crate) fn is_ended(&self, channel: usize) -> bool {
-        self.ended[channel]
-    }
-    pub(crate) fn all(&self) -> bool {
-        self.count == self.ended.len()
-    }
-    pub(crate) fn flags(&self) -> Vec<bool> {
-        self.ended.clone()
-    }
-    pub(crate) fn resumed(flags: &[bool]) -> Self {
-        Self {
-            ended: flags.to_vec(),
-            count: flags.iter().filter(|&&e| e).count(),
-        }
-    }
-}
-
-/// Take the held remainder of `channel` if any, else pop the channel.
-pub(crate) fn take<P>(
-    remainder: &mut [Option<Item<P>>],
-    inputs: &mut dyn Inputs<P>,
-    channel: usize,
-) -> Option<Item<P>> {
-    remainder[channel].take().or_else(|| inputs.pop(channel))
-}
-
 /// `none`: deliver whatever is available, rotating fairly over the channels that have
 /// something ready. Heartbeats are forwarded the first time their epoch is seen.
 #[derive(Debug, Clone)]
@@ -231,7 +75,7 @@ impl Fcfs {
 
 impl<P: Chunk> Merge<P> for Fcfs {
     fn next(&mut self, inputs: &mut dyn Inputs<P>) -> Option<Delivery<P>> {
-        let n = self.ended.ended.len();
+        let n = self.ended.channels();
         let mut tried = 0;
         while tried < n {
             if self.ended.all() {
@@ -288,7 +132,7 @@ impl<P: Chunk> Merge<P> for Fcfs {
     }
 
     fn resume(&mut self, cut: &MergeCut) -> Result<()> {
-        cut.check(self.ended.ended.len())?;
+        cut.check(self.ended.channels())?;
         self.cursor = cut.turn;
         self.gate = HeartbeatGate::resumed(cut.gen);
         self.ended = Ended::resumed(&cut.ended);
@@ -448,15 +292,6 @@ mod tests {
 
     fn inputs(channels: Vec<Vec<Item<Rows>>>) -> Vec<VecDeque<Item<Rows>>> {
         channels.into_iter().map(VecDeque::from).collect()
-    }
-
-    #[test]
-    fn heartbeat_gate_forwards_each_epoch_once() {
-        let mut g = HeartbeatGate::default();
-        assert!(g.see(0), "epoch 0 is new to a fresh gate");
-        assert!(!g.see(0));
-        assert!(g.see(2));
-        assert!(!g.see(1), "an older epoch is not first");
     }
 
     #[test]
