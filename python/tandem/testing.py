@@ -503,7 +503,7 @@ def flatten(deliveries: Iterable[tuple[Any, ...]], column: str = "seq") -> list[
 # -- the KaZoo order log ------------------------------------------------------------------
 
 ORDER_FRAME = struct.Struct("<IHBBIQQI")
-"""The frame header as the wire codec documents it (``rust/tandem-core/src/wire.rs``):
+"""The frame header as the wire codec documents it (``rust/tandem-core/src/wire/mod.rs``):
 magic, wire version, kind, flags, channel, first_seq, count, body_len; little-endian,
 32 bytes."""
 ORDER_MAGIC = 0x544E444D  # "TNDM"

@@ -2,7 +2,8 @@
 //!
 //! One concept of the paper (Rosinosky et al., SRDS 2021) per module:
 //!
-//! * [`wire`] — frame codec (fixed header + Arrow IPC body) and the authenticated handshake.
+//! * [`wire`] — frame codec (fixed header + Arrow IPC body), the checks of an IPC body, the
+//!   frame reader and the authenticated handshake, one file each.
 //! * [`dedup`] — duplicate sending, first copy wins: a lock-free per-logical-channel
 //!   high-water mark fed concurrently by the connections of every upstream replica.
 //! * [`consume`] — what every consumption order shares: the [`consume::Merge`] trait, the
