@@ -226,6 +226,17 @@ def _fmt(v, unit: str = "") -> str:
     return "-" if v is None else (f"{v:.1f}{unit}" if isinstance(v, float) else f"{v}{unit}")
 
 
+def _lost_replicas(lost: list[dict]) -> str:
+    """Each lost replica, or, when there are many (repeated kills), how many per cause."""
+    if len(lost) <= 8:
+        names = [f"{x['task']}[{x['partition']}] r{x['replica']} ({x['cause']})" for x in lost]
+        return ", ".join(names) or "none"
+    causes: dict[str, int] = {}
+    for x in lost:
+        causes[x["cause"]] = causes.get(x["cause"], 0) + 1
+    return f"{len(lost)}: " + ", ".join(f"{n} {cause}" for cause, n in sorted(causes.items()))
+
+
 def print_summary(r: tandem.Result) -> None:
     rows = [
         ("events in / out", f"{r.events_in} / {r.events_out}"),
@@ -234,14 +245,7 @@ def print_summary(r: tandem.Result) -> None:
         ("latency p50 / p99 / max", f"{_fmt(r.p50_ms)} / {_fmt(r.p99_ms)} / {_fmt(r.max_ms)} ms"),
         ("max gap between outputs", _fmt(r.max_gap_ms, " ms")),
         ("replica digests", "match" if r.digests_match else "DIFFER"),
-        (
-            "lost replicas",
-            ", ".join(
-                f"{x['task']}[{x['partition']}] r{x['replica']} ({x['cause']})"
-                for x in r.lost_replicas
-            )
-            or "none",
-        ),
+        ("lost replicas", _lost_replicas(r.lost_replicas)),
     ]
     if r.restored_replicas:
         by_loss: dict[float, list[dict]] = {}

@@ -69,9 +69,20 @@ def plot(result: td.Result, path: str, title: str = "tandem demo") -> None:
     fig, ax = plt.subplots(figsize=(8, 3.5), dpi=120)
     xs = [s for s, v in enumerate(series) if v is not None]
     ax.plot(xs, [series[s] for s in xs], marker="o", markersize=3, label="p99 latency")
-    for f in result.faults:
+    restored = sorted({r["restored_s"] for r in result.restored_replicas})
+    # Many events (td.Chaos): a legend instead of a label at every line.
+    labelled = len(result.faults) + len(restored) <= 6
+    for i, f in enumerate(result.faults):
         at = f.get("injected_at", f.get("at"))
-        ax.axvline(at, color="crimson", linestyle="--", linewidth=1)
+        ax.axvline(
+            at,
+            color="crimson",
+            linestyle="--",
+            linewidth=1,
+            label=None if labelled or i else "SIGKILL (a worker)",
+        )
+        if not labelled:
+            continue
         signal = "SIGSTOP" if f.get("kind") == "pause" else "SIGKILL"
         if "task" in f:
             victim = f"r{f.get('victim', f['replica'])}"
@@ -88,8 +99,16 @@ def plot(result: td.Result, path: str, title: str = "tandem demo") -> None:
             color="crimson",
             fontsize=8,
         )
-    for at in sorted({r["restored_s"] for r in result.restored_replicas}):
-        ax.axvline(at, color="seagreen", linestyle=":", linewidth=1)
+    for i, at in enumerate(restored):
+        ax.axvline(
+            at,
+            color="seagreen",
+            linestyle=":",
+            linewidth=1,
+            label=None if labelled or i else "r restored",
+        )
+        if not labelled:
+            continue
         ax.annotate(
             "r restored",
             (at, ax.get_ylim()[1]),
@@ -98,6 +117,8 @@ def plot(result: td.Result, path: str, title: str = "tandem demo") -> None:
             color="seagreen",
             fontsize=8,
         )
+    if not labelled:
+        ax.legend(loc="upper left", fontsize=8)
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("p99 latency (ms)")
     ax.set_ylim(bottom=0)
