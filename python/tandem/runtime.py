@@ -619,12 +619,14 @@ class Worker:
         """Take a cut of replica ``rid`` at its next heartbeat-cycle boundary and hand it to
         :attr:`on_cut` with ``token``."""
         self.control.append(("cut", rid, token))
+        self.core.wake()
 
     def link(self, up: ReplicaId, down: ReplicaId, address: tuple[str, int], epoch: int) -> None:
         """Have replica ``up`` send to ``down``, rebuilt from a cut at heartbeat ``epoch``
         and listening at ``address`` (:meth:`Replica.link`); the outcome goes to
         :attr:`on_link`."""
         self.control.append(("link", up, down, address, epoch))
+        self.core.wake()
 
     def _serve_control(self, by_rid: dict[ReplicaId, Replica]) -> None:
         while self.control:
