@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 #: Fenced-off orders a session keeps a record of (a woken leader publishes one or two).
 FENCED_KEPT = 100
+#: How long an order may wait in the producer for the broker's acknowledgement.
+ORDER_TIMEOUT_MS = 5000
 
 
 @dataclass(frozen=True)
@@ -367,6 +369,13 @@ class KazooSession:
                 "enable.idempotence": True,
                 "linger.ms": 0,
                 "reconnect.backoff.max.ms": 200,
+                # An order stuck in the client (a broker restart can leave a request of
+                # the idempotent producer waiting for a reply that never comes) fails
+                # after this long instead of after the 300 s default; the leader then
+                # publishes again from what the log holds (orders are positional, a
+                # replay is ignored), so a stuck order costs seconds, not the run.
+                "message.timeout.ms": ORDER_TIMEOUT_MS,
+                "request.timeout.ms": ORDER_TIMEOUT_MS - 1000,
             }
         )
         group = f"tandem-{self.run.run}-{self.name}"
@@ -379,6 +388,11 @@ class KazooSession:
                 # is 1); a long wait only spares it a request every few ms while idle.
                 "fetch.wait.max.ms": 100,
                 "reconnect.backoff.max.ms": 200,
+                # Should the position ever fall outside the log (a broker that came back
+                # with less than it acknowledged), read it again from the start: orders are
+                # positional and a replay is ignored, while the default (the end) would
+                # skip orders and stall every replica of the partition.
+                "auto.offset.reset": "earliest",
             }
         )
         self.consumer.assign(
