@@ -8,6 +8,7 @@ the rebuilt replicas' from their first complete cycle.
 
 from __future__ import annotations
 
+import glob
 import itertools
 
 import pyarrow as pa
@@ -62,6 +63,9 @@ def test_a_lost_worker_is_rebuilt_from_twins_and_then_masks_the_loss_of_those_tw
     for r in res.restored_replicas:
         assert r["lost_s"] < r["restored_s"] < r["lost_s"] + 10, r
         assert r["epoch"] > 0 and r["twin"] != r["replica"]
+        # Each rebuild ran in the spare process started ahead of it (the second in the one
+        # started after the first rebuild), and these small states came inline.
+        assert r["warm"] and not r["state_file"], r
     assert res.max_gap_ms is not None and res.max_gap_ms < 1000
 
 
@@ -132,6 +136,35 @@ def test_bench_recovery_rebuilds_a_stateful_replica_and_reports_its_cost():
     assert row.rebuilt == 4
     assert row.restore_ms is not None and 0 < row.restore_ms < 10_000
     assert row.p99_before_ms > 0 and row.during_vs_before > 0
+
+
+def test_a_large_state_goes_from_twin_to_newcomer_as_a_file_removed_after_the_run():
+    from tandem import bench
+    from tandem.engines import local
+
+    before = set(glob.glob("/dev/shm/tandem-state-*")) | set(glob.glob("/tmp/tandem-state-*"))
+    mb = 2 * local.SPILL_BYTES / 2**20
+    res = bench.recovery_job(mb, 1000).run(
+        duration=6, faults=[td.Kill("state", 0, 0, at=2.0)], progress=False
+    )
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    by_task = {(r["task"], r["partition"]): r for r in res.restored_replicas}
+    # The stateful replicas' states (2 MiB each) came as files, the sources' inline.
+    assert by_task[("state", 0)]["state_file"] and by_task[("state", 1)]["state_file"]
+    assert not by_task[("source", 0)]["state_file"]
+    after = set(glob.glob("/dev/shm/tandem-state-*")) | set(glob.glob("/tmp/tandem-state-*"))
+    assert after <= before, "the run left its state folder behind"
+
+
+def test_a_spilled_resume_reads_back_the_same_state(tmp_path):
+    from tandem.runtime import Resume
+
+    state = bytes(range(256)) * 4096
+    spilled = Resume((7, ()), state).spilled(str(tmp_path))
+    assert spilled.state == b"" and spilled.epoch == 7
+    assert spilled.load() == state
+    assert Resume((7, ()), b"abc").load() == b"abc"
 
 
 def test_ballast_state_survives_a_snapshot_and_restore():

@@ -45,7 +45,9 @@ class Result:
     ``restored_replicas`` those rebuilt from a live twin while the job ran (``Job(restore=
     True)``: dicts with task, partition, replica, the ``twin`` it was rebuilt from, the
     heartbeat ``epoch`` of the cut, ``lost_s`` and ``restored_s`` — seconds from t0 — and
-    ``restore_ms``, from the loss to the new replica receiving its input);
+    ``restore_ms``, from the loss to the new replica receiving its input; ``warm``: it ran in
+    the spare process started ahead of the loss; ``state_file``: its state came as a file
+    from the twin, not through the coordinator);
     ``output`` the rows of the first Collect sink (a pyarrow.Table; in JSON: ``{"rows": n,
     "columns": [...]}``). Not in JSON: ``outputs`` (every sink's combined value by sink name)
     and ``t0_ns`` (the logical time origin of the run: pass it to ``run_reference`` to reproduce

@@ -38,9 +38,11 @@ with :class:`tandem.DeterminismError` unless the job says ``on_divergence="log"`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import tempfile
 import time
 import traceback
 from collections import OrderedDict, deque
@@ -116,15 +118,37 @@ class Resume:
     """What a replica rebuilt while the job runs starts from, taken from a live twin at a
     heartbeat-cycle boundary (DESIGN §4): ``cut``, the core's part (the heartbeat epoch,
     input positions and merge state, output seqs; opaque here) and ``state``, the
-    operator's :meth:`~tandem.operators.Operator.snapshot`."""
+    operator's :meth:`~tandem.operators.Operator.snapshot`. A large state travels as a
+    file instead (``state_file``, written by the twin's worker, read once and removed by
+    the rebuilt replica's): it then crosses no process but the two that need it."""
 
     cut: tuple
     state: bytes
+    state_file: str | None = None
 
     @property
     def epoch(self) -> int:
         """The heartbeat after which the rebuilt replica takes over."""
         return self.cut[0]
+
+    def spilled(self, folder: str) -> Resume:
+        """This cut with its state written to a new file in ``folder``."""
+        fd, path = tempfile.mkstemp(dir=folder, suffix=".state")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.state)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        return Resume(self.cut, b"", path)
+
+    def load(self) -> bytes:
+        """The state: in the message, or read from its file."""
+        if self.state_file is None:
+            return self.state
+        with open(self.state_file, "rb") as f:
+            return f.read()
 
 
 def _warm_up() -> None:
@@ -319,7 +343,10 @@ class Replica:
             return
         t, p, r = self.me
         self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
-        self._inst.restore(self.resume.state)
+        self._inst.restore(self.resume.load())
+        if self.resume.state_file is not None:  # read once: the memory is the operator's now
+            with contextlib.suppress(OSError):
+                os.unlink(self.resume.state_file)
         self.resume = Resume(self.resume.cut, b"")  # the state lives in the operator now
 
     def cut(self, cut: tuple | None) -> Resume | None:
@@ -339,7 +366,7 @@ class Replica:
 
     def log_resume(self) -> tuple[int, int, int]:
         """A rebuilt log source's ``(heartbeat, next offset, data rows before it)``."""
-        offset, rows = json.loads(self.resume.state)
+        offset, rows = json.loads(self.resume.load())
         return self.resume.epoch, offset, rows
 
     def evicted(self) -> list[ReplicaId]:

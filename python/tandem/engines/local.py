@@ -24,10 +24,12 @@ import logging
 import os
 import random
 import resource
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -62,6 +64,10 @@ REJOIN_TIMEOUT_S = 30.0
 REJOIN_MARGIN_S = 1.0
 """A worker lost this close to the end of the stream is not rebuilt."""
 
+SPILL_BYTES = 1 << 20
+"""A cut's state at least this large travels from the twin to the rebuilt replica as a file
+(``Resume.state_file``) instead of through the coordinator's links."""
+
 REJOIN_ATTEMPTS = 3
 """Cuts taken for one loss before giving up: a cut that left an upstream replica's replay
 window (the rebuild took longer than ``Job(replay_ms=...)``) is retried with a later one."""
@@ -86,6 +92,8 @@ class _Rejoin:
     """(rebuilt replica, upstream partition) -> whether a live upstream replica feeds it."""
     stale: bool = False
     """Some upstream replica's replay window no longer reached back to a cut."""
+    warm: bool = False
+    """The new process is the spare, started before the loss."""
 
 
 @dataclass(frozen=True)
@@ -147,19 +155,31 @@ def serve(
         with sending, contextlib.suppress(OSError):
             conn.send(message)
 
+    folders: dict[Any, str] = {}  # cut token -> where the coordinator wants large states
+
     def send_cut(rid, taken, token) -> None:
-        # A cut may carry a large state: send it from a thread of its own, so the replicas
-        # this worker serves go on meanwhile.
-        threading.Thread(
-            target=send, args=(("cut", rid, taken, token),), name="tandem-cut", daemon=True
-        ).start()
+        # A cut may carry a large state: write and send it from a thread of its own, so
+        # the replicas this worker serves go on meanwhile. A large one goes to a file the
+        # rebuilt replica reads, rather than through the coordinator.
+        folder = folders.pop(token, None)
+
+        def run() -> None:
+            nonlocal taken
+            if taken is not None and folder is not None and len(taken.state) >= SPILL_BYTES:
+                try:
+                    taken = taken.spilled(folder)
+                except OSError as exc:
+                    log.warning("a cut's state goes inline: writing it failed (%s)", exc)
+            send(("cut", rid, taken, token))
+
+        threading.Thread(target=run, name="tandem-cut", daemon=True).start()
 
     worker.on_cut = send_cut
     worker.on_link = lambda up, down, error: send(("linked", up, down, error))
     if plan.restore:
         worker.on_evicted = lambda up, down: send(("evicted", up, down))
     threading.Thread(
-        target=_requests, args=(conn, worker), name="tandem-requests", daemon=True
+        target=_requests, args=(conn, worker, folders), name="tandem-requests", daemon=True
     ).start()
     if plan.restore:
         period = plan.failure_timeout_ms / 4000
@@ -177,14 +197,17 @@ def serve(
     send(("done", reports))
 
 
-def _requests(conn, worker: Worker) -> None:
-    """Hand the coordinator's requests during the run to the worker thread."""
+def _requests(conn, worker: Worker, folders: dict[Any, str]) -> None:
+    """Hand the coordinator's requests during the run to the worker thread (a cut's
+    ``folders`` entry: where to write its state if it is large)."""
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
             return
         if msg[0] == "cut":
+            if len(msg) > 3:
+                folders[msg[2]] = msg[3]
             worker.request_cut(msg[1], msg[2])
         elif msg[0] == "link":
             worker.link(*msg[1:])
@@ -195,7 +218,9 @@ class _Process:
     ``relay``: its stderr comes through a pipe and is written line by line above the
     progress bar (:func:`_relay`) instead of across it."""
 
-    def __init__(self, payload: tuple, env: dict[str, str], worker: int, relay: bool) -> None:
+    def __init__(
+        self, payload: tuple | None, env: dict[str, str], worker: int | str, relay: bool
+    ) -> None:
         mine, theirs = socket.socketpair()
         try:
             self.popen = subprocess.Popen(
@@ -450,6 +475,11 @@ class _Run:
         self.restored: list[dict] = []
         self._generation = 0
         self._attempts: dict[int, int] = {}  # worker -> rebuild attempts for its last loss
+        # A process started ahead, interpreter and imports paid, that becomes the next
+        # rebuilt worker: a rebuild does not wait for a process start (about half a second
+        # of CPU on a small machine), and that start does not land beside the rebuild.
+        self.spare: _Process | None = None
+        self._state_dir: str | None = None  # where twins leave large states for newcomers
         self.chaos: Chaos | None = None
         self._chaos_rng = random.Random(0)
         self._chaos_at = 0.0
@@ -511,6 +541,8 @@ class _Run:
             conn.send(("go", addresses, self.t0_ns, self.duration, self.warmup))
         self.running = set(self.procs)
         self.heard = dict.fromkeys(self.procs, time.monotonic())
+        if self.restoring:
+            self._start_spare()
 
     def watch(self, timeout: float, cost: _CostMeter | None = None) -> None:
         """Inject the faults, sample memory, take ``cost``'s readings, rebuild lost workers
@@ -580,6 +612,12 @@ class _Run:
                             raise report.failure()
             if self.restoring:
                 self._silent(now_s)
+                if (
+                    self.spare is None
+                    and not self.rejoins
+                    and now_s < self.duration - REJOIN_MARGIN_S
+                ):
+                    self._start_spare()  # after a rebuild, not beside it
             if running and time.monotonic() > deadline:
                 stuck = sorted(self._worker_name(w) for w in running)
                 logs_hint = ""
@@ -636,7 +674,34 @@ class _Run:
     def _all_procs(self) -> list[_Process]:
         """Every process the run started: live, retired and being rebuilt."""
         rebuilding = [rj.proc for rj in self.rejoins.values() if rj.state != "linking"]
-        return [*self.procs.values(), *self.retired, *rebuilding]
+        spare = [self.spare] if self.spare is not None else []
+        return [*self.procs.values(), *self.retired, *rebuilding, *spare]
+
+    def _start_spare(self) -> None:
+        """Start the process the next rebuilt worker will be (see ``spare``)."""
+        self.spare = _Process(None, self._env, "spare", relay=self.progress)
+
+    def _take_spare(self, payload: tuple) -> tuple[_Process, bool]:
+        """The spare process, given ``payload``, if it is alive (True); otherwise a new
+        process (False)."""
+        proc, self.spare = self.spare, None
+        warm = proc is not None and proc.is_alive()
+        if not warm:
+            if proc is not None:
+                self.retired.append(proc)
+            proc = _Process(payload, self._env, payload[-1], relay=self.progress)
+        proc.payload = payload
+        proc.send_payload()
+        return proc, warm
+
+    def _state_files(self) -> str:
+        """The folder twins write large states to for their rebuilt replicas (memory-backed
+        where Linux offers it), made on first use and removed with the run."""
+        if self._state_dir is None:
+            shm = "/dev/shm"
+            where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+            self._state_dir = tempfile.mkdtemp(prefix="tandem-state-", dir=where)
+        return self._state_dir
 
     # -- rebuilding lost workers (Job(restore=True)) --------------------------------------
 
@@ -668,15 +733,11 @@ class _Run:
                 return  # the job fails for it (_crashed)
             twins[rid] = live[0]
         self._generation += 1
-        proc = _Process(
-            (list(sys.path), self._blob, rids, self.secret, self.zoo, True),
-            self._env,
-            w,
-            relay=self.progress,
+        proc, warm = self._take_spare(
+            (list(sys.path), self._blob, rids, self.secret, self.zoo, True, w)
         )
-        proc.send_payload()
         self.rejoins[w] = _Rejoin(
-            w, proc, twins, now_s, time.monotonic() + REJOIN_TIMEOUT_S, self._generation
+            w, proc, twins, now_s, time.monotonic() + REJOIN_TIMEOUT_S, self._generation, warm=warm
         )
         log.info(
             "rebuilding %s (%s) from live twins",
@@ -697,7 +758,9 @@ class _Run:
         if kind == "waiting":
             rj.state = "cutting"
             for rid, twin in rj.twins.items():
-                self.conns[self.worker_of[twin]].send(("cut", twin, (w, rj.generation, rid)))
+                self.conns[self.worker_of[twin]].send(
+                    ("cut", twin, (w, rj.generation, rid), self._state_files())
+                )
             return
         if kind != "ready":
             self._abort_rejoin(w, str(value))
@@ -795,6 +858,8 @@ class _Run:
                     "lost_s": round(rj.lost_s, 3),
                     "restored_s": round(now_s, 3),
                     "restore_ms": round((now_s - rj.lost_s) * 1000, 1),
+                    "warm": rj.warm,
+                    "state_file": rj.cuts[rid].state_file is not None,
                 }
             )
         log.info(
@@ -830,6 +895,8 @@ class _Run:
         for proc in procs:
             proc.join(timeout=10)
             proc.conn.close()
+        if self._state_dir is not None:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
 
     def _sample_rss(self, running) -> None:
         """Peak resident memory per worker process, sampled about once a second."""

@@ -10,7 +10,9 @@ cloudpickle blob — functions, lambdas and closures defined in ``__main__`` tra
 value, those of importable modules by reference, found through the coordinator's
 ``sys.path``. Then the ready/go/done exchange of :func:`tandem.engines.local.serve`.
 ``WORKER`` (the worker's index) names the process in its log lines, which go to stderr at
-the level in ``TANDEM_LOG_LEVEL`` (:func:`tandem.logs.configure_worker`).
+the level in ``TANDEM_LOG_LEVEL`` (:func:`tandem.logs.configure_worker`). A spare process,
+started ahead of a loss to rebuild a worker (``Job(restore=True)``), is named ``spare``
+until its payload arrives, which then names the worker it becomes as a seventh element.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     os.set_inheritable(fd, False)  # nothing this process starts may hold the link open
     conn = Connection(fd)
     try:
-        path, blob, rids, secret, kazoo, rejoin = conn.recv()
+        path, blob, rids, secret, kazoo, rejoin, *named = conn.recv()
     except EOFError:
         return 1
+    if named:
+        logs.configure_worker(named[0])
     sys.path[:] = list(path) + [p for p in sys.path if p not in path]
     try:
         plan = pickle.loads(blob)
