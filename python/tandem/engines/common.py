@@ -33,16 +33,19 @@ peers meanwhile."""
 
 def check_options(
     engine: str,
-    duration: float,
+    duration: float | None,
     warmup: float,
     faults: Iterable,
     *,
     kinds: tuple[type, ...] = (Kill,),
 ) -> None:
     """Raise ConfigError for run options the engine cannot honour: a warm-up outside the
-    run, fault types outside ``kinds``. (A leader/follower role is checked against the
-    job's ordering by the fault itself.)"""
-    if not 0 <= warmup < duration:
+    run (``duration`` None: a run until stopped), fault types outside ``kinds``. (A
+    leader/follower role is checked against the job's ordering by the fault itself.)"""
+    if duration is None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int | float) or not warmup >= 0:
+            raise ConfigError(f"warmup must be a number of seconds >= 0, got {warmup!r}")
+    elif not 0 <= warmup < duration:
         raise ConfigError(f"warmup must be in [0, duration={duration}), got {warmup}")
     names = " and ".join(f"td.{k.__name__}" for k in kinds)
     for f in faults:
@@ -72,7 +75,7 @@ def assemble_result(
     under KaZoo (``kazoo``: the run's order topics) following the orders the replicas
     followed, read back from the topics.
     """
-    res = Result(t0_ns=t0_ns, faults=faults, rss_mb=rss_mb or {})
+    res = Result(t0_ns=t0_ns, faults=faults, rss_mb=rss_mb or {}, duration_s=duration)
     res.lost_replicas = [
         {"task": plan.tasks[t].name, "partition": p, "replica": r, "cause": cause}
         for (t, p, r), cause in lost_replicas
