@@ -462,6 +462,9 @@ class Job:
                 f"job {self.name!r}: the {getattr(runner, 'name', 'given')} engine cannot "
                 "stop a run it started; call job.run(duration=...) instead of job.start()"
             )
+        check = getattr(runner, "check", None)
+        if callable(check):  # the engine's options, here rather than in its thread
+            check(plan, duration, faults, **options)
         handle = RunningJob(self.name)
         handle._start(runner, plan, duration, faults, options)
         return handle

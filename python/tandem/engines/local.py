@@ -354,6 +354,33 @@ class LocalEngine:
     until_stopped = True
     """``run(duration=None)`` runs until ``stop`` says so (or its bounded sources end)."""
 
+    def check(
+        self,
+        plan: Plan,
+        duration: float | None,
+        faults: list[Any] = (),
+        *,
+        progress: bool | None = None,
+        warmup: float = 0.0,
+        check: bool = True,
+        timeout: float | None = None,
+        host: str = "127.0.0.1",
+        stop: Stop | None = None,
+    ) -> None:
+        """Raise ConfigError for arguments :meth:`run` cannot honour (TypeError for one it
+        does not take), before anything starts."""
+        check_options(
+            self.name,
+            duration,
+            warmup,
+            faults,
+            kinds=(Kill, KillWorker, Pause, Chaos, KillHeartbeats),
+        )
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+        ):
+            raise ConfigError(f"timeout must be None or a number of seconds > 0, got {timeout!r}")
+
     def run(
         self,
         plan: Plan,
@@ -388,13 +415,7 @@ class LocalEngine:
         if progress is None:
             progress = sys.stderr.isatty()
         cost = _CostMeter(warmup)
-        check_options(
-            self.name,
-            duration,
-            warmup,
-            faults,
-            kinds=(Kill, KillWorker, Pause, Chaos, KillHeartbeats),
-        )
+        self.check(plan, duration, faults, warmup=warmup)
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         # Kafka sources: the heartbeat generators run from before the workers start until
         # every worker has stopped (their markers before t0 are ignored).
