@@ -45,7 +45,7 @@ from typing import Any
 import pyarrow as pa
 
 from tandem import operators as ops
-from tandem.engines import Stop
+from tandem.engines.common import Stop
 from tandem.exceptions import ConfigError
 from tandem.faults import Fault, validate_faults
 from tandem.plan import (
@@ -356,7 +356,9 @@ class Job:
         """Check a run's arguments: the plan, the engine, the faults, and the duration to
         hand the engine (None: until stopped, on an engine that can)."""
         if duration is not None and _number(duration, "duration") <= 0:
-            raise ConfigError(f"duration must be > 0 seconds or None, got {duration!r}")
+            raise ConfigError(
+                f"duration must be > 0 seconds, got {duration!r} (None: until stopped)"
+            )
         plan = self.plan()
         runner = self._engine(engine)
         if duration is None and not getattr(runner, "until_stopped", False):
@@ -454,8 +456,6 @@ class Job:
         ``duration`` seconds of source time, or, when every source is bounded, until
         their last row. Arguments as for :meth:`run` (checked here, before it starts);
         the engine must be able to stop a run (the local engine can)."""
-        if duration is not None and _number(duration, "duration") <= 0:
-            raise ConfigError(f"duration must be > 0 seconds or None, got {duration!r}")
         plan, runner, faults, _ = self._prepare(duration, faults, engine)
         if not getattr(runner, "until_stopped", False):
             raise ConfigError(

@@ -17,7 +17,8 @@ return a :class:`tandem.Result`. A package offers one by declaring an entry poin
 tandem never imports an engine package: engines depend on tandem — on its public modules,
 :mod:`tandem.engines.common` being what every engine shares — and not the other way round.
 An engine that can run a job until it is stopped says so with ``until_stopped = True`` and
-takes ``run(plan, duration=None, stop=Stop())`` (:class:`Stop`; the local engine can).
+takes ``run(plan, duration=None, stop=Stop())`` (:class:`tandem.engines.common.Stop`; the
+local engine can).
 Benchmarks that an engine package brings are found the same way, in the
 ``tandem.benchmarks`` group: a module with ``run(**options)`` and ``table(out)``, loaded by
 the command line (``tandem bench <name>``), not by the library.
@@ -25,39 +26,10 @@ the command line (``tandem bench <name>``), not by the library.
 
 from __future__ import annotations
 
-import threading
 from importlib import metadata
 from typing import Any
 
 from tandem.exceptions import ConfigError
-
-
-class Stop:
-    """How the caller of an engine's ``run(duration=None, stop=...)`` ends the run, from
-    any thread: :meth:`request` stops it gracefully — the engine picks a stop point later
-    than anything emitted, every source replica ends there and what is in flight drains
-    to the sinks — and :meth:`kill` kills its processes at once (the run raises
-    :class:`tandem.TandemError`)."""
-
-    def __init__(self) -> None:
-        self._requested = threading.Event()
-        self._killed = threading.Event()
-
-    def request(self) -> None:
-        self._requested.set()
-
-    def kill(self) -> None:
-        self._killed.set()
-        self._requested.set()
-
-    @property
-    def requested(self) -> bool:
-        return self._requested.is_set()
-
-    @property
-    def killed(self) -> bool:
-        return self._killed.is_set()
-
 
 ENGINE_GROUP = "tandem.engines"
 BENCHMARK_GROUP = "tandem.benchmarks"
@@ -125,7 +97,6 @@ __all__ = [
     "BENCHMARK_GROUP",
     "DEFAULT",
     "ENGINE_GROUP",
-    "Stop",
     "available",
     "entry_points",
     "get",

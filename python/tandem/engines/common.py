@@ -10,6 +10,7 @@ compared with each other (the determinism check).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -29,6 +30,33 @@ log = logging.getLogger("tandem")
 STARTUP_S = 1.0
 """Time between the go signal and t0 on every engine: every replica dials its downstream
 peers meanwhile."""
+
+
+class Stop:
+    """How the caller of an engine's ``run(duration=None, stop=...)`` ends the run, from
+    any thread: :meth:`request` stops it gracefully — the engine picks a stop point later
+    than anything emitted, every source replica ends there and what is in flight drains
+    to the sinks — and :meth:`kill` kills its processes at once (the run raises
+    :class:`tandem.TandemError`)."""
+
+    def __init__(self) -> None:
+        self._requested = threading.Event()
+        self._killed = threading.Event()
+
+    def request(self) -> None:
+        self._requested.set()
+
+    def kill(self) -> None:
+        self._killed.set()
+        self._requested.set()
+
+    @property
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    @property
+    def killed(self) -> bool:
+        return self._killed.is_set()
 
 
 def check_options(
@@ -241,4 +269,4 @@ def multiset_diff(want: pa.Table, got: pa.Table) -> tuple[int, int]:
     return int(np.maximum(w - g, 0).sum()), int(np.maximum(g - w, 0).sum())
 
 
-__all__ = ["STARTUP_S", "assemble_result", "check_options", "multiset_diff"]
+__all__ = ["STARTUP_S", "Stop", "assemble_result", "check_options", "multiset_diff"]

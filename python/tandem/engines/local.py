@@ -39,8 +39,7 @@ import cloudpickle
 import psutil
 
 from tandem import logs
-from tandem.engines import Stop
-from tandem.engines.common import STARTUP_S, assemble_result, check_options
+from tandem.engines.common import STARTUP_S, Stop, assemble_result, check_options
 from tandem.engines.process import child_env
 from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Chaos, Kill, KillHeartbeats, KillWorker, Pause, ReplicaFault
