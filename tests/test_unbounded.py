@@ -11,6 +11,7 @@ back and check that it is exactly the source's rows ``0 .. n-1``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -26,6 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tandem as td
 from tandem import testing
@@ -92,6 +95,35 @@ def wait_for_workers(pid: int, timeout: float = 60.0) -> set[int]:
             return found
         time.sleep(0.1)
     raise AssertionError(f"no worker process appeared under {pid} within {timeout:g} s")
+
+
+# -- the schedule with no end --------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    window_ms=st.sampled_from([0, 1, 3.3, 5, 12]),
+    heartbeat_ms=st.sampled_from([1, 7, 10, 25]),
+    rate=st.integers(min_value=1, max_value=5_000),
+    limit=st.one_of(st.none(), st.integers(min_value=0, max_value=3_000)),
+    batch_rows=st.integers(min_value=1, max_value=300),
+    stop_ns=st.integers(min_value=1, max_value=2_000_000_000),
+)
+def test_a_run_stopped_anywhere_emits_what_a_run_of_that_length_emits(
+    window_ms, heartbeat_ms, rate, limit, batch_rows, stop_ns
+):
+    """What the stop relies on: the steps of the schedule with no end due at or before a
+    point P are the first steps of the schedule of a run of length P."""
+    job = td.Job("s", heartbeat_ms=heartbeat_ms, buffer_timeout_ms=window_ms, batch_rows=batch_rows)
+    src = td.sources.Synthetic(rate=rate, limit=limit)
+    job.source(src, parallelism=2).sink(td.sinks.Collect())
+    plan = job.plan()
+    for p in range(2):
+        upto = itertools.takewhile(lambda s: s.at_ns <= stop_ns, plan.source_schedule(0, p, None))
+        emitted = list(itertools.islice(upto, 5_000))
+        finite = list(itertools.islice(plan.source_schedule(0, p, stop_ns / 1e9), 5_001))
+        assert finite[: len(emitted)] == emitted
+        assert finite[-1].kind == "end" or len(finite) > 5_000
 
 
 # -- job.start() and handle.stop() ---------------------------------------------------------

@@ -403,15 +403,15 @@ class Job:
         if duration is not None:
             plan, runner, faults, duration = self._prepare(duration, faults, engine)
             return runner.run(plan, duration=duration, faults=faults, **options)
+        plan, runner, faults, duration = self._prepare(None, faults, engine)
+        if duration is not None:  # an engine that cannot stop: bounded sources, to their end
+            return runner.run(plan, duration=duration, faults=faults, **options)
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError(
                 f"job {self.name!r}: run() without a duration stops on SIGINT/SIGTERM, which "
                 "only the main thread receives; from this thread, use handle = job.start() "
                 "and handle.stop(), or pass duration="
             )
-        plan, runner, faults, duration = self._prepare(None, faults, engine)
-        if duration is not None:  # an engine that cannot stop: bounded sources, to their end
-            return runner.run(plan, duration=duration, faults=faults, **options)
         stop = Stop()
         signals = (signal.SIGINT, signal.SIGTERM)
         previous = {s: signal.getsignal(s) for s in signals}

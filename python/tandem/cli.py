@@ -192,7 +192,9 @@ def _run_file(args: argparse.Namespace) -> int:
     def interrupt(_signo, _frame) -> None:  # SIGTERM outside a run: as Ctrl-C
         raise KeyboardInterrupt
 
-    observe = lambda job, result: runs.append((job, result))  # noqa: E731
+    def observe(job: tandem.Job, result: tandem.Result) -> None:
+        runs.append((job, result))
+
     tandem.api.RUN_OBSERVERS.append(observe)
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:

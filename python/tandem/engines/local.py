@@ -633,8 +633,8 @@ class _Run:
             now_s = (time.time_ns() - self.t0_ns) / 1e9
             if self.stop_token.killed:
                 raise TandemError(
-                    f"job {self.plan.job!r} was killed while it stopped: its workers were "
-                    "killed at once, the sinks may hold part of its output"
+                    f"job {self.plan.job!r} was killed: its workers were stopped at once, "
+                    "without a drain, so the sinks may hold part of its output"
                 )
             if not self.final:
                 self._extend(now_s)
