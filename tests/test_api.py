@@ -819,6 +819,7 @@ def test_result_json_has_exactly_the_documented_fields():
     data = json.loads(r.to_json())
     assert list(data) == list(td.result.JSON_FIELDS)
     assert set(td.result.JSON_FIELDS) == {
+        "duration_s",
         "events_in",
         "events_out",
         "lost",

@@ -6,7 +6,7 @@ masked: no output gap, no loss, no duplicates.
 """
 
 from tandem import _core, logs, operators, sinks, sources
-from tandem.api import Job, Stream
+from tandem.api import Job, RunningJob, Stream
 from tandem.exceptions import (
     AuthenticationError,
     ChannelClosed,
@@ -44,6 +44,7 @@ __all__ = [
     "Plan",
     "ProtocolError",
     "Result",
+    "RunningJob",
     "ServiceUnavailable",
     "Stream",
     "TandemError",

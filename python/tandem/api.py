@@ -10,6 +10,10 @@ out.sink(td.sinks.Parquet("out/"))
 result = job.run(duration=60, faults=[td.Kill("process", partition=0, replica=0, at=30)])
 ```
 
+Without a duration, :meth:`Job.run` runs until Ctrl-C/SIGTERM (or the end of bounded
+sources) and :meth:`Job.start` returns a :class:`RunningJob` whose ``stop()`` ends it; either
+way the stop is graceful: one stop point for every source, then a drain.
+
 Everything that can be checked before start is checked while the graph is built (or at
 the latest by :meth:`Job.plan`) and fails with a :class:`tandem.ConfigError` naming the
 operator, the problem and what to do.
@@ -31,6 +35,9 @@ from __future__ import annotations
 
 import copy
 import math
+import signal
+import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +45,7 @@ from typing import Any
 import pyarrow as pa
 
 from tandem import operators as ops
+from tandem.engines.common import Stop
 from tandem.exceptions import ConfigError
 from tandem.faults import Fault, validate_faults
 from tandem.plan import (
@@ -52,6 +60,10 @@ from tandem.plan import (
 from tandem.result import Result
 from tandem.sinks import Sink
 from tandem.sources import LogSource, Source
+
+RUN_OBSERVERS: list[Callable[[Job, Result], None]] = []
+"""Called with the job and the :class:`Result` of every :meth:`Job.run` that returns
+(``tandem run`` prints the summary of the runs a script makes itself)."""
 
 
 def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
@@ -326,43 +338,245 @@ class Job:
         plan.check_picklable()  # what cannot be shipped to the workers fails here
         return plan
 
+    def _engine(self, engine: str | Any) -> Any:
+        if isinstance(engine, str):
+            from tandem import engines
+
+            return engines.get(engine)
+        if callable(getattr(engine, "run", None)):
+            return engine
+        raise ConfigError(
+            f"engine must be a name like 'local' or an object with a run() method, got "
+            f"{type(engine).__name__}"
+        )
+
+    def _prepare(
+        self, duration: float | None, faults: Iterable[Fault], engine: str | Any
+    ) -> tuple[Plan, Any, list[Fault], float | None]:
+        """Check a run's arguments: the plan, the engine, the faults, and the duration to
+        hand the engine (None: until stopped, on an engine that can)."""
+        if duration is not None and _number(duration, "duration") <= 0:
+            raise ConfigError(
+                f"duration must be > 0 seconds, got {duration!r} (None: until stopped)"
+            )
+        plan = self.plan()
+        runner = self._engine(engine)
+        if duration is None and not getattr(runner, "until_stopped", False):
+            natural = plan.natural_end_ns()
+            if natural is None:
+                raise ConfigError(
+                    f"job {self.name!r}: the {getattr(runner, 'name', 'given')} engine runs a "
+                    "job for a fixed time, and a source of this job never ends; pass "
+                    "duration= (seconds), or run it on the local engine"
+                )
+            duration = natural / 1e9  # every source is bounded: until their last row
+        faults = list(faults)
+        validate_faults(faults, plan, math.inf if duration is None else duration)
+        return plan, runner, faults, duration
+
     def run(
         self,
-        duration: float,
+        duration: float | None = None,
         faults: Iterable[Fault] = (),
         engine: str | Any = "local",
         **options: Any,
     ) -> Result:
-        """Run the job for ``duration`` seconds of source time on an engine (``"local"``,
-        the default, or an engine object with ``run(plan, duration=, faults=, ...)``)."""
-        if _number(duration, "duration") <= 0:
-            raise ConfigError(f"duration must be > 0 seconds, got {duration!r}")
-        plan = self.plan()
-        faults = list(faults)
-        validate_faults(faults, plan, duration)
-        if isinstance(engine, str):
-            from tandem import engines
+        """Run the job on an engine (``"local"``, the default, or an engine object with
+        ``run(plan, duration=, faults=, ...)``) and return its :class:`Result`.
 
-            runner = engines.get(engine)
-        elif callable(getattr(engine, "run", None)):
-            runner = engine
-        else:
+        ``duration``: seconds of source time. None (the default): until stopped — Ctrl-C
+        (SIGINT) or SIGTERM — or, when every source is bounded (a file,
+        ``Synthetic(limit=...)``), until their last row. On the first signal the job stops
+        gracefully: every source ends at one stop point, later than anything emitted (at
+        most about a second of source time ahead), what is in flight drains to the sinks,
+        and the result is that of a run of exactly that length (``Result.duration_s``);
+        a second signal kills the workers at once (KeyboardInterrupt). Signals reach the
+        main thread only: from another thread, use :meth:`start`."""
+        result = self._run(duration, faults, engine, options)
+        for observe in list(RUN_OBSERVERS):
+            observe(self, result)
+        return result
+
+    def _run(
+        self, duration: float | None, faults: Iterable[Fault], engine: str | Any, options: dict
+    ) -> Result:
+        if duration is not None:
+            plan, runner, faults, duration = self._prepare(duration, faults, engine)
+            return runner.run(plan, duration=duration, faults=faults, **options)
+        plan, runner, faults, duration = self._prepare(None, faults, engine)
+        if duration is not None:  # an engine that cannot stop: bounded sources, to their end
+            return runner.run(plan, duration=duration, faults=faults, **options)
+        if threading.current_thread() is not threading.main_thread():
             raise ConfigError(
-                f"engine must be a name like 'local' or an object with a run() method, got "
-                f"{type(engine).__name__}"
+                f"job {self.name!r}: run() without a duration stops on SIGINT/SIGTERM, which "
+                "only the main thread receives; from this thread, use handle = job.start() "
+                "and handle.stop(), or pass duration="
             )
-        return runner.run(plan, duration=duration, faults=faults, **options)
+        stop = Stop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {s: signal.getsignal(s) for s in signals}
 
-    def run_reference(self, duration: float, t0_ns: int = 0) -> Result:
+        def on_signal(signo: int, _frame) -> None:
+            name = signal.Signals(signo).name
+            if not stop.requested:
+                print(
+                    f"\ntandem: {name}: stopping job {self.name!r}, draining what is in flight "
+                    "to the sinks (Ctrl-C again kills its workers at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                stop.request()
+                return
+            stop.kill()
+            print(
+                f"\ntandem: {name} again: killing the workers of job {self.name!r} at once",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise KeyboardInterrupt
+
+        for s in signals:
+            signal.signal(s, on_signal)
+        try:
+            return runner.run(plan, duration=None, faults=faults, stop=stop, **options)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def start(
+        self,
+        duration: float | None = None,
+        faults: Iterable[Fault] = (),
+        engine: str | Any = "local",
+        **options: Any,
+    ) -> RunningJob:
+        """Start the job in a thread of this process and return at once: a
+        :class:`RunningJob` to stop it (``stop()``: the graceful stop of :meth:`run`),
+        wait for it and get its :class:`Result`. It runs until stopped, or for
+        ``duration`` seconds of source time, or, when every source is bounded, until
+        their last row. Arguments as for :meth:`run` (checked here, before it starts);
+        the engine must be able to stop a run (the local engine can)."""
+        plan, runner, faults, _ = self._prepare(duration, faults, engine)
+        if not getattr(runner, "until_stopped", False):
+            raise ConfigError(
+                f"job {self.name!r}: the {getattr(runner, 'name', 'given')} engine cannot "
+                "stop a run it started; call job.run(duration=...) instead of job.start()"
+            )
+        check = getattr(runner, "check", None)
+        if callable(check):  # the engine's options, here rather than in its thread
+            check(plan, duration, faults, **options)
+        handle = RunningJob(self.name)
+        handle._start(runner, plan, duration, faults, options)
+        return handle
+
+    def run_reference(self, duration: float | None = None, t0_ns: int = 0) -> Result:
         """Run the job in this process with the deterministic single-process reference
         executor (:mod:`tandem.reference`), the oracle replicated runs are compared with.
-        A Kafka source is replayed from its log: pass the ``t0_ns`` of the run to replay
-        (``Result.t0_ns``), whose heartbeat markers cut its batches and end it."""
+        ``duration``: seconds of source time (None: when every source is bounded, until
+        their last row). A Kafka source is replayed from its log: pass the ``t0_ns`` of
+        the run to replay (``Result.t0_ns``), whose heartbeat markers cut its batches and
+        end it."""
         from tandem import reference
 
-        if _number(duration, "duration") <= 0:
+        if duration is not None and _number(duration, "duration") <= 0:
             raise ConfigError(f"duration must be > 0 seconds, got {duration!r}")
-        return reference.run(self.plan(), duration=duration, t0_ns=t0_ns)
+        plan = self.plan()
+        if duration is None:
+            natural = plan.natural_end_ns()
+            if natural is None:
+                raise ConfigError(
+                    f"job {self.name!r}: a source never ends, so the reference run needs "
+                    "duration= (seconds of source time; Result.duration_s of the run to "
+                    "replay)"
+                )
+            duration = natural / 1e9
+        return reference.run(plan, duration=duration, t0_ns=t0_ns)
+
+
+class RunningJob:
+    """A job started by :meth:`Job.start`, running in a thread of this process.
+
+    ``stop()`` stops it gracefully (every source ends at one stop point later than
+    anything emitted, what is in flight drains to the sinks, the sinks commit) and
+    returns its :class:`Result`; ``kill()`` kills its workers at once; ``wait(timeout)``
+    waits for it to end by itself (a bounded job) and returns the Result, or raises
+    ``TimeoutError``; ``result()`` waits as long as it takes. A failed job's exception is
+    raised by all three. As a context manager it is stopped when the block ends (killed
+    when the block ends by an exception such as KeyboardInterrupt) and waited for."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._stop = Stop()
+        self._thread: threading.Thread | None = None
+        self._result: Result | None = None
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "done"
+        return f"RunningJob({self.name!r}, {state})"
+
+    def _start(
+        self, runner: Any, plan: Plan, duration: float | None, faults: list, options: dict
+    ) -> None:
+        def body() -> None:
+            try:
+                self._result = runner.run(
+                    plan, duration=duration, faults=faults, stop=self._stop, **options
+                )
+            except BaseException as exc:  # handed to whoever waits
+                self._error = exc
+
+        self._thread = threading.Thread(target=body, name=f"tandem-job-{self.name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the job has not ended yet (its result is not ready)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float | None = None) -> Result:
+        """Stop the job gracefully and wait (at most ``timeout`` seconds) for its Result."""
+        self._stop.request()
+        return self.wait(timeout)
+
+    def kill(self, timeout: float | None = None) -> None:
+        """Kill the job's workers at once and wait for them to be gone; the sinks may hold
+        part of its output. Waiting for the job afterwards raises TandemError."""
+        self._stop.kill()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wait(self, timeout: float | None = None) -> Result:
+        """The job's Result once it has ended; TimeoutError if it has not within
+        ``timeout`` seconds (None: wait as long as it takes)."""
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0
+        ):
+            raise ConfigError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(
+                    f"job {self.name!r} is still running after {timeout:g} s; stop() ends it"
+                )
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def result(self) -> Result:
+        """Wait for the job to end by itself (or by :meth:`stop`) and return its Result."""
+        return self.wait()
+
+    def __enter__(self) -> RunningJob:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.stop()
+            return
+        self.kill()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _toposort(nodes: list[_Node]) -> list[_Node]:
@@ -664,4 +878,4 @@ class Stream:
         )
 
 
-__all__ = ["Job", "Stream"]
+__all__ = ["Job", "RunningJob", "Stream"]

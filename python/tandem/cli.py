@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import logging
 import os
 import re
@@ -172,43 +171,112 @@ def _demo_job(args: argparse.Namespace, demo, kazoo) -> int:
 
 
 def _run_file(args: argparse.Namespace) -> int:
+    """``tandem run job.py``: run the script as ``__main__`` (as ``python job.py`` would,
+    so it needs no ``if __name__ == "__main__":`` guard and its functions travel to the
+    workers by value; its folder is on ``sys.path`` for the modules beside it). A script
+    that runs its jobs itself (``job.run()``) gets their summaries printed; otherwise its
+    module-level ``job`` is run here: for ``--duration`` (else a module-level ``duration``)
+    seconds, or until Ctrl-C/SIGTERM when neither is given (bounded sources end it by
+    themselves), with ``--kill`` (else a module-level ``faults``)."""
+    import runpy
+    import signal
+
     path = Path(args.path).resolve()
     if not path.is_file():
         raise tandem.ConfigError(f"tandem run: no such file {str(path)!r}")
-    # Import the file as a top-level module from its own folder, so that the replica
-    # processes can import the user's functions by the same name.
+    if args.duration is not None and args.duration <= 0:
+        raise tandem.ConfigError(f"--duration must be > 0 seconds, got {args.duration}")
     sys.path.insert(0, str(path.parent))
-    module = importlib.import_module(path.stem)
-    job = getattr(module, "job", None)
-    if not isinstance(job, tandem.Job):
-        raise tandem.ConfigError(
-            f"tandem run: {path.name} must define a module-level `job = td.Job(...)` "
-            f"(found {type(job).__name__})"
+    runs: list[tuple[tandem.Job, tandem.Result]] = []
+
+    def interrupt(_signo, _frame) -> None:  # SIGTERM outside a run: as Ctrl-C
+        raise KeyboardInterrupt
+
+    def observe(job: tandem.Job, result: tandem.Result) -> None:
+        runs.append((job, result))
+
+    tandem.api.RUN_OBSERVERS.append(observe)
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        namespace = runpy.run_path(str(path), run_name="__main__")
+        if runs:
+            return _report_script_runs(runs, args)
+        job = namespace.get("job")
+        if not isinstance(job, tandem.Job):
+            jobs = [v for v in namespace.values() if isinstance(v, tandem.Job)]
+            if len(jobs) != 1:
+                raise tandem.ConfigError(
+                    f"tandem run: {path.name} must define a module-level `job = td.Job(...)` "
+                    f"(found {type(job).__name__}), or run its job itself (job.run())"
+                )
+            job = jobs[0]
+        if args.duration is None:
+            args.duration = namespace.get("duration")
+        faults = _faults(args, list(namespace.get("faults", [])))
+        return _run_and_report(job, args, faults, plot_path=args.plot)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        tandem.api.RUN_OBSERVERS.remove(observe)
+
+
+def _report_script_runs(runs: list, args: argparse.Namespace) -> int:
+    """The summary of every run a script made itself; 0 if each one's output checked."""
+    given = [
+        flag
+        for flag, value in (("--duration", args.duration), ("--kill", args.kill))
+        if value is not None
+    ]
+    if given:
+        print(
+            f"tandem run: {', '.join(given)} not applied: the script runs its jobs itself, "
+            "with the arguments of its job.run() calls",
+            file=sys.stderr,
         )
-    if args.duration is None:
-        args.duration = float(getattr(module, "duration", 10.0))
-    faults = _faults(args, list(getattr(module, "faults", [])))
-    return _run_and_report(job, args, faults, plot_path=args.plot)
+    for job, result in runs:
+        print(f"\njob {job.name!r}:", end="")
+        print_summary(result)
+    if args.json:
+        _write_result(args.json, runs[-1][1])
+    return 0 if all(_checked(result) for _, result in runs) else 1
+
+
+def _checked(result: tandem.Result) -> bool:
+    """Nothing lost, nothing duplicated (or not checked: --no-check), replicas agreed."""
+    return result.lost in (0, None) and result.duplicates in (0, None) and result.digests_match
+
+
+def _write_result(path: str, result: tandem.Result) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(result.to_json())
+    print(f"wrote {path}")
 
 
 def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) -> int:
-    if args.duration <= 0:
+    """Run ``job`` as the flags say (``args.duration`` None: until Ctrl-C/SIGTERM, or the
+    end of its bounded sources), print the summary; 0 if its output checked."""
+    if args.duration is not None and args.duration <= 0:
         raise tandem.ConfigError(f"--duration must be > 0 seconds, got {args.duration}")
     if args.master and args.engine != "spark":
         raise tandem.ConfigError(f"--master is for --engine spark, not --engine {args.engine}")
     options = {"master": args.master} if args.master else {}
+    options_run = {"check": False} if getattr(args, "no_check", False) else {}
+    if args.duration is None:
+        print(
+            f"running job {job.name!r} until stopped (Ctrl-C or SIGTERM stops it and drains "
+            "what is in flight; bounded sources end it by themselves)",
+            flush=True,
+        )
     result = job.run(
         duration=args.duration,
         faults=faults,
         engine=engines.get(args.engine, **options),
         warmup=args.warmup,
         progress=not args.no_progress,
+        **options_run,
     )
     print_summary(result)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(result.to_json())
-        print(f"wrote {args.json}")
+        _write_result(args.json, result)
     if plot_path and result.per_second_p99_ms:
         from tandem import demo
 
@@ -218,8 +286,7 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
             print(f"wrote {plot_path}")
         except ImportError:
             print("(no plot: matplotlib is not installed; pip install 'tandem-stream[plot]')")
-    ok = result.lost == 0 and result.duplicates == 0 and result.digests_match
-    return 0 if ok else 1
+    return 0 if _checked(result) else 1
 
 
 def _fmt(v, unit: str = "") -> str:
@@ -239,6 +306,7 @@ def _lost_replicas(lost: list[dict]) -> str:
 
 def print_summary(r: tandem.Result) -> None:
     rows = [
+        ("source time", _fmt(r.duration_s, " s")),
         ("events in / out", f"{r.events_in} / {r.events_out}"),
         ("lost", _fmt(r.lost)),
         ("duplicates", _fmt(r.duplicates)),
@@ -611,9 +679,19 @@ def main(argv: list[str] | None = None) -> int:
     _add_run_flags(demo, demo=True)
     demo.set_defaults(func=_demo)
 
-    run = sub.add_parser("run", help="run a job file (it defines `job = td.Job(...)`)")
+    run = sub.add_parser(
+        "run",
+        help="run a job script: until Ctrl-C/SIGTERM unless --duration (it defines "
+        "`job = td.Job(...)`, or runs its job itself)",
+    )
     run.add_argument("path")
     _add_run_flags(run, demo=False)
+    run.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip comparing the output with the reference executor at the end (it replays "
+        "the whole run in this process: long for a long run)",
+    )
     run.set_defaults(func=_run_file)
 
     beats = sub.add_parser(

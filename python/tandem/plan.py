@@ -85,6 +85,8 @@ if TYPE_CHECKING:
 ORDERINGS = ("none", "liverobin", "kazoo")
 PARTITIONERS = ("forward", "rebalance", "hash", "broadcast")
 KINDS = ("source", "operator", "sink")
+_UNBOUNDED = 1 << 62
+"""The row count of a source with no end, in a schedule with no end."""
 
 
 @dataclass(frozen=True)
@@ -432,8 +434,26 @@ class Plan:
     def buffer_timeout_ns(self) -> int:
         return round(self.buffer_timeout_ms * 1_000_000)
 
+    def natural_end_ns(self) -> int | None:
+        """When a run with no duration ends by itself: every source is bounded (a file,
+        ``Synthetic(limit=...)``) — the first heartbeat after the last row any source
+        releases (offset from t0, ns); None when a source never ends (a rate without a
+        limit, a log)."""
+        end = 0
+        for task in self.sources():
+            src = task.source
+            if self.is_log_source(task.id):
+                return None
+            total = src.total_rows(None)
+            if total is None:
+                return None
+            if total > 0:
+                end = max(end, int(src.offsets_ns(np.array([total - 1]))[0]) + 1)
+        hb = self.heartbeat_ns
+        return max(1, -(-end // hb)) * hb
+
     def source_schedule(
-        self, task_id: int, partition: int, duration_s: float
+        self, task_id: int, partition: int, duration_s: float | None
     ) -> Iterator[SourceStep]:
         """The logical schedule of a source partition: its rows cut into batches at
         deterministic positions, its heartbeats, its end (DESIGN §2 invariant 1: the batch
@@ -450,15 +470,26 @@ class Plan:
         * **Size.** A batch holds at most ``batch_rows`` rows: a window's rows are cut where
           the partition's local row index is a multiple of ``batch_rows``.
         * The end is due at ``duration_s``; rows released before it all precede it.
+        * ``duration_s=None``: no end (a run that goes on until it is stopped; a bounded
+          source sends heartbeats after its last row). Its steps due at or before any
+          instant ``E`` are those of the schedule for ``duration_s = E``, whose end
+          follows (the run's stop point, :mod:`tandem.engines.local`).
         """
         task, src = self._source(task_id)
-        total = self.source_rows(task_id, partition, duration_s)
-        end_ns = round(duration_s * 1e9)
+        if duration_s is None:
+            total = src.total_rows(None)
+            total = (
+                _UNBOUNDED if total is None else src.local_count(total, partition, task.parallelism)
+            )
+            end_ns = last = None
+        else:
+            total = self.source_rows(task_id, partition, duration_s)
+            end_ns = round(duration_s * 1e9)
+            last = self.last_epoch(duration_s)
         window_ns, hb_ns, cap = self.buffer_timeout_ns, self.heartbeat_ns, self.batch_rows
-        last = self.last_epoch(duration_s)
         done, epoch, now = 0, 1, 0
 
-        def next_window(now: int) -> int:
+        def next_window(now: int) -> int | None:
             if window_ns > 0:
                 return (now // window_ns + 1) * window_ns
             if done >= total:
@@ -467,8 +498,8 @@ class Plan:
             return max(now, int(src.offsets_ns(np.array([row]))[0])) + 1
 
         while True:
-            hb_at = epoch * hb_ns if epoch <= last else None
-            due = min(next_window(now), end_ns, hb_at if hb_at is not None else end_ns)
+            hb_at = epoch * hb_ns if last is None or epoch <= last else None
+            due = min(t for t in (next_window(now), end_ns, hb_at) if t is not None)
             limit = min(total, self.source_rows_before(task_id, partition, due))
             while done < limit:
                 j1 = min(limit, (done // cap + 1) * cap)
@@ -478,7 +509,7 @@ class Plan:
                 yield SourceStep("heartbeat", due, epoch=epoch)
                 epoch += 1
             now = due
-            if now >= end_ns and epoch > last:
+            if end_ns is not None and now >= end_ns and epoch > last:
                 break
         yield SourceStep("end", end_ns)
 

@@ -220,6 +220,7 @@ def run(
             if first_collect is None and isinstance(task.sink, Collect):
                 first_collect = task.name
     return Result(
+        duration_s=duration,
         events_in=events_in,
         events_out=events_out,
         output=outputs.get(first_collect) if first_collect else None,

@@ -11,6 +11,7 @@ from typing import Any
 import pyarrow as pa
 
 JSON_FIELDS = (
+    "duration_s",
     "events_in",
     "events_out",
     "lost",
@@ -33,6 +34,8 @@ JSON_FIELDS = (
 class Result:
     """What a run reports. ``to_json()`` writes exactly :data:`JSON_FIELDS`.
 
+    ``duration_s``: the seconds of source time the run covered — its ``duration``, or for
+    a run with no duration where it stopped (the reference executor replays exactly that);
     ``events_in``: rows released by all sources; ``events_out``: rows delivered to all sinks (a
     row reaching two sinks counts twice). ``lost``/``duplicates``: rows of the reference
     execution's output missing from / repeated in the run's, every sink's rows compared as a
@@ -74,6 +77,7 @@ class Result:
     seconds from the engine's ``run()`` call to the first row received by a sink.
     """
 
+    duration_s: float | None = None
     events_in: int = 0
     events_out: int = 0
     lost: int | None = 0

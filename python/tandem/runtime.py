@@ -39,6 +39,7 @@ with :class:`tandem.DeterminismError` unless the job says ``on_divergence="log"`
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -52,10 +53,11 @@ import pyarrow as pa
 
 from tandem import _core
 from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
+from tandem.heartbeat import LogStep
 from tandem.latency import LatencyRecorder, SinkLatency
 from tandem.operators import Operator
 from tandem.ordering.kazoo import KazooRun, KazooSession, Orderer
-from tandem.plan import OutputEdge, Plan, Task
+from tandem.plan import OutputEdge, Plan, SourceStep, Task
 
 log = logging.getLogger("tandem")
 
@@ -488,25 +490,50 @@ class _Source:
 
     Python emits the rows, each batch when it falls due; the Rust worker sends the
     heartbeats on its clock, through the last one before the next batch still to be
-    emitted, so no heartbeat overtakes a row that precedes it in the schedule."""
+    emitted, so no heartbeat overtakes a row that precedes it in the schedule.
 
-    def __init__(self, replica: Replica, duration: float) -> None:
+    A run with no duration (``duration=None``) follows the schedule with no end, but only
+    through the source time the engine allowed (:meth:`extend`; nothing before it says):
+    a step due later waits. When the engine says where the run stops (``final``, never
+    before anything it allowed), the replica goes on with the schedule of a run of exactly
+    that length, after the steps it has taken — the same steps, then its end (see
+    :meth:`Plan.source_schedule`). Every replica of every source thus ends at the same
+    place, wherever it was when it was told."""
+
+    def __init__(self, replica: Replica, duration: float | None) -> None:
         self.replica = replica
         t, p, _ = replica.me
-        self.steps = replica.plan.source_schedule(t, p, duration)
+        self._steps = iter(replica.plan.source_schedule(t, p, duration))
+        self._next: SourceStep | None = None  # pulled from the schedule, not taken yet
+        self.taken = 0  # steps taken from the schedule
+        self.until_ns: int | None = None if duration is not None else 0
+        """Unbounded: steps due after this offset from t0 wait (None: no limit)."""
+        self.final = duration is not None
         self.heartbeat = 0  # the last heartbeat epoch before the pending step
         self.step = None
         if replica.resume is not None:  # rebuilt: the twin emitted everything through it
             self.heartbeat = replica.resume.epoch
-            for step in self.steps:
+            while (step := self._take(gated=False)) is not None:
                 if step.kind == "heartbeat" and step.epoch >= self.heartbeat:
                     break
         self.advance()
 
+    def _take(self, gated: bool = True) -> SourceStep | None:
+        """The next step of the schedule, or None: the schedule ended, or (``gated``) its
+        next step is due after what the engine allowed so far."""
+        if self._next is None:
+            self._next = next(self._steps, None)
+        step = self._next
+        if step is None or (gated and self.until_ns is not None and step.at_ns > self.until_ns):
+            return None
+        self._next = None
+        self.taken += 1
+        return step
+
     def advance(self) -> None:
         """Move to the next rows (or end) step, letting the worker send the heartbeats
         before it."""
-        for step in self.steps:
+        while (step := self._take()) is not None:
             if step.kind == "heartbeat":
                 self.heartbeat = step.epoch
                 continue
@@ -514,6 +541,23 @@ class _Source:
             self.replica.core.allow(self.replica.slot, self.heartbeat)
             return
         self.step = None
+        if not self.final:  # waiting for the engine: its heartbeats so far may go
+            self.replica.core.allow(self.replica.slot, self.heartbeat)
+
+    def extend(self, until_ns: int, final: bool) -> None:
+        """The engine's word in a run with no duration: steps due through ``until_ns``
+        (ns after t0) may go; ``final``: the run stops there."""
+        if self.final or self.replica.done:
+            return
+        if final:
+            t, p, _ = self.replica.me
+            schedule = self.replica.plan.source_schedule(t, p, until_ns / 1e9)
+            self._steps = itertools.islice(schedule, self.taken, None)
+            self._next, self.until_ns, self.final = None, None, True
+        else:
+            self.until_ns = max(self.until_ns, until_ns)
+        if self.step is None:
+            self.advance()
 
     def due_ns(self) -> int:
         return self.replica.t0_ns + self.step.at_ns
@@ -544,12 +588,22 @@ class _LogSource:
     allows exactly what it sends. Nothing is emitted before ``t0``. A replica rebuilt from
     a twin's cut at heartbeat ``k`` (``Job(restore=True)``) reads from the record after the
     marker the twin took as ``k``, its schedule resumed there: the schedule is a function of
-    the log, so it emits what the twin emits after ``k``."""
+    the log, so it emits what the twin emits after ``k``.
 
-    def __init__(self, replica: Replica, duration: float) -> None:
+    A run with no duration reads on until the engine says where it stops: a heartbeat
+    through the epoch the engine allowed goes out as it comes; a later one waits
+    (:meth:`extend`). Once the engine says the run stops at epoch ``K`` (``final``, never
+    before anything it allowed), the first marker taken at or after ``K`` is the last
+    heartbeat, and the end follows it — what a run of that duration does."""
+
+    def __init__(self, replica: Replica, duration: float | None) -> None:
         self.replica = replica
         t, p, _ = replica.me
         self.partition = p
+        self.until_epoch: int | None = None if duration is not None else 0
+        """Unbounded: a heartbeat at or after this epoch waits (or, ``final``, ends the
+        run); None: the schedule ends the run by itself."""
+        self.final = duration is not None
         self.source = replica.task.source
         resume = None
         if replica.resume is not None:  # rebuilt: its reader starts after the cut's marker
@@ -575,6 +629,18 @@ class _LogSource:
         while self.steps:
             if not core.ready(slot):
                 return CREDIT_POLL_S  # its links are backed up: look again soon
+            step = self.steps[0]
+            if (
+                step.kind == "heartbeat"
+                and self.until_epoch is not None
+                and step.epoch >= self.until_epoch
+            ):
+                if not self.final:
+                    return None  # the engine's next word wakes the worker
+                # The run's last heartbeat: the end follows, nothing after it is read.
+                self.steps = deque([step, LogStep("end")])
+                self.schedule.ended, self.schedule.rows = True, step.rows
+                self.until_epoch = None
             step = self.steps.popleft()
             if step.kind == "rows":
                 rep.on_rows(self.source.decode(self.partition, step.records))
@@ -592,6 +658,15 @@ class _LogSource:
                 self._report()
                 return None
         return None
+
+    def extend(self, until_ns: int, final: bool) -> None:
+        """The engine's word in a run with no duration: heartbeats through the epoch of
+        ``until_ns`` (ns after t0) may go; ``final``: the run stops at that epoch."""
+        if self.final or self.replica.done:
+            return
+        epoch = self.replica.plan.last_epoch(until_ns / 1e9)
+        self.until_epoch = epoch if final else max(self.until_epoch, epoch)
+        self.final = final
 
     def _report(self) -> None:
         s = self.schedule
@@ -639,6 +714,10 @@ class Worker:
         for r in self.replicas:
             r.resume = (resume or {}).get(r.me)
         self._cuts: dict[int, list] = {}  # slot -> tokens of the cuts asked of it
+        self.until: tuple[int, bool] | None = None
+        """A run with no duration: the source time its sources may emit through (ns after
+        t0) and whether the run stops there (:meth:`extend`)."""
+        self._sources: list[_Source | _LogSource] = []
 
     # -- requests from the engine (any thread) ------------------------------------------
 
@@ -655,9 +734,21 @@ class Worker:
         self.control.append(("link", up, down, address, epoch))
         self.core.wake()
 
+    def extend(self, until_ns: int, final: bool) -> None:
+        """A run with no duration (``run(duration=None)``): the hosted sources may emit
+        what falls due through ``until_ns`` ns after t0; ``final``: the run stops there
+        (see :class:`_Source`). The engine only ever moves it forward."""
+        self.control.append(("until", until_ns, final))
+        self.core.wake()
+
     def _serve_control(self, by_rid: dict[ReplicaId, Replica]) -> None:
         while self.control:
             req = self.control.popleft()
+            if req[0] == "until":
+                self.until = req[1:]
+                for src in self._sources:
+                    src.extend(*self.until)
+                continue
             rep = by_rid.get(req[1])
             if req[0] == "cut":
                 if rep is None or rep.slot is None or rep.done:
@@ -699,11 +790,13 @@ class Worker:
             self.kazoo.stop()
 
     def run(
-        self, addresses: Addresses, t0_ns: int, duration: float, warmup: float = 0.0
+        self, addresses: Addresses, t0_ns: int, duration: float | None, warmup: float = 0.0
     ) -> dict[ReplicaId, ReplicaReport]:
         """Run every hosted replica to the end of its input; never raises (errors are in
         the reports). The first replica that fails stops the worker: the job fails.
-        ``warmup``: seconds after ``t0_ns`` the sinks leave out of their latency record."""
+        ``duration``: seconds of source time; None: until the engine says where the run
+        stops (:meth:`extend`). ``warmup``: seconds after ``t0_ns`` the sinks leave out of
+        their latency record."""
         local = {r.me: r.inbox for r in self.replicas if r.inbox is not None}
         try:
             for r in self.replicas:
@@ -733,7 +826,7 @@ class Worker:
             self.kazoo.stop()
         return reports
 
-    def _loop(self, duration: float) -> None:
+    def _loop(self, duration: float | None) -> None:
         core = self.core
         by_slot = {r.slot: r for r in self.replicas if not r.done}
         sources, logs = [], []
@@ -743,6 +836,10 @@ class Worker:
                     logs.append(_LogSource(r, duration))
                 else:
                     sources.append(_Source(r, duration))
+        self._sources = [*sources, *logs]
+        if self.until is not None:
+            for src in self._sources:
+                src.extend(*self.until)
         orderers = [r.orderer for r in self.replicas if r.orderer is not None]
         by_rid = {r.me: r for r in self.replicas}
         control = self.control
@@ -771,10 +868,11 @@ class Worker:
                     if src.step is not None and not rep.done:
                         due_s = CREDIT_POLL_S if blocked else (src.due_ns() - now) / 1e9
                         wait = min(wait, max(0.0, due_s))
-                    else:
+                    elif rep.done:
                         finished = True
+                    # else: waiting for the engine's word (a run with no duration)
                 if finished:
-                    sources = [s for s in sources if s.step is not None and not s.replica.done]
+                    sources = [s for s in sources if not s.replica.done]
                 if not live:
                     return
             if logs:

@@ -16,6 +16,9 @@ return a :class:`tandem.Result`. A package offers one by declaring an entry poin
 
 tandem never imports an engine package: engines depend on tandem — on its public modules,
 :mod:`tandem.engines.common` being what every engine shares — and not the other way round.
+An engine that can run a job until it is stopped says so with ``until_stopped = True`` and
+takes ``run(plan, duration=None, stop=Stop())`` (:class:`tandem.engines.common.Stop`; the
+local engine can).
 Benchmarks that an engine package brings are found the same way, in the
 ``tandem.benchmarks`` group: a module with ``run(**options)`` and ``table(out)``, loaded by
 the command line (``tandem bench <name>``), not by the library.

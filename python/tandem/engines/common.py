@@ -10,6 +10,7 @@ compared with each other (the determinism check).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -31,18 +32,48 @@ STARTUP_S = 1.0
 peers meanwhile."""
 
 
+class Stop:
+    """How the caller of an engine's ``run(duration=None, stop=...)`` ends the run, from
+    any thread: :meth:`request` stops it gracefully — the engine picks a stop point later
+    than anything emitted, every source replica ends there and what is in flight drains
+    to the sinks — and :meth:`kill` kills its processes at once (the run raises
+    :class:`tandem.TandemError`)."""
+
+    def __init__(self) -> None:
+        self._requested = threading.Event()
+        self._killed = threading.Event()
+
+    def request(self) -> None:
+        self._requested.set()
+
+    def kill(self) -> None:
+        self._killed.set()
+        self._requested.set()
+
+    @property
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    @property
+    def killed(self) -> bool:
+        return self._killed.is_set()
+
+
 def check_options(
     engine: str,
-    duration: float,
+    duration: float | None,
     warmup: float,
     faults: Iterable,
     *,
     kinds: tuple[type, ...] = (Kill,),
 ) -> None:
     """Raise ConfigError for run options the engine cannot honour: a warm-up outside the
-    run, fault types outside ``kinds``. (A leader/follower role is checked against the
-    job's ordering by the fault itself.)"""
-    if not 0 <= warmup < duration:
+    run (``duration`` None: a run until stopped), fault types outside ``kinds``. (A
+    leader/follower role is checked against the job's ordering by the fault itself.)"""
+    if duration is None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int | float) or not warmup >= 0:
+            raise ConfigError(f"warmup must be a number of seconds >= 0, got {warmup!r}")
+    elif not 0 <= warmup < duration:
         raise ConfigError(f"warmup must be in [0, duration={duration}), got {warmup}")
     names = " and ".join(f"td.{k.__name__}" for k in kinds)
     for f in faults:
@@ -72,7 +103,7 @@ def assemble_result(
     under KaZoo (``kazoo``: the run's order topics) following the orders the replicas
     followed, read back from the topics.
     """
-    res = Result(t0_ns=t0_ns, faults=faults, rss_mb=rss_mb or {})
+    res = Result(t0_ns=t0_ns, faults=faults, rss_mb=rss_mb or {}, duration_s=duration)
     res.lost_replicas = [
         {"task": plan.tasks[t].name, "partition": p, "replica": r, "cause": cause}
         for (t, p, r), cause in lost_replicas
@@ -238,4 +269,4 @@ def multiset_diff(want: pa.Table, got: pa.Table) -> tuple[int, int]:
     return int(np.maximum(w - g, 0).sum()), int(np.maximum(g - w, 0).sum())
 
 
-__all__ = ["STARTUP_S", "assemble_result", "check_options", "multiset_diff"]
+__all__ = ["STARTUP_S", "Stop", "assemble_result", "check_options", "multiset_diff"]

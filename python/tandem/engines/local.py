@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import resource
@@ -40,7 +41,7 @@ import cloudpickle
 import psutil
 
 from tandem import logs
-from tandem.engines.common import STARTUP_S, assemble_result, check_options
+from tandem.engines.common import STARTUP_S, Stop, assemble_result, check_options
 from tandem.engines.process import child_env
 from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Chaos, Kill, KillHeartbeats, KillWorker, Pause, ReplicaFault
@@ -67,6 +68,11 @@ REJOIN_MARGIN_S = 1.0
 SPILL_BYTES = 1 << 20
 """A cut's state at least this large travels from the twin to the rebuilt replica as a file
 (``Resume.state_file``) instead of through the coordinator's links."""
+
+STOP_LEAD_S = 1.0
+"""A run with no duration: how far ahead of the wall clock, in source time, the sources
+may emit; the coordinator moves that point on every half of it, and a stop takes effect
+there (so a stop drains at most this much source time more)."""
 
 REJOIN_ATTEMPTS = 3
 """Cuts taken for one loss before giving up: a cut that left an upstream replica's replay
@@ -211,6 +217,8 @@ def _requests(conn, worker: Worker, folders: dict[Any, str]) -> None:
             worker.request_cut(msg[1], msg[2])
         elif msg[0] == "link":
             worker.link(*msg[1:])
+        elif msg[0] == "until":
+            worker.extend(*msg[1:])
 
 
 class _Process:
@@ -367,11 +375,13 @@ class LocalEngine:
     """Runs a plan on worker processes on 127.0.0.1 (see the module documentation)."""
 
     name = "local"
+    until_stopped = True
+    """``run(duration=None)`` runs until ``stop`` says so (or its bounded sources end)."""
 
-    def run(
+    def check(
         self,
         plan: Plan,
-        duration: float,
+        duration: float | None,
         faults: list[Any] = (),
         *,
         progress: bool | None = None,
@@ -379,17 +389,10 @@ class LocalEngine:
         check: bool = True,
         timeout: float | None = None,
         host: str = "127.0.0.1",
-    ) -> Result:
-        """Run ``plan`` for ``duration`` seconds of source time.
-
-        ``warmup`` seconds of output are left out of the latency figures; ``check``
-        compares the output with the reference executor (lost / duplicates); ``timeout``
-        bounds the whole run (default: duration + 60 s); ``progress`` draws a progress bar
-        on stderr (default: when stderr is a terminal).
-        """
-        if progress is None:
-            progress = sys.stderr.isatty()
-        cost = _CostMeter(warmup)
+        stop: Stop | None = None,
+    ) -> None:
+        """Raise ConfigError for arguments :meth:`run` cannot honour (TypeError for one it
+        does not take), before anything starts."""
         check_options(
             self.name,
             duration,
@@ -397,17 +400,73 @@ class LocalEngine:
             faults,
             kinds=(Kill, KillWorker, Pause, Chaos, KillHeartbeats),
         )
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+        ):
+            raise ConfigError(f"timeout must be None or a number of seconds > 0, got {timeout!r}")
+
+    def run(
+        self,
+        plan: Plan,
+        duration: float | None,
+        faults: list[Any] = (),
+        *,
+        progress: bool | None = None,
+        warmup: float = 0.0,
+        check: bool = True,
+        timeout: float | None = None,
+        host: str = "127.0.0.1",
+        stop: Stop | None = None,
+    ) -> Result:
+        """Run ``plan`` for ``duration`` seconds of source time.
+
+        ``duration=None``: until ``stop`` (a :class:`tandem.engines.common.Stop`) is
+        requested (with a ``duration`` and a ``stop``: until either), or, when every
+        source is bounded, until their last row
+        (:meth:`Plan.natural_end_ns`). The coordinator then picks the stop point — the
+        source time the sources were allowed to reach (:data:`STOP_LEAD_S` ahead of the
+        clock), later than anything emitted — and tells every worker; every replica of
+        every source ends there, what is in flight drains to the sinks, and the result
+        is that of a run of exactly that duration. ``stop.kill()`` kills the workers at
+        once instead (TandemError).
+
+        ``warmup`` seconds of output are left out of the latency figures; ``check``
+        compares the output with the reference executor (lost / duplicates); ``timeout``
+        bounds the whole run (default: duration + 60 s; with no duration, how long it may
+        take after the stop point); ``progress`` draws a progress bar on stderr (default:
+        when stderr is a terminal).
+        """
+        if progress is None:
+            progress = sys.stderr.isatty()
+        cost = _CostMeter(warmup)
+        self.check(plan, duration, faults, warmup=warmup)
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         # Kafka sources: the heartbeat generators run from before the workers start until
         # every worker has stopped (their markers before t0 are ignored).
         generators = Generators(plan, env=child_env())
-        run = _Run(plan, duration, list(faults), progress, host, zoo, warmup, generators)
+        # With a stop to honour, even a run with a duration goes by stop points (ending
+        # at its duration unless stopped before).
+        cap_ns = None if duration is None or stop is None else round(duration * 1e9)
+        run = _Run(
+            plan,
+            duration if stop is None else None,
+            list(faults),
+            progress,
+            host,
+            zoo,
+            warmup,
+            generators,
+            stop,
+            cap_ns,
+        )
         try:
             generators.start()
             try:
                 with _above_the_bar(progress):
                     run.start()
-                    run.watch(timeout if timeout is not None else duration + 60.0, cost)
+                    if timeout is None:
+                        timeout = 60.0 if run.duration is None else duration + 60.0
+                    run.watch(timeout, cost)
             finally:
                 run.stop()
                 generators.stop()
@@ -445,8 +504,17 @@ class _Run:
         zoo,
         warmup: float = 0.0,
         generators: Generators | None = None,
+        stop: Stop | None = None,
+        cap_ns: int | None = None,
     ) -> None:
         self.plan, self.duration, self.progress, self.host = plan, duration, progress, host
+        # A run with no duration: the source time the sources may reach (ns after t0), and
+        # whether the run stops there; the end of the bounded sources, if all are.
+        self.until_ns, self.final = 0, duration is not None
+        self.natural_ns = plan.natural_end_ns() if duration is None else None
+        if cap_ns is not None:
+            self.natural_ns = min(cap_ns, self.natural_ns or cap_ns)
+        self.stop_token = stop or Stop()
         self.generators = generators
         self._bar = None  # the tqdm progress bar, while drawn
         self.warmup = warmup
@@ -543,20 +611,71 @@ class _Run:
         self.heard = dict.fromkeys(self.procs, time.monotonic())
         if self.restoring:
             self._start_spare()
+        if self.duration is None:
+            self._extend(-STARTUP_S)
+
+    # -- runs with no duration ------------------------------------------------------------
+
+    def end_s(self) -> float:
+        """Where the stream ends, in seconds of source time (inf: not known yet)."""
+        if self.duration is not None:
+            return self.duration
+        return self.until_ns / 1e9 if self.final else math.inf
+
+    def _extend(self, now_s: float) -> None:
+        """A run with no duration: move the point the sources may reach on, to
+        ``STOP_LEAD_S`` ahead of ``now_s`` (a whole number of heartbeats), or make the
+        current one final when a stop was requested or the bounded sources end there."""
+        if self.final:
+            return
+        hb = self.plan.heartbeat_ns
+        if self.stop_token.requested and self.until_ns > 0:
+            self.final = True
+            log.info(
+                "stopping job %r: its sources end at %.2f s of source time, then what is in "
+                "flight drains to the sinks",
+                self.plan.job,
+                self.until_ns / 1e9,
+            )
+        else:
+            if self.until_ns / 1e9 - now_s > STOP_LEAD_S / 2 and self.until_ns > 0:
+                return
+            target = round((max(now_s, 0.0) + STOP_LEAD_S) * 1e9)
+            self.until_ns = max(self.until_ns, -(-target // hb) * hb)
+            if self.natural_ns is not None and self.until_ns >= self.natural_ns:
+                self.until_ns, self.final = self.natural_ns, True
+            self.final |= self.stop_token.requested
+        self._send_until(self.conns[w] for w in self.running)
+
+    def _send_until(self, conns) -> None:
+        for conn in conns:
+            with contextlib.suppress(OSError):  # a worker that died: the watch loop sees it
+                conn.send(("until", self.until_ns, self.final))
 
     def watch(self, timeout: float, cost: _CostMeter | None = None) -> None:
         """Inject the faults, sample memory, take ``cost``'s readings, rebuild lost workers
         (``Job(restore=True)``), collect the reports until every worker has finished or
         died."""
         deadline = time.monotonic() + STARTUP_S + timeout
+        if self.duration is None:  # from the stop point on
+            deadline = math.inf
         faults = list(self.faults)
         running = self.running
         while running:
             now_s = (time.time_ns() - self.t0_ns) / 1e9
-            reading = cost.due(now_s, self.duration) if cost is not None else None
+            if self.stop_token.killed:
+                raise TandemError(
+                    f"job {self.plan.job!r} was killed: its workers were stopped at once, "
+                    "without a drain, so the sinks may hold part of its output"
+                )
+            if not self.final:
+                self._extend(now_s)
+                if self.final:
+                    deadline = time.monotonic() + max(0.0, self.end_s() - now_s) + timeout
+            reading = cost.due(now_s, self.end_s()) if cost is not None else None
             if reading is not None and reading <= 0:
                 cost.read([p.pid for p in self._all_procs()])
-                reading = cost.due(now_s, self.duration)
+                reading = cost.due(now_s, self.end_s())
             while faults and faults[0].at <= now_s:
                 self._inject(faults.pop(0), now_s, faults)
                 running -= self.killed_workers
@@ -578,6 +697,8 @@ class _Run:
             next_fault = (faults[0].at - now_s) if faults else 0.2
             if reading is not None:
                 next_fault = min(next_fault, reading)
+            if not self.final:  # a stop is seen within 0.1 s
+                next_fault = min(next_fault, 0.1)
             for obj in wait(list(waitables), timeout=max(0.0, min(0.2, next_fault))):
                 w, rejoining = waitables[obj]
                 if rejoining:
@@ -615,7 +736,7 @@ class _Run:
                 if (
                     self.spare is None
                     and not self.rejoins
-                    and now_s < self.duration - REJOIN_MARGIN_S
+                    and now_s < self.end_s() - REJOIN_MARGIN_S
                 ):
                     self._start_spare()  # after a rebuild, not beside it
             if running and time.monotonic() > deadline:
@@ -633,7 +754,7 @@ class _Run:
                 )
         for w in list(self.rejoins):
             self._abort_rejoin(w, "the job ended first")
-        self._draw(self.duration, done=True)
+        self._draw(self.end_s(), done=True)
 
     def _silent(self, now_s: float) -> None:
         """Declare lost every running worker that has not spoken for the job's
@@ -714,7 +835,7 @@ class _Run:
         rids = self.placement[w]
         if self._hosts_sinks(w):
             return  # sinks are not replicated: nothing to rebuild them from
-        if now_s > self.duration - REJOIN_MARGIN_S:
+        if now_s > self.end_s() - REJOIN_MARGIN_S:
             log.info(
                 "%s is not rebuilt: the stream ends in under %g s",
                 self._worker_name(w),
@@ -786,6 +907,8 @@ class _Run:
         rj.state = "linking"
         with contextlib.suppress(OSError):
             rj.proc.conn.send(("go", self.addresses, self.t0_ns, self.duration, self.warmup))
+        if self.duration is None:
+            self._send_until([rj.proc.conn])
         self.retired.append(self.procs[w])
         self.procs[w], self.conns[w] = rj.proc, rj.proc.conn
         self.killed_workers.discard(w)
@@ -933,7 +1056,7 @@ class _Run:
             return
         if now_s < self._chaos_at or self.rejoins or self.down:
             return
-        if now_s > self.duration - REJOIN_MARGIN_S - chaos.every_s[0]:
+        if now_s > self.end_s() - REJOIN_MARGIN_S - chaos.every_s[0]:
             return
         victims = sorted(w for w in self.running if not self._hosts_sinks(w))
         if not victims:
@@ -1083,10 +1206,13 @@ class _Run:
         if self._bar is None:
             from tqdm import tqdm
 
+            bounded = self.duration is not None
             self._bar = tqdm(
                 total=self.duration,
                 file=sys.stderr,
-                bar_format="{desc} |{bar:30}| {n:5.1f}/{total:g}s{postfix}",
+                bar_format="{desc} |{bar:30}| {n:5.1f}/{total:g}s{postfix}"
+                if bounded
+                else "{desc} {n:5.1f}s, until stopped{postfix}",
                 desc=self.plan.job,
                 leave=True,
             )
@@ -1097,7 +1223,9 @@ class _Run:
         rebuilt = sorted({(r["lost_s"], r["restored_s"]) for r in self.restored})
         if rebuilt:
             note += f"; r restored {len(rebuilt)}x (last at {rebuilt[-1][1]:.1f}s)"
-        self._bar.n = min(max(elapsed, 0.0), self.duration)
+        if self.duration is None and self.final:
+            note = f"stopping at {self.end_s():.1f}s" + (f"; {note}" if note else "")
+        self._bar.n = min(max(elapsed, 0.0), self.end_s())
         self._bar.set_postfix_str(note, refresh=False)
         self._bar.refresh()
         if done:
@@ -1107,7 +1235,7 @@ class _Run:
     def result(self, check: bool) -> Result:
         result = assemble_result(
             self.plan,
-            self.duration,
+            self.end_s(),
             self.reports,
             t0_ns=self.t0_ns,
             warmup=self.warmup,
