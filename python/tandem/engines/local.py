@@ -109,8 +109,10 @@ def serve(
     :mod:`tandem.engines.worker`, the process's entry point): ``ready`` with its ports,
     ``go``, then ``done`` with its reports. Meanwhile the coordinator may ask it for cuts
     of its replicas and to link them to rebuilt downstream replicas (``cut``, ``link``;
-    answered by ``cut`` and ``linked`` messages). A worker that rebuilds lost replicas
-    (``rejoin``) first says it is ``waiting`` and gets their twins' cuts (``resume``)."""
+    answered by ``cut`` and ``linked`` messages), and for a ``metrics`` snapshot every so
+    many seconds (:mod:`tandem.metrics`; sent as ``metrics`` messages, the last one before
+    ``done``). A worker that rebuilds lost replicas (``rejoin``) first says it is
+    ``waiting`` and gets their twins' cuts (``resume``)."""
     resume = None
     if rejoin:
         _warm_up()
@@ -154,7 +156,17 @@ def serve(
             target=send, args=(("cut", rid, taken, token),), name="tandem-cut", daemon=True
         ).start()
 
+    def send_metrics(snapshot: dict) -> None:
+        # Best effort, never waiting on the worker thread: skipped while a cut is sent.
+        if sending.acquire(blocking=False):
+            try:
+                with contextlib.suppress(OSError):
+                    conn.send(("metrics", snapshot))
+            finally:
+                sending.release()
+
     worker.on_cut = send_cut
+    worker.on_metrics = send_metrics
     worker.on_link = lambda up, down, error: send(("linked", up, down, error))
     if plan.restore:
         worker.on_evicted = lambda up, down: send(("evicted", up, down))
@@ -171,6 +183,8 @@ def serve(
 
         threading.Thread(target=keepalive, name="tandem-keepalive", daemon=True).start()
     reports = worker.run(addresses, t0_ns, duration, warmup)
+    if worker.metrics_every is not None:
+        send(("metrics", worker.metrics()))  # the final counters
     # The coordinator may stop this process once it has the reports: hand what the core
     # logged to logging first.
     logs.flush(1.0)
@@ -188,6 +202,8 @@ def _requests(conn, worker: Worker) -> None:
             worker.request_cut(msg[1], msg[2])
         elif msg[0] == "link":
             worker.link(*msg[1:])
+        elif msg[0] == "metrics":
+            worker.metrics_every = msg[1]
 
 
 class _Process:
@@ -354,13 +370,16 @@ class LocalEngine:
         check: bool = True,
         timeout: float | None = None,
         host: str = "127.0.0.1",
+        metrics_port: int | None = None,
     ) -> Result:
         """Run ``plan`` for ``duration`` seconds of source time.
 
         ``warmup`` seconds of output are left out of the latency figures; ``check``
         compares the output with the reference executor (lost / duplicates); ``timeout``
         bounds the whole run (default: duration + 60 s); ``progress`` draws a progress bar
-        on stderr (default: when stderr is a terminal).
+        on stderr (default: when stderr is a terminal); ``metrics_port`` serves Prometheus
+        metrics of every worker on 127.0.0.1 at that port while the run lasts
+        (:mod:`tandem.metrics`; 0: a free port, logged).
         """
         if progress is None:
             progress = sys.stderr.isatty()
@@ -372,11 +391,26 @@ class LocalEngine:
             faults,
             kinds=(Kill, KillWorker, Pause, Chaos, KillHeartbeats),
         )
+        metrics = None
+        if metrics_port is not None:
+            from tandem import metrics as _metrics
+
+            metrics = _metrics.serve(plan, metrics_port)  # a taken port fails before anything
+        try:
+            return self._run(
+                plan, duration, faults, progress, warmup, check, timeout, host, cost, metrics
+            )
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    def _run(self, plan, duration, faults, progress, warmup, check, timeout, host, cost, metrics):
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         # Kafka sources: the heartbeat generators run from before the workers start until
         # every worker has stopped (their markers before t0 are ignored).
         generators = Generators(plan, env=child_env())
         run = _Run(plan, duration, list(faults), progress, host, zoo, warmup, generators)
+        run.metrics = metrics
         try:
             generators.start()
             try:
@@ -460,6 +494,8 @@ class _Run:
         self.t0_ns = 0
         self.rss_mb: dict[str, float] = {}
         self._rss_at = 0.0
+        self.metrics = None
+        """A :class:`tandem.metrics.Metrics` the workers' snapshots go to, if served."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -509,6 +545,8 @@ class _Run:
         self.t0_ns = time.time_ns() + int(STARTUP_S * 1e9)
         for conn in self.conns.values():
             conn.send(("go", addresses, self.t0_ns, self.duration, self.warmup))
+            if self.metrics is not None:
+                conn.send(("metrics", self.metrics.every_s))
         self.running = set(self.procs)
         self.heard = dict.fromkeys(self.procs, time.monotonic())
 
@@ -520,6 +558,8 @@ class _Run:
         faults = list(self.faults)
         running = self.running
         while running:
+            if self.metrics is not None:
+                self.metrics.engine(self.lost, self.restored, self.down)
             now_s = (time.time_ns() - self.t0_ns) / 1e9
             reading = cost.due(now_s, self.duration) if cost is not None else None
             if reading is not None and reading <= 0:
@@ -571,6 +611,9 @@ class _Run:
                     self._on_linked(*msg[1:], now_s=now_s)
                 elif msg[0] == "evicted":
                     self._on_evicted(*msg[1:], now_s=now_s)
+                elif msg[0] == "metrics":
+                    if self.metrics is not None:
+                        self.metrics.update(msg[1])
                 elif msg[0] == "done":
                     reports = msg[1]
                     self.reports.update(reports)
@@ -595,6 +638,8 @@ class _Run:
                 )
         for w in list(self.rejoins):
             self._abort_rejoin(w, "the job ended first")
+        if self.metrics is not None:
+            self.metrics.engine(self.lost, self.restored, self.down)
         self._draw(self.duration, done=True)
 
     def _silent(self, now_s: float) -> None:
@@ -723,6 +768,8 @@ class _Run:
         rj.state = "linking"
         with contextlib.suppress(OSError):
             rj.proc.conn.send(("go", self.addresses, self.t0_ns, self.duration, self.warmup))
+            if self.metrics is not None:
+                rj.proc.conn.send(("metrics", self.metrics.every_s))
         self.retired.append(self.procs[w])
         self.procs[w], self.conns[w] = rj.proc, rj.proc.conn
         self.killed_workers.discard(w)
