@@ -249,9 +249,12 @@ class Inbox:
         """``{"channels": [{"upstream", "accepted_rows", "duplicate_rows", "next_seq",
         "queued_seqs"}], "connections": [{"peer", "identity", "frames", "bytes", "open",
         "error"}], "rejected_connections": int, "divergences": [{"channel", "upstream",
-        "epoch", "replicas", "digests"}], "divergence_count": int}``. ``divergences`` holds
-        the first 16 found: ``replicas`` is (the replica whose heartbeat came first, the one
-        that differed), ``digests`` their digests in hex, in that order."""
+        "epoch", "replicas", "digests"}], "divergence_count": int, "merge_wait_s": float}``.
+        ``divergences`` holds the first 16 found: ``replicas`` is (the replica whose
+        heartbeat came first, the one that differed), ``digests`` their digests in hex, in
+        that order. ``merge_wait_s``: how long the merge held input back — the total time
+        during which some channel had accepted elements queued and the merge delivered
+        nothing."""
     def close(self) -> None:
         """Stop listening, close every connection, join the I/O threads. Idempotent."""
     def __enter__(self) -> Inbox: ...
@@ -469,6 +472,10 @@ class Worker:
         ``wake()``. Releases the GIL while waiting; Ctrl-C interrupts."""
     def stats(self) -> dict[str, int]:
         """``{"heartbeats", "data", "watermarks", "credit_waits"}``."""
+    def slot_stats(self) -> list[dict[str, Any]]:
+        """Per slot, in slot order: ``{"watermark": int, "backlog": int, "active": bool}``
+        — the last heartbeat epoch it forwarded (a source: sent), the frames queued on its
+        output links, whether it is still served. Reads only."""
 
 def sync_level() -> None:
     """Cache the effective level of the logger ``tandem.core`` as the Rust core's: records

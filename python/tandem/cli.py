@@ -88,6 +88,13 @@ def _add_run_flags(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--plot", metavar="PATH", help="write per-second p99 latency as a PNG")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics of every worker on 127.0.0.1:PORT while the job runs "
+        "(local engine; 0: a free port)",
+    )
 
 
 def _faults(args, default: list) -> list:
@@ -259,7 +266,15 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
     if args.master and args.engine != "spark":
         raise tandem.ConfigError(f"--master is for --engine spark, not --engine {args.engine}")
     options = {"master": args.master} if args.master else {}
-    options_run = {"check": False} if getattr(args, "no_check", False) else {}
+    run_options: dict = {"check": False} if getattr(args, "no_check", False) else {}
+    if args.metrics_port is not None:
+        if args.engine != "local":
+            raise tandem.ConfigError(
+                f"--metrics-port is served by the local engine, not --engine {args.engine}"
+            )
+        run_options["metrics_port"] = args.metrics_port
+        if args.metrics_port:
+            print(f"  metrics: http://127.0.0.1:{args.metrics_port}/metrics")
     if args.duration is None:
         print(
             f"running job {job.name!r} until stopped (Ctrl-C or SIGTERM stops it and drains "
@@ -272,7 +287,7 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
         engine=engines.get(args.engine, **options),
         warmup=args.warmup,
         progress=not args.no_progress,
-        **options_run,
+        **run_options,
     )
     print_summary(result)
     if args.json:

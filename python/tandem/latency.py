@@ -48,6 +48,10 @@ FLUSH_ROWS = 1 << 16
 """Latencies wait in a buffer of at most this many values before they are counted (at
 the end of a second at the latest): one vectorised pass per many small batches."""
 
+METRIC_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+"""Upper bounds of the latency histogram the metrics endpoint serves
+(``tandem_latency_seconds``, :mod:`tandem.metrics`); a last bucket takes the rest."""
+
 _NS_PER_S = 1_000_000_000
 _NS_PER_MS = 1_000_000
 _MS_PER_S = 1_000
@@ -82,6 +86,7 @@ class _Layout:
 
 
 _LAYOUT = _Layout()
+_METRIC_BOUNDS_NS = np.array([round(b * 1e9) for b in METRIC_BUCKETS_S], dtype=np.int64)
 
 
 @dataclass
@@ -108,6 +113,11 @@ class LatencyRecorder:
         self._bits = bytearray(_MS_PER_S // 8)
         self._pending: list[np.ndarray] = []
         self._pending_rows = 0
+        self.buckets = np.zeros(len(METRIC_BUCKETS_S) + 1, dtype=np.int64)
+        """Rows recorded so far per bucket of :data:`METRIC_BUCKETS_S` (not cumulative; the
+        last: above the largest bound), up to the last :meth:`flush`."""
+        self.sum_ns = 0
+        """The sum of every latency in :attr:`buckets`."""
 
     def record(self, now_ns: int, event_time_ns: np.ndarray) -> None:
         """Rows received at ``now_ns`` with these event times (NaN, from a null: not
@@ -131,7 +141,7 @@ class LatencyRecorder:
         self._pending.append(now_ns - event_time_ns)
         self._pending_rows += len(event_time_ns)
         if self._pending_rows >= FLUSH_ROWS:
-            self._flush()
+            self.flush()
 
     def finish(self) -> SinkLatency:
         """Encode the last second; what was recorded."""
@@ -139,19 +149,25 @@ class LatencyRecorder:
         self._second = None
         return self.out
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Count the latencies waiting in the buffer (in this second's histogram and in
+        :attr:`buckets`): a sealed second or a metrics snapshot needs them."""
         if not self._pending:
             return
         values = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
         self._pending, self._pending_rows = [], 0
         np.clip(values, 0, HIGHEST_NS, out=values)
         self._counts += np.bincount(_LAYOUT.index(values), minlength=_LAYOUT.counts_len)
+        # A value equal to a bound belongs to that bucket (Prometheus' ``le``).
+        where = np.searchsorted(_METRIC_BOUNDS_NS, values, side="left")
+        self.buckets += np.bincount(where, minlength=len(self.buckets))
+        self.sum_ns += int(values.sum())
 
     def _seal(self) -> None:
         """Encode the second in progress, and start afresh."""
         if self._second is None:
             return
-        self._flush()
+        self.flush()
         hist = new_histogram()
         for i in np.flatnonzero(self._counts):
             hist.record_value(hist.get_value_from_index(int(i)), int(self._counts[i]))

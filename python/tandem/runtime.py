@@ -74,6 +74,10 @@ time, and taken as the next heartbeat leaves)."""
 CREDIT_POLL_S = 0.001
 """How soon a worker looks again at a source whose downstream links are backed up."""
 
+METRICS_EVERY_S = 1.0
+"""How often a worker hands :attr:`Worker.on_metrics` a snapshot, when the engine asks for
+them (:mod:`tandem.metrics`)."""
+
 
 @dataclass
 class ReplicaReport:
@@ -465,6 +469,37 @@ class Replica:
             self.inbox.close()
         return report
 
+    def metrics(self, slots: list[dict], now_ns: int) -> dict:
+        """This replica's counters for the metrics endpoint (:mod:`tandem.metrics`): what
+        its report, its inbox, its slot in the core, its sink's latency record and its KaZoo
+        orderer keep anyway; nothing is counted per row for it."""
+        rep = self.report
+        m: dict = {"rows_in": rep.rows_in, "rows_out": rep.rows_out, "active": not self.done}
+        if self.slot is not None and self.slot < len(slots):
+            s = slots[self.slot]
+            m["active"] = m["active"] and s["active"]
+            m["backlog"] = s["backlog"]
+            watermark_ns = self.t0_ns + s["watermark"] * self.plan.heartbeat_ns
+            m["heartbeat_lag_s"] = max(0.0, (now_ns - watermark_ns) / 1e9)
+        stats = rep.inbox_stats
+        if stats is None and self.inbox is not None:
+            try:
+                stats = self.inbox.stats()
+            except _core.ChannelClosed:
+                stats = None
+        if stats is not None:
+            channels = stats["channels"]
+            m["dedup_dropped"] = sum(c["duplicate_rows"] for c in channels)
+            m["queued"] = sum(c["queued_seqs"] for c in channels)
+            m["merge_wait_s"] = stats["merge_wait_s"]
+            m["divergences"] = stats["divergence_count"]
+        if self._latency is not None:
+            self._latency.flush()
+            m["latency"] = (self._latency.buckets.tolist(), self._latency.sum_ns)
+        if self.orderer is not None:
+            m["kazoo"] = (self.orderer.leading(), self.orderer.feed.stats()["epoch"])
+        return m
+
     def _divergence(self, exc: DeterminismError) -> str:
         """The message of a divergence this replica saw in its input, with task names."""
         stats = self.inbox.stats() if self.inbox is not None else {}
@@ -718,6 +753,11 @@ class Worker:
         """A run with no duration: the source time its sources may emit through (ns after
         t0) and whether the run stops there (:meth:`extend`)."""
         self._sources: list[_Source | _LogSource] = []
+        self.on_metrics = None
+        """Called (from the worker thread) with a :meth:`metrics` snapshot every
+        :attr:`metrics_every` seconds while the replicas run."""
+        self.metrics_every: float | None = None
+        """Set (from any thread) to have :attr:`on_metrics` called; None: never."""
 
     # -- requests from the engine (any thread) ------------------------------------------
 
@@ -766,6 +806,16 @@ class Worker:
                     self.on_link(up, down, f"{type(exc).__name__}: {exc}")
                 else:
                     self.on_link(up, down, None)
+
+    def metrics(self) -> dict:
+        """A snapshot of every hosted replica's counters (:meth:`Replica.metrics`), taken on
+        the worker thread (or after :meth:`run`): ``{"pid", "replicas": {rid: {...}}}``."""
+        now = time.time_ns()
+        slots = self.core.slot_stats()
+        return {
+            "pid": os.getpid(),
+            "replicas": {r.me: r.metrics(slots, now) for r in self.replicas},
+        }
 
     def bind(self, host: str = "127.0.0.1") -> dict[ReplicaId, int | None]:
         """Create every hosted replica's inbox, and start contending for the leadership of
@@ -844,7 +894,7 @@ class Worker:
         by_rid = {r.me: r for r in self.replicas}
         control = self.control
         live = len(by_slot)
-        checked = time.monotonic()
+        checked = measured = time.monotonic()
         while live:
             if control:
                 self._serve_control(by_rid)
@@ -913,6 +963,10 @@ class Worker:
                     for r in self.replicas:
                         for down in r.evicted():
                             self.on_evicted(r.me, down)
+                every = self.metrics_every
+                if every is not None and checked - measured >= every:
+                    measured = checked
+                    self.on_metrics(self.metrics())
 
     def _retire(self, rep: Replica) -> None:
         self.core.retire(rep.slot)

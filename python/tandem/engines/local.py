@@ -123,8 +123,10 @@ def serve(
     :mod:`tandem.engines.worker`, the process's entry point): ``ready`` with its ports,
     ``go``, then ``done`` with its reports. Meanwhile the coordinator may ask it for cuts
     of its replicas and to link them to rebuilt downstream replicas (``cut``, ``link``;
-    answered by ``cut`` and ``linked`` messages). A worker that rebuilds lost replicas
-    (``rejoin``) first says it is ``waiting`` and gets their twins' cuts (``resume``)."""
+    answered by ``cut`` and ``linked`` messages), and for a ``metrics`` snapshot every so
+    many seconds (:mod:`tandem.metrics`; sent as ``metrics`` messages, the last one before
+    ``done``). A worker that rebuilds lost replicas (``rejoin``) first says it is
+    ``waiting`` and gets their twins' cuts (``resume``)."""
     resume = None
     if rejoin:
         _warm_up()
@@ -180,7 +182,17 @@ def serve(
 
         threading.Thread(target=run, name="tandem-cut", daemon=True).start()
 
+    def send_metrics(snapshot: dict) -> None:
+        # Best effort, never waiting on the worker thread: skipped while a cut is sent.
+        if sending.acquire(blocking=False):
+            try:
+                with contextlib.suppress(OSError):
+                    conn.send(("metrics", snapshot))
+            finally:
+                sending.release()
+
     worker.on_cut = send_cut
+    worker.on_metrics = send_metrics
     worker.on_link = lambda up, down, error: send(("linked", up, down, error))
     if plan.restore:
         worker.on_evicted = lambda up, down: send(("evicted", up, down))
@@ -197,6 +209,8 @@ def serve(
 
         threading.Thread(target=keepalive, name="tandem-keepalive", daemon=True).start()
     reports = worker.run(addresses, t0_ns, duration, warmup)
+    if worker.metrics_every is not None:
+        send(("metrics", worker.metrics()))  # the final counters
     # The coordinator may stop this process once it has the reports: hand what the core
     # logged to logging first.
     logs.flush(1.0)
@@ -219,6 +233,8 @@ def _requests(conn, worker: Worker, folders: dict[Any, str]) -> None:
             worker.link(*msg[1:])
         elif msg[0] == "until":
             worker.extend(*msg[1:])
+        elif msg[0] == "metrics":
+            worker.metrics_every = msg[1]
 
 
 class _Process:
@@ -390,6 +406,7 @@ class LocalEngine:
         timeout: float | None = None,
         host: str = "127.0.0.1",
         stop: Stop | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         """Raise ConfigError for arguments :meth:`run` cannot honour (TypeError for one it
         does not take), before anything starts."""
@@ -417,6 +434,7 @@ class LocalEngine:
         timeout: float | None = None,
         host: str = "127.0.0.1",
         stop: Stop | None = None,
+        metrics_port: int | None = None,
     ) -> Result:
         """Run ``plan`` for ``duration`` seconds of source time.
 
@@ -434,12 +452,30 @@ class LocalEngine:
         compares the output with the reference executor (lost / duplicates); ``timeout``
         bounds the whole run (default: duration + 60 s; with no duration, how long it may
         take after the stop point); ``progress`` draws a progress bar on stderr (default:
-        when stderr is a terminal).
+        when stderr is a terminal); ``metrics_port`` serves Prometheus metrics of every
+        worker on 127.0.0.1 at that port while the run lasts (:mod:`tandem.metrics`; 0: a
+        free port, logged).
         """
         if progress is None:
             progress = sys.stderr.isatty()
         cost = _CostMeter(warmup)
         self.check(plan, duration, faults, warmup=warmup)
+        metrics = None
+        if metrics_port is not None:
+            from tandem import metrics as _metrics
+
+            metrics = _metrics.serve(plan, metrics_port)  # a taken port fails before anything
+        try:
+            return self._run(
+                plan, duration, faults, progress, warmup, check, timeout, host, stop, cost, metrics
+            )
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    def _run(
+        self, plan, duration, faults, progress, warmup, check, timeout, host, stop, cost, metrics
+    ):
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         # Kafka sources: the heartbeat generators run from before the workers start until
         # every worker has stopped (their markers before t0 are ignored).
@@ -459,6 +495,7 @@ class LocalEngine:
             stop,
             cap_ns,
         )
+        run.metrics = metrics
         try:
             generators.start()
             try:
@@ -558,6 +595,8 @@ class _Run:
         self.t0_ns = 0
         self.rss_mb: dict[str, float] = {}
         self._rss_at = 0.0
+        self.metrics = None
+        """A :class:`tandem.metrics.Metrics` the workers' snapshots go to, if served."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -607,6 +646,8 @@ class _Run:
         self.t0_ns = time.time_ns() + int(STARTUP_S * 1e9)
         for conn in self.conns.values():
             conn.send(("go", addresses, self.t0_ns, self.duration, self.warmup))
+            if self.metrics is not None:
+                conn.send(("metrics", self.metrics.every_s))
         self.running = set(self.procs)
         self.heard = dict.fromkeys(self.procs, time.monotonic())
         if self.restoring:
@@ -662,6 +703,8 @@ class _Run:
         faults = list(self.faults)
         running = self.running
         while running:
+            if self.metrics is not None:
+                self.metrics.engine(self.lost, self.restored, self.down)
             now_s = (time.time_ns() - self.t0_ns) / 1e9
             if self.stop_token.killed:
                 raise TandemError(
@@ -724,6 +767,9 @@ class _Run:
                     self._on_linked(*msg[1:], now_s=now_s)
                 elif msg[0] == "evicted":
                     self._on_evicted(*msg[1:], now_s=now_s)
+                elif msg[0] == "metrics":
+                    if self.metrics is not None:
+                        self.metrics.update(msg[1])
                 elif msg[0] == "done":
                     reports = msg[1]
                     self.reports.update(reports)
@@ -754,6 +800,8 @@ class _Run:
                 )
         for w in list(self.rejoins):
             self._abort_rejoin(w, "the job ended first")
+        if self.metrics is not None:
+            self.metrics.engine(self.lost, self.restored, self.down)
         self._draw(self.end_s(), done=True)
 
     def _silent(self, now_s: float) -> None:
@@ -907,6 +955,8 @@ class _Run:
         rj.state = "linking"
         with contextlib.suppress(OSError):
             rj.proc.conn.send(("go", self.addresses, self.t0_ns, self.duration, self.warmup))
+            if self.metrics is not None:
+                rj.proc.conn.send(("metrics", self.metrics.every_s))
         if self.duration is None:
             self._send_until([rj.proc.conn])
         self.retired.append(self.procs[w])

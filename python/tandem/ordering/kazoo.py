@@ -540,6 +540,12 @@ class Orderer:
             "session": self.session.stats(),
         }
 
+    def leading(self) -> int | None:
+        """The epoch this replica leads its partition with now; None while it follows."""
+        if self._leading and self._sound.is_set() and self.led:
+            return self.led[-1]["epoch"]
+        return None
+
     def check(self) -> None:
         """Raise the error its thread (or its session's) died of, if any (the replica's
         task loop calls this)."""

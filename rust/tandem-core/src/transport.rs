@@ -322,6 +322,10 @@ pub struct InboxStats {
     pub divergences: Vec<Divergence>,
     /// Every divergence found.
     pub divergence_count: u64,
+    /// How long the merge held input back: the total time during which some input channel
+    /// had accepted elements queued and the merge delivered nothing (LiveRobin waiting for
+    /// the channel whose turn it is, a KaZoo follower waiting for an order).
+    pub merge_wait: Duration,
 }
 
 #[derive(Default)]
@@ -414,6 +418,10 @@ pub struct Inbox {
     accept: Option<JoinHandle<()>>,
     /// The accept thread of the Unix socket paired with `local_addr` (see [`socket`]).
     local_accept: Option<JoinHandle<()>>,
+    /// Merge wait ended so far (see [`InboxStats::merge_wait`]).
+    merge_wait: Duration,
+    /// Since when the merge has held queued input back, if it does now.
+    held_since: Option<Instant>,
 }
 
 impl Inbox {
@@ -509,6 +517,8 @@ impl Inbox {
             local_addr,
             accept: Some(accept),
             local_accept,
+            merge_wait: Duration::ZERO,
+            held_since: None,
         })
     }
 
@@ -579,8 +589,12 @@ impl Inbox {
                 }
             }
             if let Some(d) = self.merge.next(&mut self.receivers) {
+                if let Some(since) = self.held_since.take() {
+                    self.merge_wait += since.elapsed();
+                }
                 return Ok(Some(d));
             }
+            self.note_held();
             if let Some(c) = self
                 .shared
                 .channels
@@ -626,6 +640,25 @@ impl Inbox {
         })
     }
 
+    /// The merge delivered nothing: start or end a stretch of merge wait, as some channel
+    /// has accepted input queued or not. Reads one atomic per channel; the clock only when
+    /// a stretch starts or ends.
+    fn note_held(&mut self) {
+        let held = self
+            .receivers
+            .iter()
+            .zip(&self.shared.senders)
+            .any(|(r, s)| s.next_seq() > r.next_seq());
+        match (held, self.held_since) {
+            (true, None) => self.held_since = Some(Instant::now()),
+            (false, Some(since)) => {
+                self.merge_wait += since.elapsed();
+                self.held_since = None;
+            }
+            _ => {}
+        }
+    }
+
     /// Current counters.
     pub fn stats(&self) -> InboxStats {
         let channels = self
@@ -667,6 +700,7 @@ impl Inbox {
             rejected_connections: self.shared.rejected.load(Ordering::Relaxed),
             divergences: self.shared.divergences.lock().clone(),
             divergence_count: self.shared.divergence_count.load(Ordering::SeqCst),
+            merge_wait: self.merge_wait + self.held_since.map_or(Duration::ZERO, |s| s.elapsed()),
         }
     }
 
@@ -1952,6 +1986,37 @@ mod tests {
         remote.close().unwrap(); // pushes what it held back first
         let got = drain(&mut ib, Duration::from_secs(5));
         assert_eq!(rows_of(&got, 0), (0..6).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn merge_wait_counts_only_while_queued_input_is_held_back() {
+        let data = |first_seq: u64| OutFrame {
+            item: Item::Data {
+                first_seq,
+                payload: rows(0..2),
+            },
+            digest: None,
+            bytes: None,
+        };
+        let mut ib = inbox(2, OrderingMode::LiveRobin, 64);
+        // Nothing queued: waiting for input is not merge wait.
+        assert!(ib.next(Duration::from_millis(30)).unwrap().is_none());
+        assert_eq!(ib.stats().merge_wait, Duration::ZERO);
+        // Channel 1 has rows, but it is channel 0's turn: they are held back.
+        let mut zero = ib.local_link(&identity(0, 0)).unwrap();
+        let mut one = ib.local_link(&identity(1, 0)).unwrap();
+        one.send(&data(0)).unwrap();
+        assert!(ib.next(Duration::from_millis(40)).unwrap().is_none());
+        let held = ib.stats().merge_wait;
+        assert!(held >= Duration::from_millis(30), "{held:?}");
+        zero.send(&data(0)).unwrap();
+        assert!(ib.next(Duration::from_secs(5)).unwrap().is_some());
+        assert!(ib.next(Duration::from_secs(5)).unwrap().is_some());
+        // Everything delivered: the wait stopped growing.
+        let after = ib.stats().merge_wait;
+        assert!(ib.next(Duration::from_millis(30)).unwrap().is_none());
+        assert_eq!(ib.stats().merge_wait, after);
+        assert!(after >= held);
     }
 
     #[test]

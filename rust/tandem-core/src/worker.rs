@@ -207,6 +207,18 @@ pub struct WorkerStats {
     pub credit_waits: u64,
 }
 
+/// Where one slot stands, for monitoring ([`Worker::slot_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotStats {
+    /// The last heartbeat epoch the slot forwarded (a source: sent): its watermark.
+    pub watermark: u64,
+    /// Frames queued on its output links (per channel the most backed-up link, or the
+    /// least one when stragglers may be dropped; the largest over the channels).
+    pub backlog: usize,
+    /// Still served.
+    pub active: bool,
+}
+
 /// Brings a [`Worker::next`] waiting on another thread back early, without taking the
 /// worker's lock: for input that does not come through an inbox (a source reading a log
 /// on a thread of its own).
@@ -412,6 +424,25 @@ impl Worker {
 
     pub fn stats(&self) -> WorkerStats {
         self.stats.clone()
+    }
+
+    /// Every slot's watermark and output backlog, in slot order. Reads only: nothing is
+    /// moved along or sent.
+    pub fn slot_stats(&self) -> Vec<SlotStats> {
+        self.slots
+            .iter()
+            .map(|s| SlotStats {
+                watermark: s.forwarded,
+                backlog: s
+                    .cfg
+                    .outboxes
+                    .iter()
+                    .filter_map(|o| o.lock().as_ref().map(Outbox::backlog))
+                    .max()
+                    .unwrap_or(0),
+                active: s.active,
+            })
+            .collect()
     }
 
     /// The next work item, waiting until `deadline` (None: without limit) while there is

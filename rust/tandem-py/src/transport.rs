@@ -316,7 +316,7 @@ impl Inbox {
 
     /// Counters: per channel accepted/duplicate rows, dedup position and backlog; per
     /// connection peer, identity, frames, bytes, state; rejected connections; the first 16
-    /// divergences between upstream replicas and their count.
+    /// divergences between upstream replicas and their count; the merge's wait.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // Locks are taken with the GIL released: another thread may hold this one for a
         // moment inside `next()` and must not then wait for a GIL we would be holding.
@@ -371,6 +371,7 @@ impl Inbox {
         }
         out.set_item("divergences", divergences)?;
         out.set_item("divergence_count", stats.divergence_count)?;
+        out.set_item("merge_wait_s", stats.merge_wait.as_secs_f64())?;
         Ok(out)
     }
 

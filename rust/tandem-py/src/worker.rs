@@ -287,6 +287,23 @@ impl Worker {
         got.map(|w| item(py, &self.schemas, w)).transpose()
     }
 
+    /// Per slot, in slot order: `{"watermark", "backlog", "active"}` — the last heartbeat
+    /// epoch it forwarded (a source: sent), the frames queued on its output links, whether
+    /// it is still served. Reads only.
+    fn slot_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let slots = py.detach(|| self.inner.lock().slot_stats());
+        slots
+            .into_iter()
+            .map(|s| {
+                let d = PyDict::new(py);
+                d.set_item("watermark", s.watermark)?;
+                d.set_item("backlog", s.backlog)?;
+                d.set_item("active", s.active)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
     /// `{"heartbeats", "data", "watermarks", "credit_waits"}`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = py.detach(|| self.inner.lock().stats());
