@@ -287,13 +287,53 @@ def _tandem_run(tmp_path: Path, script: str, *flags: str) -> subprocess.Popen:
     )
 
 
-def test_tandem_run_stops_cleanly_on_sigterm(tmp_path):
+def _scrape(port: int) -> dict[str, float]:
+    """The samples of a Prometheus endpoint, summed by metric name and ``task`` label."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = f"{sample.name}[{sample.labels.get('task', '')}]"
+            sums[key] = sums.get(key, 0.0) + sample.value
+    return sums
+
+
+def test_tandem_run_stops_cleanly_on_sigterm_and_serves_metrics_meanwhile(tmp_path):
     out = tmp_path / "out"
     report = tmp_path / "r.json"
-    proc = _tandem_run(tmp_path, SCRIPT.format(out=str(out)), "--json", str(report))
+    port = _free_port()
+    proc = _tandem_run(
+        tmp_path,
+        SCRIPT.format(out=str(out)),
+        "--json",
+        str(report),
+        "--metrics-port",
+        str(port),
+    )
     try:
         workers = wait_for_workers(proc.pid)
-        time.sleep(3.0)
+        # The script runs its job itself: its run serves the metrics --metrics-port asks for.
+        scraped: list[dict[str, float]] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                sums = _scrape(port)
+            except OSError:
+                time.sleep(0.2)
+                continue
+            if sums.get("tandem_rows_in_total[sink]", 0) > 0:
+                scraped.append(sums)
+                if len(scraped) == 2:
+                    break
+            time.sleep(1.0)
+        assert len(scraped) == 2, "no sink rows in the metrics of the running job"
+        assert scraped[1]["tandem_rows_in_total[sink]"] > scraped[0]["tandem_rows_in_total[sink]"]
+        assert scraped[1].get("tandem_dedup_dropped_rows_total[count]", 0) > 0
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=120)
@@ -313,6 +353,14 @@ def test_tandem_run_stops_cleanly_on_sigterm(tmp_path):
     assert_every_row_once(rows.column("source_seq").to_pylist(), n)
     assert f"the script got {n} rows" in stdout
     assert not alive(workers), "worker processes outlived tandem run"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_a_second_signal_kills_the_workers_at_once(tmp_path):

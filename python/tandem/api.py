@@ -65,6 +65,16 @@ RUN_OBSERVERS: list[Callable[[Job, Result], None]] = []
 """Called with the job and the :class:`Result` of every :meth:`Job.run` that returns
 (``tandem run`` prints the summary of the runs a script makes itself)."""
 
+LOCAL_DEFAULTS: dict[str, Any] = {}
+"""Options of every run on the local engine that does not set them itself (``tandem run
+--metrics-port`` serves the metrics of the runs a script makes itself)."""
+
+
+def _local_defaults(runner: Any, options: dict) -> dict:
+    if getattr(runner, "name", None) != "local" or not LOCAL_DEFAULTS:
+        return options
+    return {**LOCAL_DEFAULTS, **options}
+
 
 def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -402,8 +412,10 @@ class Job:
     ) -> Result:
         if duration is not None:
             plan, runner, faults, duration = self._prepare(duration, faults, engine)
+            options = _local_defaults(runner, options)
             return runner.run(plan, duration=duration, faults=faults, **options)
         plan, runner, faults, duration = self._prepare(None, faults, engine)
+        options = _local_defaults(runner, options)
         if duration is not None:  # an engine that cannot stop: bounded sources, to their end
             return runner.run(plan, duration=duration, faults=faults, **options)
         if threading.current_thread() is not threading.main_thread():
@@ -518,6 +530,8 @@ class RunningJob:
     def _start(
         self, runner: Any, plan: Plan, duration: float | None, faults: list, options: dict
     ) -> None:
+        options = _local_defaults(runner, options)
+
         def body() -> None:
             try:
                 self._result = runner.run(

@@ -204,6 +204,9 @@ def _run_file(args: argparse.Namespace) -> int:
 
     tandem.api.RUN_OBSERVERS.append(observe)
     previous = signal.signal(signal.SIGTERM, interrupt)
+    if args.metrics_port is not None and args.engine == "local":
+        # The runs the script makes itself serve them too.
+        tandem.api.LOCAL_DEFAULTS["metrics_port"] = args.metrics_port
     try:
         namespace = runpy.run_path(str(path), run_name="__main__")
         if runs:
@@ -224,6 +227,7 @@ def _run_file(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         tandem.api.RUN_OBSERVERS.remove(observe)
+        tandem.api.LOCAL_DEFAULTS.pop("metrics_port", None)
 
 
 def _report_script_runs(runs: list, args: argparse.Namespace) -> int:
