@@ -90,7 +90,7 @@ def test_a_run_serves_every_replicas_counters_and_closes_the_port():
     job = pipeline(restore=True)
     faults = [td.Kill("count", partition=0, replica=0, at=1.5)]
     with Scraper(port) as scraper:
-        res = job.run(duration=5.0, faults=faults, progress=False, metrics_port=port)
+        res = job.run(duration=8.0, faults=faults, progress=False, metrics_port=port)
     assert res.lost == 0 and res.duplicates == 0 and res.digests_match
     scrapes = [s for s in scraper.scrapes if "tandem_rows_in_total" in s]
     assert len(scrapes) >= 5, f"{len(scraper.scrapes)} scrapes, {scraper.errors} refused"
