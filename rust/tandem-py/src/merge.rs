@@ -262,8 +262,9 @@ macro_rules! merge_class {
             /// like the batches or in one chunk: they are cut zero-copy where the seqs say),
             /// the heartbeats `(seq, epoch)`, and the end marker at seq `end` if given.
             /// A batch ends where the channel's next element starts (the last one at the end
-            /// of `rows`); together the elements must continue the channel. The same
-            /// elements pushed one by one give the same deliveries.
+            /// of `rows`); together the elements must continue the channel. A batch of no
+            /// rows is left out, as dedup leaves it out. The same elements pushed one by one
+            /// give the same deliveries.
             #[pyo3(signature = (channel, first_seqs, rows, heartbeats = None, end = None))]
             fn push_many(
                 &self,
