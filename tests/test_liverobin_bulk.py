@@ -10,6 +10,7 @@ Python reference computes.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pyarrow as pa
@@ -132,9 +133,7 @@ def pieces(draw, chans):
         if len(elems) > 1:
             cuts = sorted(draw(st.sets(st.integers(1, len(elems) - 1), max_size=3)))
         bounds = [0, *cuts, len(elems)]
-        per_channel.append(
-            [(c, elems[a:b]) for a, b in zip(bounds, bounds[1:], strict=False) if a < b]
-        )
+        per_channel.append([(c, elems[a:b]) for a, b in itertools.pairwise(bounds) if a < b])
     order = []
     cursors = [0] * len(chans)
     rng = random.Random(draw(st.integers(0, 2**16)))
@@ -163,9 +162,7 @@ def test_bulk_calls_deliver_what_the_one_by_one_calls_deliver(data):
         ]
         for elems in chans
     ]
-    expected = [
-        d for d in ReferenceLiveRobin(len(chans)).run(ref_input) if d[0] != "data" or d[3]
-    ]
+    expected = [d for d in ReferenceLiveRobin(len(chans)).run(ref_input) if d[0] != "data" or d[3]]
     assert [d for d in bulk if d[0] != "data" or d[3]] == expected
     assert all(d[3] for d in bulk if d[0] == "data"), "an empty batch was delivered"
 
