@@ -84,7 +84,7 @@ impl<M: Merge<RecordBatch>> State<M> {
     }
 
     /// The schema every queued batch has, or None if no batch is queued; an error naming
-    /// two that differ (a pyarrow.Table holds batches of one schema only).
+    /// two that differ (`drain_many` concatenates the batches it delivers).
     fn queued_schema(&self) -> PyResult<Option<SchemaRef>> {
         let mut schema: Option<SchemaRef> = None;
         for (c, queue) in self.inputs.iter().enumerate() {
@@ -324,7 +324,12 @@ macro_rules! merge_class {
                     Some(schema) if !batches.is_empty() => {
                         let rows = py
                             .detach(|| concat_batches(&schema, &batches))
-                            .map_err(|e| ConfigError::new_err(format!("could not concatenate the delivered batches: {e}")))?;
+                            .map_err(|e| {
+                                ConfigError::new_err(format!(
+                                    "could not concatenate the {} delivered batches: {e}",
+                                    batches.len()
+                                ))
+                            })?;
                         PyRecordBatch::new(rows).into_pyarrow(py)?
                     }
                     _ => py.None().into_bound(py),
