@@ -65,13 +65,11 @@ bench: install
 # The microbenchmarks once, short (each Rust benchmark for ~0.2 s; a few seconds in all), on
 # the release wheel `install` builds (benches/conftest.py refuses a debug build): fails
 # unless the Rust core is at least BENCH_MIN_RATIO times the Python reference in every pair,
-# best of rounds on both sides. BENCH_KNOWN_SHORT: the pairs known to fall short, reported
-# instead of failing, and failing the day they pass. liverobin: the Python reference now
-# takes whole batches per turn, and Rust pays ~15 us per batch crossing pyarrow's C Data
-# Interface (push and drain one batch per call), so it is ~2x, not 10x, until the merge
-# takes a channel's batches in one call (as Dedup.offer_many does).
+# best of rounds on both sides. BENCH_KNOWN_SHORT: pairs known to fall short, reported
+# instead of failing, and failing the day they pass (none today: `make bench-check
+# BENCH_KNOWN_SHORT=group` names one).
 BENCH_MIN_RATIO ?= 10
-BENCH_KNOWN_SHORT ?= liverobin
+BENCH_KNOWN_SHORT ?=
 bench-check: install
 	@mkdir -p out
 	$(VENV)/bin/pytest benches --benchmark-only --benchmark-json=out/bench-check.json -q \

@@ -76,6 +76,10 @@ seen; the task forwards the heartbeat on every output channel exactly then."""
 EndDelivery: TypeAlias = tuple[Literal["end"]]
 """``("end",)``: every input channel has ended (repeated on every later call)."""
 MergeDelivery: TypeAlias = DataDelivery | HeartbeatDelivery | EndDelivery
+RowCountDelivery: TypeAlias = tuple[Literal["data"], int, int, int]
+"""``("data", channel, first_seq, num_rows)``: a data delivery of ``drain_many``, whose rows
+are in the record batch it returns beside the deliveries."""
+MergeManyDelivery: TypeAlias = RowCountDelivery | HeartbeatDelivery | EndDelivery
 
 class Dedup:
     """Duplicate sending, first copy wins: one high-water mark per logical channel.
@@ -135,6 +139,27 @@ class _MergeBase:
         """The next delivery in this replica's consumption order, or None: wait for input."""
     def drain(self) -> list[MergeDelivery]:
         """Every delivery available now, in order (stops after ``("end",)``)."""
+    def push_many(
+        self,
+        channel: int,
+        first_seqs: Sequence[int],
+        rows: pa.Table | pa.RecordBatchReader | pa.RecordBatch | Sequence[pa.RecordBatch],
+        heartbeats: Sequence[tuple[int, int]] | None = None,
+        end: int | None = None,
+    ) -> None:
+        """Append many elements of ``channel`` in one call, all or none: data batches
+        starting at ``first_seqs``, the heartbeats ``(seq, epoch)`` and the end marker at
+        ``end``. ``rows`` holds the batches' rows back to back, chunked like the batches or
+        in one chunk; each batch ends where the channel's next element starts (the last at
+        the end of ``rows``) and is a zero-copy slice. A batch of no rows is left out, as
+        ``Dedup`` leaves it out (LiveRobin would give it no turn; Fcfs's rotation would
+        move past it). The same elements pushed one by one give the same deliveries."""
+    def drain_many(self) -> tuple[list[MergeManyDelivery], pa.RecordBatch | None]:
+        """:meth:`drain` in one crossing: ``(deliveries, rows)``, a data delivery being
+        ``("data", channel, first_seq, num_rows)`` and ``rows`` the delivered batches'
+        rows back to back in delivery order, as one record batch (a copy; None if no batch
+        was delivered). ``tandem.ConfigError``, before anything is taken, unless every
+        queued batch has one schema."""
     def pending(self) -> list[int]:
         """Elements pushed but not yet delivered, per channel."""
 

@@ -50,6 +50,20 @@ pub trait Merge<P: Chunk>: Send {
     fn next(&mut self, inputs: &mut dyn Inputs<P>) -> Option<Delivery<P>>;
     /// The channel it is blocked on (None = any channel would do).
     fn waiting_on(&self) -> Option<usize>;
+    /// Every delivery available now, in order: [`Merge::next`] until it must wait for more
+    /// input, or up to and including [`Delivery::End`] (which it then keeps returning, so
+    /// the loop stops there).
+    fn drain(&mut self, inputs: &mut dyn Inputs<P>) -> Vec<Delivery<P>> {
+        let mut out = Vec::new();
+        while let Some(d) = self.next(inputs) {
+            let end = matches!(d, Delivery::End);
+            out.push(d);
+            if end {
+                break;
+            }
+        }
+        out
+    }
     /// Append the order "consume `channel` until its next sequence number is `up_to_seq`".
     /// Only [`crate::merge::Positional`] follows orders; the other merges decide for
     /// themselves and refuse.
@@ -180,6 +194,67 @@ pub(crate) fn take<P>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::item::Rows;
+    use crate::liverobin::LiveRobin;
+
+    fn data(first_seq: u64, len: usize) -> Item<Rows> {
+        Item::Data {
+            first_seq,
+            payload: Rows {
+                start: first_seq,
+                len,
+            },
+        }
+    }
+
+    #[test]
+    fn drain_is_next_until_it_must_wait() {
+        let channels = || -> Vec<VecDeque<Item<Rows>>> {
+            vec![
+                VecDeque::from(vec![data(0, 2), Item::Heartbeat { seq: 2, epoch: 1 }]),
+                VecDeque::from(vec![data(0, 3), data(3, 1)]),
+            ]
+        };
+        let (mut a, mut b) = (channels(), channels());
+        let (mut ma, mut mb) = (LiveRobin::<Rows>::new(2), LiveRobin::<Rows>::new(2));
+        let mut one_by_one = Vec::new();
+        while let Some(d) = ma.next(&mut a) {
+            one_by_one.push(d);
+        }
+        let drained = mb.drain(&mut b);
+        assert_eq!(drained, one_by_one);
+        assert_eq!(
+            drained.len(),
+            4,
+            "both data of the cycle, the heartbeat, then data"
+        );
+        assert_eq!(
+            mb.waiting_on(),
+            Some(1),
+            "drain stops where next would wait"
+        );
+        assert!(
+            mb.drain(&mut b).is_empty(),
+            "nothing more until input arrives"
+        );
+    }
+
+    #[test]
+    fn drain_stops_after_the_end() {
+        let mut inp = vec![
+            VecDeque::from(vec![data(0, 1), Item::End { seq: 1 }]),
+            VecDeque::from(vec![Item::End { seq: 0 }]),
+        ];
+        let mut m = LiveRobin::<Rows>::new(2);
+        let out = m.drain(&mut inp);
+        assert_eq!(out.last(), Some(&Delivery::End));
+        assert_eq!(out.len(), 2);
+        assert_eq!(
+            m.drain(&mut inp),
+            vec![Delivery::End],
+            "the end, once per call"
+        );
+    }
 
     #[test]
     fn heartbeat_gate_forwards_each_epoch_once() {
