@@ -14,20 +14,20 @@ import sys
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import tandem as td
-from tandem import heartbeat, testing
+from tandem import _core, heartbeat, reference, testing
 from tandem.engines import local
-from tandem.heartbeat import HEADER, LogSchedule, marker_header, marker_ns
+from tandem.heartbeat import HEADER, LogSchedule, LogStep, marker_header, marker_ns
 from tandem.kafka import TransactionalWriter
 
 pytestmark = pytest.mark.timeout(180)
@@ -506,3 +506,84 @@ def test_kafka_to_kafka_on_spark_with_a_worker_killed(kafka):
     counts = Counter(r["key"] for r in rows)
     for key, n in counts.items():
         assert sorted(r["count"] for r in out if r["key"] == key) == list(range(1, n + 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(logs=st.tuples(ops, ops), batch_rows=st.integers(min_value=1, max_value=6))
+# Partition 1 takes epoch 2 without epoch 1: at the replicas its channel carries
+# heartbeats 1 and 2, so partition 0's row after its marker 1 is merged before
+# partition 1's row.
+@example(logs=([None, 1 * H + 3, None], [2 * H + 3, None]), batch_rows=1)
+def test_the_reference_merges_log_partitions_as_the_replicas_do(logs, batch_rows):
+    """Two partitions of a log source, each cut by its schedule, into an operator merging
+    them with LiveRobin: the Rust core (source slots sending what the runtime sends for
+    each step, ``heartbeats_through`` for a marker taken) hands the operator the batches
+    in the order the reference executor's merge takes them. The partitions take different
+    markers — one skips epochs the other took, as under a loaded generator — and the
+    merge ends a channel's cycle on every heartbeat element, so the reference must put
+    every epoch on a channel, as a source slot does, not only the epochs taken."""
+    job, secret = "log-merge", b"s" * 32
+    steps = []
+    for p, log in enumerate(logs):
+        sched = LogSchedule(H, 0, None, batch_rows, marker=lambda r: r[1])
+        mine = sched.feed([(p * 100_000 + i, m) for i, m in enumerate(log)])
+        if sched.pending:
+            mine.append(LogStep("rows", sched.pending))
+        steps.append([*mine, LogStep("end")])
+
+    def batch(records) -> pa.RecordBatch:
+        return pa.record_batch({"x": pa.array([r[0] for r in records], pa.int64())})
+
+    queues = [
+        deque(("data", batch(e[1])) if e[0] == "rows" else e for e in reference.log_entries(s))
+        for s in steps
+    ]
+    want = [
+        step[2].column("x").to_pylist()
+        for step in reference.live_robin(queues)
+        if step[0] == "data"
+    ]
+
+    down = _core.Worker()
+    inbox = _core.Inbox(job, secret, [(0, 0), (0, 1)], ordering="liverobin", worker=down)
+    up = _core.Worker()
+    outboxes = [
+        _core.Outbox(job, secret, (0, p, 0), [[("127.0.0.1", inbox.port)]]) for p in range(2)
+    ]
+    slots = [up.add_source([ob], time.time_ns(), H) for ob in outboxes]
+    op = down.add_task(inbox, [], False)
+    got: list[list[int]] = []
+    ended = False
+
+    def collect(timeout: float) -> None:
+        nonlocal ended
+        up.next(timeout=0)  # writes what the slots sent
+        while (item := down.next(timeout=timeout)) is not None:
+            assert item.slot == op
+            if item.kind == "data":
+                got.append(item.batch.column("x").to_pylist())
+            else:
+                assert item.kind == "end", item
+                ended = True
+                return
+            timeout = 0
+
+    try:
+        for p, mine in enumerate(steps):
+            for step in mine:
+                if step.kind == "rows":
+                    outboxes[p].emit(batch(step.records))
+                elif step.kind == "heartbeat":
+                    up.heartbeats_through(slots[p], step.epoch)
+                else:
+                    outboxes[p].end()
+                collect(0)
+        deadline = time.monotonic() + 30
+        while not ended and time.monotonic() < deadline:
+            collect(0.05)
+        assert ended, "the merge did not end within 30 s"
+        assert got == want
+    finally:
+        for ob in outboxes:
+            ob.close()
+        inbox.close()
