@@ -168,6 +168,42 @@ def test_the_schedule_is_a_function_of_the_log_not_of_how_it_arrives(
         assert rebuilt == full[i + 1 :]
 
 
+def test_offsets_are_asked_again_while_a_new_topic_has_no_leader_yet():
+    """Planning right after create_topics may find a partition without its leader yet
+    (NOT_LEADER_FOR_PARTITION): asked again until the timeout; any other error at once."""
+    from confluent_kafka import KafkaError
+
+    from tandem.kafka import _once_led
+
+    answers = [KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, None]
+    calls = []
+
+    def call():
+        calls.append(1)
+        code = answers[len(calls) - 1]
+        if code is not None:
+            raise KafkaException(KafkaError(code))
+        return (0, 7)
+
+    assert _once_led(call, timeout=5.0) == (0, 7) and len(calls) == 3
+
+    def fails(code):
+        def call():
+            calls.append(1)
+            raise KafkaException(KafkaError(code))
+
+        return call
+
+    calls.clear()
+    with pytest.raises(KafkaException):
+        _once_led(fails(KafkaError._TRANSPORT), timeout=5.0)
+    assert len(calls) == 1  # not a leader question: raised at once
+    calls.clear()
+    with pytest.raises(KafkaException):
+        _once_led(fails(KafkaError.NOT_LEADER_FOR_PARTITION), timeout=0.25)
+    assert 2 <= len(calls) <= 5  # asked again until the timeout, then raised
+
+
 def test_marker_headers():
     assert marker_ns([(HEADER, marker_header(17, 10_000_000))]) == 170_000_000
     assert marker_ns(None) is None
