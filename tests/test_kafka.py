@@ -14,20 +14,20 @@ import sys
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import tandem as td
-from tandem import heartbeat, testing
+from tandem import _core, heartbeat, reference, testing
 from tandem.engines import local
-from tandem.heartbeat import HEADER, LogSchedule, marker_header, marker_ns
+from tandem.heartbeat import HEADER, LogSchedule, LogStep, marker_header, marker_ns
 from tandem.kafka import TransactionalWriter
 
 pytestmark = pytest.mark.timeout(180)
@@ -166,6 +166,42 @@ def test_the_schedule_is_a_function_of_the_log_not_of_how_it_arrives(
             H, t0, last, batch_rows, marker=lambda r: r[1], resume=(step.epoch, step.rows)
         ).feed(records[after:])
         assert rebuilt == full[i + 1 :]
+
+
+def test_offsets_are_asked_again_while_a_new_topic_has_no_leader_yet():
+    """Planning right after create_topics may find a partition without its leader yet
+    (NOT_LEADER_FOR_PARTITION): asked again until the timeout; any other error at once."""
+    from confluent_kafka import KafkaError
+
+    from tandem.kafka import _once_led
+
+    answers = [KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, None]
+    calls = []
+
+    def call():
+        calls.append(1)
+        code = answers[len(calls) - 1]
+        if code is not None:
+            raise KafkaException(KafkaError(code))
+        return (0, 7)
+
+    assert _once_led(call, timeout=5.0) == (0, 7) and len(calls) == 3
+
+    def fails(code):
+        def call():
+            calls.append(1)
+            raise KafkaException(KafkaError(code))
+
+        return call
+
+    calls.clear()
+    with pytest.raises(KafkaException):
+        _once_led(fails(KafkaError._TRANSPORT), timeout=5.0)
+    assert len(calls) == 1  # not a leader question: raised at once
+    calls.clear()
+    with pytest.raises(KafkaException):
+        _once_led(fails(KafkaError.NOT_LEADER_FOR_PARTITION), timeout=0.25)
+    assert 2 <= len(calls) <= 5  # asked again until the timeout, then raised
 
 
 def test_marker_headers():
@@ -341,6 +377,57 @@ def test_kafka_to_kafka_exactly_once_through_a_replica_and_a_generator_kill(
         assert sorted(c for _, c in items) == list(range(1, want[key] + 1))
 
 
+def test_partitions_that_take_different_epochs_still_match_the_reference(kafka, no_orphans):
+    """The job's own marker writer (``generators=0``) marks partition 0 every epoch and
+    partition 1 every other epoch, rows going to both between markers: partition 1's
+    channel jumps two epochs at each marker it takes. The replicas send every epoch on
+    every channel, and the reference must merge the partitions as they do (a reference
+    sending only the epochs taken counted the rows in another order: lost == duplicates
+    > 0 for any such run, as on a loaded machine whose generators skip epochs)."""
+    b = kafka.kafka_bootstrap
+    src_topic = new_topic(b, 2, "in")
+    heartbeat_ms = 20
+    period = heartbeat_ms * 1_000_000
+    job = td.Job("k2k-skips", replication=2, heartbeat_ms=heartbeat_ms)
+    src = td.sources.Kafka(src_topic, bootstrap=b, schema=SCHEMA, generators=0)
+    events = job.source(src, name="in")
+    events.key_by("key").process(td.CountPerKey(), name="count").sink(td.sinks.Collect())
+    done = threading.Event()
+    marked: list[int] = [0, 0]
+
+    def mark() -> None:  # a generator, but partition 1 gets the even epochs only
+        p = Producer({"bootstrap.servers": b, "linger.ms": 0})
+        n, epoch = 0, time.time_ns() // period + 1
+        while not done.is_set():
+            done.wait(max(0.0, (epoch * period - time.time_ns()) / 1e9))
+            epoch = max(epoch, time.time_ns() // period)
+            for _ in range(6):
+                p.produce(
+                    src_topic, json.dumps({"key": n % 3, "amount": n}).encode(), partition=n % 2
+                )
+                n += 1
+            for part in (0, 1) if epoch % 2 == 0 else (0,):
+                header = [(HEADER, marker_header(epoch, period))]
+                p.produce(src_topic, value=None, partition=part, headers=header)
+                marked[part] += 1
+            p.poll(0)
+            epoch += 1
+        assert p.flush(30) == 0
+
+    writer = threading.Thread(target=mark)
+    writer.start()
+    try:
+        result = job.run(duration=1.5, progress=False)
+    finally:
+        done.set()
+        writer.join(60)
+    assert marked[0] > marked[1] > 10  # partition 1 skipped every other epoch
+    assert result.events_in > 100
+    assert result.digests_match and not result.determinism_errors
+    assert result.lost == 0 and result.duplicates == 0
+    assert result.events_out == result.events_in
+
+
 def test_a_lost_kafka_source_replica_is_rebuilt_from_its_twins_log_position(kafka, no_orphans):
     """Job(restore=True): the worker holding replica 0 of everything is killed and rebuilt
     from the twins' cuts — a rebuilt Kafka source replica reads on from the record after
@@ -506,3 +593,84 @@ def test_kafka_to_kafka_on_spark_with_a_worker_killed(kafka):
     counts = Counter(r["key"] for r in rows)
     for key, n in counts.items():
         assert sorted(r["count"] for r in out if r["key"] == key) == list(range(1, n + 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(logs=st.tuples(ops, ops), batch_rows=st.integers(min_value=1, max_value=6))
+# Partition 1 takes epoch 2 without epoch 1: at the replicas its channel carries
+# heartbeats 1 and 2, so partition 0's row after its marker 1 is merged before
+# partition 1's row.
+@example(logs=([None, 1 * H + 3, None], [2 * H + 3, None]), batch_rows=1)
+def test_the_reference_merges_log_partitions_as_the_replicas_do(logs, batch_rows):
+    """Two partitions of a log source, each cut by its schedule, into an operator merging
+    them with LiveRobin: the Rust core (source slots sending what the runtime sends for
+    each step, ``heartbeats_through`` for a marker taken) hands the operator the batches
+    in the order the reference executor's merge takes them. The partitions take different
+    markers — one skips epochs the other took, as under a loaded generator — and the
+    merge ends a channel's cycle on every heartbeat element, so the reference must put
+    every epoch on a channel, as a source slot does, not only the epochs taken."""
+    job, secret = "log-merge", b"s" * 32
+    steps = []
+    for p, log in enumerate(logs):
+        sched = LogSchedule(H, 0, None, batch_rows, marker=lambda r: r[1])
+        mine = sched.feed([(p * 100_000 + i, m) for i, m in enumerate(log)])
+        if sched.pending:
+            mine.append(LogStep("rows", sched.pending))
+        steps.append([*mine, LogStep("end")])
+
+    def batch(records) -> pa.RecordBatch:
+        return pa.record_batch({"x": pa.array([r[0] for r in records], pa.int64())})
+
+    queues = [
+        deque(("data", batch(e[1])) if e[0] == "rows" else e for e in reference.log_entries(s))
+        for s in steps
+    ]
+    want = [
+        step[2].column("x").to_pylist()
+        for step in reference.live_robin(queues)
+        if step[0] == "data"
+    ]
+
+    down = _core.Worker()
+    inbox = _core.Inbox(job, secret, [(0, 0), (0, 1)], ordering="liverobin", worker=down)
+    up = _core.Worker()
+    outboxes = [
+        _core.Outbox(job, secret, (0, p, 0), [[("127.0.0.1", inbox.port)]]) for p in range(2)
+    ]
+    slots = [up.add_source([ob], time.time_ns(), H) for ob in outboxes]
+    op = down.add_task(inbox, [], False)
+    got: list[list[int]] = []
+    ended = False
+
+    def collect(timeout: float) -> None:
+        nonlocal ended
+        up.next(timeout=0)  # writes what the slots sent
+        while (item := down.next(timeout=timeout)) is not None:
+            assert item.slot == op
+            if item.kind == "data":
+                got.append(item.batch.column("x").to_pylist())
+            else:
+                assert item.kind == "end", item
+                ended = True
+                return
+            timeout = 0
+
+    try:
+        for p, mine in enumerate(steps):
+            for step in mine:
+                if step.kind == "rows":
+                    outboxes[p].emit(batch(step.records))
+                elif step.kind == "heartbeat":
+                    up.heartbeats_through(slots[p], step.epoch)
+                else:
+                    outboxes[p].end()
+                collect(0)
+        deadline = time.monotonic() + 30
+        while not ended and time.monotonic() < deadline:
+            collect(0.05)
+        assert ended, "the merge did not end within 30 s"
+        assert got == want
+    finally:
+        for ob in outboxes:
+            ob.close()
+        inbox.close()

@@ -24,7 +24,11 @@ counts its heartbeats from ``K0 = floor(t0 / h)``: a marker taken with epoch ``K
 job's heartbeat ``k = K - K0`` (and markers with ``K <= K0``, older than the run, are
 ignored), so heartbeat ``k`` carries the watermark ``t0 + k·h`` as a synthetic source's
 does (within one period of the marker's instant). A run of ``duration`` ends at the first
-marker taken with ``k >= last_epoch(duration)``.
+marker taken with ``k >= last_epoch(duration)``. The markers taken may skip epochs (a
+generator held up skips those whose instants passed; a partition that gets a later epoch's
+marker first ignores the earlier one), and two partitions may skip different ones: taking
+heartbeat ``k`` sends every heartbeat not sent yet through ``k``, one apiece, as a clock
+does (:func:`tandem.reference.log_entries`), so every channel carries every epoch.
 
 **Cutting batches (DESIGN §2 invariant 1).** :class:`LogSchedule` is a pure function of
 the log's content: a batch ends at every marker taken (a batch never spans a heartbeat)

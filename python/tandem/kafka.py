@@ -131,6 +131,30 @@ def start_timestamp_ms(start: Any) -> int | None:
     return None
 
 
+_NOT_LED_YET = frozenset({3, 5, 6})
+"""UNKNOWN_TOPIC_OR_PART, LEADER_NOT_AVAILABLE, NOT_LEADER_FOR_PARTITION: what a broker
+answers about a topic created a moment ago whose partition leaders it does not know yet."""
+
+
+def _once_led(call: Callable[[], Any], timeout: float) -> Any:
+    """``call()``, asked again every 0.1 s for up to ``timeout`` s while the broker answers
+    that it does not know the partition's leader yet (a topic just created: the partitions
+    get their leaders a moment after ``create_topics`` returns); any other error, or this
+    one after the timeout, is raised."""
+    from confluent_kafka import KafkaException
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            code = err.code() if hasattr(err, "code") else None
+            if code not in _NOT_LED_YET or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.1)
+
+
 def resolve_offsets(
     bootstrap: str,
     topic: str,
@@ -152,8 +176,11 @@ def resolve_offsets(
         for p in range(partitions):
             try:
                 bounds.append(
-                    consumer.get_watermark_offsets(
-                        TopicPartition(topic, p), timeout=timeout, cached=False
+                    _once_led(
+                        lambda p=p: consumer.get_watermark_offsets(
+                            TopicPartition(topic, p), timeout=timeout, cached=False
+                        ),
+                        timeout,
                     )
                 )
             except KafkaException as exc:
@@ -187,8 +214,11 @@ def resolve_offsets(
                 f"{{partition: offset}} dict or a timestamp, got {start!r}"
             )
         try:
-            found = consumer.offsets_for_times(
-                [TopicPartition(topic, p, ts) for p in range(partitions)], timeout=timeout
+            found = _once_led(
+                lambda: consumer.offsets_for_times(
+                    [TopicPartition(topic, p, ts) for p in range(partitions)], timeout=timeout
+                ),
+                timeout,
             )
         except KafkaException as exc:
             raise _unavailable(bootstrap, f"looking up offsets of {topic!r} by time", exc) from exc

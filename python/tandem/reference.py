@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -179,15 +179,14 @@ def run(
             for p in range(task.parallelism):
                 out = _Emitter(plan, task, p, chans)
                 if plan.is_log_source(task.id):
-                    for step in log_steps(plan, task.id, p, duration, t0_ns):
-                        if step.kind == "rows":
-                            batch = task.source.decode(p, step.records)
+                    steps = log_steps(plan, task.id, p, duration, t0_ns)
+                    for entry in log_entries(steps):
+                        if entry[0] == "rows":
+                            batch = task.source.decode(p, entry[1])
                             events_in += batch.num_rows
                             out.data(batch)
-                        elif step.kind == "heartbeat":
-                            out.control("heartbeat", step.epoch)
                         else:
-                            out.control("end")
+                            out.control(*entry)
                     continue
                 for step in plan.source_schedule(task.id, p, duration):
                     if step.kind == "rows":
@@ -249,6 +248,32 @@ def log_steps(
     yield LogStep("end")
 
 
+def log_entries(steps: Iterable[LogStep]) -> Iterator[tuple]:
+    """What a log source partition whose schedule yields ``steps`` puts on each of its
+    output channels, in order, as its replicas do: ``("rows", records)`` (one batch),
+    ``("heartbeat", k)``, ``("end",)``.
+
+    A marker taken as heartbeat ``k`` sends **every** heartbeat not sent yet, ``k`` last
+    — one element apiece, as a source slot does (tandem-core ``Worker::heartbeats_through``
+    sends each epoch from the last one sent through ``k``). The markers a partition takes
+    may skip epochs: a generator held up skips those whose instants passed, and of two
+    generators racing, one partition may get a later epoch's marker before an earlier one,
+    which it then ignores. Two partitions therefore skip different epochs, and a merge
+    downstream ends a channel's cycle on every heartbeat element (LiveRobin): a channel
+    carrying only the epochs taken would put the partitions' batches in other cycles than
+    at the replicas."""
+    sent = 0
+    for step in steps:
+        if step.kind == "rows":
+            yield ("rows", step.records)
+        elif step.kind == "heartbeat":
+            for k in range(sent + 1, step.epoch + 1):
+                yield ("heartbeat", k)
+            sent = max(sent, step.epoch)
+        else:
+            yield ("end",)
+
+
 def _run_operator(
     plan: Plan, task: Task, partition: int, t0_ns: int, chans: dict, orders: list | None
 ) -> None:
@@ -299,4 +324,12 @@ def canonical(table: pa.Table) -> pa.Table:
     return table.take(pc.sort_indices(comparable(table), sort_keys=keys))
 
 
-__all__ = ["canonical", "comparable", "live_robin", "log_steps", "positional", "run"]
+__all__ = [
+    "canonical",
+    "comparable",
+    "live_robin",
+    "log_entries",
+    "log_steps",
+    "positional",
+    "run",
+]

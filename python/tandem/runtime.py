@@ -614,16 +614,17 @@ class _LogSource:
     """A log source replica (:class:`tandem.sources.LogSource`, e.g. Kafka) and its place
     in the log (:meth:`Plan.log_schedule`).
 
-    A thread reads the partition (:attr:`Replica.log_reader`, started at bind) and wakes
-    the worker when records came; the worker cuts them into the schedule's steps and emits
-    each as soon as it is complete — a batch once the record that closes it (a heartbeat
-    marker, or its ``batch_rows``-th row) has been read, a heartbeat with
-    ``heartbeats_through``, then the end. The slot's Rust clock never sends a heartbeat of
-    its own: it may send only through the epoch it was allowed, and ``heartbeats_through``
-    allows exactly what it sends. Nothing is emitted before ``t0``. A replica rebuilt from
-    a twin's cut at heartbeat ``k`` (``Job(restore=True)``) reads from the record after the
-    marker the twin took as ``k``, its schedule resumed there: the schedule is a function of
-    the log, so it emits what the twin emits after ``k``.
+    A thread reads the partition (:attr:`Replica.log_reader`, started at bind) and wakes the
+    worker when records came; the worker cuts them into the schedule's steps and emits each
+    as soon as it is complete — a batch once the record that closes it (a heartbeat marker,
+    or its ``batch_rows``-th row) has been read, a heartbeat with ``heartbeats_through``
+    (every epoch not sent yet through it, one apiece: markers taken may skip epochs,
+    :func:`tandem.reference.log_entries`), then the end. The slot's Rust clock never sends a
+    heartbeat of its own: it may send only through the epoch it was allowed, and
+    ``heartbeats_through`` allows exactly what it sends. Nothing is emitted before ``t0``. A
+    replica rebuilt from a twin's cut at heartbeat ``k`` (``Job(restore=True)``) reads from
+    the record after the marker the twin took as ``k``, its schedule resumed there: the
+    schedule is a function of the log, so it emits what the twin emits after ``k``.
 
     A run with no duration reads on until the engine says where it stops: a heartbeat
     through the epoch the engine allowed goes out as it comes; a later one waits
