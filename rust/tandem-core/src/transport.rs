@@ -207,6 +207,9 @@ pub struct InboxConfig {
     /// Start from a twin's cut ([`Inbox::cut`]) instead of from the beginning of every
     /// channel: a replica rebuilt while the job runs.
     pub resume: Option<InboxCut>,
+    /// A channel whose every upstream replica is gone before its end waits for one to come
+    /// back (a replica rolled back to a checkpoint: replication 1) instead of failing.
+    pub wait_orphaned: bool,
 }
 
 /// Where an inbox stands at a heartbeat-cycle boundary: per logical channel the first
@@ -241,6 +244,7 @@ impl InboxConfig {
             bell: None,
             me: None,
             resume: None,
+            wait_orphaned: false,
         }
     }
 
@@ -414,6 +418,8 @@ pub struct Inbox {
     accept: Option<JoinHandle<()>>,
     /// The accept thread of the Unix socket paired with `local_addr` (see [`socket`]).
     local_accept: Option<JoinHandle<()>>,
+    /// See [`InboxConfig::wait_orphaned`].
+    wait_orphaned: bool,
 }
 
 impl Inbox {
@@ -429,6 +435,7 @@ impl Inbox {
         })?;
         let local_addr = listener.local_addr()?;
         let bell = cfg.bell.clone().unwrap_or_default();
+        let wait_orphaned = cfg.wait_orphaned;
         let n = cfg.upstreams.len();
         if let Some(cut) = &cfg.resume {
             if cut.positions.len() != n {
@@ -509,6 +516,7 @@ impl Inbox {
             local_addr,
             accept: Some(accept),
             local_accept,
+            wait_orphaned,
         })
     }
 
@@ -586,6 +594,7 @@ impl Inbox {
                 .channels
                 .iter()
                 .position(ChannelCounters::orphaned)
+                .filter(|_| !self.wait_orphaned)
             {
                 let (task, partition) = self.shared.upstreams[c];
                 return Err(Error::Closed(format!(
