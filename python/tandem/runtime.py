@@ -120,11 +120,14 @@ class Resume:
     input positions and merge state, output seqs; opaque here) and ``state``, the
     operator's :meth:`~tandem.operators.Operator.snapshot`. A large state travels as a
     file instead (``state_file``, written by the twin's worker, read once and removed by
-    the rebuilt replica's): it then crosses no process but the two that need it."""
+    the rebuilt replica's): it then crosses no process but the two that need it. A
+    checkpoint's state file (``Job(checkpoint_ms=...)``) belongs to the checkpoint
+    (``keep_file``): read, never removed by the replica."""
 
     cut: tuple
     state: bytes
     state_file: str | None = None
+    keep_file: bool = False
 
     @property
     def epoch(self) -> int:
@@ -142,6 +145,15 @@ class Resume:
                 os.unlink(path)
             raise
         return Resume(self.cut, b"", path)
+
+    def checkpointed(self, path: str) -> Resume:
+        """This cut with its state written to ``path`` (a checkpoint's file, written whole
+        under a temporary name first, so a file that exists is complete)."""
+        part = path + ".part"
+        with open(part, "wb") as f:
+            f.write(self.state)
+        os.replace(part, path)
+        return Resume(self.cut, b"", path, keep_file=True)
 
     def load(self) -> bytes:
         """The state: in the message, or read from its file."""
@@ -204,6 +216,7 @@ class _Output:
             name=name,
             evict_after_ms=plan.evict_after_ms,
             replay_cycles=plan.replay_cycles,
+            hold_orphans=plan.checkpointing,
         )
         self.edge = edge
 
@@ -289,6 +302,7 @@ class Replica:
             me=self.me,
             name=self.name,
             resume=resume,
+            wait_orphaned=self.plan.checkpointing,
         )
         if ordering == "kazoo":
             if self.kazoo is None:
@@ -344,7 +358,8 @@ class Replica:
         t, p, r = self.me
         self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
         self._inst.restore(self.resume.load())
-        if self.resume.state_file is not None:  # read once: the memory is the operator's now
+        if self.resume.state_file is not None and not self.resume.keep_file:
+            # Read once: the memory is the operator's now (a checkpoint's file stays).
             with contextlib.suppress(OSError):
                 os.unlink(self.resume.state_file)
         self.resume = Resume(self.resume.cut, b"")  # the state lives in the operator now
@@ -627,6 +642,10 @@ class Worker:
         self.on_evicted = None
         """Called with ``(upstream rid, downstream rid)`` when an outbox dropped a
         downstream replica as a straggler (checked every ``IDLE_WAIT_S``)."""
+        self.on_checkpoint = None
+        """Called (from the worker thread) with ``(rid, epoch, Resume | None)`` for every
+        replica cut for checkpoint ``epoch`` (:meth:`request_checkpoint`; None: too late,
+        or the replica finished)."""
         ordered = set(plan.ordered_partitions()) if kazoo is not None else set()
         # One ZooKeeper session and one Kafka producer/consumer for every ordered partition
         # the worker hosts.
@@ -639,6 +658,7 @@ class Worker:
         for r in self.replicas:
             r.resume = (resume or {}).get(r.me)
         self._cuts: dict[int, list] = {}  # slot -> tokens of the cuts asked of it
+        self._checkpoints: dict[int, int] = {}  # slot -> the checkpoint epoch asked of it
 
     # -- requests from the engine (any thread) ------------------------------------------
 
@@ -646,6 +666,13 @@ class Worker:
         """Take a cut of replica ``rid`` at its next heartbeat-cycle boundary and hand it to
         :attr:`on_cut` with ``token``."""
         self.control.append(("cut", rid, token))
+        self.core.wake()
+
+    def request_checkpoint(self, epoch: int) -> None:
+        """Cut every hosted replica but the sinks right after it forwards heartbeat
+        ``epoch`` (an aligned cut: ``_core.Worker.request_cut_at``) and hand each to
+        :attr:`on_checkpoint`."""
+        self.control.append(("checkpoint", None, epoch))
         self.core.wake()
 
     def link(self, up: ReplicaId, down: ReplicaId, address: tuple[str, int], epoch: int) -> None:
@@ -658,6 +685,9 @@ class Worker:
     def _serve_control(self, by_rid: dict[ReplicaId, Replica]) -> None:
         while self.control:
             req = self.control.popleft()
+            if req[0] == "checkpoint":
+                self._checkpoint(req[2])
+                continue
             rep = by_rid.get(req[1])
             if req[0] == "cut":
                 if rep is None or rep.slot is None or rep.done:
@@ -675,6 +705,16 @@ class Worker:
                     self.on_link(up, down, f"{type(exc).__name__}: {exc}")
                 else:
                     self.on_link(up, down, None)
+
+    def _checkpoint(self, epoch: int) -> None:
+        for rep in self.replicas:
+            if rep.task.kind == "sink":
+                continue  # sinks keep their rows: a replayed row is a duplicate there
+            if rep.slot is None or rep.done:
+                self.on_checkpoint(rep.me, epoch, None)
+                continue
+            self._checkpoints[rep.slot] = epoch  # replaces one not taken yet
+            self.core.request_cut_at(rep.slot, epoch)
 
     def bind(self, host: str = "127.0.0.1") -> dict[ReplicaId, int | None]:
         """Create every hosted replica's inbox, and start contending for the leadership of
@@ -820,8 +860,22 @@ class Worker:
         self.core.retire(rep.slot)
         for token in self._cuts.pop(rep.slot, []):  # no boundary will come any more
             self.on_cut(rep.me, None, token)
+        epoch = self._checkpoints.pop(rep.slot, None)
+        if epoch is not None:
+            self.on_checkpoint(rep.me, epoch, None)
 
     def _cut(self, rep: Replica, item) -> None:
+        if item.at is not None:  # a checkpoint's aligned cut
+            if self._checkpoints.get(item.slot) != item.at:
+                return  # replaced by a later checkpoint
+            del self._checkpoints[item.slot]
+            try:
+                taken = rep.cut(item.cut)
+            except Exception:
+                log.exception("%s: taking a checkpoint's cut failed", rep.name)
+                taken = None
+            self.on_checkpoint(rep.me, item.at, taken)
+            return
         try:
             taken = rep.cut(item.cut)
         except Exception:
