@@ -99,3 +99,17 @@ def test_checkpoints_are_taken_without_faults_and_the_knobs_are_checked():
         td.Job("j", replication=1, checkpoint_ms=500, restore=True)
     with pytest.raises(td.ConfigError, match="ordering='kazoo'"):
         td.Job("j", replication=1, checkpoint_ms=500, ordering="kazoo")
+
+
+def test_bench_failover_runs_the_passive_baseline_beside_the_others():
+    import io
+
+    from tandem import bench
+
+    (row,) = bench.failover(
+        rate=500, duration=4.0, kill_at=2.0, cases=("passive",), log=io.StringIO()
+    )
+    assert (row.case, row.lost, row.duplicates, row.digests_match) == ("passive", 0, 0, True)
+    # The rollback shows: a gap in the output well beyond a heartbeat period.
+    assert row.downtime_ms is not None and row.downtime_ms > 50, row
+    assert row.fault_free_peak_ms > 0
