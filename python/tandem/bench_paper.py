@@ -156,7 +156,7 @@ class Settings:
 
 
 FULL = Settings()
-"""The full set: 81 runs, about 30 minutes on 2 cores (:func:`estimate_s`)."""
+"""The full set: 81 runs, about 31 minutes on 2 cores (:func:`estimate_s`)."""
 QUICK = Settings(
     duration_s=1.5,
     warmup_s=0.5,

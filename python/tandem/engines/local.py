@@ -716,6 +716,10 @@ class _Run:
         """Declare lost every running worker that has not spoken for the job's
         ``failure_timeout_ms`` (a frozen or wedged process: its keepalives stopped), and
         fence it — SIGKILL, so it never comes back to send stale output — to rebuild it."""
+        if self.checkpointing and self.rejoins:
+            # Rolling a worker back: its neighbours wait for it (on a loaded machine a
+            # keepalive may then come late), and a second loss meanwhile fails the job.
+            return
         limit = self.plan.failure_timeout_ms / 1000
         now = time.monotonic()
         for w in sorted(self.running):
@@ -1046,10 +1050,17 @@ class _Run:
             if not ok
         ]
         if unfed and rj.checkpoint is not None:
+            causes = dict(self.lost)
+            gone = [
+                f"{self._name(r)} is lost too ({causes.get(r, 'lost')})"
+                for r in sorted(self.down)
+                if r not in rj.cuts and self.worker_of[r] != w
+            ]
             self._abort_rejoin(
                 w,
                 "no live upstream replica could replay its input: "
                 + ", ".join(unfed)
+                + (f"; {', '.join(gone)}" if gone else "")
                 + (
                     f" (a replay window no longer reaches back to checkpoint {rj.checkpoint}: "
                     "raise Job(replay_ms=...) or lower checkpoint_ms)"
