@@ -113,3 +113,39 @@ def test_bench_failover_runs_the_passive_baseline_beside_the_others():
     # The rollback shows: a gap in the output well beyond a heartbeat period.
     assert row.downtime_ms is not None and row.downtime_ms > 50, row
     assert row.fault_free_peak_ms > 0
+
+
+def test_a_rolled_back_replica_reads_its_checkpoint_file_and_leaves_it(tmp_path):
+    from tandem import _core
+    from tandem.runtime import Replica, Resume
+
+    plan = passive_job().plan()
+    count = plan.task("count")
+    inst = plan.instantiate(count.id, 0, replica=0, t0_ns=0)
+    columns = {
+        "source_seq": [0, 1, 2],
+        "event_time_ns": [0, 0, 0],
+        "key": [1, 1, 2],
+        "value": [0.5, 0.5, 0.5],
+        "batch_mean": [0.5, 0.5, 0.5],
+    }
+    inst.batch(pa.record_batch(columns, schema=plan.task("mean").schema), 0)
+    state = inst.snapshot()
+    assert state
+    cut = (7, [7], None, [])  # only the epoch matters here
+
+    def restored(resume: Resume) -> Replica:
+        rep = Replica(plan, count.id, 0, 0, b"s" * 32, _core.Worker())
+        rep.resume = resume
+        rep.restore(0)
+        return rep
+
+    kept = Resume(cut, state).checkpointed(str(tmp_path / "count-0-0.state"))
+    assert kept.keep_file and kept.state == b"" and kept.load() == state
+    assert restored(kept)._inst.snapshot() == state
+    assert restored(kept)._inst.snapshot() == state  # a second loss reads it again
+    assert (tmp_path / "count-0-0.state").read_bytes() == state
+    # A twin's spilled state is read once and removed.
+    spilled = Resume(cut, state).spilled(str(tmp_path))
+    restored(spilled)
+    assert not (tmp_path / spilled.state_file).exists()
