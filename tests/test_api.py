@@ -833,6 +833,7 @@ def test_result_json_has_exactly_the_documented_fields():
         "digests_match",
         "lost_replicas",
         "restored_replicas",
+        "checkpoints",
         "leaders",
         "output",
     }

@@ -29,12 +29,12 @@ FIGURES = [
 ]
 
 EXPECTED_CONFIGS = {
-    "mib1": {"r1", "none", "liverobin", "kazoo"},
-    "mib2": {"r1", "none", "liverobin", "kazoo"},
-    "mib3": {"r1", "none", "liverobin", "kazoo"},
+    "mib1": {"r1", "passive", "none", "liverobin", "kazoo"},
+    "mib2": {"r1", "passive", "none", "liverobin", "kazoo"},
+    "mib3": {"r1", "passive", "none", "liverobin", "kazoo"},
     "heartbeat": {"r1", "liverobin"},
-    "fault": {"r1", "liverobin", "kazoo"},
-    "bettercloud": {"r1", "liverobin", "kazoo"},
+    "fault": {"r1", "passive", "liverobin", "kazoo"},
+    "bettercloud": {"r1", "passive", "liverobin", "kazoo"},
 }
 
 
@@ -50,13 +50,11 @@ def test_paper_quick_runs_every_experiment_in_every_configuration(
     assert doc["build"] == "release" and doc["failures"] == []
     assert doc["experiments"] == list(bp.EXPERIMENTS)
     rows = doc["rows"]
-    runs = [r for r in rows if r["config"] != "passive"]
-    assert len(runs) == len(bp.cases(bp.QUICK, bp.EXPERIMENTS, bp.ALL_CONFIGS)) == 23
+    runs = rows
+    assert len(runs) == len(bp.cases(bp.QUICK, bp.EXPERIMENTS, bp.ALL_CONFIGS)) == 28
     for experiment, configs in EXPECTED_CONFIGS.items():
         ran = {r["config"] for r in runs if r["experiment"] == experiment}
         assert ran == configs, experiment
-        passive = [r for r in rows if r["experiment"] == experiment and r["config"] == "passive"]
-        assert passive and all(r["status"] == "not available yet" for r in passive), experiment
     for r in runs:
         where = f"{r['experiment']} {r['group']} {r['variant']} {r['config']}"
         assert r["status"] == "ok", (where, r["error"])
@@ -74,10 +72,15 @@ def test_paper_quick_runs_every_experiment_in_every_configuration(
         if r["config"] == "kazoo":
             assert r["services_cpu_s"] is not None, where
     kills = [r for r in runs if r["kill"] is not None]
-    assert {(r["experiment"], r["variant"]) for r in kills} == {
-        (e, v)
+    assert {(r["experiment"], r["variant"], r["config"]) for r in kills} == {
+        (e, v, c)
         for e in bp.FAULT_EXPERIMENTS
-        for v in ("kill replica 0", "kill leader", "kill follower")
+        for v, c in (
+            ("kill replica 0", "passive"),
+            ("kill replica 0", "liverobin"),
+            ("kill leader", "kazoo"),
+            ("kill follower", "kazoo"),
+        )
     }
     for r in kills:
         assert r["victim"] is not None and r["max_gap_ms"] is not None, r["variant"]
@@ -90,7 +93,7 @@ def test_paper_quick_runs_every_experiment_in_every_configuration(
     assert doc["figures"] == [str(tmp_path / f) for f in FIGURES]
     for f in FIGURES:
         assert (tmp_path / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f
-    assert printed.err.count("to go)") == 23  # a progress line per run
+    assert printed.err.count("to go)") == 28  # a progress line per run
 
 
 def test_quick_and_full_grids():
@@ -98,11 +101,12 @@ def test_quick_and_full_grids():
     assert {c.experiment for c in quick} == set(bp.EXPERIMENTS)
     assert sum(bp.estimate_s(c) for c in quick) < 180
     full = bp.cases(bp.FULL, bp.EXPERIMENTS, bp.ALL_CONFIGS)
-    assert len(full) == 16 * 3 + 6 + 4 + 8
-    assert sum(bp.estimate_s(c) for c in full) < 30 * 60
+    assert len(full) == 20 * 3 + 6 + 5 + 10
+    assert sum(bp.estimate_s(c) for c in full) < 35 * 60
     fault = [c for c in full if c.experiment == "fault"]
     assert [(c.config, c.fault and c.fault.replica) for c in fault] == [
         ("r1", None),
+        ("passive", 0),
         ("liverobin", 0),
         ("kazoo", "leader"),
         ("kazoo", "follower"),
@@ -147,24 +151,23 @@ def test_ratios_and_report_rows():
     assert (lr.p99_ratio_vs_r1, lr.cpu_ratio_vs_r1) == (1.25, 1.8)
     assert (kz.p99_ratio_vs_r1, kz.cpu_ratio_vs_r1) == (2.0, 1.5)
     assert "CPU of the whole run" in bp._note(kz)
-    cases = bp.cases(bp.QUICK, ["mib1"], ["r1", "liverobin"])
-    rows = bp._with_passive(rows, bp.passive_rows(cases))
-    assert [r.config for r in rows] == ["r1", "liverobin", "passive"]
+    pv = _row("passive", p99_ms=11.0, cpu_s_per_m_events=110.0, cpu_basis="steady")
+    rows.append(pv)
+    bp.add_ratios(rows)
+    assert pv.p99_ratio_vs_r1 == 1.1
     meta = {"tandem": "0", "build": "release", "cpus": 2, "started": "now", "command": "c"}
     md = bp.markdown(rows, {**meta, "wall_s": 61})
     assert (
         "| length 1 | liverobin | — | 12.5 | — | 0 | 0 | 180 | — | 1.25x | 1.80x | 7.6 / 21.5 |"
         in md
     )
-    assert "| length 3 | passive |" in md and bp.PASSIVE_NOTE in md
+    assert "| length 1 | passive | — | 11.0 |" in md
     assert "1:01 in all" in md
 
 
 def test_cli_rejects_what_paper_cannot_run(capsys):
     assert main(["bench", "paper", "--experiments", "mib9"]) == 2
     assert "--experiments: unknown ['mib9']" in capsys.readouterr().err
-    assert main(["bench", "paper", "--configs", "passive"]) == 2
-    assert "runs nothing" in capsys.readouterr().err
     assert main(["bench", "paper", "--experiments", "fault", "--configs", "none"]) == 2
     assert "fault would run nothing" in capsys.readouterr().err
     assert main(["bench", "paper", "--configs", "kazoo", "--experiments", "heartbeat"]) == 2

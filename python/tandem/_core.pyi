@@ -251,6 +251,7 @@ class Inbox:
         me: tuple[int, int, int] | None = None,
         name: str | None = None,
         resume: InboxCut | None = None,
+        wait_orphaned: bool = False,
     ) -> None:
         """``upstreams``: ``(task, partition)`` pairs; the position is the channel index.
         ``queue_capacity``: frames queued per channel before the readers stop reading (the
@@ -260,7 +261,10 @@ class Inbox:
         receives for, and ``name`` how its log lines (logger ``tandem.core.inbox``) name
         it; without ``me`` they name the inbox by its address. ``resume``: the inbox part
         of a twin's cut (``SlotCut[2]``): every channel starts at the twin's position (what
-        comes before is dropped as consumed) and the merge at the twin's state."""
+        comes before is dropped as consumed) and the merge at the twin's state.
+        ``wait_orphaned``: a channel whose every upstream replica is gone before its end
+        waits for one to come back (replication 1, rolled back to a checkpoint) instead of
+        failing ``next()`` with ``ChannelClosed``."""
     @property
     def port(self) -> int: ...
     def next(self, timeout: float | None = None) -> Delivery | None:
@@ -363,6 +367,7 @@ class Outbox:
         evict_after_ms: float | None = None,
         replay_cycles: int | None = None,
         replay_bytes: int = 64 << 20,
+        hold_orphans: bool = False,
     ) -> None:
         """``me``: ``(task, partition, replica)``. ``downstream[c]``: ``(host, port)`` of
         each replica of downstream partition ``c``. ``queue_frames``: frames queued per
@@ -374,7 +379,8 @@ class Outbox:
         worker reads is then each channel's least backed-up link's. None: wait for every
         replica. ``replay_cycles``: keep each channel's last that many heartbeat cycles
         (fewer if they hold more than ``replay_bytes``) for ``add_link``; None keeps
-        nothing."""
+        nothing. ``hold_orphans``: a channel that lost every link goes on into its replay
+        window only (until ``add_link``) instead of failing with ``ChannelClosed``."""
     def add_link(self, channel: int, address: tuple[str, int], after_epoch: int) -> None:
         """Dial ``address``, a replica of downstream partition ``channel`` rebuilt from a
         twin's cut at heartbeat ``after_epoch``; send it what the replay window holds after
@@ -444,6 +450,8 @@ class WorkItem:
     cut: SlotCut | None
     """cut: the slot at the boundary ``request_cut`` asked for (None: it cannot be cut);
     take the operator's snapshot before running anything else of the slot."""
+    at: int | None
+    """cut asked by ``request_cut_at``: the epoch asked for (``cut`` None: too late)."""
 
 class Worker:
     """Serves many task replicas ("slots") of one worker process from one thread, in Rust:
@@ -480,6 +488,11 @@ class Worker:
     def request_cut(self, slot: int) -> None:
         """Cut ``slot`` at its next heartbeat-cycle boundary: ``next()`` hands out a
         ``"cut"`` item right after that heartbeat leaves."""
+    def request_cut_at(self, slot: int, epoch: int) -> None:
+        """Cut ``slot`` right after it forwards heartbeat ``epoch`` (an aligned cut, for a
+        checkpoint): ``next()`` hands out a ``"cut"`` item with ``at=epoch`` — its cut taken
+        after the last heartbeat forwarded together with ``epoch``, nothing between them —
+        or with ``cut=None`` at once if the slot already forwarded ``epoch`` or finished."""
     def allow(self, slot: int, epoch: int) -> None:
         """A source slot may send its heartbeats through ``epoch``, each when due."""
     def heartbeats_through(self, slot: int, epoch: int) -> None:

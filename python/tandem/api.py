@@ -103,6 +103,39 @@ class _Node:
     key: str | None = None
 
 
+def _check_checkpoint(
+    name: str,
+    checkpoint_ms: Any,
+    replication: int,
+    ordering: str,
+    restore: bool,
+    heartbeat_ms: float,
+) -> None:
+    """Raise ConfigError unless ``checkpoint_ms`` fits the rest of the job."""
+    if _number(checkpoint_ms, f"Job {name!r}: checkpoint_ms") <= heartbeat_ms:
+        raise ConfigError(
+            f"Job {name!r}: checkpoint_ms={checkpoint_ms} must be more than the heartbeat "
+            f"period (heartbeat_ms={heartbeat_ms}): a checkpoint is cut at a heartbeat"
+        )
+    if replication != 1:
+        raise ConfigError(
+            f"Job {name!r}: checkpoint_ms is the passive configuration (replication=1, "
+            f"rolled back to a checkpoint after a loss); this job has replication="
+            f"{replication}, whose lost replicas restore=True rebuilds from live twins"
+        )
+    if restore:
+        raise ConfigError(
+            f"Job {name!r}: restore=True rebuilds lost replicas from live twins "
+            "(replication >= 2); checkpoint_ms rolls them back to a checkpoint "
+            "(replication=1): choose one"
+        )
+    if ordering == "kazoo":
+        raise ConfigError(
+            f"Job {name!r}: checkpoint_ms does not work with ordering='kazoo' (a cut does not "
+            "carry an order log position); use 'liverobin' or 'none'"
+        )
+
+
 class Job:
     """A stream job: its knobs (DESIGN §5) and its graph.
 
@@ -127,6 +160,11 @@ class Job:
     every replica then keeps per channel to replay to a rebuilt downstream replica;
     ``failure_timeout_ms``: with ``restore``, a worker that sends no keepalive for this long
     (frozen, wedged) is declared lost: killed, so it never comes back, and rebuilt.
+    ``checkpoint_ms``: the passive baseline (``replication=1``, local engine, not with
+    KaZoo): every ``checkpoint_ms`` the workers cut every replica at one heartbeat epoch and
+    write the cuts to local disk; a lost worker's replicas restart from the latest complete
+    checkpoint and are replayed from there (``replay_ms`` then defaults to ``2 *
+    checkpoint_ms + 3000``, so the replay windows reach back to it).
 
     The batch is the unit of determinism: every replica of a task partition is called
     with the same batches, so an operator function must be deterministic for a given input
@@ -147,8 +185,9 @@ class Job:
         workers: int | None = None,
         evict_after_ms: float | None = 1000,
         restore: bool = False,
-        replay_ms: float = 3000,
+        replay_ms: float | None = None,
         failure_timeout_ms: float = 2000,
+        checkpoint_ms: float | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Job name must be a non-empty string, got {name!r}")
@@ -190,6 +229,13 @@ class Job:
         if not isinstance(restore, bool):
             raise ConfigError(f"Job {name!r}: restore must be True or False, got {restore!r}")
         self.restore = restore
+        if checkpoint_ms is not None:
+            _check_checkpoint(
+                name, checkpoint_ms, self.replication, ordering, restore, heartbeat_ms
+            )
+        self.checkpoint_ms = checkpoint_ms
+        if replay_ms is None:
+            replay_ms = 3000 if checkpoint_ms is None else 2 * checkpoint_ms + 3000
         if _number(replay_ms, f"Job {name!r}: replay_ms") <= 0:
             raise ConfigError(
                 f"Job {name!r}: replay_ms must be > 0 (got {replay_ms}); it bounds the output "
@@ -344,6 +390,7 @@ class Job:
             restore=self.restore,
             replay_ms=self.replay_ms,
             failure_timeout_ms=self.failure_timeout_ms,
+            checkpoint_ms=self.checkpoint_ms,
         )
         plan.check_picklable()  # what cannot be shipped to the workers fails here
         return plan

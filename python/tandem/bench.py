@@ -6,10 +6,12 @@
   the paper, every task partition reads both upstream partitions (the stream is keyed
   between tasks), so the replicas of each partition have two inputs to order.
 * ``failover`` — the paper's fault experiment: 3 map tasks of 2 partitions, 5,000 ev/s,
-  one replica of the middle task SIGKILLed halfway; per-second p99 over time, for
-  LiveRobin, KaZoo with the leader killed and KaZoo with a follower killed; the peak
-  after the kill as a ratio to the same seconds of a fault-free run of the same ordering
-  in the same invocation.
+  one replica of the middle task SIGKILLed halfway; per-second p99 over time and the
+  downtime (the longest gap between two outputs), for the passive baseline (one replica,
+  checkpoints every :data:`PASSIVE_CHECKPOINT_MS`, rolled back after the kill), LiveRobin,
+  KaZoo with the leader killed and KaZoo with a follower killed; the peak after the kill
+  as a ratio to the same seconds of a fault-free run of the same configuration in the
+  same invocation.
 * ``throughput`` — the highest rate a replicated length-1 pipeline (forward edges) sustains
   without its latency growing: rates are tried in increasing order until the p99 of the
   last third of the run exceeds ``max(10 x the first rate's p99, 250 ms)`` or the run
@@ -67,6 +69,7 @@ def mib1_job(
     sink: td.sinks.Sink | None = None,
     keyed: bool = True,
     heartbeat_ms: float = 10,
+    checkpoint_ms: float | None = None,
 ) -> td.Job:
     """MiB1 of length ``length``; the sink records latency unless another is given (a
     ``td.sinks.Collect()`` makes the output comparable with the reference's). ``keyed``:
@@ -81,6 +84,7 @@ def mib1_job(
         kazoo=kazoo if ordering == "kazoo" else None,
         # The unordered baseline diverges by design: measure it rather than stop it.
         on_divergence="log" if ordering == "none" else "fail",
+        checkpoint_ms=checkpoint_ms,
     )
     stream = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=1), parallelism=2)
     for i in range(length):
@@ -247,10 +251,13 @@ def throughput(
 
 
 FAILOVER_CASES = {
+    "passive": ("passive", 0),
     "liverobin": ("liverobin", 0),
     "kazoo-leader": ("kazoo", "leader"),
     "kazoo-follower": ("kazoo", "follower"),
 }
+PASSIVE_CHECKPOINT_MS = 1000
+"""How often the passive case of ``failover`` checkpoints (``Job(checkpoint_ms=...)``)."""
 PAPER_KAZOO_LEADER_PEAK_MS = (650, 1000)
 """The paper's per-second p99 peak after a KaZoo leader kill (Fig. 14)."""
 
@@ -269,6 +276,8 @@ class FailoverRow:
     peak_ratio: float
     """``peak_after_ms / fault_free_peak_ms``: what the fault added to the worst second
     (1.0 = no spike beyond what the fault-free run shows)."""
+    downtime_ms: float | None
+    """The longest gap between two outputs of the faulty run (``Result.max_gap_ms``)."""
     lost: int
     duplicates: int
     digests_match: bool
@@ -296,7 +305,17 @@ def failover(
     for case in cases:
         ordering, replica = FAILOVER_CASES[case]
         # A Collect sink, so the run is checked against the reference (lost, duplicates).
-        job = mib1_job(3, 2, ordering, rate, kazoo, sink=td.sinks.Collect())
+        if ordering == "passive":
+            job = mib1_job(
+                3,
+                1,
+                "liverobin",
+                rate,
+                sink=td.sinks.Collect(),
+                checkpoint_ms=PASSIVE_CHECKPOINT_MS,
+            )
+        else:
+            job = mib1_job(3, 2, ordering, rate, kazoo, sink=td.sinks.Collect())
         if ordering not in fault_free:
             print(f"failover: {ordering}, no fault ...", file=log, flush=True)
             fault_free[ordering] = job.run(duration=duration, progress=False).per_second_p99_ms
@@ -319,6 +338,7 @@ def failover(
                 peak,
                 calm_peak,
                 round(peak / calm_peak, 2) if calm_peak > 0 else float("nan"),
+                res.max_gap_ms,
                 res.lost,
                 res.duplicates,
                 res.digests_match,

@@ -12,8 +12,9 @@ Experiments, each a grid of points, every point run in every configuration:
 * ``heartbeat`` — LiveRobin's heartbeat period, 5 to 100 ms, on MiB1 of length 3; r1 (at
   the default 10 ms) is the baseline.
 * ``fault`` — MiB1 of length 3, one replica of ``map2[0]`` SIGKILLed at half time:
-  LiveRobin (replica 0), KaZoo with the partition's leader killed, KaZoo with a follower
-  killed; r1 runs without the fault (it would lose the job). Downtime is the longest gap
+  passive (its only replica, rolled back to the latest checkpoint), LiveRobin (replica 0),
+  KaZoo with the partition's leader killed, KaZoo with a follower killed; r1 runs without
+  the fault (it would lose the job). Downtime is the longest gap
   between two outputs; beside it the per-second p99 before the kill and its peak after.
 * ``bettercloud`` — the application of the paper's Fig. 15 (:func:`bettercloud_job`) at
   1,000 and 5,000 ev/s, one replica of ``flat_map[0]`` killed at half time as in ``fault``.
@@ -25,14 +26,16 @@ inputs as LiveRobin does (as in ``tandem bench cost``): its output is then the r
 executor's row for row, also where the order of two inputs decides the output (a join);
 consuming them as they arrive instead, as the paper's plain Flink does, is ``none`` at one
 replica.
-``passive`` (checkpoints and rollback) is listed as not available yet: its restore is
-issue #10. The paper's fault experiments leave ``none`` out, and so do these.
+``passive`` is the paper's passive baseline, ours: one replica per task partition with
+aligned checkpoints every :data:`PASSIVE_CHECKPOINT_MS` to local disk, a lost worker rolled
+back to the latest and replayed from there (``Job(replication=1, checkpoint_ms=...)``).
+The paper's fault experiments leave ``none`` out, and so do these.
 
 Every row is checked. Where every source row must reach the sink exactly once (MiB1, MiB2,
 the sweep) a :class:`tandem.bench.SequenceSink` counts what is missing and what repeats;
 elsewhere (MiB3, fault, BetterCloud) the output is compared row by row with the reference
-executor's. ``r1``, ``liverobin`` and ``kazoo`` must lose and repeat nothing (else the run
-fails, see :func:`failures`); ``none`` may, and its rows say how much.
+executor's. ``r1``, ``passive``, ``liverobin`` and ``kazoo`` must lose and repeat nothing
+(else the run fails, see :func:`failures`); ``none`` may, and its rows say how much.
 
 CPU is the CPU-seconds (user + system) of the job's processes in the steady state (after the
 warm-up, start-up and shutdown left out) per million events released meanwhile; for KaZoo
@@ -59,18 +62,22 @@ import pyarrow.compute as pc
 import tandem as td
 from tandem import bench
 
+PASSIVE = "passive"
+PASSIVE_CHECKPOINT_MS = 1000
+"""How often the passive configuration checkpoints."""
+
 CONFIGS = {
     "r1": {"replication": 1, "ordering": "liverobin"},
+    PASSIVE: {"replication": 1, "ordering": "liverobin", "checkpoint_ms": PASSIVE_CHECKPOINT_MS},
     "none": {"replication": 2, "ordering": "none"},
     "liverobin": {"replication": 2, "ordering": "liverobin"},
     "kazoo": {"replication": 2, "ordering": "kazoo"},
 }
-"""What each configuration runs: replicas per task partition and the ordering."""
+"""What each configuration runs: replicas per task partition, the ordering, and for
+``passive`` how often it checkpoints."""
 
-PASSIVE = "passive"
-PASSIVE_NOTE = "not available yet (checkpoint/rollback restore: issue #10)"
-ALL_CONFIGS = (*CONFIGS, PASSIVE)
-EXACTLY_ONCE = ("r1", "liverobin", "kazoo")
+ALL_CONFIGS = tuple(CONFIGS)
+EXACTLY_ONCE = ("r1", PASSIVE, "liverobin", "kazoo")
 """The configurations that must deliver every row exactly once; ``none`` need not."""
 
 EXPERIMENTS = ("mib1", "mib2", "mib3", "heartbeat", "fault", "bettercloud")
@@ -149,7 +156,7 @@ class Settings:
 
 
 FULL = Settings()
-"""The full set: 66 runs, about 25 minutes on 2 cores (:func:`estimate_s`)."""
+"""The full set: 81 runs, about 31 minutes on 2 cores (:func:`estimate_s`)."""
 QUICK = Settings(
     duration_s=1.5,
     warmup_s=0.5,
@@ -161,7 +168,7 @@ QUICK = Settings(
     heartbeats_ms=(5, 100),
     bettercloud_rates=(1_000,),
 )
-"""Every experiment briefly, one point each (two for the sweep), for CI: 23 runs."""
+"""Every experiment briefly, one point each (two for the sweep), for CI: 28 runs."""
 
 
 # -- the jobs ----------------------------------------------------------------------------
@@ -178,6 +185,7 @@ def _job(name: str, config: str, kazoo, heartbeat_ms: float = 10) -> td.Job:
         kazoo=kazoo if opts["ordering"] == "kazoo" else None,
         # The unordered baseline diverges by design: measure it rather than stop it.
         on_divergence="log" if opts["ordering"] == "none" else "fail",
+        checkpoint_ms=opts.get("checkpoint_ms"),
     )
 
 
@@ -192,6 +200,7 @@ def mib1_job(length: int, config: str, rate: int, kazoo, sink, heartbeat_ms: flo
         zoo,
         sink,
         heartbeat_ms=heartbeat_ms,
+        checkpoint_ms=opts.get("checkpoint_ms"),
     )
 
 
@@ -306,8 +315,7 @@ class Case:
 
 @dataclass
 class Row:
-    """One row of the report; ``status`` is ``ok``, ``error`` (``error`` says why) or
-    ``not available yet`` (``passive``)."""
+    """One row of the report; ``status`` is ``ok`` or ``error`` (``error`` says why)."""
 
     experiment: str
     group: str
@@ -374,13 +382,14 @@ def _kill(task: str, victim, at: float) -> td.Kill:
 
 FAULT_VARIANTS = {
     "r1": [("no fault", None)],
+    PASSIVE: [("kill replica 0", 0)],
     "liverobin": [("kill replica 0", 0)],
     "kazoo": [("kill leader", "leader"), ("kill follower", "follower")],
 }
 
 
 def cases(settings: Settings, experiments, configs) -> list[Case]:
-    """Every run of ``experiments`` in ``configs`` (``passive`` has none), in order."""
+    """Every run of ``experiments`` in ``configs``, in order."""
     s = settings
     run = [c for c in configs if c in CONFIGS]
     out: list[Case] = []
@@ -463,20 +472,6 @@ def cases(settings: Settings, experiments, configs) -> list[Case]:
 def _with_sink(builder, *args, kazoo=None, sink=None, **kwargs):
     """``builder(*args, kazoo, sink, **kwargs)``: how a :class:`Case` builds its job."""
     return builder(*args, kazoo, sink, **kwargs)
-
-
-def passive_rows(all_cases: list[Case]) -> list[Row]:
-    """A ``not available yet`` row for ``passive`` in every group of the experiments run."""
-    rows, seen = [], set()
-    for c in all_cases:
-        if (c.experiment, c.group) in seen:
-            continue
-        seen.add((c.experiment, c.group))
-        row = Row(c.experiment, c.group, c.group_x, "", PASSIVE, "not available yet")
-        row.note = PASSIVE_NOTE
-        row.paper = paper_figure(c.experiment, c.group_x, PASSIVE, "")
-        rows.append(row)
-    return rows
 
 
 def run_case(case: Case, kazoo: td.KazooConfig | None, log=None) -> Row:
@@ -755,7 +750,7 @@ def markdown(rows: list[Row], meta: dict) -> str:
     out += [
         "",
         "Not in this table: Spark Structured Streaming (`tandem bench spark` runs MiB1 of "
-        "length 3 on it, with a driver kill) and passive replication (issue #10).",
+        "length 3 on it, with a driver kill).",
     ]
     return "\n".join(out)
 
@@ -957,14 +952,12 @@ def paper(
         raise td.ConfigError(
             f"bench paper: {', '.join(missing)} would run nothing with --configs "
             f"{','.join(configs)} (heartbeat needs r1 or liverobin; fault and bettercloud "
-            "need r1, liverobin or kazoo)"
+            "need r1, passive, liverobin or kazoo)"
         )
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t = time.monotonic()
     rows = run_all(all_cases, kazoo, log)
     add_ratios(rows)
-    if PASSIVE in configs:
-        rows = _with_passive(rows, passive_rows(all_cases))
     wall = time.monotonic() - t
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -983,7 +976,6 @@ def paper(
         "experiments": list(experiments),
         "configs": list(configs),
         "config_settings": CONFIGS,
-        "passive": PASSIVE_NOTE,
         "paper_notes": {e: PAPER_NOTES[e] for e in experiments},
         "rows": [asdict(r) for r in rows],
         "failures": failures(rows, experiments),
@@ -992,18 +984,6 @@ def paper(
     (out / "paper.md").write_text(markdown(rows, meta) + "\n")
     (out / "paper.json").write_text(json.dumps(doc, indent=2))
     return doc
-
-
-def _with_passive(rows: list[Row], passive: list[Row]) -> list[Row]:
-    """``rows`` with each passive row after the last row of its experiment and group."""
-    out = list(rows)
-    for p in passive:
-        last = max(
-            (i for i, r in enumerate(out) if (r.experiment, r.group) == (p.experiment, p.group)),
-            default=len(out) - 1,
-        )
-        out.insert(last + 1, p)
-    return out
 
 
 def check_selection(experiments, configs) -> None:
@@ -1018,8 +998,3 @@ def check_selection(experiments, configs) -> None:
                 f"bench paper: --{what}: unknown {unknown or '(none given)'}; choose from "
                 f"{','.join(known)}"
             )
-    if not set(configs) & set(CONFIGS):
-        raise td.ConfigError(
-            f"bench paper: --configs {','.join(configs)} runs nothing; add one of "
-            f"{','.join(CONFIGS)}"
-        )

@@ -181,8 +181,11 @@ class Plan:
     """With ``restore``: a worker silent this long (no keepalive) is declared lost, killed
     and rebuilt."""
     replay_ms: float = 3000
-    """With ``restore``: how much recent output every replica keeps per channel to replay
-    to a rebuilt downstream replica (whole heartbeat cycles)."""
+    """With ``restore`` or ``checkpoint_ms``: how much recent output every replica keeps
+    per channel to replay to a rebuilt downstream replica (whole heartbeat cycles)."""
+    checkpoint_ms: float | None = None
+    """The passive configuration (replication 1): cut every replica at one heartbeat epoch
+    this often, write the cuts to local disk, roll a lost worker back to the latest."""
 
     # -- structure ----------------------------------------------------------------------
 
@@ -191,10 +194,20 @@ class Plan:
         return round(self.heartbeat_ms * 1_000_000)
 
     @property
+    def checkpointing(self) -> bool:
+        """The passive configuration: lost replicas roll back to a checkpoint."""
+        return self.checkpoint_ms is not None
+
+    @property
+    def rebuilds(self) -> bool:
+        """Lost workers are rebuilt while the job runs (from twins or a checkpoint)."""
+        return self.restore or self.checkpointing
+
+    @property
     def replay_cycles(self) -> int | None:
         """Heartbeat cycles each output channel keeps for replay (None: none, the job does
         not rebuild replicas)."""
-        if not self.restore or self.replication < 2:
+        if not self.checkpointing and (not self.restore or self.replication < 2):
             return None
         return max(1, math.ceil(self.replay_ms / self.heartbeat_ms))
 

@@ -25,6 +25,7 @@ JSON_FIELDS = (
     "digests_match",
     "lost_replicas",
     "restored_replicas",
+    "checkpoints",
     "leaders",
     "output",
 )
@@ -50,7 +51,12 @@ class Result:
     heartbeat ``epoch`` of the cut, ``lost_s`` and ``restored_s`` — seconds from t0 — and
     ``restore_ms``, from the loss to the new replica receiving its input; ``warm``: it ran in
     the spare process started ahead of the loss; ``state_file``: its state came as a file
-    from the twin, not through the coordinator);
+    from the twin, not through the coordinator; rolled back to a checkpoint, under
+    ``Job(checkpoint_ms=...)``: ``twin`` None and ``checkpoint``, the checkpoint's epoch,
+    0 for a restart from the beginning of the stream); ``checkpoints`` (``Job(
+    checkpoint_ms=...)``, else None): ``completed`` and ``abandoned`` counts, the
+    ``last_epoch`` completed and when (``last_s``, seconds from t0), and ``rollbacks``,
+    the losses rolled back;
     ``output`` the rows of the first Collect sink (a pyarrow.Table; in JSON: ``{"rows": n,
     "columns": [...]}``). Not in JSON: ``outputs`` (every sink's combined value by sink name)
     and ``t0_ns`` (the logical time origin of the run: pass it to ``run_reference`` to reproduce
@@ -91,6 +97,7 @@ class Result:
     digests_match: bool = True
     lost_replicas: list[dict] = field(default_factory=list)
     restored_replicas: list[dict] = field(default_factory=list)
+    checkpoints: dict | None = None
     leaders: dict[str, list[dict]] = field(default_factory=dict)
     kazoo_sessions: list[dict] = field(default_factory=list)
     output: pa.Table | None = None

@@ -126,11 +126,14 @@ class Resume:
     input positions and merge state, output seqs; opaque here) and ``state``, the
     operator's :meth:`~tandem.operators.Operator.snapshot`. A large state travels as a
     file instead (``state_file``, written by the twin's worker, read once and removed by
-    the rebuilt replica's): it then crosses no process but the two that need it."""
+    the rebuilt replica's): it then crosses no process but the two that need it. A
+    checkpoint's state file (``Job(checkpoint_ms=...)``) belongs to the checkpoint
+    (``keep_file``): read, never removed by the replica."""
 
     cut: tuple
     state: bytes
     state_file: str | None = None
+    keep_file: bool = False
 
     @property
     def epoch(self) -> int:
@@ -148,6 +151,15 @@ class Resume:
                 os.unlink(path)
             raise
         return Resume(self.cut, b"", path)
+
+    def checkpointed(self, path: str) -> Resume:
+        """This cut with its state written to ``path`` (a checkpoint's file, written whole
+        under a temporary name first, so a file that exists is complete)."""
+        part = path + ".part"
+        with open(part, "wb") as f:
+            f.write(self.state)
+        os.replace(part, path)
+        return Resume(self.cut, b"", path, keep_file=True)
 
     def load(self) -> bytes:
         """The state: in the message, or read from its file."""
@@ -210,6 +222,7 @@ class _Output:
             name=name,
             evict_after_ms=plan.evict_after_ms,
             replay_cycles=plan.replay_cycles,
+            hold_orphans=plan.checkpointing,
         )
         self.edge = edge
 
@@ -295,6 +308,7 @@ class Replica:
             me=self.me,
             name=self.name,
             resume=resume,
+            wait_orphaned=self.plan.checkpointing,
         )
         if ordering == "kazoo":
             if self.kazoo is None:
@@ -350,7 +364,8 @@ class Replica:
         t, p, r = self.me
         self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
         self._inst.restore(self.resume.load())
-        if self.resume.state_file is not None:  # read once: the memory is the operator's now
+        if self.resume.state_file is not None and not self.resume.keep_file:
+            # Read once: the memory is the operator's now (a checkpoint's file stays).
             with contextlib.suppress(OSError):
                 os.unlink(self.resume.state_file)
         self.resume = Resume(self.resume.cut, b"")  # the state lives in the operator now
@@ -738,6 +753,10 @@ class Worker:
         self.on_evicted = None
         """Called with ``(upstream rid, downstream rid)`` when an outbox dropped a
         downstream replica as a straggler (checked every ``IDLE_WAIT_S``)."""
+        self.on_checkpoint = None
+        """Called (from the worker thread) with ``(rid, epoch, Resume | None)`` for every
+        replica cut for checkpoint ``epoch`` (:meth:`request_checkpoint`; None: too late,
+        or the replica finished)."""
         ordered = set(plan.ordered_partitions()) if kazoo is not None else set()
         # One ZooKeeper session and one Kafka producer/consumer for every ordered partition
         # the worker hosts.
@@ -759,6 +778,7 @@ class Worker:
         :attr:`metrics_every` seconds while the replicas run."""
         self.metrics_every: float | None = None
         """Set (from any thread) to have :attr:`on_metrics` called; None: never."""
+        self._checkpoints: dict[int, int] = {}  # slot -> the checkpoint epoch asked of it
 
     # -- requests from the engine (any thread) ------------------------------------------
 
@@ -766,6 +786,13 @@ class Worker:
         """Take a cut of replica ``rid`` at its next heartbeat-cycle boundary and hand it to
         :attr:`on_cut` with ``token``."""
         self.control.append(("cut", rid, token))
+        self.core.wake()
+
+    def request_checkpoint(self, epoch: int) -> None:
+        """Cut every hosted replica but the sinks right after it forwards heartbeat
+        ``epoch`` (an aligned cut: ``_core.Worker.request_cut_at``) and hand each to
+        :attr:`on_checkpoint`."""
+        self.control.append(("checkpoint", None, epoch))
         self.core.wake()
 
     def link(self, up: ReplicaId, down: ReplicaId, address: tuple[str, int], epoch: int) -> None:
@@ -789,6 +816,9 @@ class Worker:
                 self.until = req[1:]
                 for src in self._sources:
                     src.extend(*self.until)
+                continue
+            if req[0] == "checkpoint":
+                self._checkpoint(req[2])
                 continue
             rep = by_rid.get(req[1])
             if req[0] == "cut":
@@ -817,6 +847,16 @@ class Worker:
             "pid": os.getpid(),
             "replicas": {r.me: r.metrics(slots, now) for r in self.replicas},
         }
+
+    def _checkpoint(self, epoch: int) -> None:
+        for rep in self.replicas:
+            if rep.task.kind == "sink":
+                continue  # sinks keep their rows: a replayed row is a duplicate there
+            if rep.slot is None or rep.done:
+                self.on_checkpoint(rep.me, epoch, None)
+                continue
+            self._checkpoints[rep.slot] = epoch  # replaces one not taken yet
+            self.core.request_cut_at(rep.slot, epoch)
 
     def bind(self, host: str = "127.0.0.1") -> dict[ReplicaId, int | None]:
         """Create every hosted replica's inbox, and start contending for the leadership of
@@ -973,8 +1013,22 @@ class Worker:
         self.core.retire(rep.slot)
         for token in self._cuts.pop(rep.slot, []):  # no boundary will come any more
             self.on_cut(rep.me, None, token)
+        epoch = self._checkpoints.pop(rep.slot, None)
+        if epoch is not None:
+            self.on_checkpoint(rep.me, epoch, None)
 
     def _cut(self, rep: Replica, item) -> None:
+        if item.at is not None:  # a checkpoint's aligned cut
+            if self._checkpoints.get(item.slot) != item.at:
+                return  # replaced by a later checkpoint
+            del self._checkpoints[item.slot]
+            try:
+                taken = rep.cut(item.cut)
+            except Exception:
+                log.exception("%s: taking a checkpoint's cut failed", rep.name)
+                taken = None
+            self.on_checkpoint(rep.me, item.at, taken)
+            return
         try:
             taken = rep.cut(item.cut)
         except Exception:

@@ -135,6 +135,11 @@ class SparkEngine:
         del progress
         faults = list(faults)
         check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker))
+        if plan.checkpointing:
+            raise ConfigError(
+                "the spark engine does not run Job(checkpoint_ms=...) (the passive "
+                "configuration: checkpoints and rollback); use the local engine"
+            )
         if self.spark is not None:
             return self._run(plan, duration, faults, warmup, check, timeout)
         from pyspark import SparkContext

@@ -74,6 +74,13 @@ STOP_LEAD_S = 1.0
 may emit; the coordinator moves that point on every half of it, and a stop takes effect
 there (so a stop drains at most this much source time more)."""
 
+CHECKPOINT_LEAD_S = 0.05
+"""How far ahead of the sources' clock a checkpoint's epoch is picked (at least three
+heartbeat periods): the request must reach every worker before its replicas forward it."""
+
+CHECKPOINT_TIMEOUT_S = 10.0
+"""A checkpoint not complete this long after it started is abandoned."""
+
 REJOIN_ATTEMPTS = 3
 """Cuts taken for one loss before giving up: a cut that left an upstream replica's replay
 window (the rebuild took longer than ``Job(replay_ms=...)``) is retried with a later one."""
@@ -100,6 +107,22 @@ class _Rejoin:
     """Some upstream replica's replay window no longer reached back to a cut."""
     warm: bool = False
     """The new process is the spare, started before the loss."""
+    checkpoint: int | None = None
+    """Rolled back (``Job(checkpoint_ms=...)``): the checkpoint's epoch (0: none was
+    complete, the replicas restart from the beginning of the stream); None: from twins."""
+
+
+@dataclass
+class _Checkpoint:
+    """A checkpoint being taken (``Job(checkpoint_ms=...)``): every replica not a sink cut
+    right after heartbeat ``epoch``, its state written to ``folder``."""
+
+    epoch: int
+    folder: str
+    waiting: set[ReplicaId]
+    deadline: float
+    started_s: float
+    cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -193,13 +216,37 @@ def serve(
 
     worker.on_cut = send_cut
     worker.on_metrics = send_metrics
+
+    checkpoints: dict[int, str] = {}  # checkpoint epoch -> its folder
+
+    def send_checkpoint(rid, epoch, taken) -> None:
+        # Written off the worker thread, like a large cut: the replicas go on meanwhile.
+        folder = checkpoints.get(epoch)
+
+        def run() -> None:
+            written = None
+            if taken is not None and folder is not None:
+                try:
+                    os.makedirs(folder, exist_ok=True)
+                    path = os.path.join(folder, "{}-{}-{}.state".format(*rid))
+                    written = taken.checkpointed(path)
+                except OSError as exc:
+                    log.warning("checkpoint %d of %s not written: %s", epoch, rid, exc)
+            send(("checkpointed", epoch, rid, written))
+
+        threading.Thread(target=run, name="tandem-checkpoint", daemon=True).start()
+
+    worker.on_checkpoint = send_checkpoint
     worker.on_link = lambda up, down, error: send(("linked", up, down, error))
     if plan.restore:
         worker.on_evicted = lambda up, down: send(("evicted", up, down))
     threading.Thread(
-        target=_requests, args=(conn, worker, folders), name="tandem-requests", daemon=True
+        target=_requests,
+        args=(conn, worker, folders, checkpoints),
+        name="tandem-requests",
+        daemon=True,
     ).start()
-    if plan.restore:
+    if plan.rebuilds:
         period = plan.failure_timeout_ms / 4000
 
         def keepalive() -> None:
@@ -217,9 +264,12 @@ def serve(
     send(("done", reports))
 
 
-def _requests(conn, worker: Worker, folders: dict[Any, str]) -> None:
+def _requests(
+    conn, worker: Worker, folders: dict[Any, str], checkpoints: dict[int, str] | None = None
+) -> None:
     """Hand the coordinator's requests during the run to the worker thread (a cut's
-    ``folders`` entry: where to write its state if it is large)."""
+    ``folders`` entry: where to write its state if it is large; a checkpoint's
+    ``checkpoints`` entry: where its states go)."""
     while True:
         try:
             msg = conn.recv()
@@ -235,6 +285,12 @@ def _requests(conn, worker: Worker, folders: dict[Any, str]) -> None:
             worker.extend(*msg[1:])
         elif msg[0] == "metrics":
             worker.metrics_every = msg[1]
+        elif msg[0] == "checkpoint" and checkpoints is not None:
+            _, epoch, folder = msg
+            checkpoints[epoch] = folder
+            for old in sorted(checkpoints)[:-4]:  # answered long ago
+                del checkpoints[old]
+            worker.request_checkpoint(epoch)
 
 
 class _Process:
@@ -576,6 +632,22 @@ class _Run:
         # Rebuilding lost replicas from their twins (DESIGN §4): KaZoo replicas follow an
         # order log instead, which a rebuilt replica cannot join yet.
         self.restoring = plan.restore and plan.replication > 1 and not plan.ordered_partitions()
+        # The passive configuration (Job(checkpoint_ms=...), replication 1): checkpoints
+        # taken while the job runs, and a lost worker rolled back to the latest complete one.
+        self.checkpointing = plan.checkpointing
+        self.restoring |= self.checkpointing
+        self.checkpoint: _Checkpoint | None = None  # the latest complete one
+        self._taking: _Checkpoint | None = None  # the one in flight
+        # Seconds from t0: when the next one starts (the first, one period in).
+        self._checkpoint_at = (plan.checkpoint_ms or 0) / 1000
+        self._checkpoint_dir: str | None = None
+        self.checkpoint_stats: dict[str, Any] = {
+            "completed": 0,
+            "abandoned": 0,
+            "last_epoch": None,
+            "last_s": None,
+            "rollbacks": 0,
+        }
         self.rejoins: dict[int, _Rejoin] = {}
         self.restored: list[dict] = []
         self._generation = 0
@@ -728,6 +800,8 @@ class _Run:
             for w, rj in list(self.rejoins.items()):
                 if time.monotonic() > rj.deadline:
                     self._abort_rejoin(w, f"not done within {REJOIN_TIMEOUT_S:.0f} s")
+            if self.checkpointing:
+                self._checkpoint_step(now_s)
             self._draw(now_s)
             self._sample_rss(running)
             # A worker that exits closes its end of the link: EOF on the connection.
@@ -742,6 +816,8 @@ class _Run:
                 next_fault = min(next_fault, reading)
             if not self.final:  # a stop is seen within 0.1 s
                 next_fault = min(next_fault, 0.1)
+            if self.checkpointing and self._taking is None:
+                next_fault = min(next_fault, self._checkpoint_at - now_s)
             for obj in wait(list(waitables), timeout=max(0.0, min(0.2, next_fault))):
                 w, rejoining = waitables[obj]
                 if rejoining:
@@ -770,6 +846,8 @@ class _Run:
                 elif msg[0] == "metrics":
                     if self.metrics is not None:
                         self.metrics.update(msg[1])
+                elif msg[0] == "checkpointed":
+                    self._on_checkpointed(*msg[1:], now_s=now_s)
                 elif msg[0] == "done":
                     reports = msg[1]
                     self.reports.update(reports)
@@ -808,6 +886,10 @@ class _Run:
         """Declare lost every running worker that has not spoken for the job's
         ``failure_timeout_ms`` (a frozen or wedged process: its keepalives stopped), and
         fence it — SIGKILL, so it never comes back to send stale output — to rebuild it."""
+        if self.checkpointing and self.rejoins:
+            # Rolling a worker back: its neighbours wait for it (on a loaded machine a
+            # keepalive may then come late), and a second loss meanwhile fails the job.
+            return
         limit = self.plan.failure_timeout_ms / 1000
         now = time.monotonic()
         for w in sorted(self.running):
@@ -877,7 +959,12 @@ class _Run:
     def _lost_worker(self, w: int, now_s: float) -> None:
         """Start rebuilding worker ``w``'s replicas from their twins, if the job asks for it
         and it can be done: a new process for the worker, which waits for their cuts."""
+        if self.checkpointing and w in self.rejoins:
+            self._abort_rejoin(w, "its new process was lost too")
         if not self.restoring or w in self.rejoins:
+            return
+        if self.checkpointing:
+            self._roll_back(w, now_s)
             return
         self._attempts[w] = self._attempts.get(w, 0) + 1
         rids = self.placement[w]
@@ -914,6 +1001,126 @@ class _Run:
             ", ".join(self._name(r) for r in rids),
         )
 
+    # -- the passive configuration (Job(checkpoint_ms=...)) ------------------------------
+
+    def _checkpoint_step(self, now_s: float) -> None:
+        """Start the next checkpoint when due: pick a heartbeat epoch a little ahead of the
+        sources' clock, so the request reaches every worker before any replica forwards it,
+        and ask every live worker to cut its replicas (not the sinks) right after it."""
+        taking = self._taking
+        if taking is not None:
+            if time.monotonic() > taking.deadline:
+                self._abandon(f"not complete within {CHECKPOINT_TIMEOUT_S:g} s")
+            return
+        if now_s < self._checkpoint_at or self.rejoins or self.down:
+            return
+        hb_s = self.plan.heartbeat_ms / 1000
+        lead = max(3 * hb_s, CHECKPOINT_LEAD_S)
+        if now_s + lead >= self.end_s() - hb_s:
+            return  # the stream ends first
+        epoch = int((max(now_s, 0.0) + lead) / hb_s) + 1
+        if self._checkpoint_dir is None:
+            self._checkpoint_dir = tempfile.mkdtemp(prefix="tandem-checkpoints-")
+        folder = os.path.join(self._checkpoint_dir, str(epoch))
+        waiting: set[ReplicaId] = set()
+        for w in sorted(self.running):
+            rids = [r for r in self.placement[w] if self.plan.tasks[r[0]].kind != "sink"]
+            if not rids:
+                continue
+            waiting.update(rids)
+            with contextlib.suppress(OSError):
+                self.conns[w].send(("checkpoint", epoch, folder))
+        self._checkpoint_at = now_s + self.plan.checkpoint_ms / 1000
+        if waiting:
+            self._taking = _Checkpoint(
+                epoch, folder, waiting, time.monotonic() + CHECKPOINT_TIMEOUT_S, now_s
+            )
+
+    def _abandon(self, why: str) -> None:
+        """Give the checkpoint in flight up (the next one is tried when due)."""
+        taking, self._taking = self._taking, None
+        if taking is None:
+            return
+        self.checkpoint_stats["abandoned"] += 1
+        log.debug("checkpoint %d abandoned: %s", taking.epoch, why)
+        shutil.rmtree(taking.folder, ignore_errors=True)
+
+    def _on_checkpointed(
+        self, epoch: int, rid: ReplicaId, taken: Resume | None, now_s: float
+    ) -> None:
+        """A replica's cut for checkpoint ``epoch`` is on disk (None: it could not be
+        taken); the checkpoint is complete once every replica's is."""
+        taking = self._taking
+        if taking is None or taking.epoch != epoch:
+            # An abandoned checkpoint's late answer: its file goes.
+            current = self.checkpoint is not None and self.checkpoint.epoch == epoch
+            if not current and self._checkpoint_dir is not None:
+                shutil.rmtree(os.path.join(self._checkpoint_dir, str(epoch)), ignore_errors=True)
+            return
+        if taken is None:
+            self._abandon(f"{self._name(rid)} had forwarded heartbeat {epoch} already")
+            return
+        taking.cuts[rid] = taken
+        taking.waiting.discard(rid)
+        if taking.waiting:
+            return
+        previous, self.checkpoint, self._taking = self.checkpoint, taking, None
+        if previous is not None:
+            shutil.rmtree(previous.folder, ignore_errors=True)
+        stats = self.checkpoint_stats
+        stats["completed"] += 1
+        stats["last_epoch"] = epoch
+        stats["last_s"] = round(now_s, 3)
+        log.debug(
+            "checkpoint %d complete (%.0f ms after it started)",
+            epoch,
+            (now_s - taking.started_s) * 1000,
+        )
+
+    def _roll_back(self, w: int, now_s: float) -> None:
+        """Rebuild worker ``w``'s replicas from the latest complete checkpoint (none: from
+        the beginning of the stream): the exchange of a rebuild from twins, with the
+        checkpoint's cuts instead of the twins'."""
+        if self._hosts_sinks(w):
+            raise TandemError(
+                f"{self._worker_name(w)}, which hosts the sinks, was lost: sinks are not "
+                "checkpointed (their rows are the job's output), so the job cannot continue"
+            )
+        self._abandon(f"{self._worker_name(w)} was lost")
+        ck = self.checkpoint
+        cuts = {} if ck is None else {r: ck.cuts[r] for r in self.placement[w] if r in ck.cuts}
+        epoch = 0 if ck is None else ck.epoch
+        missing = [self._name(r) for r in self.placement[w] if ck is not None and r not in cuts]
+        if missing:
+            raise TandemError(
+                f"{self._worker_name(w)} was lost, but checkpoint {epoch} holds no cut of "
+                f"{', '.join(missing)}; the job cannot continue"
+            )
+        self._generation += 1
+        rids = self.placement[w]
+        proc, warm = self._take_spare(
+            (list(sys.path), self._blob, rids, self.secret, self.zoo, True, w)
+        )
+        rj = _Rejoin(
+            w,
+            proc,
+            {},
+            now_s,
+            time.monotonic() + REJOIN_TIMEOUT_S,
+            self._generation,
+            warm=warm,
+            checkpoint=epoch,
+        )
+        rj.cuts = cuts
+        self.rejoins[w] = rj
+        self.checkpoint_stats["rollbacks"] += 1
+        log.info(
+            "rolling %s (%s) back to %s",
+            self._worker_name(w),
+            ", ".join(self._name(r) for r in rids),
+            f"checkpoint {epoch}" if ck is not None else "the beginning of the stream",
+        )
+
     def _rejoin_message(self, w: int, now_s: float) -> None:
         """A message from a rebuilt worker's process before it runs: ``waiting`` (ask the
         twins for cuts), ``ready`` (link its upstream replicas to it and let it go) or an
@@ -923,6 +1130,12 @@ class _Run:
             kind, value = rj.proc.conn.recv()
         except EOFError:
             self._abort_rejoin(w, f"its new process exited (exit code {rj.proc.exitcode})")
+            return
+        if kind == "waiting" and rj.checkpoint is not None:
+            # Rolled back: the cuts are the checkpoint's, already at hand.
+            rj.state = "binding"
+            with contextlib.suppress(OSError):
+                rj.proc.conn.send(("resume", rj.cuts, self.t0_ns))
             return
         if kind == "waiting":
             rj.state = "cutting"
@@ -941,11 +1154,16 @@ class _Run:
             if port is None:
                 continue
             t, p, _ = rid
-            epoch = rj.cuts[rid].epoch
+            # No cut (rolled back with no checkpoint complete): from the very beginning.
+            epoch = rj.cuts[rid].epoch if rid in rj.cuts else 0
             for ch in self.plan.input_channels(t, p):
                 rj.fed[(rid, (ch.task, ch.partition))] = False
                 for q in range(self.plan.tasks[ch.task].replication):
                     up = (ch.task, ch.partition, q)
+                    if rj.checkpoint is not None and self.worker_of[up] == w:
+                        # Rolled back with it to the same checkpoint: fed by a local link.
+                        rj.fed[(rid, (ch.task, ch.partition))] = True
+                        continue
                     if up in self.down or self.worker_of[up] == w:
                         continue
                     self.conns[self.worker_of[up]].send(
@@ -1005,6 +1223,26 @@ class _Run:
             for (rid, (t, p)), ok in rj.fed.items()
             if not ok
         ]
+        if unfed and rj.checkpoint is not None:
+            causes = dict(self.lost)
+            gone = [
+                f"{self._name(r)} is lost too ({causes.get(r, 'lost')})"
+                for r in sorted(self.down)
+                if r not in rj.cuts and self.worker_of[r] != w
+            ]
+            self._abort_rejoin(
+                w,
+                "no live upstream replica could replay its input: "
+                + ", ".join(unfed)
+                + (f"; {', '.join(gone)}" if gone else "")
+                + (
+                    f" (a replay window no longer reaches back to checkpoint {rj.checkpoint}: "
+                    "raise Job(replay_ms=...) or lower checkpoint_ms)"
+                    if rj.stale
+                    else ""
+                ),
+            )
+            return
         if unfed:
             retry = rj.stale and self._attempts.get(w, 0) < REJOIN_ATTEMPTS
             self._abort_rejoin(
@@ -1021,18 +1259,21 @@ class _Run:
         for rid in self.placement[w]:
             self.down.discard(rid)
             t, p, r = rid
+            cut = rj.cuts.get(rid)
+            rolled = {} if rj.checkpoint is None else {"checkpoint": rj.checkpoint}
             self.restored.append(
                 {
                     "task": self.plan.tasks[t].name,
                     "partition": p,
                     "replica": r,
-                    "twin": rj.twins[rid][2],
-                    "epoch": rj.cuts[rid].epoch,
+                    "twin": rj.twins[rid][2] if rid in rj.twins else None,
+                    **rolled,
+                    "epoch": cut.epoch if cut is not None else 0,
                     "lost_s": round(rj.lost_s, 3),
                     "restored_s": round(now_s, 3),
                     "restore_ms": round((now_s - rj.lost_s) * 1000, 1),
                     "warm": rj.warm,
-                    "state_file": rj.cuts[rid].state_file is not None,
+                    "state_file": cut is not None and cut.state_file is not None,
                 }
             )
         log.info(
@@ -1046,6 +1287,15 @@ class _Run:
         rj = self.rejoins.pop(w, None)
         if rj is None:
             return
+        if rj.checkpoint is not None:
+            rj.proc.kill()
+            rj.proc.join(timeout=5)
+            self.retired.append(rj.proc)
+            raise TandemError(
+                f"{self._worker_name(w)} could not be rolled back to checkpoint "
+                f"{rj.checkpoint}: {why}. At replication=1 nothing else holds its "
+                "partitions, so the job cannot continue"
+            )
         log.warning(
             "%s is not rebuilt: %s; its partitions go on with fewer replicas",
             self._worker_name(w),
@@ -1070,6 +1320,8 @@ class _Run:
             proc.conn.close()
         if self._state_dir is not None:
             shutil.rmtree(self._state_dir, ignore_errors=True)
+        if self._checkpoint_dir is not None:
+            shutil.rmtree(self._checkpoint_dir, ignore_errors=True)
 
     def _sample_rss(self, running) -> None:
         """Peak resident memory per worker process, sampled about once a second."""
@@ -1228,6 +1480,8 @@ class _Run:
         """Fail the job if a partition of ``lost`` has no live replica left (one being
         rebuilt does not count: it starts from a live twin)."""
         for task, part, _ in lost:
+            if self.checkpointing and self.plan.tasks[task].kind != "sink":
+                continue  # rolled back to the latest checkpoint (_roll_back)
             alive = [
                 r
                 for r in range(self.plan.tasks[task].replication)
@@ -1296,6 +1550,8 @@ class _Run:
             kazoo=self.zoo,
         )
         result.restored_replicas = list(self.restored)
+        if self.checkpointing:
+            result.checkpoints = dict(self.checkpoint_stats)
         return result
 
 

@@ -330,6 +330,8 @@ pub struct Outbox {
     /// Links dropped as stragglers, `(channel, peer)`, not yet taken
     /// ([`Outbox::take_evicted`]).
     evicted: Vec<(usize, String)>,
+    /// A channel may have no live link for a while ([`Outbox::hold_orphans`]).
+    orphans: bool,
 }
 
 impl Outbox {
@@ -384,6 +386,7 @@ impl Outbox {
             eviction: None,
             window: None,
             evicted: Vec::new(),
+            orphans: false,
         })
     }
 
@@ -399,6 +402,15 @@ impl Outbox {
     /// channel's least backed-up link, so a straggler never holds this replica back.
     pub fn evicting(&mut self, eviction: Option<Eviction>) {
         self.eviction = eviction;
+    }
+
+    /// Let a channel lose its every link without failing (`on`): what it emits meanwhile
+    /// goes only to its replay window ([`Outbox::keep_replay`]), and a downstream replica
+    /// rebuilt from a checkpoint gets it through [`Outbox::add_link`]. For a job without
+    /// twins (replication 1) that rolls lost replicas back instead; off by default, where a
+    /// channel with no live link left fails the next send with [`Error::Closed`].
+    pub fn hold_orphans(&mut self, on: bool) {
+        self.orphans = on;
     }
 
     /// Keep each channel's recent cycles (`window`), so that a downstream replica rebuilt
@@ -566,6 +578,7 @@ impl Outbox {
                 if let Err(e) = send_all(
                     self.me.as_ref(),
                     self.eviction,
+                    self.orphans,
                     c,
                     &mut ch.links,
                     &out,
@@ -762,6 +775,7 @@ impl Outbox {
             if let Err(e) = send_all(
                 self.me.as_ref(),
                 self.eviction,
+                self.orphans,
                 c,
                 &mut ch.links,
                 &out,
@@ -877,19 +891,24 @@ fn frames(
 fn send_all(
     me: Option<&ReplicaTag>,
     eviction: Option<Eviction>,
+    orphans: bool,
     c: usize,
     links: &mut Vec<Box<dyn Link>>,
     frame: &OutFrame,
     evicted: &mut Vec<(usize, String)>,
 ) -> Result<()> {
     if links.is_empty() {
-        return Err(closed_channel(c));
+        return if orphans {
+            Ok(())
+        } else {
+            Err(closed_channel(c))
+        };
     }
     if let Some(ev) = eviction {
         evict_stragglers(me, &ev, c, links, evicted);
     }
     retain_live(me, c, links, |link| link.send(frame));
-    if links.is_empty() {
+    if links.is_empty() && !orphans {
         Err(closed_channel(c))
     } else {
         Ok(())
@@ -1207,6 +1226,41 @@ mod tests {
         let ahead = MemLink::default();
         ob.add_link(0, Box::new(ahead.clone()), 9).unwrap();
         assert!(ahead.summary().is_empty());
+    }
+
+    #[test]
+    fn an_outbox_holding_orphans_keeps_a_channel_without_links_for_a_rebuilt_replica() {
+        let links = mem(1, 1);
+        let mut ob = outbox(Partitioner::Forward, &links, 8);
+        ob.keep_replay(Some(ReplayWindow {
+            cycles: 8,
+            bytes: 1 << 20,
+        }));
+        ob.hold_orphans(true);
+        ob.emit(&batch(0..2)).unwrap();
+        ob.heartbeat(1).unwrap();
+        // The only downstream replica is gone: the channel goes on, into its window only.
+        *links[0][0].fail.lock() = true;
+        ob.emit(&batch(10..12)).unwrap();
+        ob.heartbeat(2).unwrap();
+        assert_eq!(ob.live_links(0), 0);
+        ob.emit(&batch(20..22)).unwrap();
+        // Its replacement, rolled back to heartbeat 1, gets everything after it.
+        let back = MemLink::default();
+        ob.add_link(0, Box::new(back.clone()), 1).unwrap();
+        assert_eq!(
+            back.summary(),
+            vec![
+                ('D', 3, 2, vec![10, 11]),
+                ('H', 5, 2, vec![]),
+                ('D', 6, 2, vec![20, 21])
+            ]
+        );
+        // Without it, a channel left with no link fails the send.
+        let links = mem(1, 1);
+        let mut strict = outbox(Partitioner::Forward, &links, 8);
+        *links[0][0].fail.lock() = true;
+        assert!(strict.emit(&batch(0..2)).is_err());
     }
 
     #[test]

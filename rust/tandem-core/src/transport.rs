@@ -207,6 +207,9 @@ pub struct InboxConfig {
     /// Start from a twin's cut ([`Inbox::cut`]) instead of from the beginning of every
     /// channel: a replica rebuilt while the job runs.
     pub resume: Option<InboxCut>,
+    /// A channel whose every upstream replica is gone before its end waits for one to come
+    /// back (a replica rolled back to a checkpoint: replication 1) instead of failing.
+    pub wait_orphaned: bool,
 }
 
 /// Where an inbox stands at a heartbeat-cycle boundary: per logical channel the first
@@ -241,6 +244,7 @@ impl InboxConfig {
             bell: None,
             me: None,
             resume: None,
+            wait_orphaned: false,
         }
     }
 
@@ -422,6 +426,8 @@ pub struct Inbox {
     merge_wait: Duration,
     /// Since when the merge has held queued input back, if it does now.
     held_since: Option<Instant>,
+    /// See [`InboxConfig::wait_orphaned`].
+    wait_orphaned: bool,
 }
 
 impl Inbox {
@@ -437,6 +443,7 @@ impl Inbox {
         })?;
         let local_addr = listener.local_addr()?;
         let bell = cfg.bell.clone().unwrap_or_default();
+        let wait_orphaned = cfg.wait_orphaned;
         let n = cfg.upstreams.len();
         if let Some(cut) = &cfg.resume {
             if cut.positions.len() != n {
@@ -519,6 +526,7 @@ impl Inbox {
             local_accept,
             merge_wait: Duration::ZERO,
             held_since: None,
+            wait_orphaned,
         })
     }
 
@@ -600,6 +608,7 @@ impl Inbox {
                 .channels
                 .iter()
                 .position(ChannelCounters::orphaned)
+                .filter(|_| !self.wait_orphaned)
             {
                 let (task, partition) = self.shared.upstreams[c];
                 return Err(Error::Closed(format!(

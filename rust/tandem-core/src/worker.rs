@@ -116,9 +116,15 @@ pub enum Work {
     /// worker no longer serves it.
     Failed { slot: usize, error: Error },
     /// `slot` reached the heartbeat-cycle boundary a cut was asked for
-    /// ([`Worker::request_cut`]): take the operator's state now, before anything else of
-    /// the slot runs. None: the slot cannot be cut (its inputs follow KaZoo's order log).
-    Cut { slot: usize, cut: Option<SlotCut> },
+    /// ([`Worker::request_cut`]; `at`: [`Worker::request_cut_at`] with that epoch): take
+    /// the operator's state now, before anything else of the slot runs. None: the slot
+    /// cannot be cut (its inputs follow KaZoo's order log, it finished, or — `at` — it had
+    /// already forwarded heartbeat `at` when asked).
+    Cut {
+        slot: usize,
+        cut: Option<SlotCut>,
+        at: Option<u64>,
+    },
 }
 
 struct Slot {
@@ -138,6 +144,11 @@ struct Slot {
     cut_asked: bool,
     /// A cut taken and not yet handed out (`Some(None)`: the slot cannot be cut).
     cut: Option<Option<SlotCut>>,
+    /// An aligned cut was asked for at this epoch ([`Worker::request_cut_at`]): take it as
+    /// `forwarded` first reaches it.
+    cut_at: Option<u64>,
+    /// An aligned cut taken (or refused) and not yet handed out: `(epoch asked, cut)`.
+    aligned: Option<(u64, Option<SlotCut>)>,
 }
 
 impl Slot {
@@ -173,7 +184,32 @@ impl Slot {
             self.cut_asked = false;
             self.cut = Some(self.take_cut());
         }
+        // The heartbeats of one call follow each other with nothing in between, so the
+        // state after the last of them is the state right after heartbeat `k` itself.
+        if let Some(k) = self.cut_at {
+            if from < k && self.forwarded >= k {
+                self.cut_at = None;
+                self.aligned = Some((k, self.take_cut()));
+            }
+        }
         Ok(self.forwarded - from)
+    }
+
+    /// A cut taken and not yet handed out, if any (the next-boundary one first).
+    fn take_ready(&mut self, idx: usize) -> Option<Work> {
+        if let Some(cut) = self.cut.take() {
+            return Some(Work::Cut {
+                slot: idx,
+                cut,
+                at: None,
+            });
+        }
+        let (k, cut) = self.aligned.take()?;
+        Some(Work::Cut {
+            slot: idx,
+            cut,
+            at: Some(k),
+        })
     }
 
     /// This slot's cut, right after heartbeat `forwarded` (see [`SlotCut`]).
@@ -355,6 +391,8 @@ impl Worker {
             active: true,
             cut_asked: false,
             cut: None,
+            cut_at: None,
+            aligned: None,
         });
         self.bell.ring();
         Ok(self.slots.len() - 1)
@@ -394,6 +432,26 @@ impl Worker {
             s.cut_asked = true;
         } else {
             s.cut = Some(None);
+        }
+        self.bell.ring();
+        Ok(())
+    }
+
+    /// Take a cut of `slot` right after it forwards heartbeat `epoch` (a source: sends it):
+    /// an *aligned* cut, the same epoch on every slot of the job, for a checkpoint.
+    /// [`Worker::next`] hands it out as [`Work::Cut`] with `at: Some(epoch)`. A slot that
+    /// forwards several heartbeats in one go (nothing comes between them) is cut after the
+    /// last of them: its state there is its state right after `epoch`, and the cut's own
+    /// epoch is that last one. A slot that already forwarded `epoch`, or is not served any
+    /// more, hands out `cut: None` at once (too late: the caller abandons that checkpoint).
+    /// A newer request replaces one not yet taken.
+    pub fn request_cut_at(&mut self, slot: usize, epoch: u64) -> Result<()> {
+        let s = self.slot(slot)?;
+        if s.active && s.forwarded < epoch {
+            s.cut_at = Some(epoch);
+        } else {
+            s.cut_at = None;
+            s.aligned = Some((epoch, None));
         }
         self.bell.ring();
         Ok(())
@@ -513,8 +571,8 @@ impl Worker {
             let poll = Instant::now() + CREDIT_POLL;
             *wake = Some(wake.map_or(poll, |w| w.min(poll)));
         }
-        if let Some(cut) = s.cut.take() {
-            return Some(Work::Cut { slot: idx, cut });
+        if let Some(w) = s.take_ready(idx) {
+            return Some(w);
         }
         if !s.active {
             return None;
@@ -525,8 +583,8 @@ impl Worker {
                 s.active = false;
                 return Some(Work::Failed { slot: idx, error });
             }
-            if let Some(cut) = s.cut.take() {
-                return Some(Work::Cut { slot: idx, cut });
+            if let Some(w) = s.take_ready(idx) {
+                return Some(w);
             }
         }
         if backlog >= CREDIT_FRAMES {
@@ -544,8 +602,8 @@ impl Worker {
                     return Some(Work::Failed { slot: idx, error });
                 }
             }
-            if let Some(cut) = s.cut.take() {
-                return Some(Work::Cut { slot: idx, cut });
+            if let Some(w) = s.take_ready(idx) {
+                return Some(w);
             }
             if s.forwarded < s.allowed {
                 let next = (s.forwarded + 1).saturating_mul(clock.heartbeat_ns);
@@ -608,8 +666,8 @@ impl Worker {
                                 return Some(Work::Failed { slot: idx, error });
                             }
                         }
-                        if let Some(cut) = s.cut.take() {
-                            return Some(Work::Cut { slot: idx, cut });
+                        if let Some(w) = s.take_ready(idx) {
+                            return Some(w);
                         }
                     }
                 }
@@ -668,5 +726,109 @@ mod tests {
             .is_none());
         assert!(worker.was_woken());
         assert!(began.elapsed() < Duration::from_secs(5));
+    }
+
+    /// A link that takes every frame and keeps nothing.
+    struct Sink;
+
+    impl crate::outbox::Link for Sink {
+        fn send(&mut self, _frame: &crate::outbox::OutFrame) -> Result<()> {
+            Ok(())
+        }
+        fn wants_bytes(&self) -> bool {
+            false
+        }
+    }
+
+    /// A worker with one source slot whose heartbeats are all due (t0 an hour ago), sent
+    /// only as far as `allow` lets them.
+    fn source_worker() -> (Worker, usize) {
+        let outbox = Outbox::new(
+            crate::outbox::Partitioner::Forward,
+            vec![vec![Box::new(Sink) as Box<dyn crate::outbox::Link>]],
+            crate::outbox::OutboxConfig::default(),
+        )
+        .unwrap();
+        let mut worker = Worker::new();
+        let slot = worker
+            .add_slot(SlotConfig {
+                inbox: None,
+                outboxes: vec![Arc::new(Mutex::new(Some(outbox)))],
+                watermarks: false,
+                clock: Some(SourceClock {
+                    t0_ns: now_ns() - 3_600_000_000_000,
+                    heartbeat_ns: 1_000_000,
+                }),
+                resume: None,
+            })
+            .unwrap();
+        (worker, slot)
+    }
+
+    /// The work items `next` hands out until it has none (a short deadline).
+    fn drain(worker: &mut Worker) -> Vec<Work> {
+        let mut out = Vec::new();
+        while let Some(w) = worker
+            .next(Some(Instant::now() + Duration::from_millis(20)))
+            .unwrap()
+        {
+            out.push(w);
+        }
+        out
+    }
+
+    fn cuts(items: &[Work]) -> Vec<(Option<u64>, Option<u64>)> {
+        items
+            .iter()
+            .filter_map(|w| match w {
+                Work::Cut { cut, at, .. } => Some((*at, cut.as_ref().map(|c| c.epoch))),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_aligned_cut_is_taken_as_the_slot_first_forwards_its_epoch() {
+        let (mut worker, slot) = source_worker();
+        worker.request_cut_at(slot, 5).unwrap();
+        worker.allow(slot, 3).unwrap();
+        assert!(cuts(&drain(&mut worker)).is_empty(), "cut before epoch 5");
+        // Heartbeats 4..=8 leave in one go, nothing between them: the state after 8 is the
+        // state right after 5, and the cut says which heartbeat it follows.
+        worker.allow(slot, 8).unwrap();
+        assert_eq!(cuts(&drain(&mut worker)), vec![(Some(5), Some(8))]);
+        // Taken once.
+        worker.allow(slot, 12).unwrap();
+        assert!(cuts(&drain(&mut worker)).is_empty());
+    }
+
+    #[test]
+    fn an_aligned_cut_asked_too_late_is_refused_at_once() {
+        let (mut worker, slot) = source_worker();
+        worker.allow(slot, 6).unwrap();
+        drain(&mut worker);
+        worker.request_cut_at(slot, 6).unwrap();
+        assert_eq!(cuts(&drain(&mut worker)), vec![(Some(6), None)]);
+        // A later epoch is still taken, and a finished slot refuses.
+        worker.request_cut_at(slot, 7).unwrap();
+        worker.allow(slot, 7).unwrap();
+        assert_eq!(cuts(&drain(&mut worker)), vec![(Some(7), Some(7))]);
+        worker.retire(slot).unwrap();
+        worker.request_cut_at(slot, 9).unwrap();
+        assert_eq!(cuts(&drain(&mut worker)), vec![(Some(9), None)]);
+    }
+
+    #[test]
+    fn an_aligned_cut_and_a_next_boundary_cut_are_handed_out_apart() {
+        let (mut worker, slot) = source_worker();
+        worker.allow(slot, 2).unwrap();
+        drain(&mut worker);
+        worker.request_cut(slot).unwrap();
+        worker.request_cut_at(slot, 4).unwrap();
+        worker.allow(slot, 5).unwrap();
+        assert_eq!(
+            cuts(&drain(&mut worker)),
+            vec![(None, Some(5)), (Some(4), Some(5))]
+        );
     }
 }

@@ -202,7 +202,8 @@ impl Inbox {
     #[pyo3(signature = (job, secret, upstreams, ordering = "liverobin", queue_capacity = 1024,
                         max_frame_bytes = DEFAULT_MAX_FRAME_BYTES as i64, host = "127.0.0.1",
                         port = 0, handshake_timeout = 2.0, on_divergence = "fail",
-                        worker = None, me = None, name = None, resume = None))]
+                        worker = None, me = None, name = None, resume = None,
+                        wait_orphaned = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -220,6 +221,7 @@ impl Inbox {
         me: Option<(i64, i64, i64)>,
         name: Option<String>,
         resume: Option<crate::cut::PyInboxCut>,
+        wait_orphaned: bool,
     ) -> PyResult<Self> {
         crate::logs::sync_level(py)?;
         let ordering = match ordering {
@@ -264,6 +266,7 @@ impl Inbox {
         cfg.bell = worker.map(|w| w.bell());
         cfg.me = replica_tag(me, name)?;
         cfg.resume = resume.map(crate::cut::inbox_from_py);
+        cfg.wait_orphaned = wait_orphaned;
         let inbox = py.detach(|| CoreInbox::bind(cfg)).py()?;
         let port = inbox.local_addr().port();
         Ok(Inbox {
@@ -497,7 +500,7 @@ impl Outbox {
     #[pyo3(signature = (job, secret, me, downstream, partitioner = "forward", key = None,
                         batch_rows = 1024, connect_timeout = 10.0, queue_frames = 256,
                         name = None, evict_after_ms = None, replay_cycles = None,
-                        replay_bytes = 64 << 20))]
+                        replay_bytes = 64 << 20, hold_orphans = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -514,6 +517,7 @@ impl Outbox {
         evict_after_ms: Option<f64>,
         replay_cycles: Option<i64>,
         replay_bytes: i64,
+        hold_orphans: bool,
     ) -> PyResult<Self> {
         crate::logs::sync_level(py)?;
         let tag = replica_tag(Some(me), name)?;
@@ -591,6 +595,7 @@ impl Outbox {
             let mut outbox = CoreOutbox::new(partitioner, links, cfg)?;
             outbox.evicting(eviction);
             outbox.keep_replay(window);
+            outbox.hold_orphans(hold_orphans);
             Ok(match tag {
                 Some(t) => outbox.tagged(t),
                 None => outbox,

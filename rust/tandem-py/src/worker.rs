@@ -34,8 +34,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// * `"end"`: every input of `slot` ended: finish it and send its end markers;
 /// * `"failed"`: `slot` stopped with `error` (an exception instance, e.g.
 ///   `tandem.DeterminismError` or `ChannelClosed`);
-/// * `"cut"`: `slot` is at the heartbeat-cycle boundary `Worker.request_cut` asked for:
-///   take its operator's state now; `cut` is the rest (None: it cannot be cut).
+/// * `"cut"`: `slot` is at the heartbeat-cycle boundary `Worker.request_cut` asked for
+///   (`at`: the epoch `Worker.request_cut_at` asked for; None for `request_cut`): take its
+///   operator's state now; `cut` is the rest (None: it cannot be cut, or — `at` — it was
+///   asked too late).
 #[pyclass(frozen, module = "tandem._core")]
 pub struct WorkItem {
     #[pyo3(get)]
@@ -55,6 +57,9 @@ pub struct WorkItem {
     /// `"cut"`: the slot's cut (a tuple, see `Worker.request_cut`), or None.
     #[pyo3(get)]
     cut: Option<Py<PyAny>>,
+    /// `"cut"` asked by `Worker.request_cut_at`: the epoch it was asked at (None otherwise).
+    #[pyo3(get)]
+    at: Option<u64>,
 }
 
 #[pymethods]
@@ -87,6 +92,7 @@ fn item(py: Python<'_>, cache: &SchemaCache, work: Work) -> PyResult<WorkItem> {
         batch: None,
         error: None,
         cut: None,
+        at: None,
     };
     Ok(match work {
         Work::Data {
@@ -109,8 +115,9 @@ fn item(py: Python<'_>, cache: &SchemaCache, work: Work) -> PyResult<WorkItem> {
             error: Some(crate::errors::to_py(error).into_value(py).into_any()),
             ..base("failed", slot)
         },
-        Work::Cut { slot, cut } => WorkItem {
+        Work::Cut { slot, cut, at } => WorkItem {
             epoch: cut.as_ref().map(|c| c.epoch),
+            at,
             cut: match cut {
                 Some(c) => Some(
                     crate::cut::slot_to_py(c)
@@ -227,6 +234,15 @@ impl Worker {
     /// (`Inbox(resume=cut[2])`, `add_task(resume=cut)`), or None if the slot cannot be cut.
     fn request_cut(&self, py: Python<'_>, slot: usize) -> PyResult<()> {
         self.with(py, move |w| w.request_cut(slot))
+    }
+
+    /// Take an aligned cut of `slot` right after it forwards heartbeat `epoch` (a checkpoint
+    /// at the same epoch on every slot): `next()` hands out a `"cut"` item with
+    /// `at=epoch`, its `cut` taken after the last heartbeat forwarded together with `epoch`
+    /// (nothing comes between them), or None if the slot already forwarded `epoch` or
+    /// finished. A newer request replaces one not yet taken.
+    fn request_cut_at(&self, py: Python<'_>, slot: usize, epoch: u64) -> PyResult<()> {
+        self.with(py, move |w| w.request_cut_at(slot, epoch))
     }
 
     /// A source slot may send its heartbeats through `epoch`, each when due.
