@@ -30,7 +30,14 @@ import pyarrow as pa
 import pytest
 
 from tandem import _core
-from tandem.testing import Data, End, Heartbeat, ReferenceDedup, ReferenceLiveRobin
+from tandem.testing import (
+    Data,
+    End,
+    Heartbeat,
+    ReferenceDedup,
+    ReferenceLiveRobin,
+    bulk_batches,
+)
 
 BATCH_ROWS = 1024
 DEDUP_BATCHES = 1000
@@ -146,20 +153,6 @@ def lr_expected(lr_python_input):
     return ReferenceLiveRobin(LR_CHANNELS).run(lr_python_input)
 
 
-def _as_reference(deliveries, rows) -> list[tuple]:
-    """``drain_many``'s output in the shape of ``ReferenceLiveRobin.run``'s."""
-    flat = rows.column("seq").to_pylist()
-    out, at = [], 0
-    for d in deliveries:
-        if d[0] == "data":
-            out.append(("data", d[1], d[2], flat[at : at + d[3]]))
-            at += d[3]
-        else:
-            out.append(tuple(d))
-    assert at == len(flat)
-    return out
-
-
 @pytest.mark.benchmark(group="liverobin")
 def test_liverobin_rust(benchmark, lr_rust_input, lr_expected):
     def run():
@@ -170,7 +163,8 @@ def test_liverobin_rust(benchmark, lr_rust_input, lr_expected):
 
     deliveries, rows = benchmark(run)
     assert rows.num_rows == LR_ROWS
-    assert _as_reference(deliveries, rows) == lr_expected, "Rust and the reference disagree"
+    merged = bulk_batches((deliveries, rows))  # in the shape ReferenceLiveRobin.run returns
+    assert merged == lr_expected, "Rust and the reference disagree"
     benchmark.extra_info["rows"] = rows.num_rows
 
 

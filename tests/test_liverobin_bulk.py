@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import tandem
 from tandem import _core
-from tandem.testing import Data, End, Heartbeat, ReferenceLiveRobin
+from tandem.testing import Data, End, Heartbeat, ReferenceLiveRobin, batches, bulk_batches
 
 SCHEMA = pa.schema([("seq", pa.int64())])
 
@@ -83,29 +83,6 @@ def push_one_by_one(merge, c: int, elems) -> None:
             merge.push_end(c, seq)
 
 
-def values(deliveries) -> list[tuple]:
-    """``drain()`` deliveries as ``("data", channel, first_seq, values)`` per batch."""
-    return [
-        ("data", d[1], d[2], d[3].column("seq").to_pylist()) if d[0] == "data" else tuple(d)
-        for d in deliveries
-    ]
-
-
-def many_values(drained) -> list[tuple]:
-    """``drain_many()``'s ``(deliveries, rows)`` in the shape of :func:`values`."""
-    deliveries, rows = drained
-    flat = [] if rows is None else rows.column("seq").to_pylist()
-    out, at = [], 0
-    for d in deliveries:
-        if d[0] == "data":
-            out.append(("data", d[1], d[2], flat[at : at + d[3]]))
-            at += d[3]
-        else:
-            out.append(tuple(d))
-    assert at == len(flat), "every row of the record batch belongs to a delivery"
-    return out
-
-
 def run(merge_factory, chans, pushes, seed: int, bulk: bool) -> list[tuple]:
     """Push ``pushes`` (``(channel, elements)`` pieces, in order), draining at random."""
     rng = random.Random(seed)
@@ -117,9 +94,9 @@ def run(merge_factory, chans, pushes, seed: int, bulk: bool) -> list[tuple]:
         else:
             push_one_by_one(merge, c, piece)
         if rng.random() < 0.4 and got[-1:] != [("end",)]:
-            got.extend(many_values(merge.drain_many()) if bulk else values(merge.drain()))
+            got.extend(bulk_batches(merge.drain_many()) if bulk else batches(merge.drain()))
     if got[-1:] != [("end",)]:
-        got.extend(many_values(merge.drain_many()) if bulk else values(merge.drain()))
+        got.extend(bulk_batches(merge.drain_many()) if bulk else batches(merge.drain()))
     return got
 
 

@@ -77,6 +77,7 @@ __all__ = [
     "ReferenceLiveRobin",
     "ReferenceOrderLog",
     "batches",
+    "bulk_batches",
     "channel_content",
     "cut_batches",
     "decode_order",
@@ -482,6 +483,24 @@ def batches(deliveries: Iterable[tuple[Any, ...]], column: str = "seq") -> list[
             out.append(("data", c, first_seq, _values(payload, column)))
         else:
             out.append(tuple(d))
+    return out
+
+
+def bulk_batches(drained: tuple[list, Any], column: str = "seq") -> list[tuple[Any, ...]]:
+    """``drain_many()``'s ``(deliveries, rows)`` — each data delivery says how many of the
+    record batch's rows are its own, in order — in the shape :func:`batches` returns."""
+    deliveries, rows = drained
+    flat = [] if rows is None else rows.column(column).to_pylist()
+    out: list[tuple[Any, ...]] = []
+    at = 0
+    for d in deliveries:
+        if d[0] == "data":
+            out.append(("data", d[1], d[2], flat[at : at + d[3]]))
+            at += d[3]
+        else:
+            out.append(tuple(d))
+    if at != len(flat):
+        raise ValueError(f"the deliveries take {at} rows of the record batch's {len(flat)}")
     return out
 
 

@@ -198,13 +198,7 @@ mod tests {
     use crate::liverobin::LiveRobin;
 
     fn data(first_seq: u64, len: usize) -> Item<Rows> {
-        Item::Data {
-            first_seq,
-            payload: Rows {
-                start: first_seq,
-                len,
-            },
-        }
+        Item::rows(first_seq, len)
     }
 
     #[test]

@@ -56,6 +56,20 @@ pub enum Item<P> {
     End { seq: u64 },
 }
 
+impl Item<Rows> {
+    /// A data element of `len` rows numbered from `first_seq` (for tests and benchmarks of
+    /// the pure algorithms).
+    pub fn rows(first_seq: u64, len: usize) -> Self {
+        Item::Data {
+            first_seq,
+            payload: Rows {
+                start: first_seq,
+                len,
+            },
+        }
+    }
+}
+
 impl<P: Chunk> Item<P> {
     /// First sequence number this element covers.
     pub fn first_seq(&self) -> u64 {

@@ -281,13 +281,7 @@ mod tests {
     use crate::item::Rows;
 
     fn data(first_seq: u64, len: usize) -> Item<Rows> {
-        Item::Data {
-            first_seq,
-            payload: Rows {
-                start: first_seq,
-                len,
-            },
-        }
+        Item::rows(first_seq, len)
     }
 
     fn inputs(channels: Vec<Vec<Item<Rows>>>) -> Vec<VecDeque<Item<Rows>>> {
