@@ -17,7 +17,6 @@ having fenced off must be one the independent reading calls stale.
 from __future__ import annotations
 
 import itertools
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -292,15 +291,9 @@ def test_multi_input_tasks_agree_and_match_the_order_they_followed(
     assert res.leaders["count[0]"], "the union task ran an election"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("down", ["zookeeper", "kafka"])
 def test_an_unreachable_service_fails_fast_naming_it(zookeeper, kafka, down):
-    port = _free_port()
+    port = testing.free_port()
     config = KazooConfig(
         zk_hosts=f"127.0.0.1:{port}" if down == "zookeeper" else kafka.zk_hosts,
         kafka_bootstrap=f"127.0.0.1:{port}" if down == "kafka" else kafka.kafka_bootstrap,

@@ -11,9 +11,9 @@ import urllib.request
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import tandem as td
+from tandem import testing
 from tandem.cli import main
 from tandem.metrics import METRICS, Metrics
 
@@ -36,23 +36,6 @@ def pipeline(**job_options) -> td.Job:
     return job
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, dict[tuple, float]]:
-    """``{sample name: {sorted labels: value}}`` of one scrape."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
-
-
 class Scraper:
     """Scrapes ``port`` every ``every`` seconds from a thread until stopped."""
 
@@ -66,7 +49,7 @@ class Scraper:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.scrapes.append(scrape(self.port))
+                self.scrapes.append(testing.scrape_metrics(self.port))
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 self.errors += 1  # before the server is up, or after it closed
             self._stop.wait(self.every)
@@ -86,7 +69,7 @@ def key(task: str, partition: int, replica: int, **more: str) -> tuple:
 
 
 def test_a_run_serves_every_replicas_counters_and_closes_the_port():
-    port = free_port()
+    port = testing.free_port()
     job = pipeline(restore=True)
     faults = [td.Kill("count", partition=0, replica=0, at=1.5)]
     with Scraper(port) as scraper:
@@ -163,7 +146,7 @@ def test_a_run_serves_every_replicas_counters_and_closes_the_port():
 
     # The run is over: nothing listens on the port any more.
     with pytest.raises(urllib.error.URLError):
-        scrape(port)
+        testing.scrape_metrics(port)
 
 
 def test_a_taken_port_is_refused_before_anything_starts():
@@ -236,7 +219,7 @@ def test_kazoo_leaders_and_epochs_are_read_from_the_replicas():
 
 
 def test_kazoo_run_serves_the_leader_and_epoch_of_every_partition(zookeeper, kafka):
-    port = free_port()
+    port = testing.free_port()
     config = td.KazooConfig(
         zk_hosts=zookeeper.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap, session_timeout_s=0.5
     )

@@ -27,7 +27,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from kazoo.client import KazooClient, KazooState
 
-from tandem import ServiceUnavailable
+from tandem import ServiceUnavailable, testing
 from tandem._services import Services, ensure_running, find_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,13 +42,6 @@ def _wait_until(condition: Callable[[], bool], timeout: float, what: str) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.01)
-
-
-def _free_port() -> int:
-    """A loopback port nobody listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _unique(prefix: str) -> str:
@@ -341,7 +334,7 @@ def test_producer_delivers_after_a_kafka_restart(kafka):
 
 @pytest.mark.parametrize("service", ["zookeeper", "kafka"])
 def test_unreachable_service_raises_service_unavailable_quickly(service):
-    port = _free_port()
+    port = testing.free_port()
     began = time.monotonic()
     with pytest.raises(ServiceUnavailable) as raised:
         ensure_running(
@@ -416,7 +409,7 @@ def test_script_stop_never_signals_a_process_it_did_not_start(tmp_path):
 
 
 def test_script_status_reports_down_with_exit_code_3(tmp_path):
-    port = _free_port()
+    port = testing.free_port()
     done = _script(tmp_path, "status", "all", TANDEM_ZK_PORT=str(port))
     assert done.returncode == 3, done
     assert done.stdout.splitlines()[0] == f"zookeeper down 127.0.0.1:{port}"
@@ -525,7 +518,7 @@ def test_a_wrong_script_override_is_reported(monkeypatch, tmp_path):
 def test_start_failure_raises_service_unavailable_with_the_scripts_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_SERVICES_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("TANDEM_JAVA", str(tmp_path / "no-java"))
-    port = _free_port()
+    port = testing.free_port()
     services = Services(zookeeper=True, kafka=False, zk_port=port)
     with pytest.raises(ServiceUnavailable) as raised:
         services.start()

@@ -289,24 +289,18 @@ def _tandem_run(tmp_path: Path, script: str, *flags: str) -> subprocess.Popen:
 
 def _scrape(port: int) -> dict[str, float]:
     """The samples of a Prometheus endpoint, summed by metric name and ``task`` label."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
     sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = f"{sample.name}[{sample.labels.get('task', '')}]"
-            sums[key] = sums.get(key, 0.0) + sample.value
+    for name, samples in testing.scrape_metrics(port).items():
+        for labels, value in samples.items():
+            key = f"{name}[{dict(labels).get('task', '')}]"
+            sums[key] = sums.get(key, 0.0) + value
     return sums
 
 
 def test_tandem_run_stops_cleanly_on_sigterm_and_serves_metrics_meanwhile(tmp_path):
     out = tmp_path / "out"
     report = tmp_path / "r.json"
-    port = _free_port()
+    port = testing.free_port()
     proc = _tandem_run(
         tmp_path,
         SCRIPT.format(out=str(out)),
@@ -353,14 +347,6 @@ def test_tandem_run_stops_cleanly_on_sigterm_and_serves_metrics_meanwhile(tmp_pa
     assert_every_row_once(rows.column("source_seq").to_pylist(), n)
     assert f"the script got {n} rows" in stdout
     assert not alive(workers), "worker processes outlived tandem run"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_second_signal_kills_the_workers_at_once(tmp_path):

@@ -141,25 +141,33 @@ class Resume:
         return self.cut[0]
 
     def spilled(self, folder: str) -> Resume:
-        """This cut with its state written to a new file in ``folder``."""
+        """This cut with its state written to a new file in ``folder``, for the rebuilt
+        replica to read and remove."""
         fd, path = tempfile.mkstemp(dir=folder, suffix=".state")
+        os.close(fd)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.state)
+            return self._to_file(path, keep=False)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
-        return Resume(self.cut, b"", path)
 
     def checkpointed(self, path: str) -> Resume:
-        """This cut with its state written to ``path`` (a checkpoint's file, written whole
-        under a temporary name first, so a file that exists is complete)."""
+        """This cut with its state written to ``path``, a checkpoint's file, which stays."""
+        return self._to_file(path, keep=True)
+
+    def _to_file(self, path: str, keep: bool) -> Resume:
+        # Written whole under a temporary name first: a file that exists is complete.
         part = path + ".part"
-        with open(part, "wb") as f:
-            f.write(self.state)
-        os.replace(part, path)
-        return Resume(self.cut, b"", path, keep_file=True)
+        try:
+            with open(part, "wb") as f:
+                f.write(self.state)
+            os.replace(part, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(part)
+            raise
+        return Resume(self.cut, b"", path, keep_file=keep)
 
     def load(self) -> bytes:
         """The state: in the message, or read from its file."""
@@ -1018,22 +1026,19 @@ class Worker:
             self.on_checkpoint(rep.me, epoch, None)
 
     def _cut(self, rep: Replica, item) -> None:
-        if item.at is not None:  # a checkpoint's aligned cut
-            if self._checkpoints.get(item.slot) != item.at:
-                return  # replaced by a later checkpoint
-            del self._checkpoints[item.slot]
-            try:
-                taken = rep.cut(item.cut)
-            except Exception:
-                log.exception("%s: taking a checkpoint's cut failed", rep.name)
-                taken = None
-            self.on_checkpoint(rep.me, item.at, taken)
-            return
+        checkpoint = item.at is not None  # a checkpoint's aligned cut
+        if checkpoint and self._checkpoints.get(item.slot) != item.at:
+            return  # replaced by a later checkpoint
         try:
             taken = rep.cut(item.cut)
         except Exception:
-            log.exception("%s: taking a cut failed", rep.name)
+            what = "a checkpoint's cut" if checkpoint else "a cut"
+            log.exception("%s: taking %s failed", rep.name, what)
             taken = None
+        if checkpoint:
+            del self._checkpoints[item.slot]
+            self.on_checkpoint(rep.me, item.at, taken)
+            return
         for token in self._cuts.pop(item.slot, []):
             self.on_cut(rep.me, taken, token)
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import struct
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -83,11 +84,13 @@ __all__ = [
     "decode_order",
     "deduplicate",
     "flatten",
+    "free_port",
     "interleave",
     "noisy",
     "queue_entries",
     "read_order_topic",
     "replica_streams",
+    "scrape_metrics",
     "two_thresholds",
     "with_batch_mean",
     "with_batch_rows",
@@ -720,3 +723,27 @@ class CountRows(Sink):
 
     def combine(self, parts, schema=None):
         return sum(p for p in parts if p is not None)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape_metrics(port: int, timeout: float = 5.0) -> dict[str, dict[tuple, float]]:
+    """One scrape of the Prometheus endpoint on 127.0.0.1:``port`` (:mod:`tandem.metrics`):
+    ``{sample name: {sorted (label, value) pairs: value}}``. Raises ``OSError`` while
+    nothing serves there."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
