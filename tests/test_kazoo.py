@@ -1,13 +1,13 @@
 """KaZoo end to end, against the real ZooKeeper and Kafka `scripts/services.sh` runs.
 
 Every run's output is checked against the reference executor following the orders the
-replicas followed (read back from the order topics), so "identical to the reference" here
+replicas followed (read back from the order log), so "identical to the reference" here
 means: every row, each exactly once, with every stateful result (running counts per key)
 exactly what that consumption order gives — and both replicas of every partition agreed,
 cycle by cycle (digests).
 
-The engine reads the order topics back through the Rust ``OrderLog`` fence the replicas
-run. Here every run's order topics are also read independently — a plain
+The engine reads the order log back through the Rust ``OrderLog`` fence the replicas
+run. Here every run's order log is also read independently — a plain
 ``confluent_kafka`` consumer, the frames decoded and the fencing rule applied in Python
 as DESIGN §2.3 states it (:class:`tandem.testing.ReferenceOrderLog`) — and the reference
 follows *that* reading: the two readings must agree, and every order a replica reports
@@ -58,33 +58,42 @@ def kazoo_job(
 
 @dataclass
 class OrderReading:
-    """A run's order topics, read twice: ``rust`` through the engine's
-    ``kazoo.read_orders`` (the Rust fence), ``logs`` / ``orders`` independently (by
-    ``(task, partition)``: the Python fence after it took every message, the decoded
-    messages in log order)."""
+    """A run's order log, read twice: ``rust`` through the engine's
+    ``kazoo.read_orders`` (the Rust fence), ``logs`` / ``orders`` / ``offsets``
+    independently (by ``(task, partition)``: the Python fence after it took every order,
+    the decoded orders in log order, the offset of the message each came in)."""
 
     rust: dict[tuple[int, int], list[tuple[int, int]]]
     logs: dict[tuple[int, int], testing.ReferenceOrderLog]
     orders: dict[tuple[int, int], list[testing.Order]]
+    offsets: dict[tuple[int, int], list[int]]
+
+    def at(self, tp: tuple[int, int], offset: int) -> int:
+        """The index in ``orders[tp]`` of the order of ``tp`` the message at ``offset``
+        holds (the tests publish one order of a partition per message at most)."""
+        return self.offsets[tp].index(offset)
 
 
 @pytest.fixture(autouse=True)
 def order_readings(monkeypatch) -> list[OrderReading]:
-    """Every run's order topics, read both ways when the engine checks the run (the topics
-    are deleted after that); the reference executor follows the independent reading."""
+    """Every run's order log, read both ways when the engine checks the run (the log is
+    deleted after that); the reference executor follows the independent reading."""
     readings: list[OrderReading] = []
     rust_reading = kazoo.read_orders
 
     def read_both(run: kazoo.KazooRun, channels, timeout: float = 30.0):
         rust = rust_reading(run, channels, timeout)
-        logs, orders = {}, {}
-        for tp in run.partitions:
-            msgs = testing.read_order_topic(run.config.kafka_bootstrap, run.topic(*tp), timeout)
-            orders[tp] = [testing.decode_order(m) for m in msgs]
-            logs[tp] = testing.ReferenceOrderLog(channels[tp])
-            for order in orders[tp]:
+        logs = {tp: testing.ReferenceOrderLog(channels[tp]) for tp in run.partitions}
+        orders: dict[tuple[int, int], list[testing.Order]] = {tp: [] for tp in run.partitions}
+        offsets: dict[tuple[int, int], list[int]] = {tp: [] for tp in run.partitions}
+        msgs = testing.read_order_topic(run.config.kafka_bootstrap, run.topic, timeout)
+        for offset, msg in enumerate(msgs):  # a run's order log starts at offset 0
+            for slot, order in testing.split_orders(msg):
+                tp = run.partitions[slot]
+                orders[tp].append(order)
+                offsets[tp].append(offset)
                 logs[tp].offer(order)
-        readings.append(OrderReading(rust, logs, orders))
+        readings.append(OrderReading(rust, logs, orders, offsets))
         return {tp: list(log.followed) for tp, log in logs.items()}
 
     monkeypatch.setattr(kazoo, "read_orders", read_both)
@@ -113,8 +122,9 @@ def assert_masked(res: td.Result, readings: list[OrderReading]) -> OrderReading:
         assert log.followed, f"{tp}: no order was followed"
         assert log.followed == reading.rust[tp], f"{tp}: the two readings of the log differ"
     for t, p, r, offset in fenced(res):
-        order = reading.orders[(t, p)][offset]
-        assert reading.logs[(t, p)].verdicts[offset] == "stale", (t, p, r, offset, order)
+        k = reading.at((t, p), offset)
+        order = reading.orders[(t, p)][k]
+        assert reading.logs[(t, p)].verdicts[k] == "stale", (t, p, r, offset, order)
     return reading
 
 
@@ -162,7 +172,7 @@ def test_killing_the_leader_then_a_follower_is_masked(zookeeper, kafka, order_re
 
 
 def publish_as_deposed_leader(runs: list, task: int, partition: int, out: dict) -> None:
-    """Follow the order topic of ``(task, partition)`` of the run ``kazoo.prepare`` put in
+    """Follow the orders of ``(task, partition)`` of the run ``kazoo.prepare`` put in
     ``runs``; as soon as a second leader has published, publish one more order of the
     first leader's epoch — what that leader sends if it wakes and wins the race against
     its lost session — and record its offset and content in ``out``."""
@@ -172,7 +182,8 @@ def publish_as_deposed_leader(runs: list, task: int, partition: int, out: dict) 
     while not runs and time.monotonic() < deadline:
         time.sleep(0.01)
     (run,) = runs
-    bootstrap, topic = run.config.kafka_bootstrap, run.topic(task, partition)
+    bootstrap, topic = run.config.kafka_bootstrap, run.topic
+    slot = run.slot(task, partition)
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"deposed-{run.run}"})
     consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
     try:
@@ -181,9 +192,12 @@ def publish_as_deposed_leader(runs: list, task: int, partition: int, out: dict) 
             msg = consumer.poll(0.05)
             if msg is None or msg.error() is not None:
                 continue
-            order = testing.decode_order(msg.value())
+            mine = [o for s, o in testing.split_orders(msg.value()) if s == slot]
+            if not mine:
+                continue
+            order = mine[0]
             if first is None or order.epoch == first.epoch:
-                first = order
+                first = mine[-1]
                 continue
             # The successor leads. The deposed leader's next order, channel by channel one
             # seq past where its successor's first order runs them.
@@ -193,7 +207,7 @@ def publish_as_deposed_leader(runs: list, task: int, partition: int, out: dict) 
             producer = Producer({"bootstrap.servers": bootstrap, "acks": "all"})
             producer.produce(
                 topic,
-                _core.encode_order_frame(partition, stale.epoch, stale.version, stale.entries),
+                _core.encode_order_frame(slot, stale.epoch, stale.version, stale.entries),
                 on_delivery=lambda err, m: out.update(error=err, offset=m.offset()),
             )
             producer.flush(10)
@@ -242,16 +256,17 @@ def test_a_frozen_leader_is_replaced_and_fenced_off_when_it_wakes(
 
     assert injected.get("order") and injected["error"] is None, injected
     orders, log = reading.orders[(count, 1)], reading.logs[(count, 1)]
-    assert orders[injected["offset"]] == injected["order"]
+    assert orders[reading.at((count, 1), injected["offset"])] == injected["order"]
     stale = [k for k, verdict in enumerate(log.verdicts) if verdict == "stale"]
-    assert injected["offset"] in stale
+    assert reading.at((count, 1), injected["offset"]) in stale
     for k in stale:
         # The frozen leader's epoch, after an order of its successor's higher epoch.
         assert orders[k].epoch == terms[0]["epoch"], (k, orders[k], terms)
         assert max(o.epoch for o in orders[:k]) > orders[k].epoch, (k, orders[: k + 1])
     # Ignored by both replicas, the woken one included (it follows the log too).
+    offsets = reading.offsets[(count, 1)]
     assert {(r, k) for t, p, r, k in fenced(res) if (t, p) == (count, 1)} == {
-        (r, k) for r in (0, 1) for k in stale
+        (r, offsets[k]) for r in (0, 1) for k in stale
     }, res.kazoo_sessions
 
 
@@ -322,6 +337,9 @@ def test_roles_need_a_partition_with_a_leader():
         td.Job("x", ordering="liverobin", kazoo=KazooConfig())
     with pytest.raises(td.ConfigError, match="session_timeout_s"):
         KazooConfig(session_timeout_s=0.1)
+    for pace in (-1, 1001, "2", True):
+        with pytest.raises(td.ConfigError, match="pace_ms"):
+            KazooConfig(pace_ms=pace)
 
 
 def test_order_log_fences_stale_epochs_and_ignores_replays():
@@ -395,8 +413,9 @@ def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
     (task, partition), *_ = plan.ordered_partitions()
     run = kazoo.prepare(plan)
     upstreams = [(c.task, c.partition) for c in plan.input_channels(task, partition)]
-    inboxes = [_core.Inbox("kz", b"s", upstreams, ordering="kazoo") for _ in range(2)]
-    sessions = [kazoo.KazooSession(run, name=f"worker{r}") for r in range(2)]
+    workers = [_core.Worker() for _ in range(2)]
+    inboxes = [_core.Inbox("kz", b"s", upstreams, ordering="kazoo", worker=w) for w in workers]
+    sessions = [kazoo.KazooSession(run, w, name=f"worker{r}") for r, w in enumerate(workers)]
     orderers = [
         kazoo.Orderer(session, task, partition, r, inbox.order_feed())
         for r, (session, inbox) in enumerate(zip(sessions, inboxes, strict=True))

@@ -331,6 +331,51 @@ class OrderFeed:
         """Sleep (GIL released) until input arrives or an order is followed after
         ``generation`` was read, or ``timeout`` seconds pass. True if woken."""
 
+class OrderPublisher:
+    """Publishes the orders of every KaZoo partition one worker leads, from one thread, one
+    message in flight: ``next`` returns the orders due across all of them at once, once
+    the last message was followed (``OrderRouter.offer``), so they go to the log together.
+    Each leadership counts an order as delivered once its replica has followed it; what
+    arrives meanwhile goes into the next one. ``batch``: at most this many entries per
+    order; ``resend_after``: an order not followed after this many seconds is published
+    again from the log; ``pace``: at least this many seconds between two messages.
+    Created with the ``Worker`` whose inboxes (``Inbox(..., worker=w)``) it serves."""
+
+    def __init__(
+        self, worker: Worker, batch: int = 1000, resend_after: float = 5.0, pace: float = 0.0
+    ) -> None: ...
+    def lead(self, slot: int, feed: OrderFeed, epoch: int) -> None:
+        """Lead the partition numbered ``slot`` in the run (its orders' frame header
+        channel) with ``epoch`` through ``feed``, from what its log covers now (read the
+        log to its end first). ``ConfigError`` if the feed's inbox belongs to another
+        worker."""
+    def resign(self, slot: int) -> tuple[int, int] | None:
+        """Stop publishing for ``slot``: ``(orders published, orders given up on)`` of
+        that leadership, or None if it did not lead."""
+    def lost(self, slot: int) -> None:
+        """The last order for ``slot`` was not delivered: publish again from the log at
+        the next step (safe from any thread, also while ``next`` sleeps)."""
+    def next(self, timeout: float) -> list[tuple[int, bytes]]:
+        """Sleep (GIL released) until orders are due; return them all as ``(slot,
+        order)``, or ``[]`` after ``timeout`` seconds. One thread at a time."""
+
+class OrderRouter:
+    """Hands each order of an order log message to its partition's feeds in this worker,
+    and tells ``publisher`` a message was followed."""
+
+    def __init__(self, publisher: OrderPublisher) -> None: ...
+    def add(self, slot: int, feed: OrderFeed) -> None:
+        """Route the orders for ``slot`` to ``feed`` (a replica of it in this worker)."""
+    def offer(self, message: bytes) -> list[tuple[int, str, int, int, int]]:
+        """Offer one message, in log order (orders for slots with no feed are skipped);
+        returns what was not followed, as ``(slot, "stale" | "replayed", epoch, version,
+        current epoch)``. ``ProtocolError`` for a message that is not whole Order frames,
+        ``ConfigError`` for an order naming a channel its task does not have."""
+
+def order_frames(message: bytes) -> list[tuple[int, bytes]]:
+    """The Order frames of one order log message as ``(slot, frame)``; ``ProtocolError``
+    unless it is a non-empty sequence of whole Order frames."""
+
 class Outbox:
     """The output of one task partition replica.
 

@@ -69,7 +69,7 @@ class Result:
     ZooKeeper session's ``name``, how often it was ``suspended`` or ``expired``, and the
     deposed leaders' orders its replicas ``fenced`` off (one record each: ``task`` id,
     ``partition``, ``replica``, the order's ``epoch`` and ``version``, the ``current``
-    epoch, its ``offset`` in the order topic).
+    epoch, its ``offset`` in the order log).
 
     What the run cost the machine (engines that measure it, the local engine; None
     otherwise; not in JSON — ``tandem bench cost`` reports them): ``processes``, the OS

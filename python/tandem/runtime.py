@@ -769,7 +769,7 @@ class Worker:
         # One ZooKeeper session and one Kafka producer/consumer for every ordered partition
         # the worker hosts.
         self.kazoo = (
-            KazooSession(kazoo, name="w{}.{}.{}-pid{}".format(*rids[0], os.getpid()))
+            KazooSession(kazoo, self.core, name="w{}.{}.{}-pid{}".format(*rids[0], os.getpid()))
             if any((t, p) in ordered for t, p, _ in rids)
             else None
         )

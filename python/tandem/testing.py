@@ -35,7 +35,7 @@ Typical use::
     # a tandem._core.LiveRobin fed the same channels: batches(lr.drain()) == expected
 
 KaZoo order log
-    :func:`decode_order` reads one message of an order topic (an Order frame) with
+    :func:`decode_order` reads one Order frame of the order log with
     ``struct``; :class:`ReferenceOrderLog` applies DESIGN §2.3's rule to a log of them
     (stale epochs fenced off, replays ignored); :func:`read_order_topic` reads a topic with
     a plain ``confluent_kafka`` consumer. Together, an independent reading of what the
@@ -545,7 +545,7 @@ class Order:
 
 
 def decode_order(frame: bytes) -> Order:
-    """The order one message of an order topic holds: an Order frame, header then
+    """The order one Order frame holds, header then
     ``epoch u64 | version u64 | count x (channel u32 | up_to_seq u64)``. Raises
     ``ValueError`` for bytes that are not exactly one Order frame."""
     if len(frame) < ORDER_FRAME.size + 16:
@@ -561,6 +561,28 @@ def decode_order(frame: bytes) -> Order:
         ORDER_ENTRY.unpack_from(frame, start + i * ORDER_ENTRY.size) for i in range(count)
     )
     return Order(epoch, version, entries)
+
+
+def split_orders(message: bytes) -> list[tuple[int, Order]]:
+    """The orders one message of a run's order log holds, as ``(slot, order)``: whole
+    Order frames back to back, each header's channel naming the partition's slot. Raises
+    ``ValueError`` for anything else."""
+    out, at = [], 0
+    while at < len(message):
+        if len(message) - at < ORDER_FRAME.size:
+            raise ValueError(f"{len(message) - at} bytes at {at} are no frame header")
+        slot, body_len = (
+            ORDER_FRAME.unpack_from(message, at)[4],
+            ORDER_FRAME.unpack_from(message, at)[7],
+        )
+        end = at + ORDER_FRAME.size + body_len
+        if end > len(message):
+            raise ValueError(f"the frame at {at} runs past the message's end")
+        out.append((slot, decode_order(message[at:end])))
+        at = end
+    if not out:
+        raise ValueError("an empty order log message")
+    return out
 
 
 @dataclass

@@ -100,7 +100,7 @@ def assemble_result(
     ``faults`` the faults injected (dicts); ``lost_replicas`` the replicas that died, each
     with its cause (``"killed"``, ``"crashed"``); ``warmup`` seconds of output are left out
     of the latency figures; ``check`` compares the output with the reference executor —
-    under KaZoo (``kazoo``: the run's order topics) following the orders the replicas
+    under KaZoo (``kazoo``: the run's order log) following the orders the replicas
     followed, read back from the topics.
     """
     res = Result(t0_ns=t0_ns, faults=faults, rss_mb=rss_mb or {}, duration_s=duration)

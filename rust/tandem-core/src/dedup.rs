@@ -64,6 +64,8 @@ struct Shared<P> {
     queue: ArrayQueue<Item<P>>,
     consumer_bell: Arc<Doorbell>,
     producer_bell: Doorbell,
+    /// Rung with the consumer bell when something is accepted (see [`channel_watched`]).
+    arrival_bell: Option<Arc<Doorbell>>,
 }
 
 /// The producing side of one logical channel, shared by the I/O threads of every upstream
@@ -109,6 +111,18 @@ pub fn channel_from<P: Chunk + Send>(
     capacity: usize,
     consumer_bell: Arc<Doorbell>,
 ) -> (DedupSender<P>, DedupReceiver<P>) {
+    channel_watched(start, capacity, consumer_bell, None)
+}
+
+/// [`channel_from`] whose accepted elements also ring `arrival_bell`: a bell of a few
+/// channels only, for a thread that waits for *their* arrivals while the consumer bell is
+/// shared by every channel of a worker (the KaZoo leader of one task partition).
+pub fn channel_watched<P: Chunk + Send>(
+    start: u64,
+    capacity: usize,
+    consumer_bell: Arc<Doorbell>,
+    arrival_bell: Option<Arc<Doorbell>>,
+) -> (DedupSender<P>, DedupReceiver<P>) {
     let capacity = capacity.max(1);
     let shared = Arc::new(Shared {
         next: AtomicU64::new(start),
@@ -116,6 +130,7 @@ pub fn channel_from<P: Chunk + Send>(
         queue: ArrayQueue::new(capacity),
         consumer_bell,
         producer_bell: Doorbell::new(),
+        arrival_bell,
     });
     (
         DedupSender {
@@ -195,6 +210,9 @@ impl<P: Chunk> DedupSender<P> {
         }
         shared.consumer_bell.ring();
         shared.producer_bell.ring();
+        if let Some(bell) = &shared.arrival_bell {
+            bell.ring();
+        }
         Offer::Accepted {
             trimmed_rows: trimmed,
         }

@@ -20,8 +20,17 @@
 //!
 //! The log also remembers, per channel, the furthest position any followed order reached
 //! ([`OrderLog::ordered`]): a new leader reads the log to its end and continues from there.
+//!
+//! A [`Leader`] decides what the leader of one epoch publishes: per channel, what has
+//! arrived beyond what it published and what the log covers, channels taken round-robin.
+//! It keeps one order in flight, and an order counts as delivered once the leader's own
+//! replica has *followed* it from the log — the point where every replica can act on it —
+//! so what arrives meanwhile goes into the next order: orders grow with the load, an idle
+//! stream waits for nothing, and the log and its readers see one message per round trip
+//! rather than one per arrival.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, ProtocolError, Result};
 use crate::wire::{self, Frame, OrderEntry};
@@ -157,6 +166,207 @@ impl OrderLog {
     }
 }
 
+/// One Order frame of an order log message (see [`split_message`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrderPart {
+    /// The frame header's channel: which ordered task partition of the run the order is
+    /// for (the run numbers them; one log serves every ordered partition of a run).
+    pub slot: u32,
+    pub epoch: u64,
+    pub version: u64,
+    pub entries: Vec<OrderEntry>,
+    /// Where the frame lies in the message.
+    pub bytes: std::ops::Range<usize>,
+}
+
+/// The Order frames one message of the order log holds, in order: a leader's worker
+/// publishes the orders of every partition it leads that are due at once in one message.
+/// Anything but a non-empty sequence of whole Order frames is an error.
+pub fn split_message(message: &[u8]) -> Result<Vec<OrderPart>> {
+    let mut parts = Vec::new();
+    let mut at = 0;
+    while at < message.len() {
+        let (frame, used) = wire::decode_frame(&message[at..], wire::DEFAULT_MAX_FRAME_BYTES)?;
+        match frame {
+            Frame::Order {
+                channel,
+                epoch,
+                version,
+                entries,
+            } => parts.push(OrderPart {
+                slot: channel,
+                epoch,
+                version,
+                entries,
+                bytes: at..at + used,
+            }),
+            other => {
+                return Err(ProtocolError::Inconsistent(format!(
+                    "an order log message holds Order frames only, got a {} frame at byte {at}",
+                    kind_name(&other)
+                ))
+                .into())
+            }
+        }
+        at += used;
+    }
+    if parts.is_empty() {
+        return Err(ProtocolError::Inconsistent("an empty order log message".to_owned()).into());
+    }
+    Ok(parts)
+}
+
+/// The publishing side of one leadership (one epoch) of a task partition; see the module
+/// documentation. [`Leader::next`] is a pure step — what arrived, what the log says, the
+/// clock — so the decision is testable without a log or a thread
+/// ([`crate::transport::OrderFeed::next_order`] drives it from a replica's inbox).
+#[derive(Debug, Clone)]
+pub struct Leader {
+    epoch: u64,
+    /// The header `channel` of the Order frames: the task partition, for readers of the log.
+    partition: u32,
+    /// At most this many entries per order.
+    batch: usize,
+    /// Per channel, how far this leader's orders reach.
+    published: Vec<u64>,
+    /// Version of the last order handed out (versions start at 1 in every epoch).
+    version: u64,
+    /// The channel the next order's entries start with (round-robin, so no channel is
+    /// always last in a batch that is split).
+    cursor: usize,
+    /// Orders decided but not handed out yet (the rest of a split batch).
+    queued: VecDeque<Vec<u8>>,
+    /// The version the leader waits to see followed, and when it was handed out.
+    in_flight: Option<(u64, Instant)>,
+    /// An order not followed after this long is taken as lost: the leader publishes again
+    /// from what the log holds (harmless: orders are positional, a replay is ignored).
+    resend_after: Duration,
+    published_orders: u64,
+    resent: u64,
+}
+
+impl Leader {
+    /// The leader of `epoch` over `channels` input channels, continuing from `ordered`
+    /// (the log read to its end).
+    pub fn new(
+        epoch: u64,
+        partition: u32,
+        batch: usize,
+        ordered: &[u64],
+        resend_after: Duration,
+    ) -> Self {
+        Self {
+            epoch,
+            partition,
+            batch: batch.max(1),
+            published: ordered.to_vec(),
+            version: 0,
+            cursor: 0,
+            queued: VecDeque::new(),
+            in_flight: None,
+            resend_after,
+            published_orders: 0,
+            resent: 0,
+        }
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Orders handed out, and how many times an order in flight was given up on.
+    pub fn counts(&self) -> (u64, u64) {
+        (self.published_orders, self.resent)
+    }
+
+    /// Whether the last order handed out is still on its way: not yet followed in `log`
+    /// (this replica's log) and handed out less than `patience` ago.
+    pub fn awaiting(&self, log: OrderLogStats, now: Instant, patience: Duration) -> bool {
+        self.queued.is_empty()
+            && self.in_flight.is_some_and(|(version, since)| {
+                !(log.epoch == Some(self.epoch) && log.version >= version)
+                    && now.duration_since(since) < patience
+            })
+    }
+
+    /// The last order handed out was not delivered: forget it, and order again from what
+    /// the log holds at the next step.
+    pub fn lost(&mut self) {
+        self.in_flight = None;
+        self.queued.clear();
+        self.published.clear(); // `decide` starts again from the log's positions
+    }
+
+    /// The next order to publish, if one is due: none while the last one handed out is
+    /// neither followed (`log`: the stats of this replica's log, `ordered` its positions)
+    /// nor overdue, or while nothing arrived (`arrived`, per channel) beyond what is
+    /// published or ordered.
+    pub fn next(
+        &mut self,
+        arrived: &[u64],
+        ordered: &[u64],
+        log: OrderLogStats,
+        now: Instant,
+    ) -> Option<Vec<u8>> {
+        if let Some(order) = self.queued.pop_front() {
+            // The rest of a split batch goes out at once, as its first part did.
+            return Some(self.hand_out(order, now));
+        }
+        if let Some((version, since)) = self.in_flight {
+            let followed = log.epoch == Some(self.epoch) && log.version >= version;
+            if followed {
+                self.in_flight = None;
+            } else if now.duration_since(since) >= self.resend_after {
+                self.resent += 1;
+                self.lost();
+            } else {
+                return None;
+            }
+        }
+        self.decide(arrived, ordered);
+        let order = self.queued.pop_front()?;
+        Some(self.hand_out(order, now))
+    }
+
+    fn hand_out(&mut self, order: Vec<u8>, now: Instant) -> Vec<u8> {
+        self.in_flight = Some((self.version - self.queued.len() as u64, now));
+        self.published_orders += 1;
+        order
+    }
+
+    fn decide(&mut self, arrived: &[u64], ordered: &[u64]) {
+        let n = arrived.len().min(ordered.len());
+        if self.published.len() != n {
+            self.published = ordered[..n].to_vec();
+        }
+        let mut entries = Vec::new();
+        for i in 0..n {
+            let c = (self.cursor + i) % n;
+            let bound = self.published[c].max(ordered[c]);
+            if arrived[c] > bound {
+                entries.push(OrderEntry {
+                    channel: c as u32,
+                    up_to_seq: arrived[c],
+                });
+                self.published[c] = arrived[c];
+            }
+        }
+        if entries.is_empty() {
+            return;
+        }
+        self.cursor = (self.cursor + 1) % n;
+        for chunk in entries.chunks(self.batch) {
+            self.version += 1;
+            self.queued.push_back(wire::encode_order(
+                self.partition,
+                self.epoch,
+                self.version,
+                chunk,
+            ));
+        }
+    }
+}
+
 fn kind_name(frame: &Frame) -> &'static str {
     match frame {
         Frame::Data { .. } => "data",
@@ -229,6 +439,128 @@ mod tests {
         assert!(err.to_string().contains("names input channel 3"), "{err}");
         assert_eq!(log.stats(), OrderLogStats::default());
         assert_eq!(log.drain().count(), 0);
+    }
+
+    fn decoded(order: &[u8]) -> (u64, u64, Vec<OrderEntry>) {
+        match wire::decode_frame(order, wire::DEFAULT_MAX_FRAME_BYTES)
+            .unwrap()
+            .0
+        {
+            Frame::Order {
+                epoch,
+                version,
+                entries,
+                ..
+            } => (epoch, version, entries),
+            other => panic!("not an order: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_leader_keeps_one_order_in_flight_until_its_replica_follows_it() {
+        let t0 = Instant::now();
+        let resend = Duration::from_secs(5);
+        let mut log = OrderLog::new(2);
+        let mut leader = Leader::new(7, 3, 100, log.ordered(), resend);
+        assert_eq!(leader.next(&[0, 0], log.ordered(), log.stats(), t0), None);
+        let first = leader
+            .next(&[4, 2], log.ordered(), log.stats(), t0)
+            .unwrap();
+        assert_eq!(decoded(&first), (7, 1, vec![e(0, 4), e(1, 2)]));
+        // More arrives while the first is in flight: it waits for the next order.
+        assert_eq!(leader.next(&[9, 5], log.ordered(), log.stats(), t0), None);
+        log.offer_frame(&first).unwrap();
+        let second = leader
+            .next(&[9, 5], log.ordered(), log.stats(), t0)
+            .unwrap();
+        // The cursor moved on: channel 1 comes first this time.
+        assert_eq!(decoded(&second), (7, 2, vec![e(1, 5), e(0, 9)]));
+        log.offer_frame(&second).unwrap();
+        assert_eq!(leader.next(&[9, 5], log.ordered(), log.stats(), t0), None);
+        assert_eq!(leader.counts(), (2, 0));
+    }
+
+    #[test]
+    fn a_new_leader_continues_from_the_log_and_skips_what_it_covers() {
+        let mut log = OrderLog::new(2);
+        log.offer(1, 5, &[e(0, 10), e(1, 3)]).unwrap();
+        let now = Instant::now();
+        let mut leader = Leader::new(2, 0, 100, log.ordered(), Duration::from_secs(5));
+        assert_eq!(leader.next(&[10, 3], log.ordered(), log.stats(), now), None);
+        let order = leader
+            .next(&[10, 6], log.ordered(), log.stats(), now)
+            .unwrap();
+        assert_eq!(decoded(&order), (2, 1, vec![e(1, 6)]));
+    }
+
+    #[test]
+    fn a_split_batch_goes_out_at_once_and_the_last_part_is_awaited() {
+        let now = Instant::now();
+        let mut log = OrderLog::new(3);
+        let mut leader = Leader::new(1, 0, 2, log.ordered(), Duration::from_secs(5));
+        let a = leader
+            .next(&[1, 2, 3], log.ordered(), log.stats(), now)
+            .unwrap();
+        let b = leader
+            .next(&[1, 2, 3], log.ordered(), log.stats(), now)
+            .unwrap();
+        assert_eq!(decoded(&a), (1, 1, vec![e(0, 1), e(1, 2)]));
+        assert_eq!(decoded(&b), (1, 2, vec![e(2, 3)]));
+        log.offer_frame(&a).unwrap();
+        assert_eq!(
+            leader.next(&[5, 5, 5], log.ordered(), log.stats(), now),
+            None
+        );
+        log.offer_frame(&b).unwrap();
+        assert!(leader
+            .next(&[5, 5, 5], log.ordered(), log.stats(), now)
+            .is_some());
+    }
+
+    #[test]
+    fn an_order_never_followed_is_published_again_from_the_log() {
+        let t0 = Instant::now();
+        let resend = Duration::from_millis(100);
+        let mut log = OrderLog::new(1);
+        let mut leader = Leader::new(1, 0, 10, log.ordered(), resend);
+        let lost = leader.next(&[4], log.ordered(), log.stats(), t0).unwrap();
+        assert_eq!(decoded(&lost).2, vec![e(0, 4)]);
+        let later = t0 + Duration::from_millis(99);
+        assert_eq!(leader.next(&[6], log.ordered(), log.stats(), later), None);
+        let overdue = t0 + resend;
+        let again = leader
+            .next(&[6], log.ordered(), log.stats(), overdue)
+            .unwrap();
+        // Everything the log does not cover, under a new version.
+        assert_eq!(decoded(&again), (1, 2, vec![e(0, 6)]));
+        assert_eq!(leader.counts(), (2, 1));
+        // A delivery failure reported by the client does the same at once.
+        leader.lost();
+        let third = leader
+            .next(&[6], log.ordered(), log.stats(), overdue)
+            .unwrap();
+        assert_eq!(decoded(&third), (1, 3, vec![e(0, 6)]));
+        // Followed late, the replays are harmless: positions only grow.
+        for o in [&lost, &again, &third] {
+            log.offer_frame(o).unwrap();
+        }
+        assert_eq!(log.ordered(), &[6]);
+    }
+
+    #[test]
+    fn a_message_splits_into_its_order_frames() {
+        let a = wire::encode_order(3, 1, 1, &[e(0, 4)]);
+        let b = wire::encode_order(5, 2, 7, &[e(1, 2), e(0, 9)]);
+        let message = [a.clone(), b.clone()].concat();
+        let parts = split_message(&message).unwrap();
+        assert_eq!(parts.len(), 2);
+        assert_eq!((parts[0].slot, parts[0].epoch, parts[0].version), (3, 1, 1));
+        assert_eq!(parts[1].entries, vec![e(1, 2), e(0, 9)]);
+        assert_eq!(&message[parts[1].bytes.clone()], &b[..]);
+        assert!(split_message(&[]).is_err());
+        assert!(split_message(&message[..message.len() - 1]).is_err());
+        let with_heartbeat = [a, wire::encode_heartbeat(0, 0, 1)].concat();
+        assert!(split_message(&with_heartbeat).is_err());
     }
 
     #[test]

@@ -3,13 +3,27 @@
 //! reference executor follows the same orders the replicas did).
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
-use tandem_core::orderlog::{OrderLog as CoreOrderLog, OrderLogStats, Verdict};
+use pyo3::types::{PyBytes, PyDict};
+use tandem_core::orderlog::{split_message, OrderLog as CoreOrderLog, OrderLogStats, Verdict};
 
 use crate::errors::IntoPyResult;
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(order_frames, m)?)?;
     m.add_class::<OrderLog>()
+}
+
+/// The Order frames of one order log message, as `(slot, frame bytes)`: a worker
+/// publishes the orders of every partition it leads that are due at once in one message,
+/// each frame's header channel naming the partition's slot in the run. Raises
+/// `ProtocolError` unless the message is a non-empty sequence of whole Order frames.
+#[pyfunction]
+fn order_frames<'py>(py: Python<'py>, message: &[u8]) -> PyResult<Vec<(u32, Bound<'py, PyBytes>)>> {
+    let parts = split_message(message).py()?;
+    Ok(parts
+        .into_iter()
+        .map(|p| (p.slot, PyBytes::new(py, &message[p.bytes])))
+        .collect())
 }
 
 pub(crate) fn verdict_str(v: Verdict) -> &'static str {

@@ -20,7 +20,8 @@ use tandem_core::outbox::{
     Eviction, Link, Outbox as CoreOutbox, OutboxConfig, Partitioner, ReplayWindow,
 };
 use tandem_core::transport::{
-    Inbox as CoreInbox, InboxConfig, LinkConfig, OnDivergence, OrderFeed as CoreOrderFeed, TcpLink,
+    Inbox as CoreInbox, InboxConfig, LinkConfig, OnDivergence, OrderFeed as CoreOrderFeed,
+    OrderPublisher as CoreOrderPublisher, TcpLink, PUBLISH_PATIENCE,
 };
 use tandem_core::wire::{Identity, DEFAULT_MAX_FRAME_BYTES};
 use tandem_core::worker::Handle;
@@ -30,12 +31,15 @@ use crate::batch::SchemaCache;
 use crate::errors::{ConfigError, IntoPyResult};
 use crate::gil;
 use crate::orderlog::{stats_dict, verdict_str};
+use tandem_core::orderlog::{split_message, Verdict};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Inbox>()?;
     m.add_class::<Outbox>()?;
     m.add_class::<Delivery>()?;
     m.add_class::<OrderFeed>()?;
+    m.add_class::<OrderPublisher>()?;
+    m.add_class::<OrderRouter>()?;
     Ok(())
 }
 
@@ -263,7 +267,8 @@ impl Inbox {
         cfg.port = port;
         cfg.handshake_timeout = arg_seconds("handshake_timeout", handshake_timeout)?;
         cfg.on_divergence = OnDivergence::parse(on_divergence).py()?;
-        cfg.bell = worker.map(|w| w.bell());
+        cfg.bell = worker.as_ref().map(|w| w.bell());
+        cfg.order_bell = worker.map(|w| w.order_bell());
         cfg.me = replica_tag(me, name)?;
         cfg.resume = resume.map(crate::cut::inbox_from_py);
         cfg.wait_orphaned = wait_orphaned;
@@ -444,6 +449,191 @@ impl OrderFeed {
     fn wait(&self, py: Python<'_>, generation: u64, timeout: f64) -> PyResult<bool> {
         let timeout = arg_seconds("timeout", timeout)?;
         Ok(py.detach(|| self.inner.wait(generation, timeout)))
+    }
+}
+
+/// An order a feed did not follow: `(slot, verdict, epoch, version, current epoch)`.
+type Ignored = (u32, &'static str, u64, u64, u64);
+
+/// Hands each order of an order log message to the feeds of its partition in this worker
+/// (see `tandem_core::orderlog::split_message`): what the follower of a worker's KaZoo
+/// session does with every message, in Rust.
+#[pyclass(module = "tandem._core")]
+pub struct OrderRouter {
+    feeds: std::collections::HashMap<u32, Vec<CoreOrderFeed>>,
+    /// The publisher's follow bell, rung for every message offered: it may have been
+    /// waiting for it.
+    followed: Arc<tandem_core::sync::Doorbell>,
+}
+
+#[pymethods]
+impl OrderRouter {
+    /// A router for the worker `publisher` publishes for.
+    #[new]
+    fn new(publisher: PyRef<'_, OrderPublisher>) -> Self {
+        OrderRouter {
+            feeds: std::collections::HashMap::new(),
+            followed: publisher.inner.lock().follow_bell(),
+        }
+    }
+
+    /// Route the orders for `slot` to `feed` (a replica of that partition in this worker).
+    fn add(&mut self, slot: u32, feed: PyRef<'_, OrderFeed>) {
+        self.feeds.entry(slot).or_default().push(feed.inner.clone());
+    }
+
+    /// Offer one message of the order log, in log order. Orders for partitions with no
+    /// feed here are skipped. Returns what was not followed, as `(slot, verdict, epoch,
+    /// version, current epoch)` (`verdict`: `"stale"` or `"replayed"`); raises
+    /// `ProtocolError` for a message that is not whole Order frames and `ConfigError` for
+    /// an order naming a channel its task does not have.
+    fn offer(&self, py: Python<'_>, message: &[u8]) -> PyResult<Vec<Ignored>> {
+        let ignored = py
+            .detach(|| {
+                let mut ignored = Vec::new();
+                for part in split_message(message)? {
+                    for feed in self.feeds.get(&part.slot).into_iter().flatten() {
+                        let verdict = feed.offer(part.epoch, part.version, &part.entries)?;
+                        let current = match verdict {
+                            Verdict::Followed => continue,
+                            Verdict::Stale { current, .. } => current,
+                            Verdict::Replayed { epoch, .. } => epoch,
+                        };
+                        ignored.push((
+                            part.slot,
+                            verdict_str(verdict),
+                            part.epoch,
+                            part.version,
+                            current,
+                        ));
+                    }
+                }
+                Ok(ignored)
+            })
+            .py();
+        self.followed.ring();
+        ignored
+    }
+}
+
+/// Publishes the orders of every partition one worker leads, from one thread, one message
+/// in flight (see the core's `OrderPublisher`): `next` returns the orders due across all of
+/// them at once, so they go to the log together. Created with the worker whose inboxes it
+/// serves.
+#[pyclass(frozen, module = "tandem._core")]
+pub struct OrderPublisher {
+    inner: Mutex<CoreOrderPublisher>,
+    /// Keys whose last order was not delivered (`lost`), applied at the next `next`.
+    lost: Mutex<Vec<u64>>,
+    batch: usize,
+    resend_after: Duration,
+}
+
+#[pymethods]
+impl OrderPublisher {
+    /// At most `batch` entries per order; an order its replica has not followed after
+    /// `resend_after` seconds is published again from the log; at least `pace` seconds
+    /// between two messages (orders due meanwhile wait and go together; 0: a message goes
+    /// as soon as the last was followed).
+    #[new]
+    #[pyo3(signature = (worker, batch = 1000, resend_after = 5.0, pace = 0.0))]
+    fn new(
+        worker: PyRef<'_, crate::worker::Worker>,
+        batch: usize,
+        resend_after: f64,
+        pace: f64,
+    ) -> PyResult<Self> {
+        if batch == 0 {
+            return Err(config_err(
+                "batch must be at least 1 entry per order".into(),
+            ));
+        }
+        let mut inner = CoreOrderPublisher::new(worker.order_bell());
+        inner.pace(arg_seconds("pace", pace)?);
+        Ok(OrderPublisher {
+            inner: Mutex::new(inner),
+            lost: Mutex::new(Vec::new()),
+            batch,
+            resend_after: arg_seconds("resend_after", resend_after)?,
+        })
+    }
+
+    /// Lead the partition numbered `slot` in the run (its orders' frame header channel)
+    /// with `epoch`, through `feed`, from what its log covers now (read the log to its end
+    /// first). Raises `ConfigError` if the feed's inbox belongs to another worker.
+    fn lead(
+        &self,
+        py: Python<'_>,
+        slot: u32,
+        feed: PyRef<'_, OrderFeed>,
+        epoch: u64,
+    ) -> PyResult<()> {
+        let feed = feed.inner.clone();
+        py.detach(|| {
+            let leader = feed.lead(epoch, slot, self.batch, self.resend_after);
+            self.inner.lock().lead(u64::from(slot), feed, leader)
+        })
+        .py()
+    }
+
+    /// Stop publishing under `key`. Returns `(orders published, orders given up on after
+    /// resend_after)` of that leadership, or None if it did not lead.
+    fn resign(&self, py: Python<'_>, key: u64) -> Option<(u64, u64)> {
+        py.detach(|| self.inner.lock().resign(key))
+    }
+
+    /// The last order under `key` was not delivered (the client said so): publish again
+    /// from the log at the next step. Safe from any thread, also while `next` sleeps.
+    fn lost(&self, key: u64) {
+        self.lost.lock().push(key);
+        let publisher = self.inner.lock();
+        publisher.bell(false).ring();
+        publisher.followed();
+    }
+
+    /// Sleep (without the GIL) until orders are due and return them all as `(key, order
+    /// bytes)`, or `[]` after `timeout` seconds. One thread at a time.
+    fn next<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: f64,
+    ) -> PyResult<Vec<(u64, Bound<'py, PyBytes>)>> {
+        let timeout = arg_seconds("timeout", timeout)?;
+        // Never sleep holding the publisher: `lead` and `resign` come from other threads.
+        let deadline = Instant::now() + timeout;
+        let due = py.detach(|| loop {
+            let (due, bell, seen, awaiting, pace) = {
+                let mut publisher = self.inner.lock();
+                for key in std::mem::take(&mut *self.lost.lock()) {
+                    if let Some(leader) = publisher.leader(key) {
+                        leader.lost();
+                    }
+                }
+                let awaiting = publisher.awaiting();
+                let bell = Arc::clone(publisher.bell(awaiting));
+                let seen = bell.generation();
+                (publisher.due(), bell, seen, awaiting, publisher.pace_left())
+            };
+            let now = Instant::now();
+            if !due.is_empty() || now >= deadline {
+                break due;
+            }
+            if !pace.is_zero() {
+                std::thread::sleep(pace.min(deadline - now));
+                continue;
+            }
+            // Waiting for a follow: look again by the patience at the latest.
+            let until = if awaiting {
+                deadline.min(now + PUBLISH_PATIENCE)
+            } else {
+                deadline
+            };
+            bell.wait(seen, until.saturating_duration_since(now));
+        });
+        Ok(due
+            .into_iter()
+            .map(|(key, order)| (key, PyBytes::new(py, &order)))
+            .collect())
     }
 }
 

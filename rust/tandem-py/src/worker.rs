@@ -143,6 +143,9 @@ fn item(py: Python<'_>, cache: &SchemaCache, work: Work) -> PyResult<WorkItem> {
 pub struct Worker {
     inner: Mutex<CoreWorker>,
     bell: Arc<Doorbell>,
+    /// Rung by this worker's KaZoo inboxes (arrivals, followed orders): the bell of the
+    /// worker's `OrderPublisher`.
+    order_bell: Arc<Doorbell>,
     waker: Waker,
     schemas: SchemaCache,
 }
@@ -150,6 +153,10 @@ pub struct Worker {
 impl Worker {
     pub(crate) fn bell(&self) -> Arc<Doorbell> {
         Arc::clone(&self.bell)
+    }
+
+    pub(crate) fn order_bell(&self) -> Arc<Doorbell> {
+        Arc::clone(&self.order_bell)
     }
 
     fn with<T: Send>(
@@ -174,6 +181,7 @@ impl Worker {
         let inner = CoreWorker::new();
         Worker {
             bell: inner.bell(),
+            order_bell: Arc::default(),
             waker: inner.waker(),
             inner: Mutex::new(inner),
             schemas: SchemaCache::default(),
