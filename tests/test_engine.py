@@ -24,10 +24,6 @@ RATE = 800
 DURATION = 2.5
 
 
-def bucket(batch: pa.RecordBatch) -> pa.RecordBatch:
-    return batch.append_column("bucket", pc.bit_wise_and(batch.column("key"), 7))
-
-
 def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
     if pc.any(pc.greater(batch.column("source_seq"), 300)).as_py():
         raise ValueError("boom: a user bug")
@@ -35,17 +31,11 @@ def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 
 def pipeline(
-    replication: int, ordering: str = "liverobin", fn=bucket, workers: int | None = None
+    replication: int, ordering: str = "liverobin", fn=testing.bucket, workers: int | None = None
 ) -> td.Job:
-    job = td.Job("pipe", replication=replication, ordering=ordering, workers=workers)
-    ev = job.source(td.sources.Synthetic(rate=RATE, keys=50, seed=3), parallelism=2)
-    counted = (
-        ev.map(fn, parallelism=2, name="enrich")
-        .key_by("key")
-        .process(td.CountPerKey(), parallelism=2, name="count")
+    return testing.counting_job(
+        "pipe", RATE, replication, fn=fn, ordering=ordering, workers=workers
     )
-    counted.sink(td.sinks.Collect())
-    return job
 
 
 def stateless_pipeline(replication: int, ordering: str) -> td.Job:
@@ -54,7 +44,7 @@ def stateless_pipeline(replication: int, ordering: str) -> td.Job:
     input channels the replicas' output sequences differ and downstream dedup mixes them)."""
     job = td.Job("stateless", replication=replication, ordering=ordering)
     ev = job.source(td.sources.Synthetic(rate=RATE, keys=50, seed=3), parallelism=2)
-    tagged = ev.map(bucket, parallelism=2, name="enrich").map(
+    tagged = ev.map(testing.bucket, parallelism=2, name="enrich").map(
         bucket_again, parallelism=2, name="tag"
     )
     tagged.sink(td.sinks.Collect())
@@ -162,7 +152,7 @@ def test_file_and_latency_sinks_are_checked_row_by_row(tmp_path):
 
     job = td.Job("files", replication=2)
     ev = job.source(td.sources.Synthetic(rate=RATE, keys=50, seed=3), parallelism=2)
-    out = ev.map(bucket, parallelism=2, name="enrich").key_by("key")
+    out = ev.map(testing.bucket, parallelism=2, name="enrich").key_by("key")
     out.sink(td.sinks.Parquet(tmp_path / "pq"), parallelism=2, name="pq")
     out.sink(td.sinks.Csv(tmp_path / "out.csv"), name="csv")
     out.sink(td.sinks.Latency(), name="latency")

@@ -8,8 +8,6 @@ import time
 import urllib.error
 import urllib.request
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 
 import tandem as td
@@ -20,20 +18,8 @@ from tandem.metrics import METRICS, Metrics
 RATE = 1_000
 
 
-def bucket(batch: pa.RecordBatch) -> pa.RecordBatch:
-    return batch.append_column("bucket", pc.bit_wise_and(batch.column("key"), 7))
-
-
 def pipeline(**job_options) -> td.Job:
-    job = td.Job("metered", replication=2, **job_options)
-    ev = job.source(td.sources.Synthetic(rate=RATE, keys=50, seed=3), parallelism=2)
-    counted = (
-        ev.map(bucket, parallelism=2, name="enrich")
-        .key_by("key")
-        .process(td.CountPerKey(), parallelism=2, name="count")
-    )
-    counted.sink(td.sinks.Collect())
-    return job
+    return testing.counting_job("metered", RATE, **job_options)
 
 
 class Scraper:

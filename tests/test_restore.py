@@ -16,13 +16,10 @@ import pyarrow.compute as pc
 import pytest
 
 import tandem as td
+from tandem import testing
 from tandem.exceptions import TandemError
 
 RATE = 1500
-
-
-def bucket(batch: pa.RecordBatch) -> pa.RecordBatch:
-    return batch.append_column("bucket", pc.bit_wise_and(batch.column("key"), 7))
 
 
 def batch_mean(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -35,7 +32,7 @@ def counting_job(restore: bool, replay_ms: float = 3000) -> td.Job:
     job = td.Job("restore", replication=2, restore=restore, replay_ms=replay_ms)
     ev = job.source(td.sources.Synthetic(rate=RATE, keys=40, seed=11), parallelism=2)
     (
-        ev.map(bucket, parallelism=2, name="enrich")
+        ev.map(testing.bucket, parallelism=2, name="enrich")
         .map(batch_mean, parallelism=2, name="mean")
         .key_by("key")
         .process(td.CountPerKey(), parallelism=2, name="count")

@@ -284,9 +284,13 @@ impl Leader {
     pub fn awaiting(&self, log: OrderLogStats, now: Instant, patience: Duration) -> bool {
         self.queued.is_empty()
             && self.in_flight.is_some_and(|(version, since)| {
-                !(log.epoch == Some(self.epoch) && log.version >= version)
-                    && now.duration_since(since) < patience
+                !self.followed(version, log) && now.duration_since(since) < patience
             })
+    }
+
+    /// Whether `log` (this replica's) has followed this leader's order `version`.
+    fn followed(&self, version: u64, log: OrderLogStats) -> bool {
+        log.epoch == Some(self.epoch) && log.version >= version
     }
 
     /// The last order handed out was not delivered: forget it, and order again from what
@@ -313,8 +317,7 @@ impl Leader {
             return Some(self.hand_out(order, now));
         }
         if let Some((version, since)) = self.in_flight {
-            let followed = log.epoch == Some(self.epoch) && log.version >= version;
-            if followed {
+            if self.followed(version, log) {
                 self.in_flight = None;
             } else if now.duration_since(since) >= self.resend_after {
                 self.resent += 1;

@@ -797,22 +797,23 @@ impl OrderFeed {
     /// [`OrderLog::offer`]. A followed order wakes the consumer and the leader.
     pub fn offer_frame(&self, frame: &[u8]) -> Result<Verdict> {
         let verdict = self.log.lock().offer_frame(frame)?;
-        if verdict == Verdict::Followed {
-            self.bell.ring();
-            self.order_bell.ring();
-        }
-        Ok(verdict)
+        Ok(self.rung(verdict))
     }
 
     /// [`OrderFeed::offer_frame`] for an order already decoded (a part of a message,
     /// [`crate::orderlog::split_message`]).
     pub fn offer(&self, epoch: u64, version: u64, entries: &[wire::OrderEntry]) -> Result<Verdict> {
         let verdict = self.log.lock().offer(epoch, version, entries)?;
+        Ok(self.rung(verdict))
+    }
+
+    /// `verdict`, after waking the consumer and the leader if the order was followed.
+    fn rung(&self, verdict: Verdict) -> Verdict {
         if verdict == Verdict::Followed {
             self.bell.ring();
             self.order_bell.ring();
         }
-        Ok(verdict)
+        verdict
     }
 
     /// The leader of `epoch` (see [`Leader`]), continuing from what the log covers now:
@@ -1004,32 +1005,85 @@ impl OrderPublisher {
         due
     }
 
-    /// Sleep until some leader has orders due and return them all ([`OrderPublisher::due`]),
-    /// or nothing after `timeout`.
-    pub fn next(&mut self, timeout: Duration) -> Vec<(u64, Vec<u8>)> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let awaiting = self.awaiting();
-            let bell = Arc::clone(self.bell(awaiting));
-            let seen = bell.generation();
-            let due = self.due();
-            let now = Instant::now();
-            if !due.is_empty() || now >= deadline {
-                return due;
-            }
-            // Waiting for a follow: wake by the patience at the latest; for the pace: sleep
-            // it out.
-            let pace = self.pace_left();
-            if !pace.is_zero() {
-                std::thread::sleep(pace.min(deadline - now));
-                continue;
-            }
+    /// One look: the orders due now, or — unless `deadline` has passed, which gives
+    /// nothing due — how to sleep before looking again. [`OrderPublisher::next`] loops on
+    /// it; a caller sharing the publisher between threads takes it for the look only and
+    /// sleeps without it.
+    pub fn step(&mut self, deadline: Instant) -> PublishStep {
+        let awaiting = self.awaiting();
+        let bell = Arc::clone(self.bell(awaiting));
+        // Read the generation before looking, so a ring between the look and the sleep
+        // still wakes the sleeper.
+        let seen = bell.generation();
+        let due = self.due();
+        let now = Instant::now();
+        if !due.is_empty() || now >= deadline {
+            return PublishStep::Due(due);
+        }
+        let pace = self.pace_left();
+        let sleep = if !pace.is_zero() {
+            // Sleep the pace out: what falls due meanwhile waits for it anyway.
+            PublishSleep::For(pace.min(deadline - now))
+        } else {
+            // Waiting for a follow: look again by the patience at the latest.
             let until = if awaiting {
                 deadline.min(now + self.patience)
             } else {
                 deadline
             };
-            bell.wait(seen, until.saturating_duration_since(now));
+            PublishSleep::Bell {
+                bell,
+                seen,
+                timeout: until.saturating_duration_since(now),
+            }
+        };
+        PublishStep::Sleep(sleep)
+    }
+
+    /// Sleep until some leader has orders due and return them all ([`OrderPublisher::due`]),
+    /// or nothing after `timeout`.
+    pub fn next(&mut self, timeout: Duration) -> Vec<(u64, Vec<u8>)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.step(deadline) {
+                PublishStep::Due(due) => return due,
+                PublishStep::Sleep(sleep) => sleep.sleep(),
+            }
+        }
+    }
+}
+
+/// What [`OrderPublisher::step`] found.
+pub enum PublishStep {
+    /// The orders due (none if the deadline passed).
+    Due(Vec<(u64, Vec<u8>)>),
+    /// Nothing due yet: sleep so, then look again.
+    Sleep(PublishSleep),
+}
+
+/// How an [`OrderPublisher`] with nothing due sleeps.
+pub enum PublishSleep {
+    /// Out the pace.
+    For(Duration),
+    /// Until `bell` rings after generation `seen`, or `timeout`.
+    Bell {
+        bell: Arc<Doorbell>,
+        seen: u64,
+        timeout: Duration,
+    },
+}
+
+impl PublishSleep {
+    pub fn sleep(self) {
+        match self {
+            PublishSleep::For(d) => std::thread::sleep(d),
+            PublishSleep::Bell {
+                bell,
+                seen,
+                timeout,
+            } => {
+                bell.wait(seen, timeout);
+            }
         }
     }
 }

@@ -21,7 +21,7 @@ use tandem_core::outbox::{
 };
 use tandem_core::transport::{
     Inbox as CoreInbox, InboxConfig, LinkConfig, OnDivergence, OrderFeed as CoreOrderFeed,
-    OrderPublisher as CoreOrderPublisher, TcpLink, PUBLISH_PATIENCE,
+    OrderPublisher as CoreOrderPublisher, PublishStep, TcpLink,
 };
 use tandem_core::wire::{Identity, DEFAULT_MAX_FRAME_BYTES};
 use tandem_core::worker::Handle;
@@ -602,33 +602,19 @@ impl OrderPublisher {
         // Never sleep holding the publisher: `lead` and `resign` come from other threads.
         let deadline = Instant::now() + timeout;
         let due = py.detach(|| loop {
-            let (due, bell, seen, awaiting, pace) = {
+            let step = {
                 let mut publisher = self.inner.lock();
                 for key in std::mem::take(&mut *self.lost.lock()) {
                     if let Some(leader) = publisher.leader(key) {
                         leader.lost();
                     }
                 }
-                let awaiting = publisher.awaiting();
-                let bell = Arc::clone(publisher.bell(awaiting));
-                let seen = bell.generation();
-                (publisher.due(), bell, seen, awaiting, publisher.pace_left())
+                publisher.step(deadline)
             };
-            let now = Instant::now();
-            if !due.is_empty() || now >= deadline {
-                break due;
+            match step {
+                PublishStep::Due(due) => break due,
+                PublishStep::Sleep(sleep) => sleep.sleep(),
             }
-            if !pace.is_zero() {
-                std::thread::sleep(pace.min(deadline - now));
-                continue;
-            }
-            // Waiting for a follow: look again by the patience at the latest.
-            let until = if awaiting {
-                deadline.min(now + PUBLISH_PATIENCE)
-            } else {
-                deadline
-            };
-            bell.wait(seen, until.saturating_duration_since(now));
         });
         Ok(due
             .into_iter()
