@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+import jobs
 import tandem as td
 from tandem import testing
 from tandem.engines.common import multiset_diff
@@ -33,9 +34,7 @@ def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
 def pipeline(
     replication: int, ordering: str = "liverobin", fn=testing.bucket, workers: int | None = None
 ) -> td.Job:
-    return testing.counting_job(
-        "pipe", RATE, replication, fn=fn, ordering=ordering, workers=workers
-    )
+    return jobs.counting_job("pipe", RATE, replication, fn=fn, ordering=ordering, workers=workers)
 
 
 def stateless_pipeline(replication: int, ordering: str) -> td.Job:

@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 
+import jobs
 import tandem as td
 from tandem import testing
 from tandem.cli import main
@@ -19,7 +20,7 @@ RATE = 1_000
 
 
 def pipeline(**job_options) -> td.Job:
-    return testing.counting_job("metered", RATE, **job_options)
+    return jobs.counting_job("metered", RATE, **job_options)
 
 
 class Scraper:

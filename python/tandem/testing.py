@@ -674,24 +674,6 @@ def bucket(batch):
     return batch.append_column("bucket", pc.bit_wise_and(batch.column("key"), 7))
 
 
-def counting_job(name: str, rate: int, replication: int = 2, fn=bucket, **job_options):
-    """The keyed, stateful job the engine tests share: ``Synthetic(rate, keys=50, seed=3)``
-    in 2 partitions → ``map(fn)`` named ``enrich`` → ``key_by("key")`` →
-    ``CountPerKey`` named ``count`` → ``Collect``, 2 partitions each; ``job_options`` go to
-    ``td.Job``."""
-    import tandem as td
-
-    job = td.Job(name, replication=replication, **job_options)
-    ev = job.source(td.sources.Synthetic(rate=rate, keys=50, seed=3), parallelism=2)
-    counted = (
-        ev.map(fn, parallelism=2, name="enrich")
-        .key_by("key")
-        .process(td.CountPerKey(), parallelism=2, name="count")
-    )
-    counted.sink(td.sinks.Collect())
-    return job
-
-
 # -- functions of a whole batch ------------------------------------------------------------
 
 
