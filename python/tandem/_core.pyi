@@ -366,11 +366,13 @@ class OrderRouter:
     def __init__(self, publisher: OrderPublisher) -> None: ...
     def add(self, slot: int, feed: OrderFeed) -> None:
         """Route the orders for ``slot`` to ``feed`` (a replica of it in this worker)."""
-    def offer(self, message: bytes) -> list[tuple[int, str, int, int, int]]:
-        """Offer one message, in log order (orders for slots with no feed are skipped);
-        returns what was not followed, as ``(slot, "stale" | "replayed", epoch, version,
-        current epoch)``. ``ProtocolError`` for a message that is not whole Order frames,
-        ``ConfigError`` for an order naming a channel its task does not have."""
+    def offer(self, message: bytes, offset: int) -> list[tuple[int, str, int, int, int]]:
+        """Offer the message at ``offset``, in log order (orders for slots with no feed are
+        skipped, and so are those for a feed whose log was read past ``offset`` already: a
+        replica rebuilt from a twin's cut); returns what was not followed, as ``(slot,
+        "stale" | "replayed", epoch, version, current epoch)``. ``ProtocolError`` for a
+        message that is not whole Order frames, ``ConfigError`` for an order naming a
+        channel its task does not have."""
 
 def order_frames(message: bytes) -> list[tuple[int, bytes]]:
     """The Order frames of one order log message as ``(slot, frame)``; ``ProtocolError``

@@ -217,18 +217,24 @@ class KillHeartbeats(Fault):
 
 
 def validate_faults(faults: list[Any], plan: Plan, duration: float) -> None:
-    """Validate every fault; also reject two kills of the same replica."""
+    """Validate every fault; also reject two kills of the same replica or worker, unless
+    the job rebuilds what it loses (``restore``). A role (``"leader"``) names whoever
+    holds it when the kill comes, so two kills of one role are two replicas."""
     seen = set()
+    again = plan.restore
     for f in faults:
         if not isinstance(f, Fault):
             raise ConfigError(f"faults must be tandem fault specs like td.Kill(...), got {f!r}")
         f.validate(plan, duration)
-        if isinstance(f, Kill):
+        if isinstance(f, Kill) and not again and not isinstance(f.replica, str):
             target = (f.task, f.partition, f.replica)
             if target in seen:
-                raise ConfigError(f"Kill{target}: the same replica is killed twice")
+                raise ConfigError(
+                    f"Kill{target}: the same replica is killed twice (it stays lost unless "
+                    "the job rebuilds it: Job(restore=True))"
+                )
             seen.add(target)
-        if isinstance(f, KillWorker):
+        if isinstance(f, KillWorker) and not again:
             if f.worker in seen:
                 raise ConfigError(f"KillWorker({f.worker}): the same worker is killed twice")
             seen.add(f.worker)

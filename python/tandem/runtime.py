@@ -140,6 +140,14 @@ class Resume:
         """The heartbeat after which the rebuilt replica takes over."""
         return self.cut[0]
 
+    @property
+    def order_log_offset(self) -> int | None:
+        """KaZoo: the order log offset the twin had read through at the cut (None for the
+        other orders); the rebuilt replica's reader may start there or before."""
+        inbox = self.cut[2]
+        log = inbox[5] if inbox is not None else None
+        return log[3] if log is not None else None
+
     def spilled(self, folder: str) -> Resume:
         """This cut with its state written to a new file in ``folder``, for the rebuilt
         replica to read and remove."""
@@ -776,6 +784,16 @@ class Worker:
         self.replicas = [Replica(plan, *rid, secret, self.core, kazoo=self.kazoo) for rid in rids]
         for r in self.replicas:
             r.resume = (resume or {}).get(r.me)
+        if self.kazoo is not None and resume:
+            # Rebuilt from twins: read the order log from the earliest place their cuts
+            # stood at (each replica's log skips what it had read already).
+            offsets = [
+                (resume.get(r.me) and resume[r.me].order_log_offset)
+                for r in self.replicas
+                if (r.me[0], r.me[1]) in ordered
+            ]
+            if offsets and all(o is not None for o in offsets):
+                self.kazoo.start_offset = min(offsets)
         self._cuts: dict[int, list] = {}  # slot -> tokens of the cuts asked of it
         self.until: tuple[int, bool] | None = None
         """A run with no duration: the source time its sources may emit through (ns after

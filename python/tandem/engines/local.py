@@ -629,9 +629,8 @@ class _Run:
         self.lost: list[tuple[ReplicaId, str]] = []  # every loss, in order, with its cause
         self.down: set[ReplicaId] = set()  # lost and not (yet) rebuilt
         self.injected: list[dict] = []
-        # Rebuilding lost replicas from their twins (DESIGN §4): KaZoo replicas follow an
-        # order log instead, which a rebuilt replica cannot join yet.
-        self.restoring = plan.restore and plan.replication > 1 and not plan.ordered_partitions()
+        # Rebuilding lost replicas from their twins (DESIGN §4).
+        self.restoring = plan.restore and plan.replication > 1
         # The passive configuration (Job(checkpoint_ms=...), replication 1): checkpoints
         # taken while the job runs, and a lost worker rolled back to the latest complete one.
         self.checkpointing = plan.checkpointing
@@ -1191,9 +1190,15 @@ class _Run:
         if rj is None or rj.generation != generation:
             return
         if taken is None:
+            # Finished or failed — or going by a moment ago: a later try finds out.
+            retry = self._attempts.get(w, 0) < REJOIN_ATTEMPTS
             self._abort_rejoin(
-                w, f"its twin {self._name(twin)} could not be cut (it finished, or failed)"
+                w,
+                f"its twin {self._name(twin)} could not be cut (it finished, or failed)"
+                + ("; trying again" if retry else ""),
             )
+            if retry:
+                self._lost_worker(w, now_s)
             return
         rj.cuts[rid] = taken
         if len(rj.cuts) == len(rj.twins):

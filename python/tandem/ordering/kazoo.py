@@ -8,7 +8,8 @@ orders of every ordered partition, each order an Order frame whose header channe
 partition's slot in the run (:meth:`KazooRun.slot`). Two roles (as in the paper's Flink
 task managers):
 
-* the **follower** (the session's thread) reads the order log from the beginning
+* the **follower** (the session's thread) reads the order log from the beginning (a
+  worker rebuilt from twins: from where their cuts stood, :attr:`KazooSession.start_offset`)
   (``assign()``, no consumer group, so no rebalances) and hands every message, in log
   order, to a Rust router (``tandem._core.OrderRouter``) that offers each order to its
   partition's inbox order feed in this worker. The Rust core fences off orders of a
@@ -358,6 +359,10 @@ class KazooSession:
             pace=run.config.pace_ms / 1000,
         )
         self.router = _core.OrderRouter(self.publisher)
+        self.start_offset = 0
+        """Where the follower starts reading the order log. A worker rebuilt from twins
+        sets it (before :meth:`start`) to the earliest place its replicas' cuts stood at:
+        each replica's log ignores what it had read already."""
         self._consumed = 0  # next offset of the order log the follower has read
         self._catching_up = 0  # orderers waiting for _consumed (see Orderer._read_to_end)
         self._caught_up = threading.Condition()
@@ -444,7 +449,9 @@ class KazooSession:
             }
         )
         self.tp = TopicPartition(self.run.topic, 0)
-        self.consumer.assign([TopicPartition(self.run.topic, 0, OFFSET_BEGINNING)])
+        start = self.start_offset or OFFSET_BEGINNING
+        self._consumed = self.start_offset
+        self.consumer.assign([TopicPartition(self.run.topic, 0, start)])
         # Watermark queries come from the election threads, on a consumer of their own: a
         # query on the follower's consumer while it polls deadlocks (confluent-kafka 2.x).
         self.meta = Consumer({**kafka, "group.id": f"tandem-meta-{self.run.run}-{self.name}"})
@@ -501,7 +508,8 @@ class KazooSession:
             if msg.error() is not None:
                 log.debug("order log of %s: %s", self.name, msg.error())
                 continue
-            for slot, verdict, epoch, version, current in self.router.offer(msg.value()):
+            offered = self.router.offer(msg.value(), msg.offset())
+            for slot, verdict, epoch, version, current in offered:
                 self.orderers[slot]._ignored(verdict, epoch, version, current, msg.offset())
             self._consumed = msg.offset() + 1
             if self._catching_up:  # a new leader waits for this (Orderer._read_to_end)

@@ -73,18 +73,18 @@ pub trait Merge<P: Chunk>: Send {
              own order; only ordering 'kazoo' (positional) follows orders"
         )))
     }
-    /// The merge's state at a heartbeat-cycle boundary (see [`MergeCut`]); None if this
-    /// merge cannot be cut there (it is mid-cycle, or it follows orders decided elsewhere).
+    /// The merge's state now, if a replica rebuilt from it can start here (see
+    /// [`MergeCut`]); None if it cannot be cut now (mid-cycle, or holding part of a batch)
+    /// and the caller must try again later.
     fn cut(&self) -> Option<MergeCut> {
         None
     }
     /// Continue from `cut`, taken from a twin's merge of the same kind over the same
-    /// channels; call before the first `next`.
-    fn resume(&mut self, _cut: &MergeCut) -> Result<()> {
+    /// channels, whose first sequence numbers not yet consumed were `positions`; call
+    /// before the first `next`.
+    fn resume(&mut self, _cut: &MergeCut, _positions: &[u64]) -> Result<()> {
         Err(Error::Config(
-            "this consumption order cannot resume from a twin's cut (KaZoo replicas follow the \
-             order log instead)"
-                .to_owned(),
+            "this consumption order cannot resume from a twin's cut".to_owned(),
         ))
     }
 }
@@ -100,11 +100,19 @@ pub struct MergeCut {
     pub gen: Option<u64>,
     /// Which channels have ended.
     pub ended: Vec<bool>,
+    /// KaZoo's positional merge: the followed orders `(channel, up_to_seq)` not yet
+    /// consumed, oldest first (empty for the orders that decide for themselves).
+    pub orders: Vec<(usize, u64)>,
 }
 
 impl MergeCut {
     /// Check that the cut fits a merge over `channels` channels.
     pub(crate) fn check(&self, channels: usize) -> Result<()> {
+        if let Some(&(c, _)) = self.orders.iter().find(|(c, _)| *c >= channels) {
+            return Err(Error::Config(format!(
+                "a merge cut orders input channel {c}, but the merge has {channels} channels"
+            )));
+        }
         if self.ended.len() != channels || (channels > 0 && self.turn >= channels) {
             return Err(Error::Config(format!(
                 "a merge cut of {} channels (turn {}) does not fit a merge over {channels}",

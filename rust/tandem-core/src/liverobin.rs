@@ -210,10 +210,11 @@ impl<P: Chunk + Send> Merge<P> for LiveRobin<P> {
             turn: self.current,
             gen: self.gate.gen(),
             ended: self.ended.flags(),
+            orders: Vec::new(),
         })
     }
 
-    fn resume(&mut self, cut: &MergeCut) -> Result<()> {
+    fn resume(&mut self, cut: &MergeCut, _positions: &[u64]) -> Result<()> {
         cut.check(self.active.len())?;
         self.current = cut.turn;
         self.gate = HeartbeatGate::resumed(cut.gen);

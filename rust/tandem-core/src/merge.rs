@@ -128,10 +128,11 @@ impl<P: Chunk> Merge<P> for Fcfs {
             turn: self.cursor,
             gen: self.gate.gen(),
             ended: self.ended.flags(),
+            orders: Vec::new(),
         })
     }
 
-    fn resume(&mut self, cut: &MergeCut) -> Result<()> {
+    fn resume(&mut self, cut: &MergeCut, _positions: &[u64]) -> Result<()> {
         cut.check(self.ended.channels())?;
         self.cursor = cut.turn;
         self.gate = HeartbeatGate::resumed(cut.gen);
@@ -272,6 +273,43 @@ impl<P: Chunk + Send> Merge<P> for Positional<P> {
 
     fn push_order(&mut self, channel: usize, up_to_seq: u64) -> Result<()> {
         Positional::push_order(self, channel, up_to_seq)
+    }
+
+    /// Anywhere no batch is held in part (an order's bound fell inside it): the positions,
+    /// the heartbeat gate and the orders followed but not yet consumed are then all there
+    /// is. Orders are positional, so a replica resumed here and fed the same orders from
+    /// the log consumes exactly what its twin consumes after the cut.
+    fn cut(&self) -> Option<MergeCut> {
+        if self.remainder.iter().any(Option::is_some) {
+            return None;
+        }
+        Some(MergeCut {
+            turn: 0,
+            gen: self.gate.gen(),
+            ended: self.ended.flags(),
+            orders: self
+                .orders
+                .iter()
+                .copied()
+                .filter(|&(c, bound)| self.position[c] < bound && !self.ended.is_ended(c))
+                .collect(),
+        })
+    }
+
+    fn resume(&mut self, cut: &MergeCut, positions: &[u64]) -> Result<()> {
+        cut.check(self.position.len())?;
+        if positions.len() != self.position.len() {
+            return Err(Error::Config(format!(
+                "a cut of {} channel positions cannot resume a merge over {}",
+                positions.len(),
+                self.position.len()
+            )));
+        }
+        self.position = positions.to_vec();
+        self.gate = HeartbeatGate::resumed(cut.gen);
+        self.ended = Ended::resumed(&cut.ended);
+        self.orders = cut.orders.iter().copied().collect();
+        Ok(())
     }
 }
 

@@ -69,6 +69,21 @@ pub struct OrderLog {
     ordered: Vec<u64>,
     pending: VecDeque<(usize, u64)>,
     stats: OrderLogStats,
+    /// The log's offset this replica has read through (the next message it takes), as
+    /// its reader reports with [`OrderLog::read_through`].
+    through: u64,
+}
+
+/// What a replica rebuilt from a twin needs of the twin's [`OrderLog`] to follow the log
+/// on from where the twin stood (with the orders followed but not consumed yet, which the
+/// merge's cut carries). Its reader may start anywhere at or before `through`: every order
+/// before that is at or below `(epoch, version)`, so the resumed log ignores it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OrderLogCut {
+    pub epoch: Option<u64>,
+    pub version: u64,
+    pub ordered: Vec<u64>,
+    pub through: u64,
 }
 
 impl OrderLog {
@@ -78,7 +93,70 @@ impl OrderLog {
             ordered: vec![0; channels],
             pending: VecDeque::new(),
             stats: OrderLogStats::default(),
+            through: 0,
         }
+    }
+
+    /// The log of a replica rebuilt from a twin's `cut` (see [`OrderLogCut`]).
+    pub fn resumed(channels: usize, cut: &OrderLogCut) -> Result<Self> {
+        if cut.ordered.len() != channels {
+            return Err(Error::Config(format!(
+                "an order log cut over {} channels cannot resume a log over {channels}",
+                cut.ordered.len()
+            )));
+        }
+        Ok(Self {
+            ordered: cut.ordered.clone(),
+            pending: VecDeque::new(),
+            stats: OrderLogStats {
+                epoch: cut.epoch,
+                version: cut.version,
+                ..OrderLogStats::default()
+            },
+            through: cut.through,
+        })
+    }
+
+    /// Where this log stands (the followed entries not drained yet are the caller's: they
+    /// belong with the merge's, [`OrderLog::pending`]).
+    pub fn cut(&self) -> OrderLogCut {
+        OrderLogCut {
+            epoch: self.stats.epoch,
+            version: self.stats.version,
+            ordered: self.ordered.clone(),
+            through: self.through,
+        }
+    }
+
+    /// The followed entries not yet drained, oldest first.
+    pub fn pending(&self) -> impl Iterator<Item = (usize, u64)> + '_ {
+        self.pending.iter().copied()
+    }
+
+    /// [`OrderLog::offer`] for an order of the message at `offset`; None (and nothing
+    /// changes) if this log has read past that message already — a replica rebuilt from a
+    /// twin's cut whose reader started before it.
+    pub fn offer_at(
+        &mut self,
+        offset: u64,
+        epoch: u64,
+        version: u64,
+        entries: &[OrderEntry],
+    ) -> Result<Option<Verdict>> {
+        if offset < self.through {
+            return Ok(None);
+        }
+        self.offer(epoch, version, entries).map(Some)
+    }
+
+    /// The reader has offered every order of the messages before `offset`.
+    pub fn read_through(&mut self, offset: u64) {
+        self.through = self.through.max(offset);
+    }
+
+    /// See [`OrderLog::read_through`].
+    pub fn through(&self) -> u64 {
+        self.through
     }
 
     /// Decide on the next order of the log (see the module documentation). An entry naming
@@ -382,6 +460,63 @@ fn kind_name(frame: &Frame) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_resumed_from_a_cut_ignores_what_came_before_and_follows_what_comes_after() {
+        let e = |channel, up_to_seq| OrderEntry { channel, up_to_seq };
+        let mut twin = OrderLog::new(2);
+        assert_eq!(
+            twin.offer_at(0, 3, 1, &[e(0, 5)]).unwrap(),
+            Some(Verdict::Followed)
+        );
+        twin.read_through(1);
+        assert_eq!(
+            twin.offer_at(1, 3, 2, &[e(1, 4)]).unwrap(),
+            Some(Verdict::Followed)
+        );
+        twin.read_through(2);
+        let cut = twin.cut();
+        assert_eq!(cut.through, 2);
+        assert_eq!(cut.ordered, vec![5, 4]);
+        assert_eq!(
+            twin.pending().collect::<Vec<_>>(),
+            vec![(0, 5), (1, 4)],
+            "not drained: the caller carries them with the merge's"
+        );
+        // A reader starting before the cut: what the twin read is skipped (offer_at) or,
+        // read again from an earlier place, ignored as a replay.
+        let mut resumed = OrderLog::resumed(2, &cut).unwrap();
+        assert_eq!(resumed.offer_at(1, 3, 2, &[e(1, 4)]).unwrap(), None);
+        assert_eq!(
+            resumed.offer(3, 1, &[e(0, 5)]).unwrap(),
+            Verdict::Replayed {
+                epoch: 3,
+                version: 1
+            }
+        );
+        assert_eq!(
+            resumed.offer_at(2, 2, 9, &[e(0, 9)]).unwrap(),
+            Some(Verdict::Stale {
+                epoch: 2,
+                current: 3
+            })
+        );
+        // After the cut, the same verdicts as the twin's.
+        for log in [&mut twin, &mut resumed] {
+            assert_eq!(
+                log.offer_at(3, 3, 3, &[e(0, 8)]).unwrap(),
+                Some(Verdict::Followed)
+            );
+        }
+        twin.drain().count();
+        assert_eq!(resumed.drain().collect::<Vec<_>>(), vec![(0, 8)]);
+        assert_eq!(resumed.ordered(), twin.ordered());
+        assert_eq!(resumed.stats().version, twin.stats().version);
+        assert!(
+            OrderLog::resumed(3, &cut).is_err(),
+            "a cut of another task's log"
+        );
+    }
 
     fn e(channel: u32, up_to_seq: u64) -> OrderEntry {
         OrderEntry { channel, up_to_seq }

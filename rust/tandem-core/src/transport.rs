@@ -49,7 +49,7 @@ use crate::dedup::{self, DedupReceiver, DedupSender, Offer};
 use crate::digest::{to_hex, Digest};
 use crate::logs::{log_replica, ReplicaTag, INBOX};
 use crate::merge::{self, Merge, MergeCut, OrderingMode};
-use crate::orderlog::{Leader, OrderLog, OrderLogStats, Verdict};
+use crate::orderlog::{Leader, OrderLog, OrderLogCut, OrderLogStats, Verdict};
 use crate::outbox::{Link, OutFrame};
 use crate::socket::{self, Listener, Stream};
 use crate::sync::Doorbell;
@@ -223,6 +223,8 @@ pub struct InboxConfig {
 pub struct InboxCut {
     pub positions: Vec<u64>,
     pub merge: MergeCut,
+    /// KaZoo: where the replica stood in the order log (None for the other orders).
+    pub log: Option<OrderLogCut>,
 }
 
 impl InboxConfig {
@@ -523,10 +525,21 @@ impl Inbox {
             }
             None => None,
         };
-        let orders = order_bell.map(|bell| (Arc::new(Mutex::new(OrderLog::new(n))), bell));
+        let log = match cfg.resume.as_ref().and_then(|c| c.log.as_ref()) {
+            Some(cut) if order_bell.is_some() => OrderLog::resumed(n, cut)?,
+            None if order_bell.is_some() && cfg.resume.is_some() => {
+                return Err(Error::Config(
+                    "a KaZoo replica resumes from a twin's cut that carries its place in the \
+                     order log; this one has none"
+                        .to_owned(),
+                ))
+            }
+            _ => OrderLog::new(n),
+        };
+        let orders = order_bell.map(|bell| (Arc::new(Mutex::new(log)), bell));
         let mut merge = merge::build(&cfg.ordering, n);
         if let Some(cut) = &cfg.resume {
-            merge.resume(&cut.merge)?;
+            merge.resume(&cut.merge, &cut.positions)?;
             for (c, &ended) in cut.merge.ended.iter().enumerate() {
                 shared.channels[c].ended.store(ended, Ordering::SeqCst);
             }
@@ -649,9 +662,17 @@ impl Inbox {
     /// Where this inbox stands now, if its merge can be cut here (see [`InboxCut`]): call
     /// right after a delivery that ended a heartbeat cycle.
     pub fn cut(&self) -> Option<InboxCut> {
+        let mut merge = self.merge.cut()?;
+        let log = self.orders.as_ref().map(|(log, _)| {
+            let log = log.lock();
+            // Followed but not handed to the merge yet: next in line after the merge's own.
+            merge.orders.extend(log.pending());
+            log.cut()
+        });
         Some(InboxCut {
             positions: self.receivers.iter().map(DedupReceiver::next_seq).collect(),
-            merge: self.merge.cut()?,
+            merge,
+            log,
         })
     }
 
@@ -805,6 +826,30 @@ impl OrderFeed {
     pub fn offer(&self, epoch: u64, version: u64, entries: &[wire::OrderEntry]) -> Result<Verdict> {
         let verdict = self.log.lock().offer(epoch, version, entries)?;
         Ok(self.rung(verdict))
+    }
+
+    /// [`OrderFeed::offer`] for an order of the log's message at `offset`: None if this
+    /// replica's log was read past it already (see [`OrderLog::offer_at`]).
+    pub fn offer_at(
+        &self,
+        offset: u64,
+        epoch: u64,
+        version: u64,
+        entries: &[wire::OrderEntry],
+    ) -> Result<Option<Verdict>> {
+        let verdict = self.log.lock().offer_at(offset, epoch, version, entries)?;
+        Ok(verdict.map(|v| self.rung(v)))
+    }
+
+    /// Every order of the log's messages before `offset` was offered (see
+    /// [`OrderLog::read_through`]).
+    pub fn read_through(&self, offset: u64) {
+        self.log.lock().read_through(offset);
+    }
+
+    /// The log offset this replica's log has been read through.
+    pub fn through(&self) -> u64 {
+        self.log.lock().through()
     }
 
     /// `verdict`, after waking the consumer and the leader if the order was followed.

@@ -118,8 +118,8 @@ pub enum Work {
     /// `slot` reached the heartbeat-cycle boundary a cut was asked for
     /// ([`Worker::request_cut`]; `at`: [`Worker::request_cut_at`] with that epoch): take
     /// the operator's state now, before anything else of the slot runs. None: the slot
-    /// cannot be cut (its inputs follow KaZoo's order log, it finished, or — `at` — it had
-    /// already forwarded heartbeat `at` when asked).
+    /// cannot be cut (it finished, or — `at` — it had already forwarded heartbeat `at`
+    /// when asked, or its merge held part of a batch there).
     Cut {
         slot: usize,
         cut: Option<SlotCut>,
@@ -181,15 +181,22 @@ impl Slot {
             self.forwarded = k;
         }
         if self.forwarded > from && self.cut_asked {
-            self.cut_asked = false;
-            self.cut = Some(self.take_cut());
+            match self.take_cut() {
+                // KaZoo: an order's bound fell inside a batch, part of which the merge
+                // holds; the next boundary will do.
+                Taken::NotHere => {}
+                taken => {
+                    self.cut_asked = false;
+                    self.cut = Some(taken.cut());
+                }
+            }
         }
         // The heartbeats of one call follow each other with nothing in between, so the
         // state after the last of them is the state right after heartbeat `k` itself.
         if let Some(k) = self.cut_at {
             if from < k && self.forwarded >= k {
                 self.cut_at = None;
-                self.aligned = Some((k, self.take_cut()));
+                self.aligned = Some((k, self.take_cut().cut()));
             }
         }
         Ok(self.forwarded - from)
@@ -213,21 +220,49 @@ impl Slot {
     }
 
     /// This slot's cut, right after heartbeat `forwarded` (see [`SlotCut`]).
-    fn take_cut(&self) -> Option<SlotCut> {
+    fn take_cut(&self) -> Taken {
         let inbox = match &self.cfg.inbox {
-            Some(h) => Some(h.lock().as_ref()?.cut()?),
+            Some(h) => match h.lock().as_ref() {
+                None => return Taken::Closed,
+                Some(ib) => match ib.cut() {
+                    None => return Taken::NotHere,
+                    cut => cut,
+                },
+            },
             None => None,
         };
         let mut outboxes = Vec::with_capacity(self.cfg.outboxes.len());
         for o in &self.cfg.outboxes {
-            outboxes.push(o.lock().as_ref()?.cut());
+            match o.lock().as_ref() {
+                Some(ob) => outboxes.push(ob.cut()),
+                None => return Taken::Closed,
+            }
         }
-        Some(SlotCut {
+        Taken::Cut(Box::new(SlotCut {
             epoch: self.forwarded,
             epochs: self.epochs.clone(),
             inbox,
             outboxes,
-        })
+        }))
+    }
+}
+
+/// What [`Slot::take_cut`] found.
+enum Taken {
+    Cut(Box<SlotCut>),
+    /// The merge cannot be cut at this boundary (see [`crate::merge::Merge::cut`]).
+    NotHere,
+    /// The inbox or an outbox is closed: the slot is going.
+    Closed,
+}
+
+impl Taken {
+    /// The cut, or None (the slot cannot be cut here).
+    fn cut(self) -> Option<SlotCut> {
+        match self {
+            Taken::Cut(c) => Some(*c),
+            Taken::NotHere | Taken::Closed => None,
+        }
     }
 }
 
@@ -424,7 +459,8 @@ impl Worker {
     }
 
     /// Take a cut of `slot` at its next heartbeat-cycle boundary: [`Worker::next`] hands
-    /// it out as [`Work::Cut`] right after the heartbeat leaves. A slot that is not
+    /// it out as [`Work::Cut`] right after the heartbeat leaves (KaZoo: at a later one if
+    /// the merge holds part of a batch there, see [`crate::merge::Merge::cut`]). A slot that is not
     /// served any more (it finished) hands out `cut: None` at once.
     pub fn request_cut(&mut self, slot: usize) -> Result<()> {
         let s = self.slot(slot)?;

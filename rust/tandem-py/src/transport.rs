@@ -482,18 +482,24 @@ impl OrderRouter {
         self.feeds.entry(slot).or_default().push(feed.inner.clone());
     }
 
-    /// Offer one message of the order log, in log order. Orders for partitions with no
-    /// feed here are skipped. Returns what was not followed, as `(slot, verdict, epoch,
-    /// version, current epoch)` (`verdict`: `"stale"` or `"replayed"`); raises
-    /// `ProtocolError` for a message that is not whole Order frames and `ConfigError` for
-    /// an order naming a channel its task does not have.
-    fn offer(&self, py: Python<'_>, message: &[u8]) -> PyResult<Vec<Ignored>> {
+    /// Offer the message at `offset` of the order log, in log order. Orders for
+    /// partitions with no feed here are skipped, and so is every order for a feed whose
+    /// log was read past `offset` already (a replica rebuilt from a twin's cut, whose
+    /// reader starts at or before the twin's place). Returns what was not followed, as
+    /// `(slot, verdict, epoch, version, current epoch)` (`verdict`: `"stale"` or
+    /// `"replayed"`); raises `ProtocolError` for a message that is not whole Order frames
+    /// and `ConfigError` for an order naming a channel its task does not have.
+    fn offer(&self, py: Python<'_>, message: &[u8], offset: u64) -> PyResult<Vec<Ignored>> {
         let ignored = py
             .detach(|| {
                 let mut ignored = Vec::new();
                 for part in split_message(message)? {
                     for feed in self.feeds.get(&part.slot).into_iter().flatten() {
-                        let verdict = feed.offer(part.epoch, part.version, &part.entries)?;
+                        let Some(verdict) =
+                            feed.offer_at(offset, part.epoch, part.version, &part.entries)?
+                        else {
+                            continue;
+                        };
                         let current = match verdict {
                             Verdict::Followed => continue,
                             Verdict::Stale { current, .. } => current,
@@ -507,6 +513,9 @@ impl OrderRouter {
                             current,
                         ));
                     }
+                }
+                for feed in self.feeds.values().flatten() {
+                    feed.read_through(offset + 1);
                 }
                 Ok(ignored)
             })
