@@ -980,14 +980,7 @@ def paper(
     wall = time.monotonic() - t
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "tandem": td.__version__,
-        "build": td.build_profile,
-        "cpus": os.cpu_count(),
-        "started": started,
-        "command": command,
-        "wall_s": round(wall, 1),
-    }
+    meta = run_meta(started, command, wall)
     doc = {
         "experiment": "paper",
         **meta,
@@ -1005,15 +998,28 @@ def paper(
     return doc
 
 
-def check_selection(experiments, configs) -> None:
-    """Raise ConfigError for an unknown or empty selection, before anything runs."""
-    for what, given, known in (
-        ("experiments", experiments, EXPERIMENTS),
-        ("configs", configs, ALL_CONFIGS),
-    ):
-        unknown = sorted(set(given) - set(known))
+def run_meta(started: str, command: str, wall_s: float) -> dict:
+    """What a report says of its run: version, build, cores, start, command, wall time."""
+    return {
+        "tandem": td.__version__,
+        "build": td.build_profile,
+        "cpus": os.cpu_count(),
+        "started": started,
+        "command": command,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def check_selection(
+    experiments, configs, known=(EXPERIMENTS, ALL_CONFIGS), command: str = "bench paper"
+) -> None:
+    """Raise ConfigError for an unknown or empty selection, before anything runs; ``known``:
+    the experiments and the configurations ``command`` has."""
+    names, selection = ("experiments", "configs"), (experiments, configs)
+    for what, given, choices in zip(names, selection, known, strict=True):
+        unknown = sorted(set(given) - set(choices))
         if unknown or not given:
             raise td.ConfigError(
-                f"bench paper: --{what}: unknown {unknown or '(none given)'}; choose from "
-                f"{','.join(known)}"
+                f"{command}: --{what}: unknown {unknown or '(none given)'}; choose from "
+                f"{','.join(choices)}"
             )

@@ -77,16 +77,8 @@ QUICK = Settings(sizes=(1,), duration_s=6.0, kill_at_s=2.0, fault=bench_paper.QU
 
 def check_selection(experiments, configs) -> None:
     """Raise ConfigError for an unknown or empty selection, before anything runs."""
-    for what, given, known in (
-        ("experiments", experiments, EXPERIMENTS),
-        ("configs", configs, FAULT_CONFIGS),
-    ):
-        unknown = sorted(set(given) - set(known))
-        if unknown or not given:
-            raise td.ConfigError(
-                f"bench recovery: --{what}: unknown {unknown or '(none given)'}; choose from "
-                f"{','.join(known)}"
-            )
+    known = (EXPERIMENTS, FAULT_CONFIGS)
+    bench_paper.check_selection(experiments, configs, known, "bench recovery")
 
 
 def fault_cases(settings: Settings, configs) -> list[bench_paper.Case]:
@@ -202,14 +194,7 @@ def recovery(
     if "fault" in experiments:
         fault_rows = bench_paper.run_all(fault_cases(settings, configs), kazoo, log)
         bench_paper.add_ratios(fault_rows)
-    meta = {
-        "tandem": td.__version__,
-        "build": td.build_profile,
-        "cpus": os.cpu_count(),
-        "started": started,
-        "command": command,
-        "wall_s": round(time.monotonic() - t, 1),
-    }
+    meta = bench_paper.run_meta(started, command, time.monotonic() - t)
     doc = {
         "experiment": "recovery",
         **meta,
