@@ -784,6 +784,7 @@ def _rates(experiment: str, rows: list[Row]) -> str:
 
 COLORS = {
     "r1": "#4c72b0",
+    PASSIVE: "#dd8452",
     "none": "#8c8c8c",
     "liverobin": "#55a868",
     "kazoo": "#c44e52",
