@@ -1,9 +1,11 @@
 """`tandem bench mib1` / `throughput`: every row says whether its output was complete and
 unrepeated, by a sequence check at the sink (the reference executor would take too long at
-their rates)."""
+their rates). `tandem bench failover` and `tandem bench recovery` (restore r against state
+size, and the fault experiment beside it), checked against the reference executor."""
 
 import dataclasses
 import io
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -11,6 +13,7 @@ import pytest
 
 import tandem as td
 from tandem import bench
+from tandem.cli import main
 
 
 def _batch(seqs) -> pa.RecordBatch:
@@ -76,3 +79,52 @@ def test_failover_states_its_peak_as_a_ratio_to_a_fault_free_run():
     assert row.peak_after_ms == max(v for v in row.per_second_p99_ms[2:8] if v is not None)
     assert row.fault_free_peak_ms > 0
     assert row.peak_ratio == round(row.peak_after_ms / row.fault_free_peak_ms, 2)
+
+
+def test_recovery_runs_the_restore_rows_and_the_fault_experiment_in_one_invocation(
+    tmp_path, capsys
+):
+    """`tandem bench recovery --quick`: restore r with 1 MiB of state, then the fault
+    experiment of `tandem bench paper` (passive and LiveRobin here; KaZoo runs in
+    tests/test_bench_paper.py), one report, one JSON, one PNG."""
+    doc_path, plot = tmp_path / "recovery.json", tmp_path / "fault.png"
+    argv = ["bench", "recovery", "--quick", "--configs", "passive,liverobin"]
+    code = main([*argv, "--json", str(doc_path), "--plot", str(plot)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out[-4000:] + printed.err[-4000:]
+    doc = json.loads(doc_path.read_text())
+    assert doc["experiments"] == ["restore", "fault"] and doc["failures"] == []
+    (restore,) = doc["restore_rows"]
+    assert restore["state_mb"] == 1 and restore["rebuilt"] > 0 and restore["restore_ms"] > 0
+    assert (restore["lost"], restore["duplicates"], restore["digests_match"]) == (0, 0, True)
+    faults = doc["fault_rows"]
+    assert [(r["config"], r["variant"]) for r in faults] == [
+        ("passive", "kill replica 0"),
+        ("liverobin", "kill replica 0"),
+    ]
+    for r in faults:
+        assert r["status"] == "ok", (r["config"], r["error"])
+        assert (r["lost"], r["duplicates"], r["digests_match"]) == (0, 0, True), r["config"]
+        assert r["kill"] == "map2[0] 0" and r["victim"] is not None, r["config"]
+        assert r["max_gap_ms"] > 0 and r["peak_p99_after_ms"] > 0, r["config"]
+    md = doc["markdown"]
+    assert md in printed.out
+    assert "### Restoring r against state size" in md and "| 1 MiB | " in md
+    assert "| length 3 | passive | kill replica 0 | " in md
+    assert "| length 3 | liverobin | kill replica 0 | " in md
+    assert doc["figures"] == [str(plot)]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_recovery_cli_refuses_what_it_cannot_run(capsys):
+    assert main(["bench", "recovery", "--configs", "none"]) == 2
+    assert "--configs: unknown ['none']" in capsys.readouterr().err
+    assert main(["bench", "recovery", "--experiments", "mib1"]) == 2
+    assert "--experiments: unknown ['mib1']" in capsys.readouterr().err
+    assert main(["bench", "recovery", "--sizes", "1,x"]) == 2
+    assert "--sizes '1,x': MiB of state per partition" in capsys.readouterr().err
+    assert main(["bench", "recovery", "--out", "x"]) == 2
+    assert "--out: not for `tandem bench recovery`" in capsys.readouterr().err
+    assert main(["bench", "mib1", "--experiments", "fault"]) == 2
+    err = capsys.readouterr().err
+    assert "for `tandem bench paper` or `tandem bench recovery` only" in err

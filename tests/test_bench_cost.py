@@ -158,7 +158,10 @@ def test_cost_options_are_checked_before_anything_runs(kwargs, message):
 def test_cost_flags_belong_to_the_cost_bench(capsys):
     assert main(["bench", "mib1", "--quick"]) == 2
     err = capsys.readouterr().err
-    assert "--quick: for `tandem bench cost` or `tandem bench paper` only" in err
+    assert (
+        "--quick: for `tandem bench cost`, `tandem bench paper` or `tandem bench recovery` only"
+        in err
+    )
     assert main(["bench", "mib1", "--idle-rate", "5"]) == 2
     assert "--idle-rate: for `tandem bench cost` only" in capsys.readouterr().err
     assert main(["bench", "cost", "--configs", "r1,kazoo"]) == 2

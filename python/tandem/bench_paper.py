@@ -699,60 +699,73 @@ def _note(r: Row) -> str:
     return "; ".join(notes)
 
 
+LEGEND = (
+    "Latency in ms: sink receive time - source release time, after the warm-up (p50 / "
+    "p99 / max). lost / dup: rows missing / repeated at the sink, checked (a sequence "
+    "check at the sink, or row by row against the reference executor). CPU: CPU-seconds "
+    "of the job's processes in the steady state per million events. RSS: the processes' "
+    "peak resident memory, summed. x r1: against the r1 row of the same point in this "
+    "run. paper: the paper's figure for the cell (37 servers; p50 / p99 ms unless said)."
+)
+"""What the columns of :func:`experiment_table` mean."""
+
+
+def headline(meta: dict) -> str:
+    """The report's first line: version, build, cores, when, the command, how long."""
+    return (
+        f"tandem {meta['tandem']} ({meta['build']} build), {meta['cpus']} cores, "
+        f"{meta['started']}: `{meta['command']}`, {_clock(meta['wall_s'])} in all."
+    )
+
+
 def markdown(rows: list[Row], meta: dict) -> str:
     """The report: a table per experiment, the paper's figures beside ours."""
-    out = [
-        f"tandem {meta['tandem']} ({meta['build']} build), {meta['cpus']} cores, "
-        f"{meta['started']}: `{meta['command']}`, {_clock(meta['wall_s'])} in all.",
-        "",
-        "Latency in ms: sink receive time - source release time, after the warm-up (p50 / "
-        "p99 / max). lost / dup: rows missing / repeated at the sink, checked (a sequence "
-        "check at the sink, or row by row against the reference executor). CPU: CPU-seconds "
-        "of the job's processes in the steady state per million events. RSS: the processes' "
-        "peak resident memory, summed. x r1: against the r1 row of the same point in this "
-        "run. paper: the paper's figure for the cell (37 servers; p50 / p99 ms unless said).",
-    ]
+    out = [headline(meta), "", LEGEND]
     for experiment in dict.fromkeys(r.experiment for r in rows):
-        rs = [r for r in rows if r.experiment == experiment]
-        ran = next((r for r in rs if r.status == "ok"), rs[0])
-        faulty = experiment in FAULT_EXPERIMENTS
-        run = (
-            ""
-            if ran.duration_s is None
-            else f"{ran.duration_s:g} s runs, warm-up {ran.warmup_s:g} s"
-        )
-        if faulty and ran.duration_s is not None:
-            run += f", kill at {ran.duration_s / 2:g} s"
-        out += ["", f"### {TITLES[experiment]}", "", f"{_rates(experiment, rs)}; {run}.", ""]
-        head = ["point", "config"] + (["fault"] if faulty else [])
-        head += ["p50", "p99", "max"]
-        head += ["longest gap", "p99 before", "peak p99 after"] if faulty else []
-        head += ["lost", "dup", "CPU-s / M ev", "RSS MB", "p99 x r1", "CPU x r1", "paper", "note"]
-        out += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        for r in rs:
-            point = r.group + (f", {r.variant}" if r.variant and not faulty else "")
-            cells = [point, r.config] + ([r.variant or "—"] if faulty else [])
-            cells += [_cell(r.p50_ms), _cell(r.p99_ms), _cell(r.max_ms)]
-            if faulty:
-                cells += [_cell(r.max_gap_ms), _cell(r.p99_before_ms), _cell(r.peak_p99_after_ms)]
-            cells += [
-                _cell(r.lost),
-                _cell(r.duplicates),
-                _cell(r.cpu_s_per_m_events, 0),
-                _cell(r.rss_mb_total, 0),
-                _cell(r.p99_ratio_vs_r1, 2, "x"),
-                _cell(r.cpu_ratio_vs_r1, 2, "x"),
-                r.paper or "—",
-                _note(r),
-            ]
-            out.append("| " + " | ".join(cells) + " |")
-        out += ["", f"The paper: {PAPER_NOTES[experiment]}"]
+        out += ["", *experiment_table(rows, experiment)]
     out += [
         "",
         "Not in this table: Spark Structured Streaming (`tandem bench spark` runs MiB1 of "
         "length 3 on it, with a driver kill).",
     ]
     return "\n".join(out)
+
+
+def experiment_table(rows: list[Row], experiment: str) -> list[str]:
+    """The lines of one experiment's section: its title, what ran, a row per case (fault
+    experiments: the kill, the longest output gap, the per-second p99 before the kill and
+    its peak after), and what the paper reports."""
+    rs = [r for r in rows if r.experiment == experiment]
+    ran = next((r for r in rs if r.status == "ok"), rs[0])
+    faulty = experiment in FAULT_EXPERIMENTS
+    run = "" if ran.duration_s is None else f"{ran.duration_s:g} s runs, warm-up {ran.warmup_s:g} s"
+    if faulty and ran.duration_s is not None:
+        run += f", kill at {ran.duration_s / 2:g} s"
+    out = [f"### {TITLES[experiment]}", "", f"{_rates(experiment, rs)}; {run}.", ""]
+    head = ["point", "config"] + (["fault"] if faulty else [])
+    head += ["p50", "p99", "max"]
+    head += ["longest gap", "p99 before", "peak p99 after"] if faulty else []
+    head += ["lost", "dup", "CPU-s / M ev", "RSS MB", "p99 x r1", "CPU x r1", "paper", "note"]
+    out += ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rs:
+        point = r.group + (f", {r.variant}" if r.variant and not faulty else "")
+        cells = [point, r.config] + ([r.variant or "—"] if faulty else [])
+        cells += [_cell(r.p50_ms), _cell(r.p99_ms), _cell(r.max_ms)]
+        if faulty:
+            cells += [_cell(r.max_gap_ms), _cell(r.p99_before_ms), _cell(r.peak_p99_after_ms)]
+        cells += [
+            _cell(r.lost),
+            _cell(r.duplicates),
+            _cell(r.cpu_s_per_m_events, 0),
+            _cell(r.rss_mb_total, 0),
+            _cell(r.p99_ratio_vs_r1, 2, "x"),
+            _cell(r.cpu_ratio_vs_r1, 2, "x"),
+            r.paper or "—",
+            _note(r),
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", f"The paper: {PAPER_NOTES[experiment]}"]
+    return out
 
 
 def _rates(experiment: str, rows: list[Row]) -> str:
@@ -771,6 +784,7 @@ def _rates(experiment: str, rows: list[Row]) -> str:
 
 COLORS = {
     "r1": "#4c72b0",
+    PASSIVE: "#dd8452",
     "none": "#8c8c8c",
     "liverobin": "#55a868",
     "kazoo": "#c44e52",
@@ -904,17 +918,23 @@ def plot_over_time(rows: list[Row], experiment: str, path: str) -> None:
     plt.close(fig)
 
 
-def write_figures(rows: list[Row], out_dir: Path, log=None) -> list[str]:
-    """Every figure as a PNG in ``out_dir``; [] (and a line on ``log``) without matplotlib."""
-    log = log or sys.stderr
+def can_plot(log=None) -> bool:
+    """Whether matplotlib can be imported; if not, a line on ``log`` says so."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print(
             "no figures: matplotlib is not installed (pip install 'tandem-stream[plot]'); "
             "the JSON and Markdown are written all the same",
-            file=log,
+            file=log or sys.stderr,
         )
+        return False
+    return True
+
+
+def write_figures(rows: list[Row], out_dir: Path, log=None) -> list[str]:
+    """Every figure as a PNG in ``out_dir``; [] (and a line on ``log``) without matplotlib."""
+    if not can_plot(log):
         return []
     written = []
     for experiment in dict.fromkeys(r.experiment for r in rows if r.status == "ok"):
@@ -961,14 +981,7 @@ def paper(
     wall = time.monotonic() - t
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "tandem": td.__version__,
-        "build": td.build_profile,
-        "cpus": os.cpu_count(),
-        "started": started,
-        "command": command,
-        "wall_s": round(wall, 1),
-    }
+    meta = run_meta(started, command, wall)
     doc = {
         "experiment": "paper",
         **meta,
@@ -986,15 +999,28 @@ def paper(
     return doc
 
 
-def check_selection(experiments, configs) -> None:
-    """Raise ConfigError for an unknown or empty selection, before anything runs."""
-    for what, given, known in (
-        ("experiments", experiments, EXPERIMENTS),
-        ("configs", configs, ALL_CONFIGS),
-    ):
-        unknown = sorted(set(given) - set(known))
+def run_meta(started: str, command: str, wall_s: float) -> dict:
+    """What a report says of its run: version, build, cores, start, command, wall time."""
+    return {
+        "tandem": td.__version__,
+        "build": td.build_profile,
+        "cpus": os.cpu_count(),
+        "started": started,
+        "command": command,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def check_selection(
+    experiments, configs, known=(EXPERIMENTS, ALL_CONFIGS), command: str = "bench paper"
+) -> None:
+    """Raise ConfigError for an unknown or empty selection, before anything runs; ``known``:
+    the experiments and the configurations ``command`` has."""
+    names, selection = ("experiments", "configs"), (experiments, configs)
+    for what, given, choices in zip(names, selection, known, strict=True):
+        unknown = sorted(set(given) - set(choices))
         if unknown or not given:
             raise td.ConfigError(
-                f"bench paper: --{what}: unknown {unknown or '(none given)'}; choose from "
-                f"{','.join(known)}"
+                f"{command}: --{what}: unknown {unknown or '(none given)'}; choose from "
+                f"{','.join(choices)}"
             )

@@ -384,10 +384,13 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.experiment == "paper":
         return _bench_paper(args)
+    if args.experiment == "recovery":
+        return _bench_recovery(args)
     given = [f"--{f}" for f in PAPER_ONLY_FLAGS if getattr(args, f) is not None]
     if given:
+        where = "paper` or `tandem bench recovery" if given == ["--experiments"] else "paper"
         raise tandem.ConfigError(
-            f"{', '.join(given)}: for `tandem bench paper` only, not `tandem bench "
+            f"{', '.join(given)}: for `tandem bench {where}` only, not `tandem bench "
             f"{args.experiment}`"
         )
     if args.experiment == "cost":
@@ -396,24 +399,17 @@ def _bench(args: argparse.Namespace) -> int:
         f"--{f.replace('_', '-')}" for f in COST_ONLY_FLAGS if getattr(args, f) not in (None, False)
     ]
     if given:
-        where = "cost` or `tandem bench paper" if given == ["--quick"] else "cost"
+        where = (
+            "cost`, `tandem bench paper` or `tandem bench recovery"
+            if given == ["--quick"]
+            else "cost"
+        )
         raise tandem.ConfigError(
             f"{', '.join(given)}: for `tandem bench {where}` only, not `tandem bench "
             f"{args.experiment}`"
         )
     args.rate = 5_000 if args.rate is None else args.rate
     args.warmup = 30.0 if args.warmup is None else args.warmup
-    if args.experiment == "recovery":
-        sizes = [float(x) for x in (args.sizes or "1,10,100").split(",")]
-        rows = bench.recovery(sizes=sizes, rate=args.rate, duration=args.duration or 12.0)
-        out = {"experiment": "recovery", "rows": [vars(r) for r in rows]}
-        print(
-            bench.table(
-                [{k: v for k, v in vars(r).items() if k != "per_second_p99_ms"} for r in rows]
-            )
-        )
-        _write_json(args.json, out)
-        return 0
     if args.experiment == "spark":
         # An engine package's own benchmark, found through its entry point.
         spark_bench = engines.load(engines.BENCHMARK_GROUP, "spark", "benchmark")
@@ -563,18 +559,11 @@ def _bench_paper(args: argparse.Namespace) -> int:
 
     from tandem import bench_paper
 
-    not_here = [
-        f for f in COST_ONLY_FLAGS if f != "quick" and getattr(args, f) not in (None, False)
-    ]
-    not_here += [f for f in ("json", "plot", "master") if getattr(args, f) is not None]
-    if args.lengths != "1,2,3,4":
-        not_here.append("lengths")
-    if not_here:
-        flags = ", ".join(f"--{f.replace('_', '-')}" for f in not_here)
-        raise tandem.ConfigError(
-            f"{flags}: not for `tandem bench paper` (it writes JSON, Markdown and figures "
-            "into --out DIR)"
-        )
+    _reject(
+        args,
+        ("json", "plot", "master"),
+        "not for `tandem bench paper` (it writes JSON, Markdown and figures into --out DIR)",
+    )
     settings = bench_paper.QUICK if args.quick else bench_paper.FULL
     if args.rate is not None:
         settings = replace(settings, rate=args.rate)
@@ -593,19 +582,8 @@ def _bench_paper(args: argparse.Namespace) -> int:
             print(f"({', '.join(idle)}: nothing to run with --configs {args.configs}; left out)")
             experiments = tuple(e for e in experiments if e not in idle)
     out_dir = args.out or "out/paper"
-    command = "tandem bench paper" + "".join(
-        f" {flag} {value}" if value is not True else f" {flag}"
-        for flag, value in (
-            ("--quick", args.quick or None),
-            ("--experiments", args.experiments),
-            ("--configs", args.configs),
-            ("--rate", args.rate),
-            ("--duration", args.duration),
-            ("--warmup", args.warmup),
-            ("--out", args.out),
-        )
-        if value is not None
-    )
+    command = _command(args, "paper", "quick", "experiments", "configs", "rate", "duration")
+    command += _command(args, "", "warmup", "out")
     expected = sum(bench_paper.estimate_s(c) for c in cases)
     print(
         f"tandem {tandem.__version__} ({tandem.build_profile} build) bench paper"
@@ -624,6 +602,35 @@ def _bench_paper(args: argparse.Namespace) -> int:
     print()
     print(Path(out_dir, "paper.md").read_text())
     print(f"wrote {out_dir}/paper.json, {out_dir}/paper.md", flush=True)
+    return _report_written(doc)
+
+
+def _reject(args: argparse.Namespace, flags: tuple[str, ...], why: str) -> None:
+    """Raise ConfigError naming every flag given that this bench does not take: ``flags``
+    and those of `tandem bench cost` only (``why`` says why)."""
+    not_here = [
+        f for f in COST_ONLY_FLAGS if f != "quick" and getattr(args, f) not in (None, False)
+    ]
+    not_here += [f for f in flags if getattr(args, f) is not None]
+    if args.lengths != "1,2,3,4":
+        not_here.append("lengths")
+    if not_here:
+        given = ", ".join(f"--{f.replace('_', '-')}" for f in not_here)
+        raise tandem.ConfigError(f"{given}: {why}")
+
+
+def _command(args: argparse.Namespace, experiment: str, *flags: str) -> str:
+    """``tandem bench EXPERIMENT`` (nothing if empty) and the ``flags`` given, as typed."""
+    out = f"tandem bench {experiment}" if experiment else ""
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is not None and value is not False:
+            out += f" --{flag}" + ("" if value is True else f" {value}")
+    return out
+
+
+def _report_written(doc: dict) -> int:
+    """Print the figures written and what failed; 1 if anything did, else 0."""
     for f in doc["figures"]:
         print(f"wrote {f}")
     if doc["failures"]:
@@ -632,6 +639,69 @@ def _bench_paper(args: argparse.Namespace) -> int:
             print(f"  {f}", file=sys.stderr)
         return 1
     return 0
+
+
+def _bench_recovery(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tandem import bench_recovery as br
+
+    _reject(
+        args,
+        ("out", "master"),
+        "not for `tandem bench recovery` (its options: --experiments, --sizes, --configs, "
+        "--rate, --duration, --warmup, --session-timeout, --quick, --json, --plot)",
+    )
+    settings = (br.QUICK if args.quick else br.FULL).with_flags(
+        args.rate, args.duration, args.warmup, args.session_timeout
+    )
+    if args.sizes:
+        try:
+            sizes = tuple(float(x) for x in _csv(args.sizes))
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) <= 0:
+            raise tandem.ConfigError(
+                f"--sizes {args.sizes!r}: MiB of state per partition, positive numbers "
+                "separated by commas (e.g. 1,10,100)"
+            )
+        settings = replace(settings, sizes=sizes)
+    experiments = _csv(args.experiments) or br.EXPERIMENTS
+    configs = _csv(args.configs) or br.FAULT_CONFIGS
+    br.check_selection(experiments, configs)
+    json_path = args.json or "out/recovery.json"
+    plot_path = args.plot or "out/recovery_fault_p99.png"
+    command = _command(args, "recovery", "quick", "experiments", "sizes", "configs", "rate")
+    command += _command(args, "", "duration", "warmup", "json", "plot")
+    parts = []
+    if "restore" in experiments:
+        parts.append(f"restore r with {', '.join(f'{mb:g}' for mb in settings.sizes)} MiB")
+    if "fault" in experiments:
+        parts.append(f"the fault experiment in {', '.join(configs)}")
+    expected = br.estimate_s(settings, experiments, configs)
+    about = f"{expected / 60:.0f} min" if expected >= 90 else f"{expected:.0f} s"
+    print(
+        f"tandem {tandem.__version__} ({tandem.build_profile} build) bench recovery: "
+        f"{'; '.join(parts)}; about {about}",
+        flush=True,
+    )
+    if tandem.build_profile != "release":
+        print("warning: a debug build: its timings say nothing about a release build", flush=True)
+    needed = "fault" in experiments and "kazoo" in configs
+    with _kazoo_services(needed, args.session_timeout) as kazoo:
+        doc = br.recovery(
+            settings,
+            experiments,
+            configs,
+            kazoo=kazoo,
+            json_path=json_path,
+            plot_path=plot_path,
+            command=command,
+        )
+    print()
+    print(doc["markdown"])
+    print(f"wrote {json_path}", flush=True)
+    return _report_written(doc)
 
 
 def _csv(value: str | None) -> tuple[str, ...]:
@@ -733,19 +803,22 @@ def main(argv: list[str] | None = None) -> int:
         "length 3 on the local engine, the Spark engine (with a replica kill) and Spark "
         "Structured Streaming (with a driver kill); cost: CPU, memory and "
         "time to first output of the demo and MiB1 length 3 at r = 1, 2 (LiveRobin, KaZoo) "
-        "and 3, under load and idle; paper: the paper's whole evaluation (MiB1-3, the "
+        "and 3, under load and idle; recovery: time to restore r against state size, and "
+        "the fault experiment (passive, LiveRobin, KaZoo) in the same run: a Markdown table, "
+        "JSON (--json) and a PNG (--plot); paper: the paper's whole evaluation (MiB1-3, the "
         "heartbeat sweep, the fault run, the BetterCloud-like application) in every "
         "configuration side by side, into --out DIR (JSON, Markdown, PNG figures)",
     )
     bench.add_argument(
         "--configs",
         help="mib1 or cost configurations, comma-separated (default: all; cost: r1,r2,r2-kazoo,r3; "
-        "paper: r1,passive,none,liverobin,kazoo)",
+        "paper: r1,passive,none,liverobin,kazoo; recovery, its fault runs: "
+        "r1,passive,liverobin,kazoo)",
     )
     bench.add_argument(
         "--experiments",
         help="paper: comma-separated, from mib1,mib2,mib3,heartbeat,fault,bettercloud "
-        "(default: all)",
+        "(default: all); recovery: from restore,fault (default: both)",
     )
     bench.add_argument("--out", metavar="DIR", help="paper: output folder (default out/paper)")
     bench.add_argument(
@@ -753,7 +826,9 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         metavar="S",
         help="failover run length (default 100; kill at half); cost: the loaded runs' "
-        "length (default 15); paper: each run's (default 15, fault runs twice that)",
+        "length (default 15); paper: each run's (default 15, fault runs twice that); "
+        "recovery: every run's (default 12 for the state sizes, kill at 4 s or a third; 30 "
+        "for the fault runs, kill at half)",
     )
     bench.add_argument(
         "--session-timeout",
@@ -762,14 +837,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="S",
         help="KaZoo ZooKeeper session timeout for the benchmarks (default 0.5)",
     )
-    bench.add_argument("--plot", metavar="PATH", help="failover, cost: PNG path")
+    bench.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="failover, cost, recovery: PNG path (recovery: default out/recovery_fault_p99.png)",
+    )
     bench.add_argument("--lengths", default="1,2,3,4", help="mib1 pipeline lengths")
     bench.add_argument(
         "--sizes", help="recovery: MiB of state per partition, comma-separated (default 1,10,100)"
     )
     bench.add_argument("--rate", type=int, metavar="EV_PER_S", help="default 5000")
     bench.add_argument(
-        "--warmup", type=float, metavar="S", help="default 30; cost: 5 (left out of latency)"
+        "--warmup",
+        type=float,
+        metavar="S",
+        help="default 30; cost: 5 (left out of latency); recovery: the fault runs' (5)",
     )
     bench.add_argument(
         "--idle-rate", type=int, metavar="EV_PER_S", help="cost: the idle runs' rate (10)"
@@ -788,11 +870,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="cost: 1000 ev/s for 3 s (warm-up 1 s), idle 3 s: short runs for CI (about "
         "3 min on 2 cores, mostly process start-up); paper: every experiment briefly, one "
-        "point each, 1.5 s runs (3 s with a fault): for CI, under 3 min",
+        "point each, 1.5 s runs (3 s with a fault): for CI, under 3 min; recovery: 1 MiB "
+        "(6 s) and the fault runs of paper --quick",
     )
     bench.add_argument("--measure", type=float, default=30.0, metavar="S")
     bench.add_argument("--master", metavar="URL", help="Spark master for the spark experiment")
-    bench.add_argument("--json", metavar="PATH")
+    bench.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the rows as JSON (recovery: default out/recovery.json)",
+    )
     bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
