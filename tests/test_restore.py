@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import os
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -176,3 +177,38 @@ def test_ballast_state_survives_a_snapshot_and_restore():
     assert b.state["batches"] == 5
     assert b.state["bytes"].tobytes() == a.state["bytes"].tobytes()
     assert a.state["bytes"][:5].tolist() == [1, 1, 1, 1, 1]
+
+
+def _child_writes(path: str, data: bytes | None) -> int:
+    """Fork a child that writes ``data`` as a cut's state file (None: it fails)."""
+    from tandem.runtime import Resume
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if data is not None:
+                Resume((0,), data)._to_file(path, keep=False)
+                code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def test_a_cut_written_by_a_child_comes_back_inline_as_a_file_or_not_at_all(tmp_path):
+    """The twin's side of a rebuild (Replica.cut_in_child): a forked child writes the
+    state; the cut is sent once it is done — a small state read back inline, a large one
+    as the file — and a child that failed makes it a cut not taken (a later one is tried)."""
+    from tandem.runtime import Resume
+
+    small, large = tmp_path / "small.state", tmp_path / "large.state"
+    pending = Resume((7,), b"", str(small), writer=_child_writes(str(small), b"x" * 10))
+    done = pending.written(inline_below=1 << 20)
+    assert done == Resume((7,), b"x" * 10) and not small.exists()
+    pending = Resume((7,), b"", str(large), writer=_child_writes(str(large), b"y" * 100))
+    done = pending.written(inline_below=50)
+    assert done.writer is None and done.state_file == str(large) and done.load() == b"y" * 100
+    failed = tmp_path / "failed.state"
+    failed.write_bytes(b"")
+    pending = Resume((7,), b"", str(failed), writer=_child_writes(str(failed), None))
+    assert pending.written() is None and not failed.exists()

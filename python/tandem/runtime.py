@@ -43,9 +43,11 @@ import itertools
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -75,6 +77,11 @@ CREDIT_POLL_S = 0.001
 """How soon a worker looks again at a source whose downstream links are backed up."""
 
 METRICS_EVERY_S = 1.0
+#: How long a child writing a cut's state may take (:meth:`Resume.written`).
+WRITER_TIMEOUT_S = 60.0
+#: Whether a rebuild's cut snapshots the operator's state in a forked child
+#: (:meth:`Replica.cut_in_child`): Linux only, where fork is cheap and the usual start.
+FORK_CUTS = sys.platform == "linux"
 """How often a worker hands :attr:`Worker.on_metrics` a snapshot, when the engine asks for
 them (:mod:`tandem.metrics`)."""
 
@@ -128,12 +135,47 @@ class Resume:
     file instead (``state_file``, written by the twin's worker, read once and removed by
     the rebuilt replica's): it then crosses no process but the two that need it. A
     checkpoint's state file (``Job(checkpoint_ms=...)``) belongs to the checkpoint
-    (``keep_file``): read, never removed by the replica."""
+    (``keep_file``): read, never removed by the replica. ``writer``: the PID of the child
+    process still writing ``state_file`` (:meth:`Replica.cut_in_child`); wait for it with
+    :meth:`written` before the cut goes anywhere."""
 
     cut: tuple
     state: bytes
     state_file: str | None = None
     keep_file: bool = False
+    writer: int | None = None
+
+    def written(self, inline_below: int = 0, timeout: float = WRITER_TIMEOUT_S) -> Resume | None:
+        """Wait for the child writing the state file; this cut without it — a state under
+        ``inline_below`` bytes read back into the cut and its file removed — or None if
+        the child failed (or took longer than ``timeout``: it is killed): the caller then
+        reports the cut as not taken and a later one is tried."""
+        if self.writer is None:
+            return self
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status = os.waitpid(self.writer, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                with contextlib.suppress(OSError):
+                    os.kill(self.writer, 9)
+                _, status = os.waitpid(self.writer, 0)
+                log.warning("writing a cut's state took over %g s: abandoned", timeout)
+                break
+            time.sleep(0.002)
+        path = self.state_file
+        if os.waitstatus_to_exitcode(status) != 0 or path is None:
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            return None
+        if os.path.getsize(path) < inline_below:
+            with open(path, "rb") as f:
+                state = f.read()
+            os.unlink(path)
+            return Resume(self.cut, state)
+        return Resume(self.cut, b"", path, self.keep_file)
 
     @property
     def epoch(self) -> int:
@@ -400,6 +442,31 @@ class Replica:
             return Resume(cut, json.dumps(position).encode())
         state = self._inst.snapshot() if self._inst is not None else b""
         return Resume(cut, state)
+
+    def cut_in_child(self, cut: tuple | None, folder: str) -> Resume | None:
+        """:meth:`cut`, with the operator's state snapshotted and written to a new file
+        in ``folder`` by a forked child: the child sees the state as it is at the cut
+        (copy-on-write), and this replica goes on at once instead of pausing for the
+        snapshot's copy (about 120 ms for 100 MiB here; a fork of such a worker about
+        1.5 ms). The returned cut's ``writer`` is the child: see :meth:`Resume.written`.
+        Replicas with no operator state to speak of take :meth:`cut` as usual."""
+        if cut is None or self._inst is None or self.log_reader is not None or not FORK_CUTS:
+            return self.cut(cut)
+        fd, path = tempfile.mkstemp(dir=folder, suffix=".state")
+        os.close(fd)
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of fork in a threaded process: the child runs only the
+            # operator's snapshot() and a file write, then leaves by os._exit.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child
+            code = 1
+            try:
+                Resume(cut, self._inst.snapshot())._to_file(path, keep=False)
+                code = 0
+            finally:
+                os._exit(code)
+        return Resume(cut, b"", path, writer=pid)
 
     def log_resume(self) -> tuple[int, int, int]:
         """A rebuilt log source's ``(heartbeat, next offset, data rows before it)``."""
@@ -763,7 +830,12 @@ class Worker:
         (:meth:`request_cut`, :meth:`link`); any thread may add to it."""
         self.on_cut = None
         """Called (from the worker thread) with ``(rid, Resume | None, token)`` for every
-        cut taken on the engine's request."""
+        cut taken on the engine's request (a cut whose ``writer`` is set is still being
+        written: :meth:`Resume.written`)."""
+        self.state_folder = lambda token: None
+        """The folder where the state of the cut asked for with ``token`` should be
+        written (None: it travels in the cut): the replica's state is then snapshotted in
+        a forked child (:meth:`Replica.cut_in_child`)."""
         self.on_link = None
         """Called with ``(upstream rid, downstream rid, error or None)`` after a link."""
         self.on_evicted = None
@@ -1047,8 +1119,11 @@ class Worker:
         checkpoint = item.at is not None  # a checkpoint's aligned cut
         if checkpoint and self._checkpoints.get(item.slot) != item.at:
             return  # replaced by a later checkpoint
+        tokens = [] if checkpoint else self._cuts.get(item.slot, [])
+        # One rebuild asking, with a folder for its state: written by a forked child.
+        folder = self.state_folder(tokens[0]) if len(tokens) == 1 else None
         try:
-            taken = rep.cut(item.cut)
+            taken = rep.cut(item.cut) if folder is None else rep.cut_in_child(item.cut, folder)
         except Exception:
             what = "a checkpoint's cut" if checkpoint else "a cut"
             log.exception("%s: taking %s failed", rep.name, what)

@@ -196,7 +196,10 @@ def serve(
 
         def run() -> None:
             nonlocal taken
-            if taken is not None and folder is not None and len(taken.state) >= SPILL_BYTES:
+            if taken is not None and taken.writer is not None:
+                # A child writes the state to the folder; a small one comes back inline.
+                taken = taken.written(inline_below=SPILL_BYTES)
+            elif taken is not None and folder is not None and len(taken.state) >= SPILL_BYTES:
                 try:
                     taken = taken.spilled(folder)
                 except OSError as exc:
@@ -215,6 +218,7 @@ def serve(
                 sending.release()
 
     worker.on_cut = send_cut
+    worker.state_folder = folders.get
     worker.on_metrics = send_metrics
 
     checkpoints: dict[int, str] = {}  # checkpoint epoch -> its folder
