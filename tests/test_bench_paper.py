@@ -258,6 +258,8 @@ def test_cli_rejects_what_paper_cannot_run(capsys):
     assert "sss runs in mib1 and fault" in capsys.readouterr().err
     assert main(["bench", "paper", "--quick", "--experiments", "fault", "--configs", "sss"]) == 2
     assert "not in fault with --quick" in capsys.readouterr().err
+    assert main(["bench", "paper", "--configs", "sss", "--duration", "8"]) == 2
+    assert "sss's warm-up (10 s) must be shorter than its 8 s mib1 runs" in capsys.readouterr().err
     assert main(["bench", "paper", "--json", "x.json"]) == 2
     assert "--json: not for `tandem bench paper`" in capsys.readouterr().err
     assert main(["bench", "mib1", "--out", "x"]) == 2

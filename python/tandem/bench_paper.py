@@ -436,6 +436,12 @@ def cases(settings: Settings, experiments, configs) -> list[Case]:
         if SSS in configs:
             kwargs = {"maps": length, "kill_driver_at": kill_at}
             warmup = s.spark_warmup_s
+            if not warmup < duration:
+                raise td.ConfigError(
+                    f"bench paper: sss's warm-up ({warmup:g} s) must be shorter than its "
+                    f"{duration:g} s {experiment} runs; give a longer --duration or a shorter "
+                    "--warmup, or leave sss out of --configs"
+                )
             out.append(
                 Case(
                     experiment,
