@@ -899,7 +899,7 @@ def not_in_table(rows: list[Row]) -> str:
     with_spark = {r.experiment for r in rows if r.config == SSS}
     if with_spark:
         lacking = [SPARK_NOT_HERE[e] for e in experiments if e not in with_spark]
-        spark = "Spark Structured Streaming in " + "; ".join(lacking) if lacking else ""
+        spark = "Spark Structured Streaming in " + ", ".join(lacking) if lacking else ""
     else:
         spark = (
             "Spark Structured Streaming (not selected; `--configs` with `sss` runs it in "
