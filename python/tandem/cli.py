@@ -763,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         metavar="S",
         help="failover run length (default 100; kill at half); cost: the loaded runs' "
-        "length (default 15); paper: each run's (default 15, fault runs twice that)",
+        "length (default 15); paper: each run's (default 15, fault and sss runs twice that)",
     )
     bench.add_argument(
         "--session-timeout",
