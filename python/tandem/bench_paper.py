@@ -1080,8 +1080,9 @@ def plot_over_time(rows: list[Row], experiment: str, path: str) -> None:
     fig, axes = plt.subplots(len(groups), 1, figsize=(8, 3.2 * len(groups)), dpi=120, squeeze=False)
     for ax, group in zip(axes[:, 0], groups, strict=True):
         for r in (r for r in rs if r.group == group):
-            xs = [s + 0.5 for s, v in enumerate(r.per_second_p99_ms) if v is not None]
-            ys = [v for v in r.per_second_p99_ms if v is not None]
+            # A second without output is a gap in the line, not a segment across it.
+            xs = [s + 0.5 for s in range(len(r.per_second_p99_ms))]
+            ys = [np.nan if v is None else v for v in r.per_second_p99_ms]
             style = "--" if r.variant == "kill follower" else "-"
             label = f"{r.config} ({r.variant})" if r.variant else r.config
             ax.plot(
