@@ -130,7 +130,8 @@ def test_structured_streaming_driver_kill_in_the_fault_experiment(tmp_path):
     assert spark["lost"] == 0 and spark["events_in"] == 12 * 5_000
     assert s["downtime_s"] > 0 and s["restart_s"]["first_output"] == s["downtime_s"]
     assert spark["max_ms"] >= 1_000 * s["downtime_s"] - 2
-    assert spark["peak_p99_after_ms"] is not None and spark["max_gap_ms"] is not None
+    assert spark["peak_p99_after_ms"] is not None
+    assert spark["max_gap_ms"] >= 1_000 * s["downtime_s"]  # the longest gap: downtime at least
     # foreachBatch is at-least-once across the crash: any duplicate is the one batch in
     # flight written again with the same events; idempotent by batch id, none is left.
     assert s["duplicate_batches"] <= 1

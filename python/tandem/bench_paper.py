@@ -660,6 +660,11 @@ def _run_spark(row: Row, case: Case) -> None:
         faults=[],
         rss_mb={},
     )
+    if res["downtime_s"] is not None:
+        # The longest gap after the warm-up is between two outputs; when the killed driver
+        # had written nothing after the warm-up, the hole the kill left starts before the
+        # first of them: from the kill, it lasts until the restarted driver's first output.
+        shaped.max_gap_ms = max(res["max_gap_ms"], 1_000 * res["downtime_s"])
     _measure(row, shaped, case)
     # A restarted driver replaces the killed one (they overlap only while the kernel tears
     # the old JVM down): the largest incarnation is what ran at once.
