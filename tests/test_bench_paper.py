@@ -1,14 +1,17 @@
 """`tandem bench paper`: the paper's evaluation, every configuration side by side.
 
 The end-to-end test runs the whole `--quick` set from the CLI, in-process, against the real
-ZooKeeper and Kafka (KaZoo), and checks that every experiment ran in every configuration it
-has, that no row of an exactly-once configuration lost or repeated a row, and that the JSON,
-the Markdown and the figures were written. The others check the pieces without running a job
-(the BetterCloud-like job on the reference executor only), fast.
+ZooKeeper and Kafka (KaZoo) and a real local Spark (Structured Streaming, `sss`), and checks
+that every experiment ran in every configuration it has, that no row of an exactly-once
+configuration lost or repeated a row, and that the JSON, the Markdown and the figures were
+written; another runs Structured Streaming's driver kill in the fault experiment. The others
+check the pieces without running a job (the BetterCloud-like job on the reference executor
+only), fast.
 """
 
 import json
 import sys
+from dataclasses import replace
 
 import pyarrow as pa
 import pytest
@@ -29,7 +32,7 @@ FIGURES = [
 ]
 
 EXPECTED_CONFIGS = {
-    "mib1": {"r1", "passive", "none", "liverobin", "kazoo"},
+    "mib1": {"r1", "passive", "none", "liverobin", "kazoo", "sss"},
     "mib2": {"r1", "passive", "none", "liverobin", "kazoo"},
     "mib3": {"r1", "passive", "none", "liverobin", "kazoo"},
     "heartbeat": {"r1", "liverobin"},
@@ -39,6 +42,7 @@ EXPECTED_CONFIGS = {
 
 
 @pytest.mark.slow
+@pytest.mark.spark
 @pytest.mark.timeout(900)
 def test_paper_quick_runs_every_experiment_in_every_configuration(
     zookeeper, kafka, tmp_path, capsys
@@ -51,7 +55,7 @@ def test_paper_quick_runs_every_experiment_in_every_configuration(
     assert doc["experiments"] == list(bp.EXPERIMENTS)
     rows = doc["rows"]
     runs = rows
-    assert len(runs) == len(bp.cases(bp.QUICK, bp.EXPERIMENTS, bp.ALL_CONFIGS)) == 28
+    assert len(runs) == len(bp.cases(bp.QUICK, bp.EXPERIMENTS, bp.ALL_CONFIGS)) == 29
     for experiment, configs in EXPECTED_CONFIGS.items():
         ran = {r["config"] for r in runs if r["experiment"] == experiment}
         assert ran == configs, experiment
@@ -71,6 +75,15 @@ def test_paper_quick_runs_every_experiment_in_every_configuration(
             assert r["p99_ratio_vs_r1"] == 1.0 and r["cpu_ratio_vs_r1"] == 1.0, where
         if r["config"] == "kazoo":
             assert r["services_cpu_s"] is not None, where
+    (spark,) = [r for r in runs if r["config"] == "sss"]
+    # Structured Streaming without a fault: every released event at the sink exactly once,
+    # counted by source_seq; one copy, so no replica digests.
+    assert (spark["experiment"], spark["group"], spark["kill"]) == ("mib1", "length 3", None)
+    assert spark["lost"] == 0 and spark["duplicates"] == 0
+    assert spark["events_out"] == spark["events_in"] == 3 * 5_000  # as long as a fault run
+    assert spark["digests_match"] is None and spark["cpu_basis"] == "steady"
+    assert spark["spark"]["query"] == "python source -> mapInArrow x3 -> foreachBatch"
+    assert spark["processes"] >= 2  # the Python driver and its JVM at least
     kills = [r for r in runs if r["kill"] is not None]
     assert {(r["experiment"], r["variant"], r["config"]) for r in kills} == {
         (e, v, c)
@@ -93,16 +106,56 @@ def test_paper_quick_runs_every_experiment_in_every_configuration(
     assert doc["figures"] == [str(tmp_path / f) for f in FIGURES]
     for f in FIGURES:
         assert (tmp_path / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f
-    assert printed.err.count("to go)") == 28  # a progress line per run
+    assert printed.err.count("to go)") == 29  # a progress line per run
+    assert "Not in this table: Spark Structured Streaming in MiB2" in md
+    assert "the fault run (left out of --quick" in md and "PyFlink is not installed" in md
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+@pytest.mark.timeout(600)
+def test_structured_streaming_driver_kill_in_the_fault_experiment(tmp_path):
+    settings = replace(
+        bp.QUICK, spark_fault=True, fault_duration_s=12, fault_warmup_s=2, spark_warmup_s=2
+    )
+    doc = bp.paper(settings, ["fault"], ["r1", "sss"], out_dir=tmp_path, log=sys.stderr)
+    assert doc["failures"] == []
+    r1, spark = doc["rows"]
+    assert (r1["config"], spark["config"], spark["variant"]) == ("r1", "sss", "kill driver")
+    assert spark["status"] == "ok", spark["error"]
+    assert (spark["kill"], spark["kill_at_s"]) == ("driver", 6)
+    s = spark["spark"]
+    # Passive recovery: nothing lost, a hole in the output while a new driver starts, and
+    # every event released at the kill waits for it (downtime is latency).
+    assert spark["lost"] == 0 and spark["events_in"] == 12 * 5_000
+    assert s["downtime_s"] > 0 and s["restart_s"]["first_output"] == s["downtime_s"]
+    assert spark["max_ms"] >= 1_000 * s["downtime_s"] - 2
+    assert spark["peak_p99_after_ms"] is not None
+    assert spark["max_gap_ms"] >= 1_000 * s["downtime_s"]  # the longest gap: downtime at least
+    # foreachBatch is at-least-once across the crash: any duplicate is the one batch in
+    # flight written again with the same events; idempotent by batch id, none is left.
+    assert s["duplicate_batches"] <= 1
+    assert (spark["duplicates"] > 0) == (s["duplicate_batches"] == 1)
+    assert s["replays_identical"] and s["duplicates_if_idempotent"] == 0
+    assert spark["events_out"] == spark["events_in"] + spark["duplicates"]
+    assert spark["cpu_s_per_m_events"] > 0 and spark["rss_mb_total"] > 0
+    assert spark["p99_ratio_vs_r1"] is not None
+    md = (tmp_path / "paper.md").read_text()
+    assert "| length 3 | sss | kill driver |" in md
+    assert "restarted driver's first output" in md
+    assert (tmp_path / "fault_p99_over_time.png").exists()
 
 
 def test_quick_and_full_grids():
     quick = bp.cases(bp.QUICK, bp.EXPERIMENTS, bp.ALL_CONFIGS)
     assert {c.experiment for c in quick} == set(bp.EXPERIMENTS)
-    assert sum(bp.estimate_s(c) for c in quick) < 180
+    # One short Structured Streaming row (MiB1), whose JVM start-up is most of its time.
+    assert [(c.experiment, c.group) for c in quick if c.config == "sss"] == [("mib1", "length 3")]
+    assert sum(bp.estimate_s(c) for c in quick if c.config != "sss") < 180
+    assert sum(bp.estimate_s(c) for c in quick) < 210
     full = bp.cases(bp.FULL, bp.EXPERIMENTS, bp.ALL_CONFIGS)
-    assert len(full) == 20 * 3 + 6 + 5 + 10
-    assert sum(bp.estimate_s(c) for c in full) < 35 * 60
+    assert len(full) == 20 * 3 + 6 + 5 + 10 + 4 + 1
+    assert sum(bp.estimate_s(c) for c in full) < 40 * 60
     fault = [c for c in full if c.experiment == "fault"]
     assert [(c.config, c.fault and c.fault.replica) for c in fault] == [
         ("r1", None),
@@ -110,8 +163,14 @@ def test_quick_and_full_grids():
         ("liverobin", 0),
         ("kazoo", "leader"),
         ("kazoo", "follower"),
+        ("sss", None),
     ]
+    assert fault[-1].spark == {"maps": 3, "kill_driver_at": 15.0}
+    assert fault[-1].variant == "kill driver" and fault[-1].warmup_s == 10
     assert all(c.fault is None or c.fault.at == c.duration_s / 2 for c in full)
+    spark = [(c.experiment, c.spark["maps"]) for c in full if c.config == "sss"]
+    assert spark == [("mib1", 1), ("mib1", 2), ("mib1", 3), ("mib1", 4), ("fault", 3)]
+    assert bp.cases(bp.FULL, ["mib2", "mib3", "heartbeat", "bettercloud"], ["sss"]) == []
     only = bp.cases(bp.QUICK, ["heartbeat"], ["liverobin"])
     assert [c.heartbeat_ms for c in only] == [5, 100]
 
@@ -136,6 +195,30 @@ def test_failures_count_losses_only_where_exactly_once_is_promised():
     ]
     assert bp.failures([_row("r1", digests_match=False)], ["mib1"]) == [
         "mib1 length 1 r1: the replicas' output digests differed"
+    ]
+
+
+def test_structured_streaming_rows_are_held_to_what_spark_promises():
+    def spark_row(lost=0, duplicates=0, kill=None, **spark):
+        spark = {"duplicate_batches": 0, "duplicates_if_idempotent": 0} | spark
+        return _row("sss", lost, duplicates, kill=kill, spark=spark | {"replays_identical": True})
+
+    assert (
+        bp.failures(
+            [spark_row(), spark_row(duplicates=400, kill="driver", duplicate_batches=1)], ["mib1"]
+        )
+        == []
+    )
+    assert bp.failures([spark_row(duplicates=3)], ["mib1"]) == [
+        "mib1 length 1 sss: duplicates 3 without a fault"
+    ]
+    assert bp.failures([spark_row(lost=2, kill="driver")], ["mib1"]) == [
+        "mib1 length 1 sss: lost 2"
+    ]
+    broken = spark_row(duplicates=9, kill="driver", duplicate_batches=2, duplicates_if_idempotent=1)
+    assert bp.spark_broken(broken) == [
+        "2 micro-batches re-written after the restart",
+        "1 duplicates within one batch id",
     ]
 
 
@@ -172,6 +255,12 @@ def test_cli_rejects_what_paper_cannot_run(capsys):
     assert "fault would run nothing" in capsys.readouterr().err
     assert main(["bench", "paper", "--configs", "kazoo", "--experiments", "heartbeat"]) == 2
     assert "heartbeat would run nothing" in capsys.readouterr().err
+    assert main(["bench", "paper", "--experiments", "mib2", "--configs", "sss"]) == 2
+    assert "sss runs in mib1 and fault" in capsys.readouterr().err
+    assert main(["bench", "paper", "--quick", "--experiments", "fault", "--configs", "sss"]) == 2
+    assert "not in fault with --quick" in capsys.readouterr().err
+    assert main(["bench", "paper", "--configs", "sss", "--duration", "4"]) == 2
+    assert "sss's warm-up (10 s) must be shorter than its 8 s mib1 runs" in capsys.readouterr().err
     assert main(["bench", "paper", "--json", "x.json"]) == 2
     assert "--json: not for `tandem bench paper`" in capsys.readouterr().err
     assert main(["bench", "mib1", "--out", "x"]) == 2

@@ -30,16 +30,32 @@ replica.
 aligned checkpoints every :data:`PASSIVE_CHECKPOINT_MS` to local disk, a lost worker rolled
 back to the latest and replayed from there (``Job(replication=1, checkpoint_ms=...)``).
 The paper's fault experiments leave ``none`` out, and so do these.
+``sss`` is Spark Structured Streaming (``tandem_spark.structured``, through the ``spark``
+benchmark entry point ``tandem bench spark`` uses; ``pip install ./spark_integration``):
+the same Synthetic events through a query of identity ``mapInArrow`` stages into a
+``foreachBatch`` sink, one driver with a checkpoint (offset and commit logs), micro-batches
+back to back, on ``local[2]``. It runs where its query fits, MiB1 and ``fault`` (the
+driver SIGKILLed at half time and restarted from its checkpoint at once, as ``tandem
+bench spark`` does), with a longer warm-up than tandem's rows and its MiB1 runs as long
+as the fault runs (:attr:`Settings.spark_warmup_s`: the first micro-batches wait for the
+JVM's Python workers). MiB2, MiB3 and BetterCloud need more source partitions or a second
+source than that query has, and the heartbeat period is LiveRobin's.
 
 Every row is checked. Where every source row must reach the sink exactly once (MiB1, MiB2,
 the sweep) a :class:`tandem.bench.SequenceSink` counts what is missing and what repeats;
 elsewhere (MiB3, fault, BetterCloud) the output is compared row by row with the reference
-executor's. ``r1``, ``passive``, ``liverobin`` and ``kazoo`` must lose and repeat nothing
-(else the run fails, see :func:`failures`); ``none`` may, and its rows say how much.
+executor's. ``sss`` counts every released event's copies at its sink (by ``source_seq``).
+``r1``, ``passive``, ``liverobin`` and ``kazoo`` must lose and repeat nothing (else the run
+fails, see :func:`failures`); ``none`` may, and its rows say how much. ``sss`` must lose
+nothing, and repeat nothing without a fault; across its driver kill it keeps what Spark
+promises a ``foreachBatch`` sink: at least once, the repeats all one whole micro-batch
+re-run with the same events, none left for a sink idempotent by batch id.
 
 CPU is the CPU-seconds (user + system) of the job's processes in the steady state (after the
 warm-up, start-up and shutdown left out) per million events released meanwhile; for KaZoo
-the CPU ZooKeeper and Kafka used during the run is in ``services_cpu_s``, apart. Ratios
+the CPU ZooKeeper and Kafka used during the run is in ``services_cpu_s``, apart; for
+``sss``, its driver processes' (Python driver, JVM, Python workers), sampled every half
+second. Ratios
 compare p99 and CPU with the ``r1`` row of the same experiment and point in the same run.
 """
 
@@ -54,6 +70,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -63,6 +80,7 @@ import tandem as td
 from tandem import bench
 
 PASSIVE = "passive"
+SSS = "sss"
 PASSIVE_CHECKPOINT_MS = 1000
 """How often the passive configuration checkpoints."""
 
@@ -72,11 +90,14 @@ CONFIGS = {
     "none": {"replication": 2, "ordering": "none"},
     "liverobin": {"replication": 2, "ordering": "liverobin"},
     "kazoo": {"replication": 2, "ordering": "kazoo"},
+    SSS: {"replication": 1, "ordering": None, "engine": "Spark Structured Streaming"},
 }
-"""What each configuration runs: replicas per task partition, the ordering, and for
-``passive`` how often it checkpoints."""
+"""What each configuration runs: replicas per task partition, the ordering, for ``passive``
+how often it checkpoints, and for ``sss`` that it is not tandem."""
 
 ALL_CONFIGS = tuple(CONFIGS)
+SPARK_EXPERIMENTS = ("mib1", "fault")
+"""Where ``sss`` runs: the experiments whose workload its query is."""
 EXACTLY_ONCE = ("r1", PASSIVE, "liverobin", "kazoo")
 """The configurations that must deliver every row exactly once; ``none`` need not."""
 
@@ -153,10 +174,18 @@ class Settings:
     fault_length: int = 3
     bettercloud_rates: tuple[int, ...] = (1_000, 5_000)
     session_timeout_s: float = 0.5
+    spark_warmup_s: float = 10.0
+    """``sss`` rows' warm-up: Spark's first micro-batches wait for its Python workers to
+    start. Its MiB1 runs last as long as the fault runs (``fault_duration_s``, twice the
+    others), so that as much is measured after it: 10 s and 20 s, as ``tandem bench
+    spark`` runs Structured Streaming by default."""
+    spark_fault: bool = True
+    """Whether ``sss`` runs in ``fault`` (each of its runs starts a JVM or two)."""
 
 
 FULL = Settings()
-"""The full set: 81 runs, about 31 minutes on 2 cores (:func:`estimate_s`)."""
+"""The full set: 86 runs, about 36 minutes on 2 cores (:func:`estimate_s`), the 5 ``sss``
+runs (Spark Structured Streaming) about 4.5 of them."""
 QUICK = Settings(
     duration_s=1.5,
     warmup_s=0.5,
@@ -167,8 +196,12 @@ QUICK = Settings(
     fast_rates=(1_000,),
     heartbeats_ms=(5, 100),
     bettercloud_rates=(1_000,),
+    spark_warmup_s=0.5,
+    spark_fault=False,
 )
-"""Every experiment briefly, one point each (two for the sweep), for CI: 28 runs."""
+"""Every experiment briefly, one point each (two for the sweep), for CI: 29 runs, ``sss``
+in MiB1 only (a Spark run costs half a minute or more of start-up, a driver kill as much
+again)."""
 
 
 # -- the jobs ----------------------------------------------------------------------------
@@ -303,7 +336,7 @@ class Case:
     group_x: float
     variant: str
     config: str
-    build: Callable
+    build: Callable | None
     rate: int
     duration_s: float
     warmup_s: float
@@ -311,6 +344,9 @@ class Case:
     """``sequence`` (a SequenceSink) or ``reference`` (a Collect sink and the reference)."""
     heartbeat_ms: float = 10
     fault: td.Kill | None = None
+    spark: dict | None = None
+    """For ``sss``: what :func:`tandem_spark.bench.structured_streaming` is given besides
+    the rate and times (``maps``, ``kill_driver_at``); ``build`` is then None."""
 
 
 @dataclass
@@ -366,6 +402,9 @@ class Row:
     per_second_p99_ms: list = field(default_factory=list)
     paper: str | None = None
     note: str | None = None
+    spark: dict | None = None
+    """``sss`` rows: what Structured Streaming's run reports beyond the common fields
+    (:data:`SPARK_FIELDS`)."""
 
     @property
     def exactly_once(self) -> bool:
@@ -386,13 +425,40 @@ FAULT_VARIANTS = {
     "liverobin": [("kill replica 0", 0)],
     "kazoo": [("kill leader", "leader"), ("kill follower", "follower")],
 }
+SPARK_KILL = "kill driver"
 
 
 def cases(settings: Settings, experiments, configs) -> list[Case]:
     """Every run of ``experiments`` in ``configs``, in order."""
     s = settings
-    run = [c for c in configs if c in CONFIGS]
+    run = [c for c in configs if c in CONFIGS and c != SSS]
     out: list[Case] = []
+
+    def spark(experiment, group, x, variant, length, duration, kill_at=None):
+        if SSS in configs:
+            kwargs = {"maps": length, "kill_driver_at": kill_at}
+            warmup = s.spark_warmup_s
+            if not warmup < duration:
+                raise td.ConfigError(
+                    f"bench paper: sss's warm-up ({warmup:g} s) must be shorter than its "
+                    f"{duration:g} s {experiment} runs; give a longer --duration or a shorter "
+                    "--warmup, or leave sss out of --configs"
+                )
+            out.append(
+                Case(
+                    experiment,
+                    group,
+                    x,
+                    variant,
+                    SSS,
+                    None,
+                    s.rate,
+                    duration,
+                    warmup,
+                    "sequence",
+                    spark=kwargs,
+                )
+            )
 
     def steady(experiment, group, x, variant, config, build, rate, check, hb=10):
         duration, warmup = s.duration_s, s.warmup_s
@@ -406,6 +472,7 @@ def cases(settings: Settings, experiments, configs) -> list[Case]:
                 for c in run:
                     build = partial(_with_sink, mib1_job, n, c, s.rate)
                     steady("mib1", f"length {n}", n, "", c, build, s.rate, "sequence")
+                spark("mib1", f"length {n}", n, "", n, s.fault_duration_s)
         elif experiment == "mib2":
             for n in s.partitions:
                 for c in run:
@@ -461,6 +528,9 @@ def cases(settings: Settings, experiments, configs) -> list[Case]:
                                 fault=fault,
                             )
                         )
+                if experiment == "fault" and s.spark_fault:
+                    n, duration = s.fault_length, s.fault_duration_s
+                    spark(experiment, group, x, SPARK_KILL, n, duration, kill_at)
         else:
             raise td.ConfigError(
                 f"bench paper: unknown experiment {experiment!r}; choose from "
@@ -476,8 +546,6 @@ def _with_sink(builder, *args, kazoo=None, sink=None, **kwargs):
 
 def run_case(case: Case, kazoo: td.KazooConfig | None, log=None) -> Row:
     """Run one case and measure it; a failure to run becomes a row with status ``error``."""
-    from tandem.engines.local import process_cpu_s
-
     opts = CONFIGS[case.config]
     row = Row(
         case.experiment,
@@ -499,43 +567,109 @@ def run_case(case: Case, kazoo: td.KazooConfig | None, log=None) -> Row:
         f = case.fault
         row.kill = f"{f.task}[{f.partition}] {f.replica}"
         row.kill_at_s = f.at
-    sink = bench.SequenceSink() if case.check == "sequence" else td.sinks.Collect()
+    elif case.spark is not None and case.spark["kill_driver_at"] is not None:
+        row.kill, row.kill_at_s = "driver", case.spark["kill_driver_at"]
     started = time.monotonic()
     try:
-        job = case.build(kazoo=kazoo, sink=sink)
-        plan = job.plan()
-        row.steady_events = sum(
-            plan.source_rows(t.id, p, case.duration_s) - plan.source_rows(t.id, p, case.warmup_s)
-            for t in plan.sources()
-            for p in range(t.parallelism)
-        )
-        pids = {}
-        if opts["ordering"] == "kazoo" and kazoo is not None:
-            pids = bench.service_pids(kazoo, log)
-        before = {name: process_cpu_s(pid) for name, pid in pids.items()}
-        res = job.run(
-            duration=case.duration_s,
-            warmup=case.warmup_s,
-            faults=[case.fault] if case.fault is not None else [],
-            progress=False,
-            check=case.check == "reference",
-        )
-        used = [process_cpu_s(pid) for pid in pids.values()]
-        if pids and None not in used and None not in before.values():
-            row.services_cpu_s = round(sum(used) - sum(before.values()), 3)
-        if case.check == "sequence":
-            row.lost, row.duplicates = bench.sequence_check(res)
+        if case.config == SSS:
+            _run_spark(row, case)
         else:
-            row.lost, row.duplicates = res.lost, res.duplicates
-        if row.lost is None or row.duplicates is None:
-            raise td.TandemError("the output could not be checked against the reference")
+            _run_tandem(row, case, kazoo, log)
     except Exception as exc:  # reported in the row, and the run fails at the end
         row.status, row.error = "error", f"{type(exc).__name__}: {exc}"
-        row.run_s = round(time.monotonic() - started, 2)
-        return row
     row.run_s = round(time.monotonic() - started, 2)
-    _measure(row, res, case)
     return row
+
+
+def _run_tandem(row: Row, case: Case, kazoo: td.KazooConfig | None, log) -> None:
+    from tandem.engines.local import process_cpu_s
+
+    sink = bench.SequenceSink() if case.check == "sequence" else td.sinks.Collect()
+    job = case.build(kazoo=kazoo, sink=sink)
+    plan = job.plan()
+    row.steady_events = sum(
+        plan.source_rows(t.id, p, case.duration_s) - plan.source_rows(t.id, p, case.warmup_s)
+        for t in plan.sources()
+        for p in range(t.parallelism)
+    )
+    pids = {}
+    if row.ordering == "kazoo" and kazoo is not None:
+        pids = bench.service_pids(kazoo, log)
+    before = {name: process_cpu_s(pid) for name, pid in pids.items()}
+    res = job.run(
+        duration=case.duration_s,
+        warmup=case.warmup_s,
+        faults=[case.fault] if case.fault is not None else [],
+        progress=False,
+        check=case.check == "reference",
+    )
+    used = [process_cpu_s(pid) for pid in pids.values()]
+    if pids and None not in used and None not in before.values():
+        row.services_cpu_s = round(sum(used) - sum(before.values()), 3)
+    if case.check == "sequence":
+        row.lost, row.duplicates = bench.sequence_check(res)
+    else:
+        row.lost, row.duplicates = res.lost, res.duplicates
+    _require_checked(row)
+    _measure(row, res, case)
+
+
+def _require_checked(row: Row) -> None:
+    if row.lost is None or row.duplicates is None:
+        raise td.TandemError("the output could not be checked against the reference")
+
+
+SPARK_FIELDS = (
+    "pyspark",
+    "query",
+    "batches",
+    "first_output_s",
+    "kill_driver_at_s",
+    "downtime_s",
+    "restart_s",
+    "duplicate_batches",
+    "duplicates_if_idempotent",
+    "replays_identical",
+    "rss_mb",
+)
+
+
+def spark_benchmark():
+    """The ``spark`` benchmark module (``tandem_spark.bench``), found by its entry point as
+    ``tandem bench spark`` finds it; a ConfigError saying how to install it if it is not."""
+    from tandem import engines
+
+    return engines.load(engines.BENCHMARK_GROUP, "spark", "benchmark")
+
+
+def _run_spark(row: Row, case: Case) -> None:
+    """An ``sss`` case: MiB1 on Spark Structured Streaming through the ``spark`` benchmark."""
+    res = spark_benchmark().structured_streaming(
+        rate=case.rate, duration=case.duration_s, warmup=case.warmup_s, **case.spark
+    )
+    row.lost, row.duplicates = res["lost"], res["duplicates"]
+    _require_checked(row)
+    row.steady_events = res["steady_events"]
+    row.spark = {k: res[k] for k in SPARK_FIELDS}
+    # Its figures in the shape of a td.Result, for what every row measures alike.
+    fields = ("events_in", "events_out", "p50_ms", "p99_ms", "max_ms", "max_gap_ms", "cpu_s")
+    shaped = SimpleNamespace(
+        **{k: res[k] for k in (*fields, "steady_cpu_s", "processes", "per_second_p99_ms")},
+        digests_match=None,  # one copy: no replicas to compare
+        leaders={},
+        faults=[],
+        rss_mb={},
+    )
+    if res["downtime_s"] is not None:
+        # The longest gap after the warm-up is between two outputs; when the killed driver
+        # had written nothing after the warm-up, the hole the kill left starts before the
+        # first of them: from the kill, it lasts until the restarted driver's first output.
+        shaped.max_gap_ms = max(res["max_gap_ms"], 1_000 * res["downtime_s"])
+    _measure(row, shaped, case)
+    # A restarted driver replaces the killed one (they overlap only while the kernel tears
+    # the old JVM down): the largest incarnation is what ran at once.
+    row.rss_mb_total = max(res["rss_mb"].values())
+    row.rss_mb_max = res["rss_mb_max"]
 
 
 def _measure(row: Row, res: td.Result, case: Case) -> None:
@@ -563,7 +697,10 @@ def _measure(row: Row, res: td.Result, case: Case) -> None:
         half = int(case.duration_s / 2)
         series = res.per_second_p99_ms
         before = [v for v in series[:half] if v is not None]
-        after = [v for v in series[half : half + 6] if v is not None]
+        # The peak in the six seconds from the first output after the kill: at once for
+        # tandem's rows, after the restart for a driver that had to start again.
+        resumed = next((i for i in range(half, len(series)) if series[i] is not None), half)
+        after = [v for v in series[half : resumed + 6] if v is not None]
         row.p99_before_ms = _r(np.median(before), 1) if before else None
         row.peak_p99_after_ms = _r(max(after), 1) if after else None
 
@@ -591,7 +728,8 @@ def add_ratios(rows: list[Row]) -> None:
 def failures(rows: list[Row], experiments) -> list[str]:
     """What makes the run fail: a run that did not complete, an experiment without a
     measured row, a row of an exactly-once configuration that lost or repeated rows (or
-    whose replicas' digests differed). Never timings."""
+    whose replicas' digests differed), an ``sss`` row that broke what Spark promises
+    (:func:`spark_broken`). Never timings."""
     out = []
     for r in rows:
         where = f"{r.experiment} {r.group}{' ' + r.variant if r.variant else ''} {r.config}"
@@ -602,8 +740,31 @@ def failures(rows: list[Row], experiments) -> list[str]:
                 out.append(f"{where}: lost {r.lost}, duplicates {r.duplicates}")
             if r.digests_match is False:
                 out.append(f"{where}: the replicas' output digests differed")
+        elif r.status == "ok" and r.config == SSS:
+            out += [f"{where}: {broken}" for broken in spark_broken(r)]
     measured = {r.experiment for r in rows if r.status == "ok"}
     out += [f"{e}: no configuration ran" for e in experiments if e not in measured]
+    return out
+
+
+def spark_broken(r: Row) -> list[str]:
+    """What an ``sss`` row broke of Spark's guarantees: nothing lost, ever; without a
+    fault, nothing repeated; across a driver kill, ``foreachBatch`` is at-least-once: only
+    the micro-batch in flight at the crash (planned, not committed) is run again, with the
+    same events, so a sink idempotent by batch id would have kept every event once."""
+    out = []
+    if r.lost:
+        out.append(f"lost {r.lost}")
+    if r.kill is None and r.duplicates:
+        out.append(f"duplicates {r.duplicates} without a fault")
+    if r.kill is not None:
+        s = r.spark or {}
+        if s.get("duplicate_batches", 0) > 1:
+            out.append(f"{s['duplicate_batches']} micro-batches re-written after the restart")
+        if s.get("duplicates_if_idempotent"):
+            out.append(f"{s['duplicates_if_idempotent']} duplicates within one batch id")
+        if s.get("replays_identical") is False:
+            out.append("a re-run micro-batch held other events than its first run")
     return out
 
 
@@ -613,8 +774,17 @@ OVERHEAD_S = 3.5
 """About what a run costs beyond its duration on 2 cores: start-up, shutdown, the check."""
 
 
+SPARK_OVERHEAD_S = 20.0
+"""About what an ``sss`` run costs beyond its duration on 2 cores (17 to 40 s measured on a
+busy machine): the driver's JVM and session, the first micro-batch (Python workers start),
+the drain, shutdown; twice with a driver kill."""
+
+
 def estimate_s(case: Case) -> float:
     """A guess of a case's wall time, for the progress lines."""
+    if case.config == SSS:
+        kills = case.spark["kill_driver_at"] is not None
+        return case.duration_s + SPARK_OVERHEAD_S * (2 if kills else 1)
     extra = 1.5 if CONFIGS[case.config]["ordering"] == "kazoo" else 0.0
     if case.check == "reference":
         extra += case.rate * case.duration_s / 20_000  # the reference executor, the drain
@@ -682,14 +852,17 @@ def _cell(v, digits: int = 1, suffix: str = "") -> str:
     return f"{v:,}{suffix}" if isinstance(v, int) else f"{v}{suffix}"
 
 
-def _note(r: Row) -> str:
+def _note(r: Row, warmup_s: float | None = None) -> str:
+    """The row's note; ``warmup_s``: the table's warm-up (a row's own is said if it differs)."""
     if r.status == "error":
         return f"did not run: {r.error}"
     if r.status != "ok":
         return r.note or r.status
     notes = []
-    if not r.exactly_once and (r.lost or r.duplicates):
+    if r.config == "none" and (r.lost or r.duplicates):
         notes.append("unordered: loses and repeats rows by design")
+    if r.config == SSS:
+        notes += _spark_notes(r, warmup_s)
     if r.digests_match is False:
         notes.append("replica digests differ")
     if r.cpu_basis == "whole run":
@@ -718,16 +891,59 @@ def headline(meta: dict) -> str:
     )
 
 
+def _spark_notes(r: Row, warmup_s: float | None) -> list[str]:
+    s = r.spark or {}
+    notes = [] if r.warmup_s == warmup_s else [f"warm-up {r.warmup_s:g} s"]
+    first = s.get("first_output_s")
+    if first is not None and r.warmup_s is not None and first > r.warmup_s:
+        notes.append(f"first output {first:g} s into the stream: Spark's start-up is in it")
+    if s.get("downtime_s") is not None:
+        notes.append(f"restarted driver's first output {s['downtime_s']:g} s after the kill")
+    if r.duplicates:
+        notes.append(
+            f"at-least-once foreachBatch: {s.get('duplicate_batches')} micro-batch in flight "
+            "run again after the restart; idempotent by batch id, "
+            f"{s.get('duplicates_if_idempotent')} duplicates"
+        )
+    return notes
+
+
+SPARK_NOT_HERE = {
+    "mib2": "MiB2 (1-4 source partitions; its query's source has 2)",
+    "mib3": "MiB3 (a second source)",
+    "heartbeat": "the heartbeat sweep (LiveRobin's period)",
+    "bettercloud": "BetterCloud (a second source, filters and joins)",
+    "fault": "the fault run (left out of --quick: a driver kill costs a second JVM start)",
+}
+"""Why an experiment has no ``sss`` row: what its Structured Streaming query
+(``tandem_spark.structured``: one 2-partition source, identity maps) lacks."""
+
+
+def not_in_table(rows: list[Row]) -> str:
+    """The report's last line: who is not in it, and why."""
+    experiments = dict.fromkeys(r.experiment for r in rows)
+    with_spark = {r.experiment for r in rows if r.config == SSS}
+    if with_spark:
+        lacking = [SPARK_NOT_HERE[e] for e in experiments if e not in with_spark]
+        spark = "Spark Structured Streaming in " + ", ".join(lacking) if lacking else ""
+    else:
+        spark = (
+            "Spark Structured Streaming (not selected; `--configs` with `sss` runs it in "
+            "MiB1 and the fault run)"
+        )
+    flink = (
+        "Apache Flink, the paper's engine: PyFlink is not installed with tandem and no row "
+        "here runs on Flink (the paper column has the paper's figures)"
+    )
+    return "Not in this table: " + "; ".join(x for x in (spark, flink) if x) + "."
+
+
 def markdown(rows: list[Row], meta: dict) -> str:
     """The report: a table per experiment, the paper's figures beside ours."""
     out = [headline(meta), "", LEGEND]
     for experiment in dict.fromkeys(r.experiment for r in rows):
         out += ["", *experiment_table(rows, experiment)]
-    out += [
-        "",
-        "Not in this table: Spark Structured Streaming (`tandem bench spark` runs MiB1 of "
-        "length 3 on it, with a driver kill).",
-    ]
+    out += ["", not_in_table(rows)]
     return "\n".join(out)
 
 
@@ -761,7 +977,7 @@ def experiment_table(rows: list[Row], experiment: str) -> list[str]:
             _cell(r.p99_ratio_vs_r1, 2, "x"),
             _cell(r.cpu_ratio_vs_r1, 2, "x"),
             r.paper or "—",
-            _note(r),
+            _note(r, ran.warmup_s),
         ]
         out.append("| " + " | ".join(cells) + " |")
     out += ["", f"The paper: {PAPER_NOTES[experiment]}"]
@@ -784,10 +1000,11 @@ def _rates(experiment: str, rows: list[Row]) -> str:
 
 COLORS = {
     "r1": "#4c72b0",
-    PASSIVE: "#dd8452",
     "none": "#8c8c8c",
     "liverobin": "#55a868",
     "kazoo": "#c44e52",
+    PASSIVE: "#8172b3",
+    SSS: "#dd8452",
 }
 
 
@@ -881,8 +1098,9 @@ def plot_over_time(rows: list[Row], experiment: str, path: str) -> None:
     fig, axes = plt.subplots(len(groups), 1, figsize=(8, 3.2 * len(groups)), dpi=120, squeeze=False)
     for ax, group in zip(axes[:, 0], groups, strict=True):
         for r in (r for r in rs if r.group == group):
-            xs = [s + 0.5 for s, v in enumerate(r.per_second_p99_ms) if v is not None]
-            ys = [v for v in r.per_second_p99_ms if v is not None]
+            # A second without output is a gap in the line, not a segment across it.
+            xs = [s + 0.5 for s in range(len(r.per_second_p99_ms))]
+            ys = [np.nan if v is None else v for v in r.per_second_p99_ms]
             style = "--" if r.variant == "kill follower" else "-"
             label = f"{r.config} ({r.variant})" if r.variant else r.config
             ax.plot(
@@ -972,8 +1190,11 @@ def paper(
         raise td.ConfigError(
             f"bench paper: {', '.join(missing)} would run nothing with --configs "
             f"{','.join(configs)} (heartbeat needs r1 or liverobin; fault and bettercloud "
-            "need r1, passive, liverobin or kazoo)"
+            f"need r1, passive, liverobin or kazoo; sss runs in {' and '.join(SPARK_EXPERIMENTS)}"
+            f"{'' if settings.spark_fault else ', and not in fault with --quick'})"
         )
+    if any(c.config == SSS for c in all_cases):
+        spark_benchmark()  # not installed: say so now, not once per row
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t = time.monotonic()
     rows = run_all(all_cases, kazoo, log)

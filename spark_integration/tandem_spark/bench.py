@@ -44,6 +44,16 @@ def _row(config: str, res: td.Result) -> dict[str, Any]:
     }
 
 
+def structured_streaming(**kwargs: Any) -> dict[str, Any]:
+    """One run of MiB1 on Spark Structured Streaming:
+    :func:`tandem_spark.structured.run_baseline` with ``kwargs`` (``rate``, ``duration``,
+    ``warmup``, ``maps``, ``kill_driver_at``, ...). ``tandem bench paper`` runs its ``sss``
+    rows through this, as :func:`run` runs its own."""
+    from tandem_spark import structured
+
+    return structured.run_baseline(**kwargs)
+
+
 def run(
     rate: int = 5_000,
     warmup: float = 10.0,
@@ -52,7 +62,6 @@ def run(
     log=sys.stderr,
 ) -> dict[str, Any]:
     """Every configuration of the module documentation; a JSON-ready dict."""
-    from tandem_spark import structured
     from tandem_spark.engine import SparkEngine
     from tandem_spark.session import local_session
 
@@ -88,7 +97,7 @@ def run(
     for kill_at in (None, at):
         what = "fault-free" if kill_at is None else f"driver kill @{kill_at:g}s"
         print(f"bench spark: Structured Streaming, {what} ...", file=log)
-        ss = structured.run_baseline(
+        ss = structured_streaming(
             rate=rate, duration=duration, kill_driver_at=kill_at, warmup=warmup, maps=LENGTH
         )
         row = {"config": f"structured streaming, {what}"}

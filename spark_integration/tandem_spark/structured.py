@@ -47,6 +47,12 @@ has delivered every event released in ``[0, duration)``. Every sink file is writ
 temporary name and renamed, so a kill never leaves a torn file, and the files survive the
 driver. Only processes the controller started are ever signalled.
 
+**Cost.** While it watches a driver (every half second) the controller also samples the
+CPU-seconds and peak resident memory (VmHWM) of each of its processes, and reads the CPU
+used so far when the warm-up ends and when the stream does, as tandem's local engine does:
+``cpu_s``, ``steady_cpu_s``, ``rss_mb`` (see ``_Cost``), for ``tandem bench paper``'s
+``sss`` rows.
+
 Extra dependencies beyond tandem's: ``pyspark>=4.0`` and Java 17+; the stateful variant
 also needs ``pandas<3`` (pyspark 4.3 warns that it does not fully support pandas 3) and
 ``protobuf`` (transformWithStateInPandas talks to the JVM's state store over protobuf), and
@@ -407,8 +413,12 @@ def _delivered(query: Any, end: int) -> bool:
 # --------------------------------------------------------------------------------------
 
 
-def _processes() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, pgid) of every live (not zombie) process, from /proc."""
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def _processes() -> dict[int, tuple[int, int, float]]:
+    """pid -> (ppid, pgid, CPU-seconds so far: user + system) of every live (not zombie)
+    process, from /proc."""
     procs = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -419,8 +429,21 @@ def _processes() -> dict[int, tuple[int, int]]:
         except OSError:  # exited while we looked
             continue
         if fields[0] != "Z":
-            procs[int(entry)] = (int(fields[1]), int(fields[2]))
+            cpu_s = (int(fields[11]) + int(fields[12])) * _TICK_S  # utime + stime
+            procs[int(entry)] = (int(fields[1]), int(fields[2]), cpu_s)
     return procs
+
+
+def _peak_rss_mb(pid: int) -> float | None:
+    """The peak resident memory (VmHWM) of a live process, in MiB; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        return None
+    return None
 
 
 class _Driver:
@@ -450,28 +473,35 @@ class _Driver:
             )
         self.groups = {self.proc.pid}
         self.last_watch = -math.inf
+        self.cpu_s: dict[int, float] = {}  # pid -> CPU-seconds at its latest sample
+        self.peak_rss_mb: dict[int, float] = {}  # pid -> peak resident memory (VmHWM)
 
     def watch(self, every: float = 0.0) -> None:
         """Note the process groups of the driver's descendants (called while it runs, so
-        the groups are known even once the driver itself has gone); at most once per
-        ``every`` seconds."""
+        the groups are known even once the driver itself has gone), and sample the CPU
+        and peak memory of each; at most once per ``every`` seconds."""
         now = time.monotonic()
         if now - self.last_watch < every:
             return
         self.last_watch = now
         procs = _processes()
         children: dict[int, list[int]] = {}
-        for pid, (ppid, _) in procs.items():
+        for pid, (ppid, _, _) in procs.items():
             children.setdefault(ppid, []).append(pid)
         todo = [self.proc.pid]
         while todo:
             pid = todo.pop()
             if pid in procs:
-                self.groups.add(procs[pid][1])
+                _, pgid, cpu_s = procs[pid]
+                self.groups.add(pgid)
+                self.cpu_s[pid] = cpu_s
+                rss = _peak_rss_mb(pid)
+                if rss is not None:
+                    self.peak_rss_mb[pid] = rss
             todo.extend(children.get(pid, []))
 
     def _members(self) -> list[int]:
-        return [pid for pid, (_, pgid) in _processes().items() if pgid in self.groups]
+        return [pid for pid, (_, pgid, _) in _processes().items() if pgid in self.groups]
 
     def _kill_groups(self) -> None:
         for pgid in self.groups:
@@ -541,7 +571,55 @@ class _Progress:
         )
 
 
-def _wait(driver: _Driver, progress: _Progress, until_ns: int | None, t0_ns: int) -> None:
+class _Cost:
+    """What the run's driver processes (every incarnation's driver, JVM and Python workers)
+    cost this machine, from the samples :meth:`_Driver.watch` takes every half second: a
+    process's CPU is its latest sample, so what it used in its last half second before it
+    exited (or a process that lived less than that) is missed; its memory, the peak
+    resident set the kernel recorded (VmHWM) by then.
+
+    The steady state is bracketed as tandem's local engine brackets it: a reading of the CPU
+    used so far (after a fresh sample of the running driver) when the warm-up ends and one
+    when the stream does (t0 + duration), which leaves the first driver's start-up and the
+    last one's shutdown out; a restart in between is in it, as it is part of the run."""
+
+    def __init__(self, drivers: list[_Driver], warmup: float, duration: float) -> None:
+        self.drivers = drivers
+        self.due_s = (warmup, duration)
+        self.steady: list[float] = []
+
+    def used_s(self) -> float:
+        return sum(sum(d.cpu_s.values()) for d in self.drivers)
+
+    def tick(self, t0_ns: int) -> None:
+        """Take the next steady-state reading if it is due."""
+        if len(self.steady) < 2 and time.time_ns() >= t0_ns + self.due_s[len(self.steady)] * _NS:
+            self.drivers[-1].watch()
+            self.steady.append(self.used_s())
+
+    def report(self) -> dict[str, Any]:
+        """``cpu_s``: CPU-seconds of every process sampled; ``steady_cpu_s``: the part
+        between the two readings (None without both); ``rss_mb``: per driver incarnation,
+        the peak resident memory of its processes, summed; ``rss_mb_max``: the largest
+        single process's; ``processes``: how many processes were sampled."""
+        peaks = [mb for d in self.drivers for mb in d.peak_rss_mb.values()]
+        return {
+            "cpu_s": round(self.used_s(), 3),
+            "steady_cpu_s": (
+                round(self.steady[1] - self.steady[0], 3) if len(self.steady) == 2 else None
+            ),
+            "rss_mb": {
+                f"driver-{d.incarnation}": round(sum(d.peak_rss_mb.values()), 1)
+                for d in self.drivers
+            },
+            "rss_mb_max": round(max(peaks), 1) if peaks else None,
+            "processes": sum(len(d.cpu_s) for d in self.drivers),
+        }
+
+
+def _wait(
+    driver: _Driver, progress: _Progress, cost: _Cost, until_ns: int | None, t0_ns: int
+) -> None:
     """Wait for the driver to exit successfully, or until ``until_ns`` while it still runs."""
     while True:
         if driver.proc.poll() is not None:
@@ -557,6 +635,7 @@ def _wait(driver: _Driver, progress: _Progress, until_ns: int | None, t0_ns: int
             return
         progress.tick(t0_ns, driver)
         driver.watch(every=0.5)
+        cost.tick(t0_ns)
         time.sleep(0.05)
 
 
@@ -595,7 +674,8 @@ def run_baseline(
     after a successful run. ``progress``: report on stderr every 2 s. ``maps``: identity
     ``mapInArrow`` stages (MiB1's pipeline length).
 
-    Returns a JSON-able dict; see :func:`_analyse` for its fields.
+    Returns a JSON-able dict; see :func:`_analyse` and :meth:`_Cost.report` for its
+    fields.
     """
     if not (isinstance(rate, int | float) and not isinstance(rate, bool) and rate > 0):
         raise ConfigError(f"rate must be > 0 events per second, got {rate!r}")
@@ -627,19 +707,20 @@ def run_baseline(
 
     report = _Progress(progress, run_dir, duration)
     drivers = [_Driver(run_dir, 0)]
+    cost = _Cost(drivers, warmup, duration)
     kill_ns = None
     succeeded = False
     try:
         t0_ns = _await_clock(drivers[0], timeout=_SLACK_S)
         if kill_driver_at is not None:
-            _wait(drivers[0], report, t0_ns + int(kill_driver_at * _NS), t0_ns)
+            _wait(drivers[0], report, cost, t0_ns + int(kill_driver_at * _NS), t0_ns)
             kill_ns = drivers[0].kill(wait=False)
             drivers.append(_Driver(run_dir, 1))  # at once, as a supervisor would
             drivers[0].await_killed()
             if progress:
                 print("spark-ss: driver killed, restarting from the checkpoint", file=sys.stderr)
-        _wait(drivers[-1], report, None, t0_ns)
-        result = _analyse(run_dir, cfg, t0_ns, warmup, kill_ns, drivers)
+        _wait(drivers[-1], report, cost, None, t0_ns)
+        result = _analyse(run_dir, cfg, t0_ns, warmup, kill_ns, drivers) | cost.report()
         succeeded = True
     finally:
         for driver in drivers:
@@ -698,7 +779,8 @@ def _analyse(
 ) -> dict:
     """The run's figures. Fields:
 
-    - ``events_in``: events the stream released; ``events_out``: rows written by the sink,
+    - ``events_in``: events the stream released; ``steady_events``: those released after
+      the warm-up; ``events_out``: rows written by the sink,
       re-written ones included; ``lost``: released events never written;
       ``duplicates``: rows written more than once (raw, as this at-least-once sink did);
       ``duplicate_batches``: batch ids written by both driver incarnations;
@@ -761,6 +843,7 @@ def _analyse(
         "duration_s": cfg["duration"],
         "warmup_s": warmup,
         "events_in": events_in,
+        "steady_events": events_in - _synthetic(cfg).total_rows(int(warmup * _NS)),
         "events_out": len(seq),
         "lost": lost,
         "duplicates": len(seq) - len(uniq),
