@@ -278,6 +278,26 @@ fn consume_from(
     }
 }
 
+/// Restoring r: `twin` consumes every stream from the start (arrivals `seeds.0`) and is
+/// cut once every channel delivered heartbeat `cut_at`; `resumed` resumes from the cut and
+/// is fed every stream again from the start (`seeds.1`: its dedup drops what lies before
+/// the cut). Returns the twin's deliveries with how many came before the cut, and the
+/// resumed merge's.
+fn twin_and_resumed(
+    w: &Workload,
+    twin: &mut dyn Merge<Rows>,
+    resumed: &mut dyn Merge<Rows>,
+    cut_at: u64,
+    seeds: (u64, u64),
+) -> ((Vec<Ev>, usize), Vec<Ev>) {
+    let zero = vec![0; w.streams.len()];
+    let (out, cut) = consume_from(w, twin, seeds.0, &zero, Some(cut_at));
+    let cut = cut.expect("every channel delivers heartbeats 1..=4");
+    resumed.resume(&cut.merge, &cut.positions).unwrap();
+    let (rest, _) = consume_from(w, resumed, seeds.1, &cut.positions, None);
+    ((out, cut.delivered), rest)
+}
+
 /// The orders a KaZoo leader would publish for a consumption sequence: one "channel c up to
 /// seq s" entry per run of consecutive data deliveries from the same channel, each bound at
 /// the end of a batch.
@@ -416,15 +436,15 @@ proptest! {
         arrival_b in any::<u64>(),
     ) {
         let w = workload(seed, channels, replicas, false);
-        let zero = vec![0; channels];
-        let (twin, cut) =
-            consume_from(&w, &mut LiveRobin::new(channels), arrival_a, &zero, Some(cut_at));
-        prop_assert_eq!(&twin, &model(&w.batches));
-        let cut = cut.expect("every channel delivers heartbeats 1..=4");
-        let mut resumed = LiveRobin::new(channels);
-        resumed.resume(&cut.merge, &cut.positions).unwrap();
-        let (rest, _) = consume_from(&w, &mut resumed, arrival_b, &cut.positions, None);
-        prop_assert_eq!(&rest[..], &twin[cut.delivered..]);
+        let (twin, rest) = twin_and_resumed(
+            &w,
+            &mut LiveRobin::new(channels),
+            &mut LiveRobin::new(channels),
+            cut_at,
+            (arrival_a, arrival_b),
+        );
+        prop_assert_eq!(&twin.0, &model(&w.batches));
+        prop_assert_eq!(&rest[..], &twin.0[twin.1..]);
     }
 
     /// KaZoo: a positional replica rebuilt from a twin's cut — the orders the twin had
@@ -447,13 +467,14 @@ proptest! {
         for &(c, s) in &orders {
             followed.push_order(c, s).unwrap();
         }
-        let zero = vec![0; channels];
-        let (twin, cut) = consume_from(&w, &mut followed, arrival_a, &zero, Some(cut_at));
-        let cut = cut.expect("every channel delivers heartbeats 1..=4");
-        let mut resumed = Positional::new(channels);
-        resumed.resume(&cut.merge, &cut.positions).unwrap();
-        let (rest, _) = consume_from(&w, &mut resumed, arrival_b, &cut.positions, None);
-        prop_assert_eq!(&rest[..], &twin[cut.delivered..]);
+        let (twin, rest) = twin_and_resumed(
+            &w,
+            &mut followed,
+            &mut Positional::new(channels),
+            cut_at,
+            (arrival_a, arrival_b),
+        );
+        prop_assert_eq!(&rest[..], &twin.0[twin.1..]);
     }
 
     #[test]
