@@ -59,7 +59,8 @@ def test_a_run_serves_every_replicas_counters_and_closes_the_port():
     port = testing.free_port()
     job = pipeline(restore=True)
     faults = [td.Kill("count", partition=0, replica=0, at=1.5)]
-    with Scraper(port) as scraper:
+    # Often enough to see the rebuild's window (a few hundred ms) with the killed replicas down.
+    with Scraper(port, every=0.05) as scraper:
         res = job.run(duration=8.0, faults=faults, progress=False, metrics_port=port)
     assert res.lost == 0 and res.duplicates == 0 and res.digests_match
     scrapes = [s for s in scraper.scrapes if "tandem_rows_in_total" in s]

@@ -30,8 +30,9 @@ replica.
 aligned checkpoints every :data:`PASSIVE_CHECKPOINT_MS` to local disk, a lost worker rolled
 back to the latest and replayed from there (``Job(replication=1, checkpoint_ms=...)``).
 The paper's fault experiments leave ``none`` out, and so do these.
-``sss`` is Spark Structured Streaming (``tandem_spark.structured``, through the ``spark``
-benchmark entry point ``tandem bench spark`` uses; ``pip install ./spark_integration``):
+``sss`` is Spark Structured Streaming (the Spark package's ``structured`` module,
+through the ``spark`` benchmark entry point ``tandem bench spark`` uses;
+``pip install ./spark_integration``):
 the same Synthetic events through a query of identity ``mapInArrow`` stages into a
 ``foreachBatch`` sink, one driver with a checkpoint (offset and commit logs), micro-batches
 back to back, on ``local[2]``. It runs where its query fits, MiB1 and ``fault`` (the
@@ -345,7 +346,7 @@ class Case:
     heartbeat_ms: float = 10
     fault: td.Kill | None = None
     spark: dict | None = None
-    """For ``sss``: what :func:`tandem_spark.bench.structured_streaming` is given besides
+    """For ``sss``: what the Spark package's ``bench.structured_streaming`` is given besides
     the rate and times (``maps``, ``kill_driver_at``); ``build`` is then None."""
 
 
@@ -635,7 +636,7 @@ SPARK_FIELDS = (
 
 
 def spark_benchmark():
-    """The ``spark`` benchmark module (``tandem_spark.bench``), found by its entry point as
+    """The ``spark`` benchmark module (the Spark package's ``bench``), found by its entry point as
     ``tandem bench spark`` finds it; a ConfigError saying how to install it if it is not."""
     from tandem import engines
 
@@ -916,7 +917,7 @@ SPARK_NOT_HERE = {
     "fault": "the fault run (left out of --quick: a driver kill costs a second JVM start)",
 }
 """Why an experiment has no ``sss`` row: what its Structured Streaming query
-(``tandem_spark.structured``: one 2-partition source, identity maps) lacks."""
+(the Spark package's ``structured``: one 2-partition source, identity maps) lacks."""
 
 
 def not_in_table(rows: list[Row]) -> str:

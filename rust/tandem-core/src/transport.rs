@@ -1601,10 +1601,16 @@ pub struct TcpLink {
     /// Since when the writer's queue has not been empty, as last seen
     /// ([`Link::backed_up_for`]).
     backed_up: std::cell::Cell<Option<Instant>>,
-    /// The replay handed to the writer ([`Link::replay`]): while it is still being written,
-    /// the link is catching up, not lagging.
-    replaying: std::cell::Cell<Option<Arc<[u8]>>>,
+    /// The replay handed to the writer ([`Link::replay`]) and when: while it is still being
+    /// written, for up to [`REPLAY_GRACE`], the link is catching up, not lagging.
+    replaying: std::cell::Cell<Option<(Arc<[u8]>, Instant)>>,
 }
+
+/// How long a replica rebuilt from a twin may take to read its replay before its link
+/// counts as lagging like any other: one that never reads (wedged while it starts) must
+/// not hold its upstream replicas, and so its twins, back for good; evicted, it is
+/// rebuilt again.
+pub const REPLAY_GRACE: Duration = Duration::from_secs(10);
 
 /// A [`TcpLink`] holds small frames back until the outbox pushes, up to this many bytes;
 /// a larger frame is written at once.
@@ -1945,7 +1951,8 @@ impl Link for TcpLink {
         let all: Arc<[u8]> = all.into();
         self.write(Arc::clone(&all))?;
         if self.shared.queued.load(Ordering::Relaxed) > 0 {
-            self.replaying.set(Some(all)); // the writer thread has the rest of it
+            // The writer thread has the rest of it.
+            self.replaying.set(Some((all, Instant::now())));
         }
         Ok(())
     }
@@ -1955,18 +1962,23 @@ impl Link for TcpLink {
             self.backed_up.set(None);
             return Some(Duration::ZERO);
         }
-        if let Some(replay) = self.replaying.take() {
+        if let Some((replay, handed)) = self.replaying.take() {
             let st = self.shared.state.lock();
             if st
                 .queue
                 .front()
                 .is_some_and(|(f, _)| Arc::ptr_eq(f, &replay))
             {
-                // A replica catching up on its replay is not a straggler (yet).
                 drop(st);
-                self.replaying.set(Some(replay));
-                self.backed_up.set(None);
-                return Some(Duration::ZERO);
+                if now.saturating_duration_since(handed) < REPLAY_GRACE {
+                    // A replica catching up on its replay is not a straggler (yet).
+                    self.replaying.set(Some((replay, handed)));
+                    self.backed_up.set(None);
+                    return Some(Duration::ZERO);
+                }
+                // Not read for the whole grace: backed up since it was handed over.
+                self.backed_up.set(Some(handed));
+                return Some(now.saturating_duration_since(handed));
             }
         }
         let since = self.backed_up.get().unwrap_or(now);
@@ -3013,6 +3025,35 @@ mod tests {
             "{errors:?}"
         );
         drop(garbage);
+    }
+
+    #[test]
+    fn a_replay_left_unread_past_the_grace_counts_as_lagging() {
+        // A receiver that never consumes: its queue of one fills, then the sockets.
+        let ib = inbox(1, OrderingMode::LiveRobin, 1);
+        let mut l = link(ib.local_addr(), &identity(0, 0));
+        let frames: Vec<OutFrame> = (0..1_000_000u64)
+            .map(|s| OutFrame {
+                item: Item::Heartbeat {
+                    seq: s,
+                    epoch: s + 1,
+                },
+                digest: None,
+                bytes: Some(wire::encode_heartbeat(0, s, s + 1).into()),
+            })
+            .collect();
+        l.replay(&frames).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let now = Instant::now();
+        assert_eq!(
+            l.backed_up_for(now),
+            Some(Duration::ZERO),
+            "catching up on its replay"
+        );
+        let later = now + REPLAY_GRACE + Duration::from_secs(1);
+        let lag = l.backed_up_for(later).unwrap();
+        assert!(lag > REPLAY_GRACE, "unread for the whole grace: {lag:?}");
+        l.abort();
     }
 
     #[test]
