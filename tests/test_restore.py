@@ -67,6 +67,26 @@ def test_a_lost_worker_is_rebuilt_from_twins_and_then_masks_the_loss_of_those_tw
     assert res.max_gap_ms is not None and res.max_gap_ms < 1000
 
 
+def test_a_kill_of_the_last_live_replica_waits_for_its_twins_rebuild():
+    # 0.1 s apart: the first loss cannot be rebuilt yet when the second kill is due.
+    faults = [td.Kill("count", 0, 0, at=1.5), td.Kill("count", 0, 1, at=1.6)]
+    res = counting_job(restore=True).run(duration=6, faults=faults)
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    first, second = res.faults
+    assert "waited_for_rebuild_s" not in first
+    assert second["waited_for_rebuild_s"] > 0
+    back = max(
+        r["restored_s"] for r in res.restored_replicas if r["lost_s"] == first["injected_at"]
+    )
+    assert (
+        back
+        <= second["injected_at"]
+        == pytest.approx(1.6 + second["waited_for_rebuild_s"], abs=0.01)
+    )
+    assert res.max_gap_ms is not None and res.max_gap_ms < 1000
+
+
 def test_without_restore_the_second_kill_loses_the_partition():
     faults = [td.Kill("count", 0, 0, at=1.5), td.Kill("count", 0, 1, at=3.0)]
     with pytest.raises(TandemError, match=r"every replica of .* is gone \(worker \d+ was killed\)"):

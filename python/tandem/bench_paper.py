@@ -162,9 +162,9 @@ class Settings:
     """Rates, lengths and grids of one invocation (:data:`FULL` or :data:`QUICK`)."""
 
     rate: int = 5_000
-    duration_s: float = 15.0
+    duration_s: float = 12.0
     warmup_s: float = 5.0
-    fault_duration_s: float = 30.0
+    fault_duration_s: float = 20.0
     fault_warmup_s: float = 5.0
     lengths: tuple[int, ...] = (1, 2, 3, 4)
     partitions: tuple[int, ...] = (1, 2, 3, 4)
@@ -177,16 +177,15 @@ class Settings:
     session_timeout_s: float = 0.5
     spark_warmup_s: float = 10.0
     """``sss`` rows' warm-up: Spark's first micro-batches wait for its Python workers to
-    start. Its MiB1 runs last as long as the fault runs (``fault_duration_s``, twice the
-    others), so that as much is measured after it: 10 s and 20 s, as ``tandem bench
-    spark`` runs Structured Streaming by default."""
+    start. Its MiB1 runs last as long as the fault runs (``fault_duration_s``, longer than
+    the others), so that as much is measured after it as after tandem's warm-up."""
     spark_fault: bool = True
     """Whether ``sss`` runs in ``fault`` (each of its runs starts a JVM or two)."""
 
 
 FULL = Settings()
-"""The full set: 86 runs, about 36 minutes on 2 cores (:func:`estimate_s`), the 5 ``sss``
-runs (Spark Structured Streaming) about 4.5 of them."""
+"""The full set: 86 runs, under 30 minutes on 2 cores (:func:`estimate_s` guesses 28.5), the 5
+``sss`` runs (Spark Structured Streaming) about 4 of them."""
 QUICK = Settings(
     duration_s=1.5,
     warmup_s=0.5,

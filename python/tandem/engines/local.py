@@ -134,6 +134,21 @@ class _Resume:
     pid: int
 
 
+DEFER_STEP_S = 0.05
+"""How often a kill waiting for a rebuild (:class:`_Deferred`) looks again."""
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A kill that came while the twins of its victims were still being rebuilt
+    (``Job(restore=True)``): looked at again at ``at``, injected once they are back."""
+
+    fault: ReplicaFault | KillWorker
+    at: float
+    due: float
+    """When the fault was scheduled."""
+
+
 def serve(
     plan: Plan,
     rids: list[ReplicaId],
@@ -1390,12 +1405,18 @@ class _Run:
 
     def _inject(
         self,
-        fault: ReplicaFault | KillWorker | KillHeartbeats | _Resume | Chaos,
+        fault: ReplicaFault | KillWorker | KillHeartbeats | _Resume | _Deferred | Chaos,
         now_s: float,
         pending: list,
     ) -> None:
         """Inject ``fault`` on the worker hosting its replica (or the worker it names); a
-        Pause also schedules its resume in ``pending``; Chaos starts its schedule."""
+        Pause also schedules its resume in ``pending``; Chaos starts its schedule. With
+        ``Job(restore=True)`` a kill waits while it would take the last live replica of a
+        partition whose other replicas are being rebuilt."""
+        deferred = isinstance(fault, _Deferred)
+        due = fault.due if deferred else fault.at
+        if deferred:
+            fault = fault.fault
         if isinstance(fault, Chaos):
             self.chaos, self._chaos_at = fault, now_s
             self._chaos_rng = random.Random(fault.seed)
@@ -1422,6 +1443,19 @@ class _Run:
                 replica = self._resolve(task.id, fault.partition, replica)
             rid = (task.id, fault.partition, replica)
             w = self.worker_of[rid]
+        if not isinstance(fault, Pause) and self._twins_rebuilding(w):
+            # The twins are still being rebuilt: this kill would take the last live replica
+            # of a partition. It comes once they are back (restore_ms varies with the
+            # machine's load; the job is not to fail because a rebuild was slow).
+            if not deferred:
+                log.info(
+                    "fault: %s waits for the rebuild of its twins (at %.2f s)",
+                    self._worker_name(w),
+                    now_s,
+                )
+            pending.append(_Deferred(fault, now_s + DEFER_STEP_S, due))
+            pending.sort(key=lambda f: f.at)
+            return
         proc = self.procs[w]
         record = {
             **fault.to_dict(),
@@ -1433,6 +1467,8 @@ class _Run:
             ],
             "injected_at": round(now_s, 3),
         }
+        if deferred:
+            record["waited_for_rebuild_s"] = round(now_s - due, 3)
         self.injected.append(record)
         if isinstance(fault, Pause):
             if proc.is_alive():
@@ -1453,6 +1489,19 @@ class _Run:
             "fault: SIGKILL %s (hosting %s) at %.2f s", self._worker_name(w), self._name(rid), now_s
         )
         self._kill_worker(w, now_s, "killed")
+
+    def _twins_rebuilding(self, w: int) -> bool:
+        """Whether worker ``w`` hosts the last live replica of a partition whose other
+        replicas are being rebuilt."""
+        for t, p, r in self.placement[w]:
+            twins = [(t, p, o) for o in range(self.plan.tasks[t].replication) if o != r]
+            if (
+                (t, p, r) not in self.down
+                and twins
+                and all(o in self.down and self.worker_of[o] in self.rejoins for o in twins)
+            ):
+                return True
+        return False
 
     def _kill_worker(self, w: int, now_s: float, cause: str) -> None:
         """SIGKILL worker ``w``; its replicas are lost (``cause``) and rebuilt if the job
