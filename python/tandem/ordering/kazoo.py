@@ -372,12 +372,15 @@ class KazooSession:
         self.started = False
         self.error: BaseException | None = None
         self.suspended = 0  # times the session was in doubt (SUSPENDED)
+        self.producers_replaced = 0  # order producers replaced after a timeout
+        self._timed_out = threading.Event()  # an order timed out: replace the producer
         self.expired = 0  # times it was lost (LOST: expired, or closed)
         # Orders of deposed leaders the worker's replicas fenced off, as they met them.
         self.fenced: list[dict[str, int]] = []
 
     def stats(self) -> dict[str, Any]:
         """``suspended`` / ``expired``: how often the session was in doubt / lost;
+        ``producers_replaced``: order producers replaced after an order timed out;
         ``fenced``: one record per stale order a replica of this worker ignored (``task``,
         ``partition``, ``replica``, the order's ``epoch`` and ``version``, the ``current``
         epoch it lost to, its ``offset`` in the order log); at most :data:`FENCED_KEPT`."""
@@ -385,6 +388,7 @@ class KazooSession:
             "name": self.name,
             "suspended": self.suspended,
             "expired": self.expired,
+            "producers_replaced": self.producers_replaced,
             "fenced": list(self.fenced),
         }
 
@@ -396,7 +400,7 @@ class KazooSession:
 
     def start(self) -> None:
         _require_clients()
-        from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
         from kazoo.client import KazooClient
         from kazoo.handlers.threading import KazooTimeoutError
 
@@ -412,25 +416,7 @@ class KazooSession:
             ) from exc
         self.zk.add_listener(self._on_state)
         kafka = {"bootstrap.servers": cfg.kafka_bootstrap, "logger": _kafka_logger()}
-        self.producer = Producer(
-            {
-                **kafka,
-                "acks": "all",
-                "enable.idempotence": True,
-                "linger.ms": 0,
-                # An order counts as delivered once its replica followed it from the log:
-                # only failures need a report (one Python call less per order).
-                "delivery.report.only.error": True,
-                "reconnect.backoff.max.ms": 200,
-                # An order stuck in the client (a broker restart can leave a request of
-                # the idempotent producer waiting for a reply that never comes) fails
-                # after this long instead of after the 300 s default; the leader then
-                # publishes again from what the log holds (orders are positional, a
-                # replay is ignored), so a stuck order costs seconds, not the run.
-                "message.timeout.ms": ORDER_TIMEOUT_MS,
-                "request.timeout.ms": ORDER_TIMEOUT_MS - 1000,
-            }
-        )
+        self.producer = self._producer()
         group = f"tandem-{self.run.run}-{self.name}"
         self.consumer = Consumer(
             {
@@ -461,6 +447,33 @@ class KazooSession:
             t = _thread(self, target, f"kazoo-{name}", f"kazoo session of {self.name}")
             t.start()
             self._threads.append(t)
+
+    def _producer(self):
+        """The order producer (one per worker session; replaced when its orders time out,
+        see :meth:`_publish`)."""
+        from confluent_kafka import Producer
+
+        cfg = self.run.config
+        return Producer(
+            {
+                "bootstrap.servers": cfg.kafka_bootstrap,
+                "logger": _kafka_logger(),
+                "acks": "all",
+                "enable.idempotence": True,
+                "linger.ms": 0,
+                # An order counts as delivered once its replica followed it from the log:
+                # only failures need a report (one Python call less per order).
+                "delivery.report.only.error": True,
+                "reconnect.backoff.max.ms": 200,
+                # An order stuck in the client (a broker restart can leave a request of
+                # the idempotent producer waiting for a reply that never comes) fails
+                # after this long instead of after the 300 s default; the leader then
+                # publishes again from what the log holds (orders are positional, a
+                # replay is ignored), so a stuck order costs seconds, not the run.
+                "message.timeout.ms": ORDER_TIMEOUT_MS,
+                "request.timeout.ms": ORDER_TIMEOUT_MS - 1000,
+            }
+        )
 
     def stop(self) -> None:
         """Close the session (every leadership of the worker ends at once), stop the
@@ -520,8 +533,11 @@ class KazooSession:
         """Publish every order due, as one message: those of all the partitions this
         worker leads come at once and go out together (one append for the broker, one
         message for each reader)."""
-        producer, orderers, topic = self.producer, self.orderers, self.run.topic
+        orderers, topic = self.orderers, self.run.topic
         while not self._stop.is_set():
+            if self._timed_out.is_set():
+                self._replace_producer()
+            producer = self.producer
             due = self.publisher.next(POLL_S)
             # A partition whose session came in doubt since is left out (its election
             # thread resigns it).
@@ -537,6 +553,19 @@ class KazooSession:
             producer.produce(topic, value=b"".join(o for _, o in sent), on_delivery=on_delivery)
             for slot in slots:
                 orderers[slot].orders_published += 1
+
+    def _replace_producer(self) -> None:
+        """An order timed out: after a broker restart librdkafka's producer can stay on
+        metadata that no longer holds (``new leader-1 not found in cache``) and time out
+        every order from then on. A new producer starts from fresh metadata; what the old
+        one still held is dropped (the leaders publish again from the log: orders are
+        positional, a replay is ignored)."""
+        self._timed_out.clear()
+        old, self.producer = self.producer, self._producer()
+        self.producers_replaced += 1
+        log.info("order producer of %s replaced after an order timed out", self.name)
+        old.purge(in_queue=True, in_flight=True, blocking=False)
+        old.flush(0)
 
     def _acknowledge(self) -> None:
         """Serve the producer's reports of failed deliveries (each goes to the orderer that
@@ -776,8 +805,12 @@ class Orderer:
     def _failed(self, err) -> None:
         """An order of this partition was not delivered (the producer reports failures
         only), on the session's acknowledging thread."""
+        from confluent_kafka import KafkaError
+
         self.publish_errors += 1
         log.warning("%s: an order was not delivered: %s", self.ident, err)
+        if err.code() == KafkaError._MSG_TIMED_OUT:
+            self.session._timed_out.set()
         self.session.publisher.lost(self.slot)  # publish again from what the log holds
 
 

@@ -663,10 +663,15 @@ impl Outbox {
     /// The largest [`Link::backlog`] over every live link (0 once closed) — or, when
     /// evicting stragglers, over every channel its least backed-up link: a lagging replica
     /// is dropped before it could block a send, so only a channel whose every replica is
-    /// slow holds this one back.
+    /// slow holds this one back. A link whose peer closed its end counts for nothing: what
+    /// it holds will never be taken, and the next send drops it (a worker that waited for
+    /// it to drain would never send again, so never find out).
     pub fn backlog(&self) -> usize {
         let per_channel = |c: &Channel| {
-            let each = c.links.iter().map(|l| l.backlog());
+            let each = c
+                .links
+                .iter()
+                .map(|l| if l.peer_closed() { 0 } else { l.backlog() });
             if self.eviction.is_some() {
                 each.min()
             } else {
@@ -1677,10 +1682,15 @@ mod tests {
         /// Frames waiting for the peer, and for how long the oldest has.
         backlog: Arc<Mutex<(usize, Duration)>>,
         aborted: Arc<Mutex<bool>>,
+        /// The peer closed its end: the next send fails.
+        closed: Arc<Mutex<bool>>,
     }
 
     impl Link for SlowLink {
         fn send(&mut self, _frame: &OutFrame) -> Result<()> {
+            if *self.closed.lock() {
+                return Err(Error::Closed("the peer closed its end".to_owned()));
+            }
             *self.sent.lock() += 1;
             Ok(())
         }
@@ -1693,6 +1703,27 @@ mod tests {
         fn abort(&mut self) {
             *self.aborted.lock() = true;
         }
+        fn peer_closed(&self) -> bool {
+            *self.closed.lock()
+        }
+    }
+
+    #[test]
+    fn a_link_whose_peer_closed_holds_nothing_back_and_the_next_send_drops_it() {
+        // The worker serves a slot only while its backlog is under the credit; a backlog
+        // left in a link whose downstream replica retired would never drain, and the slot
+        // would never send again to find the link dead.
+        let (live, gone) = (SlowLink::default(), SlowLink::default());
+        let links: Vec<Box<dyn Link>> = vec![Box::new(live.clone()), Box::new(gone.clone())];
+        let mut ob =
+            Outbox::new(Partitioner::Forward, vec![links], OutboxConfig::default()).unwrap();
+        *gone.backlog.lock() = (64, Duration::from_secs(5));
+        assert_eq!(ob.backlog(), 64);
+        *gone.closed.lock() = true;
+        assert_eq!(ob.backlog(), 0);
+        ob.emit(&batch(0..3)).unwrap();
+        assert_eq!(ob.live_links(0), 1);
+        assert_eq!((*live.sent.lock(), *gone.sent.lock()), (1, 0));
     }
 
     #[test]
