@@ -196,6 +196,9 @@ def test_kazoo_leaders_and_epochs_are_read_from_the_replicas():
                 (count, 0, 1): {"active": True, "kazoo": (4, 3)},  # took over, not yet followed
                 (count, 1, 0): {"active": True, "kazoo": (2, 2)},
                 (count, 1, 1): {"active": True, "kazoo": (None, 2)},
+                # Leading before any order was followed (the log's epoch is unknown).
+                (count, 2, 0): {"active": True, "kazoo": (1, None)},
+                (count, 2, 1): {"active": True, "kazoo": (None, None)},
             },
         }
     )
@@ -204,6 +207,8 @@ def test_kazoo_leaders_and_epochs_are_read_from_the_replicas():
     assert 'tandem_kazoo_epoch{partition="0",task="count"} 4.0' in text
     assert 'tandem_kazoo_leader{partition="1",task="count"} 0.0' in text
     assert 'tandem_kazoo_epoch{partition="1",task="count"} 2.0' in text
+    assert 'tandem_kazoo_leader{partition="2",task="count"} 0.0' in text
+    assert 'tandem_kazoo_epoch{partition="2",task="count"} 1.0' in text
 
 
 def test_kazoo_run_serves_the_leader_and_epoch_of_every_partition(zookeeper, kafka):

@@ -246,7 +246,7 @@ class Metrics:
             if "kazoo" in m:
                 leading, followed = m["kazoo"]
                 part = rid[:2]
-                epochs[part] = max(epochs.get(part, 0), followed, leading or 0)
+                epochs[part] = max(epochs.get(part, 0), followed or 0, leading or 0)
                 # Two replicas may both believe they lead for a moment: the newer epoch
                 # fences the older.
                 if leading is not None and leading > leaders.get(part, (-1, -1))[0]:
