@@ -156,7 +156,8 @@ class Job:
     its twins back (None: wait for it; one that falls half a link queue behind is dropped
     sooner); ``restore``: when a worker dies, rebuild its replicas from live twins while the
     job runs, so every partition gets back to ``replication`` replicas (DESIGN §4; local
-    engine, ``liverobin`` and ``none`` orderings); ``replay_ms``: how much recent output
+    engine, ``liverobin`` and ``none`` orderings), and restart a lost Kafka sink from the
+    input position its last transaction stored; ``replay_ms``: how much recent output
     every replica then keeps per channel to replay to a rebuilt downstream replica;
     ``failure_timeout_ms``: with ``restore``, a worker that sends no keepalive for this long
     (frozen, wedged) is declared lost: killed, so it never comes back, and rebuilt.

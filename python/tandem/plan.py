@@ -211,6 +211,14 @@ class Plan:
             return None
         return max(1, math.ceil(self.replay_ms / self.heartbeat_ms))
 
+    def restarts_sink(self, task_id: int) -> bool:
+        """Whether a lost partition of sink ``task_id`` is restarted: the sink is
+        restartable (:attr:`tandem.sinks.Sink.restartable`, a Kafka sink) and its upstream
+        replicas keep replay windows (``restore`` with replication 2 or more, or
+        ``checkpoint_ms``). Their outboxes then hold its output while it is down."""
+        task = self.tasks[task_id]
+        return task.kind == "sink" and task.sink.restartable and self.replay_cycles is not None
+
     def task(self, ref: int | str) -> Task:
         """A task by id or name."""
         if isinstance(ref, int) and not isinstance(ref, bool):
@@ -545,6 +553,7 @@ class Plan:
             raise ConfigError(f"{task.describe()} is not a sink")
         self._check_partition(task, partition)
         sink = copy.deepcopy(task.sink)
+        sink.keep_positions = self.restarts_sink(task.id)
         sink.open(partition, task.parallelism, task.schema)
         return sink
 
