@@ -653,20 +653,25 @@ def test_a_writer_with_positions_commits_only_what_a_mark_covers(kafka):
     assert recover_positions(b, tid, positions, 0) is None  # another sink partition's
 
 
+@pytest.mark.parametrize(
+    "knobs",
+    [{"replication": 2, "restore": True}, {"replication": 1, "checkpoint_ms": 500}],
+    ids=["restore", "passive"],
+)
 def test_a_killed_kafka_sink_restarts_from_its_committed_position_exactly_once(
-    kafka, no_orphans, monkeypatch
+    kafka, no_orphans, monkeypatch, knobs
 ):
-    """Job(restore=True), r = 2: the worker of the Kafka sink (both its partitions) is
-    SIGKILLed mid-stream, rows arriving before and after. The engine fences its producers,
-    reads the input positions their last transactions stored, restarts the sinks from
-    there and has the live upstream replicas replay the rest from their replay windows
-    (which held the sinks' output meanwhile): an outside read_committed consumer reads
-    every row exactly once."""
+    """Job(restore=True) at r = 2, and the passive baseline: the worker of the Kafka
+    sink (both its partitions) is SIGKILLed mid-stream, rows arriving before and after.
+    The engine fences its producers, reads the input positions their last transactions
+    stored, restarts the sinks from there and has the live upstream replicas replay the
+    rest from their replay windows (which held the sinks' output meanwhile): an outside
+    read_committed consumer reads every row exactly once."""
     b = kafka.kafka_bootstrap
     src_topic, out_topic = new_topic(b, 2, "sin"), new_topic(b, 2, "sout")
     rows = [{"key": i % 11, "amount": i} for i in range(3_000)]
     produce(b, src_topic, rows[:500], 2)
-    job = td.Job("kafka-sink-restart", replication=2, restore=True, batch_rows=64)
+    job = td.Job("kafka-sink-restart", batch_rows=64, **knobs)
     counted = counted_from_kafka(job, b, src_topic)
     sink = td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"])
     counted.sink(sink, parallelism=2, name="out")
@@ -699,6 +704,21 @@ def test_a_killed_kafka_sink_restarts_from_its_committed_position_exactly_once(
         f"sink restart: linked {[r['restore_ms'] for r in restarted.values()]} ms after the "
         f"kill; longest output pause {gap} ms, from {at - kill_ms:+.0f} ms after the kill"
     )
+
+
+def test_a_sink_restart_the_replay_windows_no_longer_reach_fails_naming_replay_ms(
+    kafka, no_orphans
+):
+    """Replay windows of 50 ms cannot reach back to a position committed before the kill
+    by the time the sink is back: the job fails, naming the sink partitions and the knob."""
+    b = kafka.kafka_bootstrap
+    src_topic, out_topic = new_topic(b, 2, "win"), new_topic(b, 2, "wout")
+    produce(b, src_topic, [{"key": i % 5, "amount": i} for i in range(500)], 2)
+    job = td.Job("kafka-sink-window", replication=2, restore=True, replay_ms=50)
+    counted = counted_from_kafka(job, b, src_topic)
+    counted.sink(td.sinks.Kafka(out_topic, bootstrap=b), name="out")
+    with pytest.raises(td.TandemError, match=r"out\[0\] replica 0 .*raise Job\(replay_ms"):
+        job.run(duration=3.0, faults=[td.Kill("out", 0, 0, at=1.0)], progress=False)
 
 
 def test_generator_specs_and_the_fault_are_checked(kafka):
