@@ -51,7 +51,7 @@ from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
 from tandem.result import Result
-from tandem.runtime import ReplicaId, ReplicaReport, Resume, Worker, _warm_up
+from tandem.runtime import ReplicaId, ReplicaReport, Resume, Worker
 
 log = logging.getLogger("tandem")
 
@@ -156,7 +156,6 @@ def serve(
     ``waiting`` and gets their twins' cuts (``resume``)."""
     resume = None
     if rejoin:
-        _warm_up()
         conn.send(("waiting", None))
         msg = conn.recv()
         if msg[0] != "resume":
@@ -1138,18 +1137,24 @@ class _Run:
                 f"{', '.join(fixed)} cannot be restarted (only a sink that stores its input "
                 "position with its output, td.sinks.Kafka, can), so the job cannot continue"
             )
-        # Each fences and reads the broker: all at once.
-        with ThreadPoolExecutor(len(rids)) as pool:
-            found = list(pool.map(lambda r: self.plan.tasks[r[0]].sink.recover(r[1]), rids))
+        # The spare loads the job while the lost sinks are fenced and their positions read
+        # (each sink partition's at once).
+        proc, warm = self._take_spare(
+            (list(sys.path), self._blob, rids, self.secret, self.zoo, True, w)
+        )
+        try:
+            with ThreadPoolExecutor(len(rids)) as pool:
+                found = list(pool.map(lambda r: self.plan.tasks[r[0]].sink.recover(r[1]), rids))
+        except BaseException:
+            proc.kill()
+            self.retired.append(proc)
+            raise
         cuts = {
             rid: Resume(cut, state)
             for rid, (cut, state) in zip(rids, found, strict=True)
             if cut is not None
         }
         self._generation += 1
-        proc, warm = self._take_spare(
-            (list(sys.path), self._blob, rids, self.secret, self.zoo, True, w)
-        )
         rj = _Rejoin(
             w, proc, {}, now_s, time.monotonic() + REJOIN_TIMEOUT_S, self._generation, warm=warm
         )
