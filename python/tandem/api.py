@@ -165,7 +165,8 @@ class Job:
     KaZoo): every ``checkpoint_ms`` the workers cut every replica at one heartbeat epoch and
     write the cuts to local disk; a lost worker's replicas restart from the latest complete
     checkpoint and are replayed from there (``replay_ms`` then defaults to ``2 *
-    checkpoint_ms + 3000``, so the replay windows reach back to it).
+    checkpoint_ms + 3000``, so the replay windows reach back to it); a lost Kafka sink
+    restarts from its last commit, as with ``restore``.
 
     The batch is the unit of determinism: every replica of a task partition is called
     with the same batches, so an operator function must be deterministic for a given input
