@@ -585,14 +585,15 @@ def test_an_aborted_transaction_is_invisible_to_read_committed(kafka):
 # A sink's cut as the core hands it out: (epoch, per-channel heartbeat epochs, (positions,
 # turn, gen, ended, orders, order log), per-output (seqs, rows)) — a sink has no outputs.
 CUT_A = (7, [7, 8], ([120, 96], 0, None, [False, False], [], None), [])
+RUN = 1_700_000_000_000_000_000  # a job run's t0
 CUT_B = (9, [9, 9], ([180, 140], 1, 3, [False, True], [(1, 140)], (2, 5, [180, 140], 44)), [])
 
 
 def test_a_positions_record_gives_the_core_its_cut_back():
     for cut in (CUT_A, CUT_B, None):
-        value = encode_positions(cut, 12, 3, {0: (4, 9), 1: (0, 2)})
+        value = encode_positions(cut, 77, 12, 3, {0: (4, 9), 1: (0, 2)})
         record = decode_positions(value)
-        assert record["cut"] == cut
+        assert record["cut"] == cut and record["run"] == 77
         assert (record["rows"], record["transactions"]) == (12, 3)
         assert record["ranges"] == {"0": [4, 9], "1": [0, 2]}
     # The core takes the cut it gave: an inbox bound with it starts at its positions.
@@ -601,7 +602,7 @@ def test_a_positions_record_gives_the_core_its_cut_back():
         b"s" * 32,
         [(0, 0), (0, 1)],
         ordering="none",
-        resume=decode_positions(encode_positions(CUT_A, 0, 0, {}))["cut"][2],
+        resume=decode_positions(encode_positions(CUT_A, 77, 0, 0, {}))["cut"][2],
     )
     assert [c["next_seq"] for c in inbox.stats()["channels"]] == [120, 96]
     inbox.close()
@@ -619,9 +620,9 @@ def test_a_writer_with_positions_commits_only_what_a_mark_covers(kafka):
     with pytest.raises(td.ConfigError, match="has 2 partitions, but its sink has 3"):
         ensure_positions_topic(b, positions, 3)
     tid = f"pos-{uuid.uuid4().hex[:8]}"
-    assert recover_positions(b, tid, positions, 1) is None  # nothing committed yet
+    assert recover_positions(b, tid, positions, 1, RUN) is None  # nothing committed yet
 
-    first = TransactionalWriter(b, topic, tid, positions=(positions, 1))
+    first = TransactionalWriter(b, topic, tid, positions=(positions, 1, RUN))
     first.put([(b"r1", None, 0), (b"r2", None, 0)])
     first.mark(CUT_A)
     first.put([(b"r3", None, 0)])  # after the mark: not in the first transaction
@@ -631,26 +632,29 @@ def test_a_writer_with_positions_commits_only_what_a_mark_covers(kafka):
         time.sleep(0.02)
     first.abort()  # lost before r3 was marked
 
-    found = recover_positions(b, tid, positions, 1)
+    found = recover_positions(b, tid, positions, 1, RUN)
     assert found["cut"] == CUT_A and (found["rows"], found["transactions"]) == (2, 1)
     assert [m.value() for m in read_committed(b, topic, 1)] == [b"r1", b"r2"]
 
-    second = TransactionalWriter(b, topic, tid, positions=(positions, 1))
+    second = TransactionalWriter(b, topic, tid, positions=(positions, 1, RUN))
     second.resume(found)
     second.mark(CUT_B)  # no rows after it: committed alone, once POSITIONS_EVERY_S passed
     deadline = time.monotonic() + 30
     while second.transactions < 2:
         assert time.monotonic() < deadline, "no positions-only transaction within 30 s"
         time.sleep(0.02)
-    assert recover_positions(b, tid, positions, 1)["cut"] == CUT_B
-    second = TransactionalWriter(b, topic, tid, positions=(positions, 1))  # fenced it
+    assert recover_positions(b, tid, positions, 1, RUN)["cut"] == CUT_B
+    second = TransactionalWriter(b, topic, tid, positions=(positions, 1, RUN))  # fenced it
     second.resume(found)
     second.put([(b"r3", None, 0)])
     assert set(second.close()) == {0}
-    last = recover_positions(b, tid, positions, 1)
+    last = recover_positions(b, tid, positions, 1, RUN)
     assert last["cut"] is None and last["rows"] == 3  # the input ended
     assert [m.value() for m in read_committed(b, topic, 1)] == [b"r1", b"r2", b"r3"]
-    assert recover_positions(b, tid, positions, 0) is None  # another sink partition's
+    # A later run of the job that has committed nothing yet starts from the beginning,
+    # not from this run's positions.
+    assert recover_positions(b, tid, positions, 1, RUN + 1) is None
+    assert recover_positions(b, tid, positions, 0, RUN) is None  # another sink partition's
 
 
 @pytest.mark.parametrize(

@@ -397,17 +397,23 @@ def read_log(
 
 
 def encode_positions(
-    cut: tuple | None, rows: int, transactions: int, ranges: Mapping[int, tuple[int, int]]
+    cut: tuple | None,
+    run: int,
+    rows: int,
+    transactions: int,
+    ranges: Mapping[int, tuple[int, int]],
 ) -> bytes:
     """A sink's positions record (JSON): ``cut``, where its input stood after the rows
     committed with it (the core's cut of the sink's slot, see ``tandem._core``; None: the
-    input ended), and the totals committed through this transaction — rows, transactions
-    and offset ranges per partition of the sink's topic."""
+    input ended), the ``run`` of the job it belongs to (its t0), and the totals committed
+    through this transaction — rows, transactions and offset ranges per partition of the
+    sink's topic."""
     import json
 
     return json.dumps(
         {
             "cut": cut,
+            "run": run,
             "rows": rows,
             "transactions": transactions,
             "ranges": {str(p): list(r) for p, r in ranges.items()},
@@ -476,13 +482,15 @@ def recover_positions(
     transactional_id: str,
     topic: str,
     partition: int,
+    run: int,
     extra: Mapping[str, Any] | None = None,
     timeout: float = TIMEOUT_S,
 ) -> dict[str, Any] | None:
     """Fence every writer with ``transactional_id`` (its open transaction is aborted, or
     completed if its commit had begun), then read the last positions record committed to
-    ``topic[partition]`` (:func:`decode_positions`); None if there is none (nothing was
-    committed). Fencing first makes the record read the last one there will ever be."""
+    ``topic[partition]`` (:func:`decode_positions`); None if there is none of ``run``
+    (nothing was committed in this run: the last record is an earlier run's, or there is
+    none). Fencing first makes the record read the last one there will ever be."""
     _require()
     from confluent_kafka import TopicPartition
 
@@ -515,7 +523,8 @@ def recover_positions(
         finally:
             chunks.close()
         if last is not None:
-            return decode_positions(last)
+            record = decode_positions(last)
+            return record if record["run"] == run else None
         if start == low:
             return None
         back *= 8
@@ -537,10 +546,10 @@ class TransactionalWriter:
     queued and returns the offsets it committed, per partition, as ``(first, last)``
     ranges.
 
-    With ``positions`` (a topic and partition), the writer commits only what a
-    :meth:`mark` covers: a transaction holds the records queued before the latest mark and,
-    written last, one record of ``positions`` — the mark's cut (where the sink's input
-    stood right after those records) and the totals committed so far
+    With ``positions`` (a topic, a partition and the job's run), the writer commits only
+    what a :meth:`mark` covers: a transaction holds the records queued before the latest
+    mark and, written last, one record of ``positions`` — the mark's cut (where the sink's
+    input stood right after those records), the run and the totals committed so far
     (:func:`encode_positions`). The rows and the position they were consumed up to thus
     become visible together or not at all, and :func:`recover_positions` reads the last
     committed one back. A mark with no record after it is committed alone every
@@ -556,7 +565,7 @@ class TransactionalWriter:
         extra: Mapping[str, Any] | None = None,
         limit: int = 262_144,
         timeout: float = 30.0,
-        positions: tuple[str, int] | None = None,
+        positions: tuple[str, int, int] | None = None,
     ) -> None:
         _require()
         from confluent_kafka import Producer
@@ -733,9 +742,10 @@ class TransactionalWriter:
                     # The record of where the input stood goes last, with the totals this
                     # transaction brings: its own offsets are known once flushed.
                     p.flush(self.timeout)
-                    topic, part = self.positions
+                    topic, part, run = self.positions
                     value = encode_positions(
                         cut,
+                        run,
                         self.committed_rows + len(batch),
                         self.transactions + 1,
                         _merged(self.ranges, offsets),

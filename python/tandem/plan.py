@@ -546,14 +546,14 @@ class Plan:
         self._check_partition(task, partition)
         return TaskInstance(task, partition, replica, t0_ns)
 
-    def open_sink(self, task_id: int, partition: int) -> Sink:
-        """A fresh sink instance for one sink partition, opened."""
+    def open_sink(self, task_id: int, partition: int, run: int = 0) -> Sink:
+        """A fresh sink instance for one sink partition of ``run`` (the engine's t0), opened."""
         task = self.task(task_id)
         if task.kind != "sink" or task.sink is None:
             raise ConfigError(f"{task.describe()} is not a sink")
         self._check_partition(task, partition)
         sink = copy.deepcopy(task.sink)
-        sink.keep_positions = self.restarts_sink(task.id)
+        sink.keep_positions, sink.run = self.restarts_sink(task.id), run
         sink.open(partition, task.parallelism, task.schema)
         return sink
 

@@ -43,6 +43,9 @@ class Sink(abc.ABC):
     keep_positions: bool = False
     """Set by the engine before :meth:`open` when it will restart this restartable sink
     after a loss (``Job(restore=True)`` or ``checkpoint_ms``): store positions."""
+    run: int = 0
+    """Set by the engine before :meth:`open`: which run of the job this is (its t0),
+    stored with the positions so that a restart never takes an earlier run's."""
 
     def describe(self) -> str:
         return type(self).__name__
@@ -73,11 +76,12 @@ class Sink(abc.ABC):
         with ``cut``, atomically."""
         raise NotImplementedError(f"{self.describe()} is not restartable")
 
-    def recover(self, partition: int) -> tuple[tuple | None, bytes]:
-        """Restartable sinks: after partition ``partition`` was lost (called where the
-        engine runs, before the partition is opened again), fence whatever may still write
-        for it and return the last position made durable with its rows (None: none, it
-        starts over from its first input) and what :meth:`restore` needs."""
+    def recover(self, partition: int, run: int) -> tuple[tuple | None, bytes]:
+        """Restartable sinks: after partition ``partition`` was lost in ``run`` (called
+        where the engine runs, before the partition is opened again), fence whatever may
+        still write for it and return the last position it made durable with its rows in
+        that run (None: none, it starts over from its first input) and what
+        :meth:`restore` needs."""
         raise NotImplementedError(f"{self.describe()} is not restartable")
 
     def restore(self, state: bytes) -> int:
@@ -360,7 +364,7 @@ class Kafka(Sink):
             ensure_positions_topic(
                 self._bootstrap(), self.positions_topic, parallelism, self.config
             )
-            positions = (self.positions_topic, partition)
+            positions = (self.positions_topic, partition, self.run)
         self._writer = TransactionalWriter(
             self._bootstrap(),
             self.topic,
@@ -372,7 +376,7 @@ class Kafka(Sink):
     def mark(self, cut: tuple) -> None:
         self._writer.mark(cut)
 
-    def recover(self, partition: int) -> tuple[tuple | None, bytes]:
+    def recover(self, partition: int, run: int) -> tuple[tuple | None, bytes]:
         import json
 
         from tandem.kafka import recover_positions
@@ -382,6 +386,7 @@ class Kafka(Sink):
             f"{self.transactional_id}.{partition}",
             self.positions_topic,
             partition,
+            run,
             self.config,
         )
         if found is None:

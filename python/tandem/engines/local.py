@@ -1144,7 +1144,9 @@ class _Run:
         )
         try:
             with ThreadPoolExecutor(len(rids)) as pool:
-                found = list(pool.map(lambda r: self.plan.tasks[r[0]].sink.recover(r[1]), rids))
+                found = list(
+                    pool.map(lambda r: self.plan.tasks[r[0]].sink.recover(r[1], self.t0_ns), rids)
+                )
         except BaseException:
             proc.kill()
             self.retired.append(proc)
