@@ -28,7 +28,13 @@ import tandem as td
 from tandem import _core, heartbeat, reference, testing
 from tandem.engines import local
 from tandem.heartbeat import HEADER, LogSchedule, LogStep, marker_header, marker_ns
-from tandem.kafka import TransactionalWriter
+from tandem.kafka import (
+    TransactionalWriter,
+    decode_positions,
+    encode_positions,
+    ensure_positions_topic,
+    recover_positions,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -304,6 +310,34 @@ def mean_of_amount(batch: pa.RecordBatch) -> pa.RecordBatch:
     return testing.with_batch_mean(batch, "amount")
 
 
+def feed_during_run(
+    monkeypatch, bootstrap: str, topic: str, rows: list[dict], first: int, burst: int, every: float
+) -> tuple[threading.Thread, list[float]]:
+    """Start writing ``rows[first:]`` into ``topic`` (row ``j`` to partition ``j % 2``)
+    once the next job's workers are ready: ``burst`` rows every ``every`` seconds from
+    t0 + 0.1 s. Returns the thread and a list that gets when the last row was written
+    (seconds after t0)."""
+    ready = threading.Event()
+    monkeypatch.setattr(local, "ON_READY", lambda _addresses: ready.set())
+    fed: list[float] = []
+
+    def feed() -> None:
+        ready.wait(60)
+        t0 = time.monotonic() + local.STARTUP_S
+        p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
+        for at, i in enumerate(range(first, len(rows), burst)):
+            time.sleep(max(0.0, t0 + 0.1 + at * every - time.monotonic()))
+            for j in range(i, min(i + burst, len(rows))):
+                p.produce(topic, json.dumps(rows[j]).encode(), partition=j % 2)
+            p.poll(0)
+        assert p.flush(30) == 0
+        fed.append(time.monotonic() - t0)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    return feeder, fed
+
+
 def test_kafka_to_kafka_exactly_once_through_a_replica_and_a_generator_kill(
     kafka, no_orphans, monkeypatch
 ):
@@ -328,24 +362,8 @@ def test_kafka_to_kafka_exactly_once_through_a_replica_and_a_generator_kill(
 
     # The rest of the input arrives while the job runs, in small bursts from t0 + 0.1 s to
     # t0 + 1.6 s: well before the heartbeat the sources end at (t0 + 2.5 s).
-    duration, ready = 2.5, threading.Event()
-    monkeypatch.setattr(local, "ON_READY", lambda _addresses: ready.set())
-    fed: list[float] = []
-
-    def feed() -> None:
-        ready.wait(60)
-        t0 = time.monotonic() + local.STARTUP_S
-        p = Producer({"bootstrap.servers": b, "linger.ms": 0})
-        for i, at in zip(range(1_000, 3_000, 20), range(100), strict=True):
-            time.sleep(max(0.0, t0 + 0.1 + at * 0.015 - time.monotonic()))
-            for j in range(i, i + 20):
-                p.produce(src_topic, json.dumps(rows[j]).encode(), partition=j % 2)
-            p.poll(0)
-        assert p.flush(30) == 0
-        fed.append(time.monotonic() - t0)
-
-    feeder = threading.Thread(target=feed)
-    feeder.start()
+    duration = 2.5
+    feeder, fed = feed_during_run(monkeypatch, b, src_topic, rows, 1_000, 20, 0.015)
     faults = [td.KillHeartbeats(0, at=0.5), td.Kill("count", partition=0, replica=1, at=1.0)]
     result = job.run(duration=duration, faults=faults, progress=False)
     feeder.join()
@@ -428,6 +446,26 @@ def test_partitions_that_take_different_epochs_still_match_the_reference(kafka, 
     assert result.events_out == result.events_in
 
 
+def counted_from_kafka(job: td.Job, bootstrap: str, topic: str):
+    """``topic`` (2 partitions) through a whole-batch map and a 2-partition CountPerKey."""
+    events = job.source(td.sources.Kafka(topic, bootstrap=bootstrap, schema=SCHEMA), name="in")
+    return (
+        events.map(mean_of_amount, name="mean")
+        .key_by("key")
+        .process(td.CountPerKey(), parallelism=2, name="count")
+    )
+
+
+def assert_counted_once(out: list[dict], rows: list[dict]) -> None:
+    """``out`` holds every row of ``rows`` exactly once, with the counts 1..n of its key."""
+    got = Counter((r["key"], r["amount"], r["count"]) for r in out)
+    assert max(got.values()) == 1, [row for row, n in got.items() if n > 1][:5]
+    assert sorted(r["amount"] for r in out) == list(range(len(rows)))
+    counts = Counter(r["key"] for r in rows)
+    for key, n in counts.items():
+        assert sorted(r["count"] for r in out if r["key"] == key) == list(range(1, n + 1))
+
+
 def test_a_lost_kafka_source_replica_is_rebuilt_from_its_twins_log_position(kafka, no_orphans):
     """Job(restore=True): the worker holding replica 0 of everything is killed and rebuilt
     from the twins' cuts — a rebuilt Kafka source replica reads on from the record after
@@ -438,12 +476,7 @@ def test_a_lost_kafka_source_replica_is_rebuilt_from_its_twins_log_position(kafk
     rows = [{"key": i % 11, "amount": i} for i in range(3_000)]
     produce(b, src_topic, rows[:500], 2)
     job = td.Job("kafka-restore", replication=2, restore=True, batch_rows=64)
-    events = job.source(td.sources.Kafka(src_topic, bootstrap=b, schema=SCHEMA), name="in")
-    counted = (
-        events.map(mean_of_amount, name="mean")
-        .key_by("key")
-        .process(td.CountPerKey(), parallelism=2, name="count")
-    )
+    counted = counted_from_kafka(job, b, src_topic)
     counted.sink(td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"]))
 
     def feed() -> None:  # the rest arrives during the first 2.5 s of the run
@@ -466,11 +499,7 @@ def test_a_lost_kafka_source_replica_is_rebuilt_from_its_twins_log_position(kafk
     rebuilt = {(r["task"], r["partition"], r["replica"]) for r in result.restored_replicas}
     assert {("in", 0, 0), ("in", 1, 0), ("count", 0, 0)} <= rebuilt
     assert result.events_in == len(rows)
-    out = [json.loads(m.value()) for m in read_committed(b, out_topic, 2)]
-    assert sorted(r["amount"] for r in out) == list(range(len(rows)))
-    counts = Counter(r["key"] for r in rows)
-    for key, n in counts.items():
-        assert sorted(r["count"] for r in out if r["key"] == key) == list(range(1, n + 1))
+    assert_counted_once([json.loads(m.value()) for m in read_committed(b, out_topic, 2)], rows)
 
 
 def test_raw_records_arrive_once_and_markers_never_reach_an_operator(kafka, no_orphans):
@@ -549,6 +578,151 @@ def test_an_aborted_transaction_is_invisible_to_read_committed(kafka):
     p.produce(topic, b"b", partition=0)
     p.commit_transaction(10)
     assert [m.value() for m in read_committed(b, topic, 1)] == [b"a", b"b"]
+
+
+# -- a sink restarted from the position its last transaction stored -------------------------
+
+# A sink's cut as the core hands it out: (epoch, per-channel heartbeat epochs, (positions,
+# turn, gen, ended, orders, order log), per-output (seqs, rows)) — a sink has no outputs.
+CUT_A = (7, [7, 8], ([120, 96], 0, None, [False, False], [], None), [])
+RUN = 1_700_000_000_000_000_000  # a job run's t0
+CUT_B = (9, [9, 9], ([180, 140], 1, 3, [False, True], [(1, 140)], (2, 5, [180, 140], 44)), [])
+
+
+def test_a_positions_record_gives_the_core_its_cut_back():
+    for cut in (CUT_A, CUT_B, None):
+        value = encode_positions(cut, 77, 12, 3, {0: (4, 9), 1: (0, 2)})
+        record = decode_positions(value)
+        assert record["cut"] == cut and record["run"] == 77
+        assert (record["rows"], record["transactions"]) == (12, 3)
+        assert record["ranges"] == {"0": [4, 9], "1": [0, 2]}
+    # The core takes the cut it gave: an inbox bound with it starts at its positions.
+    inbox = _core.Inbox(
+        "j",
+        b"s" * 32,
+        [(0, 0), (0, 1)],
+        ordering="none",
+        resume=decode_positions(encode_positions(CUT_A, 77, 0, 0, {}))["cut"][2],
+    )
+    assert [c["next_seq"] for c in inbox.stats()["channels"]] == [120, 96]
+    inbox.close()
+
+
+def test_a_writer_with_positions_commits_only_what_a_mark_covers(kafka):
+    """Each transaction holds the rows queued before the latest mark and, with them, the
+    mark's cut; rows after it wait. What a lost writer committed last is read back after
+    fencing it, and a writer resumed from it goes on counting."""
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 1, "pos-out")
+    positions = f"{topic}.positions"
+    ensure_positions_topic(b, positions, 2)
+    ensure_positions_topic(b, positions, 2)  # exists: fine
+    with pytest.raises(td.ConfigError, match="has 2 partitions, but its sink has 3"):
+        ensure_positions_topic(b, positions, 3)
+    tid = f"pos-{uuid.uuid4().hex[:8]}"
+    assert recover_positions(b, tid, positions, 1, RUN) is None  # nothing committed yet
+
+    first = TransactionalWriter(b, topic, tid, positions=(positions, 1, RUN))
+    first.put([(b"r1", None, 0), (b"r2", None, 0)])
+    first.mark(CUT_A)
+    first.put([(b"r3", None, 0)])  # after the mark: not in the first transaction
+    deadline = time.monotonic() + 30
+    while first.transactions < 1:
+        assert time.monotonic() < deadline, "no transaction within 30 s"
+        time.sleep(0.02)
+    first.abort()  # lost before r3 was marked
+
+    found = recover_positions(b, tid, positions, 1, RUN)
+    assert found["cut"] == CUT_A and (found["rows"], found["transactions"]) == (2, 1)
+    assert [m.value() for m in read_committed(b, topic, 1)] == [b"r1", b"r2"]
+
+    second = TransactionalWriter(b, topic, tid, positions=(positions, 1, RUN))
+    second.resume(found)
+    second.mark(CUT_B)  # no rows after it: committed alone, once POSITIONS_EVERY_S passed
+    deadline = time.monotonic() + 30
+    while second.transactions < 2:
+        assert time.monotonic() < deadline, "no positions-only transaction within 30 s"
+        time.sleep(0.02)
+    assert recover_positions(b, tid, positions, 1, RUN)["cut"] == CUT_B
+    second = TransactionalWriter(b, topic, tid, positions=(positions, 1, RUN))  # fenced it
+    second.resume(found)
+    second.put([(b"r3", None, 0)])
+    assert set(second.close()) == {0}
+    last = recover_positions(b, tid, positions, 1, RUN)
+    assert last["cut"] is None and last["rows"] == 3  # the input ended
+    assert [m.value() for m in read_committed(b, topic, 1)] == [b"r1", b"r2", b"r3"]
+    # A later run of the job that has committed nothing yet starts from the beginning,
+    # not from this run's positions.
+    assert recover_positions(b, tid, positions, 1, RUN + 1) is None
+    assert recover_positions(b, tid, positions, 0, RUN) is None  # another sink partition's
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"replication": 2, "restore": True}, {"replication": 1, "checkpoint_ms": 500}],
+    ids=["restore", "passive"],
+)
+def test_a_killed_kafka_sink_restarts_from_its_committed_position_exactly_once(
+    kafka, no_orphans, monkeypatch, knobs
+):
+    """Job(restore=True) at r = 2, and the passive baseline: the worker of the Kafka
+    sink (both its partitions) is SIGKILLed mid-stream, rows arriving before and after.
+    The engine fences its producers, reads the input positions their last transactions
+    stored, restarts the sinks from there and has the live upstream replicas replay the
+    rest from their replay windows (which held the sinks' output meanwhile): an outside
+    read_committed consumer reads every row exactly once."""
+    b = kafka.kafka_bootstrap
+    src_topic, out_topic = new_topic(b, 2, "sin"), new_topic(b, 2, "sout")
+    rows = [{"key": i % 11, "amount": i} for i in range(3_000)]
+    produce(b, src_topic, rows[:500], 2)
+    job = td.Job("kafka-sink-restart", batch_rows=64, **knobs)
+    counted = counted_from_kafka(job, b, src_topic)
+    sink = td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"])
+    counted.sink(sink, parallelism=2, name="out")
+
+    # The rest arrives while the job runs, from t0 + 0.1 s to t0 + 2.5 s; the kill is at
+    # t0 + 1.0 s, the sources end at t0 + 4 s.
+    feeder, fed = feed_during_run(monkeypatch, b, src_topic, rows, 500, 50, 0.048)
+    result = job.run(duration=4.0, faults=[td.Kill("out", 0, 0, at=1.0)], progress=False)
+    feeder.join()
+    assert fed and fed[0] < 3.5, f"the input was not all written in time ({fed})"
+
+    assert testing.lost_replicas(result) == {("out", 0, 0), ("out", 1, 0)}
+    restarted = {(r["task"], r["partition"]): r for r in result.restored_replicas}
+    assert set(restarted) == {("out", 0), ("out", 1)}
+    for r in restarted.values():
+        # From a position stored in a transaction, not from the beginning (which would
+        # write the rows committed before the kill again).
+        assert r["sink"] and r["epoch"] > 0, r
+    assert result.lost == 0 and result.duplicates == 0, (result.lost, result.duplicates)
+    assert result.events_in == result.events_out == len(rows)
+    out = read_committed(b, out_topic, 2)
+    assert_counted_once([json.loads(m.value()) for m in out], rows)
+    # Rows were committed on both sides of the kill (the restart wrote some), and the
+    # sinks' downtime shows as the longest pause between the records' produce times.
+    kill_ms = result.t0_ns / 1e6 + 1000
+    stamps = sorted(m.timestamp()[1] for m in out)
+    assert stamps[0] < kill_ms < stamps[-1]
+    gap, at = max((later - t, t) for t, later in itertools.pairwise(stamps))
+    print(
+        f"sink restart: linked {[r['restore_ms'] for r in restarted.values()]} ms after the "
+        f"kill; longest output pause {gap} ms, from {at - kill_ms:+.0f} ms after the kill"
+    )
+
+
+def test_a_sink_restart_the_replay_windows_no_longer_reach_fails_naming_replay_ms(
+    kafka, no_orphans
+):
+    """Replay windows of 50 ms cannot reach back to a position committed before the kill
+    by the time the sink is back: the job fails, naming the sink partitions and the knob."""
+    b = kafka.kafka_bootstrap
+    src_topic, out_topic = new_topic(b, 2, "win"), new_topic(b, 2, "wout")
+    produce(b, src_topic, [{"key": i % 5, "amount": i} for i in range(500)], 2)
+    job = td.Job("kafka-sink-window", replication=2, restore=True, replay_ms=50)
+    counted = counted_from_kafka(job, b, src_topic)
+    counted.sink(td.sinks.Kafka(out_topic, bootstrap=b), name="out")
+    with pytest.raises(td.TandemError, match=r"out\[0\] replica 0 .*raise Job\(replay_ms"):
+        job.run(duration=3.0, faults=[td.Kill("out", 0, 0, at=1.0)], progress=False)
 
 
 def test_generator_specs_and_the_fault_are_checked(kafka):

@@ -194,3 +194,12 @@ def test_functions_of_a_whole_batch_agree_on_spark(spark, kill):
     assert max(res.output.column("batch_rows").to_pylist()) > 1
     assert lost_replicas(res) == killed_replicas(res)
     assert len(res.lost_replicas) == (3 if kill else 0)  # one partition of each task
+
+
+def test_a_sink_kill_is_refused_on_spark_which_restarts_no_sink():
+    # Valid for the local engine (a Kafka sink with restore=True restarts from its last
+    # commit); the Spark engine says so before it starts anything.
+    job = td.Job("spark-sink-kill", replication=2, restore=True)
+    job.source(td.sources.Synthetic(rate=10)).sink(td.sinks.Kafka("t", bootstrap="x:1"), name="out")
+    with pytest.raises(td.ConfigError, match=r"does not restart a lost sink.*local engine"):
+        job.run(duration=2, faults=[td.Kill("out", 0, 0, at=1)], engine=tandem_spark.SparkEngine())

@@ -156,7 +156,8 @@ class Job:
     its twins back (None: wait for it; one that falls half a link queue behind is dropped
     sooner); ``restore``: when a worker dies, rebuild its replicas from live twins while the
     job runs, so every partition gets back to ``replication`` replicas (DESIGN §4; local
-    engine, ``liverobin`` and ``none`` orderings); ``replay_ms``: how much recent output
+    engine, ``liverobin`` and ``none`` orderings), and restart a lost Kafka sink from the
+    input position its last transaction stored; ``replay_ms``: how much recent output
     every replica then keeps per channel to replay to a rebuilt downstream replica;
     ``failure_timeout_ms``: with ``restore``, a worker that sends no keepalive for this long
     (frozen, wedged) is declared lost: killed, so it never comes back, and rebuilt.
@@ -164,7 +165,8 @@ class Job:
     KaZoo): every ``checkpoint_ms`` the workers cut every replica at one heartbeat epoch and
     write the cuts to local disk; a lost worker's replicas restart from the latest complete
     checkpoint and are replayed from there (``replay_ms`` then defaults to ``2 *
-    checkpoint_ms + 3000``, so the replay windows reach back to it).
+    checkpoint_ms + 3000``, so the replay windows reach back to it); a lost Kafka sink
+    restarts from its last commit, as with ``restore``.
 
     The batch is the unit of determinism: every replica of a task partition is called
     with the same batches, so an operator function must be deterministic for a given input

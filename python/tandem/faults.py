@@ -89,10 +89,11 @@ class ReplicaFault(Fault):
             )
         task = plan.task(self.task)
         where = f"{kind}({self.task!r}, partition={self.partition}, replica={self.replica!r})"
-        if task.kind == "sink":
+        if task.kind == "sink" and not (isinstance(self, Kill) and plan.restarts_sink(task.id)):
             raise ConfigError(
                 f"{where}: {self.task!r} is a sink; sinks are unreplicated, so killing one "
-                "loses output by design — kill a source or operator replica"
+                "loses output by design — kill a source or operator replica (only a Kafka "
+                "sink with Job(restore=True) or checkpoint_ms restarts, from its last commit)"
             )
         if self.partition >= task.parallelism:
             raise ConfigError(

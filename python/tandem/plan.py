@@ -211,6 +211,14 @@ class Plan:
             return None
         return max(1, math.ceil(self.replay_ms / self.heartbeat_ms))
 
+    def restarts_sink(self, task_id: int) -> bool:
+        """Whether a lost partition of sink ``task_id`` is restarted: the sink is
+        restartable (:attr:`tandem.sinks.Sink.restartable`, a Kafka sink) and its upstream
+        replicas keep replay windows (``restore`` with replication 2 or more, or
+        ``checkpoint_ms``). Their outboxes then hold its output while it is down."""
+        task = self.tasks[task_id]
+        return task.kind == "sink" and task.sink.restartable and self.replay_cycles is not None
+
     def task(self, ref: int | str) -> Task:
         """A task by id or name."""
         if isinstance(ref, int) and not isinstance(ref, bool):
@@ -538,13 +546,14 @@ class Plan:
         self._check_partition(task, partition)
         return TaskInstance(task, partition, replica, t0_ns)
 
-    def open_sink(self, task_id: int, partition: int) -> Sink:
-        """A fresh sink instance for one sink partition, opened."""
+    def open_sink(self, task_id: int, partition: int, run: int = 0) -> Sink:
+        """A fresh sink instance for one sink partition of ``run`` (the engine's t0), opened."""
         task = self.task(task_id)
         if task.kind != "sink" or task.sink is None:
             raise ConfigError(f"{task.describe()} is not a sink")
         self._check_partition(task, partition)
         sink = copy.deepcopy(task.sink)
+        sink.keep_positions, sink.run = self.restarts_sink(task.id), run
         sink.open(partition, task.parallelism, task.schema)
         return sink
 

@@ -53,7 +53,9 @@ class Result:
     the spare process started ahead of the loss; ``state_file``: its state came as a file
     from the twin, not through the coordinator; rolled back to a checkpoint, under
     ``Job(checkpoint_ms=...)``: ``twin`` None and ``checkpoint``, the checkpoint's epoch,
-    0 for a restart from the beginning of the stream); ``checkpoints`` (``Job(
+    0 for a restart from the beginning of the stream; a Kafka sink restarted from its last
+    commit: ``twin`` None, ``sink`` True, ``epoch`` the heartbeat its stored input position
+    stands at, 0 when it had committed nothing); ``checkpoints`` (``Job(
     checkpoint_ms=...)``, else None): ``completed`` and ``abandoned`` counts, the
     ``last_epoch`` completed and when (``last_s``, seconds from t0), and ``rollbacks``,
     the losses rolled back;

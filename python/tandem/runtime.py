@@ -280,7 +280,9 @@ class _Output:
             name=name,
             evict_after_ms=plan.evict_after_ms,
             replay_cycles=plan.replay_cycles,
-            hold_orphans=plan.checkpointing,
+            # While a downstream replica is down for a rollback or a sink restart, what it
+            # would get goes on into the replay window.
+            hold_orphans=plan.checkpointing or plan.restarts_sink(down.id),
         )
         self.edge = edge
 
@@ -407,12 +409,25 @@ class Replica:
                 self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
             watermarks = type(self._inst.op).on_watermark is not Operator.on_watermark
         else:
-            self._sink = self.plan.open_sink(t, p)
+            self._sink = self.plan.open_sink(t, p, run=t0_ns)
+            if self.resume is not None:  # restarted from what the lost sink committed
+                self.report.rows_in = self._sink.restore(self.resume.load())
             schema = self.task.schema
             if schema is not None and "event_time_ns" in schema.names:
                 self._latency = LatencyRecorder(t0_ns, t0_ns + round(warmup * 1e9))
             watermarks = False
         self.slot = self.core.add_task(self.inbox, boxes, watermarks, resume=cut)
+        if self._sink is not None and self._sink.keep_positions:
+            self.core.request_cut(self.slot)  # see mark()
+
+    def mark(self, cut: tuple | None) -> None:
+        """A sink that keeps its positions, cut at a heartbeat-cycle boundary: the rows
+        written so far are its input through ``cut`` (:meth:`tandem.sinks.Sink.mark`);
+        cut again at the next boundary (None: the slot is going, no more cuts)."""
+        if cut is None or self._sink is None:
+            return
+        self._sink.mark(cut)
+        self.core.request_cut(self.slot)
 
     def restore(self, t0_ns: int) -> None:
         """A rebuilt operator replica: create the operator and load the twin's state into it
@@ -1116,6 +1131,9 @@ class Worker:
             self.on_checkpoint(rep.me, epoch, None)
 
     def _cut(self, rep: Replica, item) -> None:
+        if rep.task.kind == "sink":  # the sink's own (sinks are never cut for others)
+            rep.mark(item.cut)
+            return
         checkpoint = item.at is not None  # a checkpoint's aligned cut
         if checkpoint and self._checkpoints.get(item.slot) != item.at:
             return  # replaced by a later checkpoint

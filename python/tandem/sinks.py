@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tandem.exceptions import ConfigError
+from tandem.exceptions import ConfigError, TandemError
 from tandem.operators import EVENT_TIME
 
 
@@ -34,6 +34,18 @@ class Sink(abc.ABC):
     partition: int = 0
     parallelism: int = 1
     schema: pa.Schema | None = None
+    restartable: bool = False
+    """Whether the engine can restart a lost partition of this sink, without loss or
+    duplicates: the sink stores, atomically with the rows it makes durable, where its
+    input stood after them (:meth:`mark`), and gives the last position stored back after
+    a loss (:meth:`recover`), from which the engine replays its input. A sink that cannot
+    fails the job when its worker is lost."""
+    keep_positions: bool = False
+    """Set by the engine before :meth:`open` when it will restart this restartable sink
+    after a loss (``Job(restore=True)`` or ``checkpoint_ms``): store positions."""
+    run: int = 0
+    """Set by the engine before :meth:`open`: which run of the job this is (its t0),
+    stored with the positions so that a restart never takes an earlier run's."""
 
     def describe(self) -> str:
         return type(self).__name__
@@ -56,6 +68,27 @@ class Sink(abc.ABC):
     def close(self) -> Any:
         """Finish; return this partition's contribution to the Result (or None)."""
         return None
+
+    def mark(self, cut: tuple) -> None:
+        """Restartable sinks (with :attr:`keep_positions`): the rows written so far are
+        this partition's input through ``cut`` (a heartbeat-cycle boundary of its input:
+        every input channel's position; picklable, JSON-able). Make them durable together
+        with ``cut``, atomically."""
+        raise NotImplementedError(f"{self.describe()} is not restartable")
+
+    def recover(self, partition: int, run: int) -> tuple[tuple | None, bytes]:
+        """Restartable sinks: after partition ``partition`` was lost in ``run`` (called
+        where the engine runs, before the partition is opened again), fence whatever may
+        still write for it and return the last position it made durable with its rows in
+        that run (None: none, it starts over from its first input) and what
+        :meth:`restore` needs."""
+        raise NotImplementedError(f"{self.describe()} is not restartable")
+
+    def restore(self, state: bytes) -> int:
+        """Restartable sinks, restarted (after :meth:`open`, before any write): take
+        ``state`` from :meth:`recover`; returns the rows the lost partition had made
+        durable (they count as written by this one)."""
+        raise NotImplementedError(f"{self.describe()} is not restartable")
 
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> Any:
         """Merge the partitions' ``close()`` values (in partition order); ``schema`` is the
@@ -244,7 +277,17 @@ class Kafka(Sink):
 
     The engine's check reads back, ``read_committed``, the offset ranges the sink
     committed (other writers into those partitions meanwhile would show as extra rows).
+
+    The sink is restartable: with ``Job(restore=True)`` (or ``checkpoint_ms``) every
+    transaction also writes, to partition ``p`` of ``positions_topic`` (default
+    ``f"{transactional_id}.positions"``, created compacted with the sink's partition count
+    if missing), where the partition's input stood after the rows it commits. After a
+    loss the engine fences the lost producer, reads that record back ``read_committed``
+    and restarts the partition from it, its upstream replicas replaying the rest from
+    their replay windows: a ``read_committed`` consumer sees every row once.
     """
+
+    restartable = True
 
     def __init__(
         self,
@@ -254,6 +297,7 @@ class Kafka(Sink):
         key: str | None = None,
         config: dict | None = None,
         transactional_id: str | None = None,
+        positions_topic: str | None = None,
     ) -> None:
         if not isinstance(topic, str) or not topic:
             raise ConfigError(f"sinks.Kafka: topic must be a non-empty string, got {topic!r}")
@@ -269,6 +313,7 @@ class Kafka(Sink):
         self.key = key
         self.config = dict(config or {})
         self.transactional_id = transactional_id or f"tandem.{topic}"
+        self.positions_topic = positions_topic or f"{self.transactional_id}.positions"
         self._writer = None
 
     def describe(self) -> str:
@@ -311,12 +356,55 @@ class Kafka(Sink):
 
     def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
         super().open(partition, parallelism, schema)
-        from tandem.kafka import TransactionalWriter, partition_count
+        from tandem.kafka import TransactionalWriter, ensure_positions_topic, partition_count
 
         self.partitions = partition_count(self._bootstrap(), self.topic, self.config)
+        positions = None
+        if self.keep_positions:
+            ensure_positions_topic(
+                self._bootstrap(), self.positions_topic, parallelism, self.config
+            )
+            positions = (self.positions_topic, partition, self.run)
         self._writer = TransactionalWriter(
-            self._bootstrap(), self.topic, f"{self.transactional_id}.{partition}", self.config
+            self._bootstrap(),
+            self.topic,
+            f"{self.transactional_id}.{partition}",
+            self.config,
+            positions=positions,
         )
+
+    def mark(self, cut: tuple) -> None:
+        self._writer.mark(cut)
+
+    def recover(self, partition: int, run: int) -> tuple[tuple | None, bytes]:
+        import json
+
+        from tandem.kafka import recover_positions
+
+        found = recover_positions(
+            self._bootstrap(),
+            f"{self.transactional_id}.{partition}",
+            self.positions_topic,
+            partition,
+            run,
+            self.config,
+        )
+        if found is None:
+            return None, b""
+        if found["cut"] is None:
+            raise TandemError(
+                f"sinks.Kafka({self.topic!r}) partition {partition} was lost after it had "
+                f"committed its last transaction ({found['rows']} rows, complete in the "
+                "topic): it has nothing left to write, but its report to the job is lost"
+            )
+        return found["cut"], json.dumps(found).encode()
+
+    def restore(self, state: bytes) -> int:
+        import json
+
+        committed = json.loads(state)
+        self._writer.resume(committed)
+        return committed["rows"]
 
     def write(self, batch: pa.RecordBatch) -> None:
         if not batch.num_rows:

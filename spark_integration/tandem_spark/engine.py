@@ -140,6 +140,12 @@ class SparkEngine:
                 "the spark engine does not run Job(checkpoint_ms=...) (the passive "
                 "configuration: checkpoints and rollback); use the local engine"
             )
+        for f in faults:
+            if isinstance(f, Kill) and plan.task(f.task).kind == "sink":
+                raise ConfigError(
+                    f"the spark engine does not restart a lost sink ({f}); the local engine "
+                    "restarts a Kafka sink from its last commit"
+                )
         if self.spark is not None:
             return self._run(plan, duration, faults, warmup, check, timeout)
         from pyspark import SparkContext

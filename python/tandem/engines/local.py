@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -50,7 +51,7 @@ from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
 from tandem.result import Result
-from tandem.runtime import ReplicaId, ReplicaReport, Resume, Worker, _warm_up
+from tandem.runtime import ReplicaId, ReplicaReport, Resume, Worker
 
 log = logging.getLogger("tandem")
 
@@ -99,8 +100,8 @@ class _Rejoin:
     generation: int
     state: str = "starting"  # starting -> cutting -> binding -> linking
     cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
-    links: int = 0
-    """Link requests not yet answered."""
+    asked: set[tuple[ReplicaId, ReplicaId]] = field(default_factory=set)
+    """Link requests ``(upstream, rebuilt replica)`` not yet answered."""
     fed: dict[tuple[ReplicaId, tuple[int, int]], bool] = field(default_factory=dict)
     """(rebuilt replica, upstream partition) -> whether a live upstream replica feeds it."""
     stale: bool = False
@@ -110,6 +111,9 @@ class _Rejoin:
     checkpoint: int | None = None
     """Rolled back (``Job(checkpoint_ms=...)``): the checkpoint's epoch (0: none was
     complete, the replicas restart from the beginning of the stream); None: from twins."""
+    sinks: bool = False
+    """Restarted sinks: each from the position its last committed output stored (no
+    cut: nothing was committed, from the beginning of the stream)."""
 
 
 @dataclass
@@ -167,7 +171,6 @@ def serve(
     ``waiting`` and gets their twins' cuts (``resume``)."""
     resume = None
     if rejoin:
-        _warm_up()
         conn.send(("waiting", None))
         msg = conn.recv()
         if msg[0] != "resume":
@@ -870,6 +873,7 @@ class _Run:
                     reports = msg[1]
                     self.reports.update(reports)
                     running.discard(w)
+                    self._unanswered(w, now_s)
                     for report in reports.values():
                         if report.error:
                             raise report.failure()
@@ -981,13 +985,14 @@ class _Run:
             self._abort_rejoin(w, "its new process was lost too")
         if not self.restoring or w in self.rejoins:
             return
+        if self._hosts_sinks(w):
+            self._restart_sinks(w, now_s)
+            return
         if self.checkpointing:
             self._roll_back(w, now_s)
             return
         self._attempts[w] = self._attempts.get(w, 0) + 1
         rids = self.placement[w]
-        if self._hosts_sinks(w):
-            return  # sinks are not replicated: nothing to rebuild them from
         if now_s > self.end_s() - REJOIN_MARGIN_S:
             log.info(
                 "%s is not rebuilt: the stream ends in under %g s",
@@ -1099,11 +1104,6 @@ class _Run:
         """Rebuild worker ``w``'s replicas from the latest complete checkpoint (none: from
         the beginning of the stream): the exchange of a rebuild from twins, with the
         checkpoint's cuts instead of the twins'."""
-        if self._hosts_sinks(w):
-            raise TandemError(
-                f"{self._worker_name(w)}, which hosts the sinks, was lost: sinks are not "
-                "checkpointed (their rows are the job's output), so the job cannot continue"
-            )
         self._abandon(f"{self._worker_name(w)} was lost")
         ck = self.checkpoint
         cuts = {} if ck is None else {r: ck.cuts[r] for r in self.placement[w] if r in ck.cuts}
@@ -1139,6 +1139,51 @@ class _Run:
             f"checkpoint {epoch}" if ck is not None else "the beginning of the stream",
         )
 
+    def _restart_sinks(self, w: int, now_s: float) -> None:
+        """Restart worker ``w``'s sinks, each from the input position stored with its
+        last committed output (:meth:`tandem.sinks.Sink.recover`, which fences the lost
+        sink's writer first): the exchange of a rollback, with those positions as the
+        cuts; the live upstream replicas replay the rest from their replay windows."""
+        rids = self.placement[w]
+        fixed = [self._name(r) for r in rids if not self.plan.restarts_sink(r[0])]
+        if fixed:
+            raise TandemError(
+                f"{self._worker_name(w)}, which hosts the sinks, was lost: "
+                f"{', '.join(fixed)} cannot be restarted (only a sink that stores its input "
+                "position with its output, td.sinks.Kafka, can), so the job cannot continue"
+            )
+        # The spare loads the job while the lost sinks are fenced and their positions read
+        # (each sink partition's at once).
+        proc, warm = self._take_spare(
+            (list(sys.path), self._blob, rids, self.secret, self.zoo, True, w)
+        )
+        try:
+            with ThreadPoolExecutor(len(rids)) as pool:
+                found = list(
+                    pool.map(lambda r: self.plan.tasks[r[0]].sink.recover(r[1], self.t0_ns), rids)
+                )
+        except BaseException:
+            proc.kill()
+            self.retired.append(proc)
+            raise
+        cuts = {
+            rid: Resume(cut, state)
+            for rid, (cut, state) in zip(rids, found, strict=True)
+            if cut is not None
+        }
+        self._generation += 1
+        rj = _Rejoin(
+            w, proc, {}, now_s, time.monotonic() + REJOIN_TIMEOUT_S, self._generation, warm=warm
+        )
+        rj.cuts, rj.sinks = cuts, True
+        self.rejoins[w] = rj
+        log.info(
+            "restarting %s (%s) from %s",
+            self._worker_name(w),
+            ", ".join(self._name(r) for r in rids),
+            ", ".join(f"heartbeat {cuts[r].epoch}" if r in cuts else "the beginning" for r in rids),
+        )
+
     def _rejoin_message(self, w: int, now_s: float) -> None:
         """A message from a rebuilt worker's process before it runs: ``waiting`` (ask the
         twins for cuts), ``ready`` (link its upstream replicas to it and let it go) or an
@@ -1149,8 +1194,8 @@ class _Run:
         except EOFError:
             self._abort_rejoin(w, f"its new process exited (exit code {rj.proc.exitcode})")
             return
-        if kind == "waiting" and rj.checkpoint is not None:
-            # Rolled back: the cuts are the checkpoint's, already at hand.
+        if kind == "waiting" and (rj.checkpoint is not None or rj.sinks):
+            # Rolled back, or sinks restarted: the cuts are at hand.
             rj.state = "binding"
             with contextlib.suppress(OSError):
                 rj.proc.conn.send(("resume", rj.cuts, self.t0_ns))
@@ -1182,12 +1227,11 @@ class _Run:
                         # Rolled back with it to the same checkpoint: fed by a local link.
                         rj.fed[(rid, (ch.task, ch.partition))] = True
                         continue
-                    if up in self.down or self.worker_of[up] == w:
-                        continue
-                    self.conns[self.worker_of[up]].send(
-                        ("link", up, rid, self.addresses[rid], epoch)
-                    )
-                    rj.links += 1
+                    u = self.worker_of[up]
+                    if up in self.down or u == w or u not in self.running:
+                        continue  # lost, rebuilt with it, or finished: cannot replay
+                    self.conns[u].send(("link", up, rid, self.addresses[rid], epoch))
+                    rj.asked.add((up, rid))
         rj.state = "linking"
         with contextlib.suppress(OSError):
             rj.proc.conn.send(("go", self.addresses, self.t0_ns, self.duration, self.warmup))
@@ -1200,7 +1244,7 @@ class _Run:
         self.killed_workers.discard(w)
         self.running.add(w)
         self.heard[w] = time.monotonic()
-        if rj.links == 0:
+        if not rj.asked:
             self._linked(w, now_s)
 
     def _on_cut(self, twin: ReplicaId, taken: Resume | None, token, now_s: float) -> None:
@@ -1227,9 +1271,9 @@ class _Run:
 
     def _on_linked(self, up: ReplicaId, down: ReplicaId, error: str | None, now_s: float) -> None:
         rj = self.rejoins.get(self.worker_of[down])
-        if rj is None or rj.state != "linking":
+        if rj is None or rj.state != "linking" or (up, down) not in rj.asked:
             return
-        rj.links -= 1
+        rj.asked.discard((up, down))
         if error is None:
             rj.fed[(down, up[:2])] = True
         else:
@@ -1237,8 +1281,16 @@ class _Run:
             log.warning(
                 "%s could not feed the rebuilt %s: %s", self._name(up), self._name(down), error
             )
-        if rj.links == 0:
+        if not rj.asked:
             self._linked(rj.worker, now_s)
+
+    def _unanswered(self, w: int, now_s: float) -> None:
+        """Worker ``w`` finished: the link requests it had not answered before it said
+        ``done`` never will be (its replicas finished first)."""
+        for rj in list(self.rejoins.values()):
+            for up, down in sorted(rj.asked):
+                if self.worker_of[up] == w:
+                    self._on_linked(up, down, "it finished first", now_s)
 
     def _linked(self, w: int, now_s: float) -> None:
         rj = self.rejoins[w]
@@ -1247,6 +1299,19 @@ class _Run:
             for (rid, (t, p)), ok in rj.fed.items()
             if not ok
         ]
+        if unfed and rj.sinks:
+            self._abort_rejoin(
+                w,
+                "no live upstream replica could replay its input: "
+                + ", ".join(unfed)
+                + (
+                    " (a replay window no longer reaches back to the position its last "
+                    "committed output stored: raise Job(replay_ms=...))"
+                    if rj.stale
+                    else " (its upstream replicas finished or were lost meanwhile)"
+                ),
+            )
+            return
         if unfed and rj.checkpoint is not None:
             causes = dict(self.lost)
             gone = [
@@ -1285,6 +1350,8 @@ class _Run:
             t, p, r = rid
             cut = rj.cuts.get(rid)
             rolled = {} if rj.checkpoint is None else {"checkpoint": rj.checkpoint}
+            if rj.sinks:
+                rolled = {"sink": True}
             self.restored.append(
                 {
                     "task": self.plan.tasks[t].name,
@@ -1311,10 +1378,15 @@ class _Run:
         rj = self.rejoins.pop(w, None)
         if rj is None:
             return
-        if rj.checkpoint is not None:
+        if rj.sinks or rj.checkpoint is not None:
             rj.proc.kill()
             rj.proc.join(timeout=5)
             self.retired.append(rj.proc)
+            if rj.sinks:
+                raise TandemError(
+                    f"{self._worker_name(w)}, which hosts the sinks, could not be restarted: "
+                    f"{why}. A sink has no twin, so the job cannot continue"
+                )
             raise TandemError(
                 f"{self._worker_name(w)} could not be rolled back to checkpoint "
                 f"{rj.checkpoint}: {why}. At replication=1 nothing else holds its "
@@ -1540,6 +1612,8 @@ class _Run:
         for task, part, _ in lost:
             if self.checkpointing and self.plan.tasks[task].kind != "sink":
                 continue  # rolled back to the latest checkpoint (_roll_back)
+            if self.restoring and self.plan.restarts_sink(task):
+                continue  # restarted from its committed position (_restart_sinks)
             alive = [
                 r
                 for r in range(self.plan.tasks[task].replication)

@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     os.set_inheritable(fd, False)  # nothing this process starts may hold the link open
     conn = Connection(fd)
+    # Pay pyarrow's lazy imports before the payload comes: a spare waits here for a loss,
+    # and its rebuild then does not wait for them.
+    from tandem.runtime import _warm_up
+
+    _warm_up()
     try:
         path, blob, rids, secret, kazoo, rejoin, *named = conn.recv()
     except EOFError:
