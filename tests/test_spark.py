@@ -20,7 +20,13 @@ from tandem.bench import mib1_job
 from tandem.cli import main
 from tandem.engines.common import multiset_diff
 from tandem.reference import canonical
-from tandem.testing import killed_replicas, lost_replicas, two_thresholds, with_batch_rows
+from tandem.testing import (
+    bucket,
+    killed_replicas,
+    lost_replicas,
+    two_thresholds,
+    with_batch_rows,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -126,6 +132,70 @@ def test_killed_worker_is_masked_and_only_its_task_is_retried(spark, fault_free,
     assert run.retried_slots() == [victim.slot]
     assert sorted(a.attempt for a in run.attempts if a.slot == victim.slot) == [0, 1]
     assert (tasks, failed) == (WORKERS, 1)
+
+
+def counting_job() -> td.Job:
+    """Keyed counts (operator state a rebuilt replica must get from its twin's cut), its
+    lost workers rebuilt while it runs: 5 workers, as MiB1's."""
+    job = td.Job("rejoin", replication=2, workers=2, restore=True)
+    events = job.source(td.sources.Synthetic(rate=RATE, keys=40, seed=11), parallelism=2)
+    (
+        events.map(bucket, parallelism=2, name="enrich")
+        .key_by("key")
+        .process(td.CountPerKey(), parallelism=2, name="count")
+        .sink(td.sinks.Collect())
+    )
+    return job
+
+
+REJOIN_RUN = 7.0
+FIRST_KILL, SECOND_KILL = 1.0, 4.0
+
+
+def test_a_retried_task_rejoins_and_then_masks_the_loss_of_its_twin(spark):
+    """restore=True: Spark retries the killed worker's task, which rebuilds the worker's
+    replicas from cuts of their live twins, so r is restored; then the other replica of
+    the same partition is killed, and that is masked too (its retry rejoins as well)."""
+    job, engine = counting_job(), tandem_spark.SparkEngine(spark)
+    plan = job.plan()
+    faults = [td.Kill("count", 0, 0, at=FIRST_KILL), td.Kill("count", 0, 1, at=SECOND_KILL)]
+    res = job.run(duration=REJOIN_RUN, faults=faults, engine=engine)
+    tasks, failed = spark_tasks(spark)
+    ref = job.run_reference(duration=REJOIN_RUN, t0_ns=res.t0_ns)
+    assert res.output.num_rows == ref.output.num_rows == RATE * REJOIN_RUN
+    assert canonical(res.output).equals(canonical(ref.output))
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+
+    first, second = res.faults
+    assert first["worker"] != second["worker"]
+    names = {t.id: t.name for t in plan.tasks}
+    hosted = [{(names[t], p, r) for t, p, r in plan.placement()[f["worker"]]} for f in res.faults]
+    assert ("count", 0, 0) in hosted[0] and ("count", 0, 1) in hosted[1]
+    assert lost_replicas(res) == killed_replicas(res) == hosted[0] | hosted[1]
+    # r restored after the first kill, before the second: every replica of the first
+    # victim rebuilt from its twin (in the worker the second kill took), from a cut
+    # with state; then the second victim's too, from the rebuilt replicas.
+    rebuilt = [
+        {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas if pick(r)}
+        for pick in (
+            lambda r: r["lost_s"] < SECOND_KILL,
+            lambda r: r["lost_s"] > SECOND_KILL,
+        )
+    ]
+    assert rebuilt == hosted, res.restored_replicas
+    for r in res.restored_replicas:
+        assert r["lost_s"] < r["restored_s"] < r["lost_s"] + 10, r
+        assert r["epoch"] > 0 and r["twin"] != r["replica"] and not r["warm"], r
+    first_rebuilt = [r["restored_s"] for r in res.restored_replicas if r["lost_s"] < SECOND_KILL]
+    assert max(first_rebuilt) < second["injected_at"]
+    # Each killed task was retried once, and that attempt ran the rebuilt worker.
+    run = engine.last_run
+    victims = sorted(run.workers()[f["worker"]].slot for f in res.faults)
+    assert run.retried_slots() == victims
+    assert all(run.workers()[f["worker"]].rejoined for f in res.faults)
+    assert (tasks, failed) == (WORKERS, 2)
+    assert res.max_gap_ms < 2_000
 
 
 def test_too_small_cluster_fails_fast_with_the_fix(spark):

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.spark
 # 0, group 1, the sink), and the surviving executor has room for a retry.
 MASTER = "local-cluster[2,3,1024]"
 RATE, DURATION = 1_000, 4.0
+REJOIN_RUN = 7.0
 
 
 def mib1() -> td.Job:
@@ -67,3 +68,39 @@ def test_executor_crash_is_masked_and_twins_run_on_different_executors(cluster):
     # Spark re-ran the lost executor's tasks elsewhere; each retired at once.
     victims = {a.slot for a in run.workers().values() if a.executor == victim}
     assert run.retried_slots() == sorted(victims)
+
+
+def test_retried_tasks_rejoin_on_their_executors_and_r_is_restored(cluster):
+    """restore=True, the Python worker of a replica killed: Spark retries its task on the
+    same executor, the retry rebuilds the worker's replicas from cuts of their twins on
+    the other executor, and the later kill of those twins' worker is masked too — every
+    partition keeps its replicas on two executors throughout."""
+    job = mib1()
+    job.restore = True
+    plan = job.plan()
+    engine = tandem_spark.SparkEngine(cluster)
+    first, second = 1.0, 4.0
+    faults = [td.Kill("map1", 0, 1, at=first), td.Kill("map1", 0, 0, at=second)]
+    res = job.run(duration=REJOIN_RUN, faults=faults, engine=engine)
+
+    ref = job.run_reference(duration=REJOIN_RUN, t0_ns=res.t0_ns)
+    assert res.output.num_rows == ref.output.num_rows == RATE * REJOIN_RUN
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    assert lost_replicas(res) == killed_replicas(res)
+    # Both kills took a replica group down (the source's and map1's replicas of both
+    # partitions); each was rebuilt, the first before the second kill.
+    restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
+    assert restored == lost_replicas(res)
+    assert len(res.restored_replicas) == 8
+    (injected,) = [f["injected_at"] for f in res.faults if f["at"] == second]
+    assert all(r["restored_s"] < injected for r in res.restored_replicas if r["lost_s"] < second), (
+        res.restored_replicas
+    )
+    run = engine.last_run
+    placed = {rid: a.executor for rid, a in run.hosts().items()}
+    for task in plan.tasks:
+        for p in range(task.parallelism):
+            hosts = {placed[(task.id, p, r)] for r in range(task.replication)}
+            assert len(hosts) == task.replication, f"twins of {task.name}[{p}] share an executor"
+    assert all(run.workers()[f["worker"]].rejoined for f in res.faults)

@@ -16,10 +16,11 @@ and one worker for the sinks). The driver (this module, where
 
 On an executor, :func:`worker_main` — the Arrow-backed UDF — reads its placement row,
 checks in with the registry (which confirms the row's worker, or on a cluster swaps
-workers between tasks so that twins run on different executors), binds the inboxes of
-every replica the worker hosts, waits for every peer's address and ``t0``, runs a
-:class:`tandem.runtime.Worker` hosting them (the same worker code the local engine runs:
-the Rust event loop behind a Python operator loop) and yields Arrow batches back to Spark:
+workers between tasks so that twins run on different executors), then serves the worker
+as a local engine's worker process does (:func:`tandem.engines.exchange.serve`, with the
+registry as coordinator): binds the inboxes of every replica the worker hosts, waits for
+every peer's address and ``t0``, runs a :class:`tandem.runtime.Worker` hosting them (the
+Rust event loop behind a Python operator loop) and yields Arrow batches back to Spark:
 the rows of the job's first ``td.sinks.Collect`` sink (so the output is a Spark DataFrame)
 and one report row per hosted replica, carrying the pickled
 :class:`~tandem.runtime.ReplicaReport`.
@@ -29,10 +30,11 @@ The driver collects that output with ``toArrow()``, hands the reports to
 keeps the sink rows for :meth:`SparkEngine.output_df`.
 
 A killed worker's task fails; ``local[N,F]`` (``F >= 2``) and clusters retry only that
-task. The retry checks in with the registry, learns that its placement row already ran,
-and ends at once without output: the twins of its replicas have been carrying their
-partitions all along, and rejoining as full replicas needs the twins' state (DESIGN §4,
-not done yet).
+task. The retry checks in with the registry with its placement row. Under
+``Job(restore=True)`` it rejoins: it gets cuts of its worker's replicas from their live
+twins and runs them, fed by the upstream replicas from those cuts (DESIGN §4; see
+:mod:`tandem_spark.registry`), so ``r`` is restored; otherwise it ends at once without
+output, and the twins of its replicas carry their partitions alone.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import pyarrow.compute as pc
 
 from tandem import logs
 from tandem.engines.common import STARTUP_S, assemble_result, check_options
+from tandem.engines.exchange import serve
 from tandem.engines.process import child_env
 from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Kill, KillWorker
@@ -56,7 +59,7 @@ from tandem.heartbeat import Generators
 from tandem.ordering import kazoo
 from tandem.plan import Plan, Task
 from tandem.result import Result
-from tandem.runtime import ReplicaId, ReplicaReport, Worker
+from tandem.runtime import ReplicaId, ReplicaReport
 from tandem.sinks import Collect
 from tandem_spark import registry as reg
 from tandem_spark.session import (
@@ -206,6 +209,7 @@ class SparkEngine:
             on_failure=lambda _: sc.cancelJobsWithTag(tag),
             zoo=zoo,
             warmup=warmup,
+            local=local,
         )
         udf = _worker_main(
             plan, secret, registry.address, host, schema, collect, zoo, logs.driver_level()
@@ -230,8 +234,7 @@ class SparkEngine:
         if registry.log.failure is not None:
             raise registry.log.failure
         reports = _unpack(table, collect)
-        lost = [(rid, "killed") for rid in registry.log.killed]
-        lost += [(rid, "crashed") for rid in registry.log.crashed]
+        lost = registry.log.lost
         missing = sorted(set(plan.replicas()) - set(reports) - {rid for rid, _ in lost})
         if missing:
             raise TandemError(f"replicas {missing} of {plan.job!r} never reported; see the log")
@@ -246,6 +249,7 @@ class SparkEngine:
             lost_replicas=lost,
             kazoo=zoo,
         )
+        result.restored_replicas = list(registry.log.restored)
         self._output = None if collect is None else result.outputs[collect.name]
         return result
 
@@ -374,15 +378,22 @@ def _worker_main(plan, secret, registry_address, host, schema, collect, zoo, log
             answer = reg.receive(conn, "worker identity")
             if answer[0] == "retire":
                 return
-            _, w, rids = answer
+            _, w, rids, rejoin = answer
             logs.configure_worker(w, log_level)
-            worker = Worker(plan, [tuple(rid) for rid in rids], secret, kazoo=zoo)
-            conn.send(("bound", worker.bind(bind_host)))
-            _, addresses, t0_ns, duration, warmup = reg.receive(conn, "start signal")
-            reports = worker.run(addresses, t0_ns, duration, warmup)
-            logs.flush(1.0)
-            failures = [(rid, r.error, r.diverged) for rid, r in reports.items() if r.error]
-            conn.send(("done", failures))
+            reports = serve(
+                plan,
+                [tuple(rid) for rid in rids],
+                secret,
+                conn,
+                zoo,
+                rejoin,
+                host=bind_host,
+                receive=lambda what: reg.receive(conn, what),
+                finish=_failures,
+                sigterm=False,
+            )
+        if reports is None:  # a rebuild the registry gave up before it ran
+            return
         for rid, report in reports.items():
             key = index[rid]
             if collect is not None and rid[0] == collect.id:
@@ -391,6 +402,12 @@ def _worker_main(plan, secret, registry_address, host, schema, collect, zoo, log
             yield _envelope(key, 1, schema, pa.array([pickle.dumps(report)], pa.binary()))
 
     return worker_main
+
+
+def _failures(reports: dict[ReplicaId, ReplicaReport]) -> tuple:
+    """The ``done`` message of a worker task: the replicas whose operator failed, with
+    the error and whether it was a divergence (the reports travel as output rows)."""
+    return ("done", [(rid, r.error, r.diverged) for rid, r in reports.items() if r.error])
 
 
 def _envelope(key: int, n: int, schema: pa.Schema, report: pa.Array, columns=None):
