@@ -21,6 +21,8 @@ pytestmark = pytest.mark.spark
 MASTER = "local-cluster[2,3,1024]"
 RATE, DURATION = 1_000, 4.0
 REJOIN_RUN = 7.0
+# A lost executor is replaced by a new JVM: seconds to start on a small machine.
+EXECUTOR_REJOIN_RUN = 16.0
 
 
 def mib1() -> td.Job:
@@ -104,3 +106,34 @@ def test_retried_tasks_rejoin_on_their_executors_and_r_is_restored(cluster):
             hosts = {placed[(task.id, p, r)] for r in range(task.replication)}
             assert len(hosts) == task.replication, f"twins of {task.name}[{p}] share an executor"
     assert all(run.workers()[f["worker"]].rejoined for f in res.faults)
+
+
+def test_an_executor_crash_is_rebuilt_on_another_executor_and_r_is_restored(cluster):
+    """restore=True, an executor JVM killed: Spark retries its worker task at once on the
+    surviving executor, beside the twins, so that attempt retires and the driver starts
+    the worker again in a job of its own on the lost executor's replacement (the
+    standalone master starts one), where it rejoins: r is restored and every partition
+    has its replicas on two executors again."""
+    job = mib1()
+    job.restore = True
+    plan = job.plan()
+    engine = tandem_spark.SparkEngine(cluster, kill="executor")
+    fault = td.Kill("map1", partition=0, replica=1, at=1.0)
+    res = job.run(duration=EXECUTOR_REJOIN_RUN, faults=[fault], engine=engine)
+
+    assert res.output.num_rows == RATE * EXECUTOR_REJOIN_RUN
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
+    assert restored == lost_replicas(res) == killed_replicas(res)
+    assert len(restored) == 4  # replica group 1: both partitions of the source and the map
+    run = engine.last_run
+    (record,) = res.faults
+    killed = next(a for a in run.attempts if a.cause == "killed")
+    rebuilt = run.workers()[record["worker"]]
+    assert rebuilt.rejoined and rebuilt.executor_id not in (None, killed.executor_id)
+    placed = {rid: a.executor for rid, a in run.hosts().items()}
+    for task in plan.tasks:
+        for p in range(task.parallelism):
+            hosts = {placed[(task.id, p, r)] for r in range(task.replication)}
+            assert len(hosts) == task.replication, f"twins of {task.name}[{p}] share an executor"

@@ -39,10 +39,13 @@ output, and the twins of its replicas carry their partitions alone.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import secrets
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,7 +54,7 @@ import pyarrow.compute as pc
 
 from tandem import logs
 from tandem.engines.common import STARTUP_S, assemble_result, check_options
-from tandem.engines.exchange import serve
+from tandem.engines.exchange import REJOIN_TIMEOUT_S, serve
 from tandem.engines.process import child_env
 from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Kill, KillWorker
@@ -69,6 +72,8 @@ from tandem_spark.session import (
     is_local,
     local_session,
 )
+
+log = logging.getLogger("tandem")
 
 SLOT = "slot"
 """The placement DataFrame's row index: the Spark partition, and the worker it runs."""
@@ -196,6 +201,7 @@ class SparkEngine:
         host = self.host or ("127.0.0.1" if local else None)
         secret = secrets.token_bytes(32)
         tag = f"tandem-{plan.job}-{secret.hex()[:8]}"
+        rebuilds = _Rebuilds(self.spark, tag)
         registry = reg.Registry(
             plan,
             placement,
@@ -210,17 +216,23 @@ class SparkEngine:
             zoo=zoo,
             warmup=warmup,
             local=local,
+            relaunch=rebuilds,
         )
         udf = _worker_main(
             plan, secret, registry.address, host, schema, collect, zoo, logs.driver_level()
         )
+        spark_schema = _spark_schema(schema)
+        rebuilds.job = lambda slot, executor: self._placement(
+            plan, placement, (slot, executor)
+        ).mapInArrow(udf, spark_schema)
         with registry, _driver_path_on_workers(sc, local):
-            df = self._placement(plan, placement).mapInArrow(udf, _spark_schema(schema))
+            df = self._placement(plan, placement).mapInArrow(udf, spark_schema)
             sc.addJobTag(tag)
             sc.setJobDescription(
                 f"tandem {plan.job}: {len(placement)} workers hosting "
                 f"{len(plan.replicas())} replicas for {duration} s"
             )
+            table = None
             try:
                 table = df.toArrow()
             except Exception as exc:
@@ -230,6 +242,8 @@ class SparkEngine:
             finally:
                 sc.removeJobTag(tag)
                 sc.setJobDescription(None)
+                rebuilds.close(cancel=table is None)
+            table = pa.concat_tables([table, *rebuilds.tables])
         self.last_run = registry.log
         if registry.log.failure is not None:
             raise registry.log.failure
@@ -263,15 +277,18 @@ class SparkEngine:
             )
         return self.spark.createDataFrame(self._output)
 
-    def _placement(self, plan: Plan, placement: list[list[ReplicaId]]):
+    def _placement(
+        self, plan: Plan, placement: list[list[ReplicaId]], only: tuple[int, tuple] | None = None
+    ):
         """The placement DataFrame: row ``i`` (worker ``i`` and its replicas) alone in
-        Spark partition ``i``. On a cluster of several executors each partition also
-        *prefers* an executor (a Spark task location): the workers of replica group ``g``
-        the ``g``-th executor, the sinks' worker the first. Spark would otherwise place
-        tasks wherever cores are free at the instant the job is submitted — on an
-        executor that has registered but not yet launched, none are — and could put
-        twins on one executor; delay scheduling (``spark.locality.wait``) holds a task
-        for its executor instead. The registry still checks where each task really ran
+        Spark partition ``i`` — or, with ``only`` = (row, executor), that one row alone,
+        preferring that executor (``(id, host)``). On a cluster of several executors each
+        partition also *prefers* an executor (a Spark task location): the workers of
+        replica group ``g`` the ``g``-th executor, the sinks' worker the first. Spark
+        would otherwise place tasks wherever cores are free at the instant the job is
+        submitted — on an executor that has registered but not yet launched, none are —
+        and could put twins on one executor; delay scheduling (``spark.locality.wait``)
+        holds a task for its executor instead. The registry still checks where each task really ran
         (:meth:`tandem_spark.registry.Registry._assign`)."""
         from pyspark.sql import DataFrame
         from pyspark.sql import functions as F
@@ -280,20 +297,27 @@ class SparkEngine:
         executors = (
             [] if LOCAL_MASTER.match(self.spark.sparkContext.master) else _executors(self.spark)
         )
-        if len(executors) < 2:
+        if only is None and len(executors) < 2:
             df = self.spark.range(0, n, 1, numPartitions=n)  # one slice per element
         else:
             tasks = plan.tasks
-            homes = [
-                executors[rids[0][2] % len(executors)]
-                if any(tasks[t].replication > 1 for t, _, _ in rids)
-                else executors[0]
-                for rids in placement
-            ]
+            located = (
+                [only]
+                if only is not None
+                else [
+                    (
+                        w,
+                        executors[rids[0][2] % len(executors)]
+                        if any(tasks[t].replication > 1 for t, _, _ in rids)
+                        else executors[0],
+                    )
+                    for w, rids in enumerate(placement)
+                ]
+            )
             jvm = self.spark.sparkContext._jvm
             utils = jvm.org.apache.spark.api.python.PythonUtils
             rows = jvm.java.util.ArrayList()
-            for w, (executor, host) in enumerate(homes):
+            for w, (executor, host) in located:
                 where = jvm.java.util.ArrayList()
                 where.add(f"executor_{host}_{executor}")  # Spark's TaskLocation syntax
                 rows.add(jvm.scala.Tuple2(str(w), utils.toSeq(where)))
@@ -320,6 +344,59 @@ class SparkEngine:
             for rids in placement
         ]
         return df.withColumn("replicas", F.array(*rows)[F.col(SLOT)])
+
+
+class _Rebuilds:
+    """Worker tasks started again in a Spark job of their own, each on an executor
+    running none of its replicas' twins — the registry's ``relaunch``, for a worker lost
+    with its executor whose task Spark retried beside the twins. ``job(slot,
+    executor)``: the DataFrame of that one task; their output joins the main job's."""
+
+    def __init__(self, spark, tag: str) -> None:
+        self.spark, self.tag = spark, tag
+        self.job = None
+        self.tables: list[pa.Table] = []
+        self._threads: list[threading.Thread] = []
+        self._closed = threading.Event()
+
+    def __call__(self, slot: int, avoid: set[str]) -> None:
+        t = threading.Thread(
+            target=self._run, args=(slot, avoid), name=f"tandem-relaunch-{slot}", daemon=True
+        )
+        t.start()
+        self._threads.append(t)
+
+    def _run(self, slot: int, avoid: set[str]) -> None:
+        # The lost executor's replacement registers seconds after the crash.
+        deadline = time.monotonic() + REJOIN_TIMEOUT_S
+        while not (free := [e for e in _executors(self.spark) if e[0] not in avoid]):
+            if time.monotonic() > deadline or self._closed.wait(0.2):
+                log.warning(
+                    "placement row %d is not started again: no executor without twins of "
+                    "its replicas registered within %.0f s",
+                    slot,
+                    REJOIN_TIMEOUT_S,
+                )
+                return
+        log.info("placement row %d: started again on executor %s", slot, free[0][0])
+        sc = self.spark.sparkContext
+        sc.addJobTag(self.tag)  # cancelled with the run
+        sc.setJobDescription(f"tandem: placement row {slot} again, on executor {free[0][0]}")
+        try:
+            self.tables.append(self.job(slot, free[0]).toArrow())
+        except Exception as exc:  # its replicas stay lost; the registry logged why
+            log.warning("the Spark job running placement row %d again failed: %s", slot, exc)
+        finally:
+            sc.removeJobTag(self.tag)
+            sc.setJobDescription(None)
+
+    def close(self, cancel: bool) -> None:
+        """Start no more jobs and wait for those running (``cancel``: cancel them first)."""
+        self._closed.set()
+        if cancel:
+            self.spark.sparkContext.cancelJobsWithTag(self.tag)
+        for t in self._threads:
+            t.join()
 
 
 def _executors(spark) -> list[tuple[str, str]]:

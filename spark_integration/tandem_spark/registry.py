@@ -41,6 +41,7 @@ it and it rejoins.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -55,8 +56,9 @@ from tandem.engines.exchange import (
     REJOIN_ATTEMPTS,
     REJOIN_MARGIN_S,
     REJOIN_TIMEOUT_S,
-    feeders,
+    listening,
     live_twins,
+    rebuild_links,
     restored_entry,
 )
 from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
@@ -90,6 +92,8 @@ class Attempt:
     """A retry that rebuilt its worker's replicas from their twins."""
     cause: str | None = None
     """Why its worker was taken down on purpose (``killed``, ``silent``, ``evicted``)."""
+    executor_id: str | None = None
+    """Spark's id of its executor (None: the driver's JVM, in local mode)."""
 
     @property
     def executor(self) -> tuple[str, int | None]:
@@ -170,7 +174,9 @@ class Registry:
     """The driver side (see the module documentation). Use as a context manager.
     ``placement``: the replicas of every worker (:meth:`tandem.plan.Plan.placement`), one
     Spark task each. ``local``: the tasks run on this machine (their PIDs can be
-    signalled)."""
+    signalled). ``relaunch(slot, avoid)``: start placement row ``slot``'s task again in a
+    Spark job of its own, on an executor whose id is not in ``avoid`` — for a worker
+    whose retried task Spark ran beside its twins (after an executor crash)."""
 
     def __init__(
         self,
@@ -188,9 +194,14 @@ class Registry:
         zoo: KazooRun | None = None,
         warmup: float = 0.0,
         local: bool = True,
+        relaunch: Callable[[int, set[str]], None] | None = None,
     ) -> None:
         self.plan, self.placement, self.secret = plan, placement, secret
-        self.warmup, self.local = warmup, local
+        self.warmup, self.local, self.relaunch = warmup, local, relaunch
+        self._relaunched: dict[int, int] = {}
+        """Placement row → its tasks started by ``relaunch`` for its latest loss."""
+        self._lost_at: dict[int, float] = {}
+        """Worker → when it was last lost (seconds after t0)."""
         self.zoo = zoo
         self.worker_of = {rid: w for w, rids in enumerate(placement) for rid in rids}
         self.duration, self.startup_s, self.kill = duration, startup_s, kill
@@ -266,8 +277,8 @@ class Registry:
     def _serve(self, conn: Connection) -> None:
         attempt = None
         try:
-            _, slot, number, pid, node, executor_pid = conn.recv()
-            attempt = Attempt(slot, number, pid, node, executor_pid)
+            _, slot, number, pid, node, jvm, executor = conn.recv()
+            attempt = Attempt(slot, number, pid, node, jvm, executor_id=executor)
             with self._lock:
                 self.log.attempts.append(attempt)
                 if slot not in self._first and 0 <= slot < len(self.placement):
@@ -511,6 +522,8 @@ class Registry:
                 log.warning("worker %d (replicas %s) died unexpectedly", w, gone)
                 self.log.crashed.extend(gone)
             self.log.lost += [(rid, cause) for rid in gone]
+            self._lost_at[w] = self._now_s()
+            self._relaunched.pop(attempt.slot, None)  # a new loss
             self._down |= set(gone)
             orphans = [
                 (task, part)
@@ -607,16 +620,28 @@ class Registry:
                 )
                 if shared:
                     why = (
-                        f"Spark retried it on executor {attempt.node} (JVM "
-                        f"{attempt.executor_pid}), which runs the twins of {shared}; one "
-                        "executor's crash must not take two replicas of a partition"
+                        f"Spark ran its retried task on executor {attempt.executor_id} "
+                        f"({attempt.node}, JVM {attempt.executor_pid}), which runs the twins "
+                        f"of {shared}; one executor's crash must not take two replicas of a "
+                        "partition"
                     )
+                    avoid = {
+                        self._live[self.worker_of[twin]].executor_id
+                        for twin in twins.values()
+                        if self.worker_of[twin] in self._live
+                    }
+                    tries = self._relaunched.get(attempt.slot, 0)
+                    if self.relaunch is not None and None not in avoid and tries < REJOIN_ATTEMPTS:
+                        self._relaunched[attempt.slot] = tries + 1
+                        log.info("worker %d: %s; it is started again on another executor", w, why)
+                        self.relaunch(attempt.slot, avoid)
+                        return None
             if why is not None:
                 log.warning("worker %d is not rebuilt: %s", w, why)
                 return None
             self._give(attempt, w)
             attempt.rejoined = True
-            rj = _Rejoin(w, attempt, twins, now_s)
+            rj = _Rejoin(w, attempt, twins, self._lost_at.get(w, now_s))
             self._rejoins[w] = rj
         log.info("rebuilding worker %d (%s) from live twins", w, self.placement[w])
         return rj
@@ -638,26 +663,15 @@ class Registry:
         if kind != "ready":
             self._abort_rejoin(rj, str(ports))
             return
-        links = []
         with self._lock:
             if self._rejoins.get(w) is not rj or self._closing:
                 peer.send(("abandon", None))
                 return
-            for rid, port in ports.items():
-                if port is not None:
-                    self.addresses[rid] = (attempt.node, port)
-
-            def on_w(up: ReplicaId) -> bool:
-                return self.worker_of[up] == w
-
-            for rid, port in ports.items():
-                if port is None:
-                    continue
-                for part, ups in feeders(self.plan, rid, self._down, on_w).items():
-                    rj.fed[(rid, part)] = False
-                    for up in ups:
-                        links.append((up, rid, rj.cuts[rid].epoch))
-            rj.links = len(links)
+            self.addresses |= listening(ports, attempt.node)
+            links, here = rebuild_links(
+                self.plan, ports, rj.cuts, self._down, lambda up: self.worker_of[up] == w
+            )
+            rj.fed, rj.links = dict.fromkeys(here, False), len(links)
             self._live[w], self._peers[w], self._heard[w] = attempt, peer, time.monotonic()
             go = ("go", dict(self.addresses), self.log.t0_ns, self.duration, self.warmup)
         timer = threading.Timer(REJOIN_TIMEOUT_S, self._expire, args=(rj,))
@@ -811,7 +825,8 @@ def register(address, secret: bytes, slot: int, attempt: int, node: str) -> Conn
     """The worker task's side of step 1: connect and say hello; the caller reads the
     answer."""
     conn = Client(address, authkey=secret)
-    conn.send(("hello", slot, attempt, os.getpid(), node, executor_pid()))
+    jvm = executor_pid()
+    conn.send(("hello", slot, attempt, os.getpid(), node, jvm, executor_id(jvm)))
     return conn
 
 
@@ -823,6 +838,22 @@ def receive(conn: Connection, what: str, timeout: float = REGISTER_TIMEOUT_S):
             "worker tasks running (one task slot per worker)?"
         )
     return conn.recv()
+
+
+def executor_id(jvm: int | None) -> str | None:
+    """Spark's id of the executor JVM ``jvm`` (its ``--executor-id`` argument), or None
+    (in local mode the JVM is the driver's)."""
+    if jvm is None:
+        return None
+    try:
+        with open(f"/proc/{jvm}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return None
+    for flag, value in itertools.pairwise(args):
+        if flag == b"--executor-id":
+            return value.decode()
+    return None
 
 
 def executor_pid() -> int | None:

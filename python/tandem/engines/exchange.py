@@ -256,20 +256,38 @@ def live_twins(
     return twins
 
 
-def feeders(
-    plan: Plan, rid: ReplicaId, down: set[ReplicaId], local: Callable[[ReplicaId], bool]
-) -> dict[tuple[int, int], list[ReplicaId]]:
-    """The upstream replicas to link to ``rid``, rebuilt: per upstream partition of its
-    input, those alive and not ``local`` (in the rebuilt worker itself, fed in memory)."""
-    t, p, _ = rid
-    found: dict[tuple[int, int], list[ReplicaId]] = {}
-    for ch in plan.input_channels(t, p):
-        found[(ch.task, ch.partition)] = [
-            up
-            for q in range(plan.tasks[ch.task].replication)
-            if (up := (ch.task, ch.partition, q)) not in down and not local(up)
-        ]
-    return found
+def listening(ports: dict[ReplicaId, int | None], host: str) -> dict[ReplicaId, tuple[str, int]]:
+    """The addresses of a worker's replicas from its ``ready`` ports (None: a replica with
+    no inbox, a source)."""
+    return {rid: (host, port) for rid, port in ports.items() if port is not None}
+
+
+def rebuild_links(
+    plan: Plan,
+    ports: dict[ReplicaId, int | None],
+    cuts: dict[ReplicaId, Resume],
+    down: set[ReplicaId],
+    local: Callable[[ReplicaId], bool],
+) -> tuple[list[tuple[ReplicaId, ReplicaId, int]], dict[tuple[ReplicaId, tuple[int, int]], bool]]:
+    """What feeds rebuilt replicas that listen at ``ports``, each resumed from its cut in
+    ``cuts`` (none: from the beginning of the stream): the link requests ``(upstream, rebuilt,
+    epoch)`` for every upstream replica of their input that is alive and not ``local``
+    (in the rebuilt worker itself, which feeds it in memory), and for every (rebuilt
+    replica, upstream partition) whether a ``local`` upstream replica is there."""
+    epochs = {rid: cut.epoch for rid, cut in cuts.items()}
+    links: list[tuple[ReplicaId, ReplicaId, int]] = []
+    here: dict[tuple[ReplicaId, tuple[int, int]], bool] = {}
+    for rid, port in ports.items():
+        if port is None:
+            continue
+        t, p, _ = rid
+        for ch in plan.input_channels(t, p):
+            ups = [(ch.task, ch.partition, q) for q in range(plan.tasks[ch.task].replication)]
+            here[(rid, (ch.task, ch.partition))] = any(local(up) for up in ups)
+            links += [
+                (up, rid, epochs.get(rid, 0)) for up in ups if up not in down and not local(up)
+            ]
+    return links, here
 
 
 def restored_entry(
@@ -306,8 +324,9 @@ __all__ = [
     "REJOIN_MARGIN_S",
     "REJOIN_TIMEOUT_S",
     "SPILL_BYTES",
-    "feeders",
+    "listening",
     "live_twins",
+    "rebuild_links",
     "restored_entry",
     "serve",
 ]

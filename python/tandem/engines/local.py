@@ -45,8 +45,9 @@ from tandem.engines.exchange import (
     REJOIN_ATTEMPTS,
     REJOIN_MARGIN_S,
     REJOIN_TIMEOUT_S,
-    feeders,
+    listening,
     live_twins,
+    rebuild_links,
     restored_entry,
 )
 from tandem.engines.process import child_env
@@ -540,9 +541,7 @@ class _Run:
                     ) from None
                 if kind == "error":
                     raise ConfigError(value)
-                for rid, port in value.items():
-                    if port is not None:
-                        addresses[rid] = (self.host, port)
+                addresses |= listening(value, self.host)
                 pending.discard(w)
         if ON_READY is not None:
             ON_READY(addresses)
@@ -971,28 +970,16 @@ class _Run:
         if kind != "ready":
             self._abort_rejoin(w, str(value))
             return
-        for rid, port in value.items():
-            if port is not None:
-                self.addresses[rid] = (self.host, port)
-
-        def on_w(up: ReplicaId) -> bool:
-            return self.worker_of[up] == w
-
-        for rid, port in value.items():
-            if port is None:
-                continue
-            # No cut (rolled back with no checkpoint complete): from the very beginning.
-            epoch = rj.cuts[rid].epoch if rid in rj.cuts else 0
-            for (t, p), ups in feeders(self.plan, rid, self.down, on_w).items():
-                # Rolled back with it to the same checkpoint: fed by a local link.
-                rj.fed[(rid, (t, p))] = rj.checkpoint is not None and any(
-                    on_w((t, p, q)) for q in range(self.plan.tasks[t].replication)
-                )
-                for up in ups:
-                    self.conns[self.worker_of[up]].send(
-                        ("link", up, rid, self.addresses[rid], epoch)
-                    )
-                    rj.links += 1
+        self.addresses |= listening(value, self.host)
+        # No cut (rolled back with no checkpoint complete): from the very beginning.
+        links, here = rebuild_links(
+            self.plan, value, rj.cuts, self.down, lambda up: self.worker_of[up] == w
+        )
+        # Rolled back with it to the same checkpoint: fed by a local link.
+        rj.fed = {key: rj.checkpoint is not None and local for key, local in here.items()}
+        for up, rid, epoch in links:
+            self.conns[self.worker_of[up]].send(("link", up, rid, self.addresses[rid], epoch))
+        rj.links = len(links)
         rj.state = "linking"
         with contextlib.suppress(OSError):
             rj.proc.conn.send(("go", self.addresses, self.t0_ns, self.duration, self.warmup))
