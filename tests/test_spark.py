@@ -134,10 +134,10 @@ def test_killed_worker_is_masked_and_only_its_task_is_retried(spark, fault_free,
     assert (tasks, failed) == (WORKERS, 1)
 
 
-def counting_job() -> td.Job:
+def counting_job(**options) -> td.Job:
     """Keyed counts (operator state a rebuilt replica must get from its twin's cut), its
     lost workers rebuilt while it runs: 5 workers, as MiB1's."""
-    job = td.Job("rejoin", replication=2, workers=2, restore=True)
+    job = td.Job("rejoin", replication=2, workers=2, restore=True, **options)
     events = job.source(td.sources.Synthetic(rate=RATE, keys=40, seed=11), parallelism=2)
     (
         events.map(bucket, parallelism=2, name="enrich")
@@ -196,6 +196,32 @@ def test_a_retried_task_rejoins_and_then_masks_the_loss_of_its_twin(spark):
     assert all(run.workers()[f["worker"]].rejoined for f in res.faults)
     assert (tasks, failed) == (WORKERS, 2)
     assert res.max_gap_ms < 2_000
+
+
+def test_a_frozen_worker_task_is_declared_lost_fenced_and_rebuilt_by_its_retry(spark):
+    """restore=True: a worker task frozen (SIGSTOP) sends no keepalive; the registry
+    declares it lost after failure_timeout_ms and fences it (SIGKILL), Spark retries the
+    task, and the retry rejoins — the frozen replicas never send again, r is restored."""
+    job, engine = counting_job(failure_timeout_ms=1000), tandem_spark.SparkEngine(spark)
+    plan = job.plan()
+    pause = td.Pause("count", partition=1, replica=0, at=1.0, for_s=30.0)
+    res = job.run(duration=REJOIN_RUN, faults=[pause], engine=engine)
+    tasks, failed = spark_tasks(spark)
+    assert res.output.num_rows == RATE * REJOIN_RUN
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    (record,) = res.faults
+    names = {t.id: t.name for t in plan.tasks}
+    frozen = {(names[t], p, r) for t, p, r in plan.placement()[record["worker"]]}
+    assert ("count", 1, 0) in frozen and killed_replicas(res) == set()
+    assert lost_replicas(res) == frozen
+    assert {r["cause"] for r in res.lost_replicas} == {"silent"}
+    restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
+    assert restored == frozen
+    for r in res.restored_replicas:  # declared lost about failure_timeout_ms after the pause
+        assert 1.5 < r["lost_s"] < 4.0 and r["restored_s"] < REJOIN_RUN, r
+    assert engine.last_run.workers()[record["worker"]].rejoined
+    assert (tasks, failed) == (WORKERS, 1)
 
 
 def test_too_small_cluster_fails_fast_with_the_fix(spark):

@@ -57,7 +57,7 @@ from tandem.engines.common import STARTUP_S, assemble_result, check_options
 from tandem.engines.exchange import REJOIN_TIMEOUT_S, serve
 from tandem.engines.process import child_env
 from tandem.exceptions import ConfigError, TandemError
-from tandem.faults import Kill, KillWorker
+from tandem.faults import Kill, KillWorker, Pause
 from tandem.heartbeat import Generators
 from tandem.ordering import kazoo
 from tandem.plan import Plan, Task
@@ -100,7 +100,7 @@ class SparkEngine:
     or ``td.KillWorker`` SIGKILLs — the Python ``"worker"`` process of the worker task
     hosting the replica, with every replica in it, or the whole ``"executor"`` JVM with
     every worker on it (a node crash; ``local-cluster[...]`` only, as the driver must see
-    the executor's processes).
+    the executor's processes). A ``td.Pause`` freezes (SIGSTOP) the Python worker process.
 
     After a run, ``last_run`` (:class:`~tandem_spark.registry.RunLog`) holds every task
     attempt the registry saw, and :meth:`output_df` the job's output as a DataFrame.
@@ -142,7 +142,7 @@ class SparkEngine:
         ``spark.ui.showConsoleProgress``, so it is not drawn again here)."""
         del progress
         faults = list(faults)
-        check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker))
+        check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause))
         if plan.checkpointing:
             raise ConfigError(
                 "the spark engine does not run Job(checkpoint_ms=...) (the passive "

@@ -56,13 +56,14 @@ from tandem.engines.exchange import (
     REJOIN_ATTEMPTS,
     REJOIN_MARGIN_S,
     REJOIN_TIMEOUT_S,
+    Feeding,
     listening,
     live_twins,
     rebuild_links,
     restored_entry,
 )
 from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
-from tandem.faults import Kill, KillWorker
+from tandem.faults import Kill, KillWorker, Pause
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
@@ -162,12 +163,7 @@ class _Rejoin:
     cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
     refused: ReplicaId | None = None
     """A twin that could not be cut (finished, failed, or going by): cut again."""
-    links: int = 0
-    """Link requests not yet answered."""
-    fed: dict[tuple[ReplicaId, tuple[int, int]], bool] = field(default_factory=dict)
-    """(rebuilt replica, upstream partition) -> whether a live upstream replica feeds it."""
-    stale: bool = False
-    """Some upstream replica's replay window no longer reached back to a cut."""
+    feeding: Feeding = field(default_factory=Feeding)
 
 
 class Registry:
@@ -184,7 +180,7 @@ class Registry:
         placement: list[list[ReplicaId]],
         secret: bytes,
         duration: float,
-        faults: list[Kill | KillWorker],
+        faults: list[Kill | KillWorker | Pause],
         *,
         host: str,
         startup_s: float,
@@ -317,8 +313,9 @@ class Registry:
                     self._lock.wait()
                 if self._go is None:
                     return
-                self._peers[w], self._heard[w] = _Peer(conn), time.monotonic()
-            conn.send(self._go)
+                peer = self._peers[w] = _Peer(conn)  # cut and link requests go through it too
+                self._heard[w] = time.monotonic()
+            peer.send(self._go)
             self._run(conn, attempt)
         except (EOFError, OSError):
             if attempt is not None and attempt.worker is not None:
@@ -467,7 +464,9 @@ class Registry:
                 if victim is None:
                     log.warning("fault %r: worker %d had already finished or died", fault, w)
                     continue
-                if self.kill == "executor":
+                if isinstance(fault, Pause):
+                    workers, pids = [w], [victim.pid]
+                elif self.kill == "executor":
                     workers = sorted(
                         v for v, a in self._live.items() if a.executor == victim.executor
                     )
@@ -477,10 +476,10 @@ class Registry:
                 else:
                     workers, pids = [w], [victim.pid]
                 replicas = [rid for v in workers for rid in self.placement[v]]
-                for v in workers:
+                for v in workers if not isinstance(fault, Pause) else ():
                     self._live[v].cause = "killed"
-                for rid in replicas:
-                    self.log.killed[rid] = now_s
+                    for rid in self.placement[v]:
+                        self.log.killed[rid] = now_s
                 self.log.faults.append(
                     {
                         **fault.to_dict(),
@@ -494,10 +493,30 @@ class Registry:
                         "injected_at": round(now_s, 3),
                     }
                 )
+            if isinstance(fault, Pause):
+                self._pause(victim, fault.for_s, now_s)
+                continue
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             log.info("fault: SIGKILL %s %s (workers %s) at %.2f s", self.kill, pids, workers, now_s)
+
+    def _pause(self, victim: Attempt, for_s: float, now_s: float) -> None:
+        """A ``td.Pause``: SIGSTOP the worker task's Python process now and SIGCONT it
+        ``for_s`` seconds later — unless it was declared lost and fenced meanwhile."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim.pid, signal.SIGSTOP)
+        log.info("fault: SIGSTOP worker %d (PID %d) at %.2f s", victim.worker, victim.pid, now_s)
+
+        def resume() -> None:
+            if victim.cause is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim.pid, signal.SIGCONT)
+                log.info("fault: SIGCONT worker %d at %.2f s", victim.worker, self._now_s())
+
+        timer = threading.Timer(for_s, resume)
+        timer.daemon = True
+        timer.start()
 
     def _lost(self, attempt: Attempt) -> None:
         """A worker task's connection dropped before it finished: every replica its worker
@@ -671,7 +690,7 @@ class Registry:
             links, here = rebuild_links(
                 self.plan, ports, rj.cuts, self._down, lambda up: self.worker_of[up] == w
             )
-            rj.fed, rj.links = dict.fromkeys(here, False), len(links)
+            rj.feeding = Feeding(dict.fromkeys(here, False), len(links))
             self._live[w], self._peers[w], self._heard[w] = attempt, peer, time.monotonic()
             go = ("go", dict(self.addresses), self.log.t0_ns, self.duration, self.warmup)
         timer = threading.Timer(REJOIN_TIMEOUT_S, self._expire, args=(rj,))
@@ -743,15 +762,11 @@ class Registry:
     def _on_linked(self, up: ReplicaId, down: ReplicaId, error: str | None) -> None:
         with self._lock:
             rj = self._rejoins.get(self.worker_of[down])
-            if rj is None or rj.links == 0:
+            if rj is None or rj.feeding.pending == 0:
                 return
-            rj.links -= 1
-            if error is None:
-                rj.fed[(down, up[:2])] = True
-            else:
-                rj.stale |= "needs a later cut" in error
+            if error is not None:
                 log.warning("%s could not feed the rebuilt %s: %s", up, down, error)
-            done = rj.links == 0
+            done = rj.feeding.answered(up, down, error)
         if done:
             self._linked(rj)
 
@@ -759,10 +774,10 @@ class Registry:
         """Every link request of ``rj`` is answered: its replicas are restored if a live
         upstream replica feeds each input; else the rebuilt worker is fenced (Spark then
         retries its task, which rejoins from later cuts)."""
-        unfed = sorted(f"{rid} from {part}" for (rid, part), ok in rj.fed.items() if not ok)
+        unfed = sorted(f"{rid} from {part}" for rid, part in rj.feeding.unfed())
         if unfed:
             why = "no live upstream replica could replay its input: " + ", ".join(unfed)
-            if rj.stale:
+            if rj.feeding.stale:
                 why += " (a replay window no longer reached back to its cut)"
             self._abort_rejoin(rj, why)
             self._fence(rj.worker, "unfed", why)

@@ -25,6 +25,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem import logs
@@ -256,6 +257,33 @@ def live_twins(
     return twins
 
 
+@dataclass
+class Feeding:
+    """Which inputs of a rebuilt worker's replicas a live upstream replica feeds, as the
+    link requests of its rebuild are answered."""
+
+    fed: dict[tuple[ReplicaId, tuple[int, int]], bool] = field(default_factory=dict)
+    """(rebuilt replica, upstream partition) -> whether a live upstream replica feeds it."""
+    pending: int = 0
+    """Link requests not yet answered."""
+    stale: bool = False
+    """Some upstream replica's replay window no longer reached back to a cut."""
+
+    def answered(self, up: ReplicaId, down: ReplicaId, error: str | None) -> bool:
+        """``up`` answered the request to feed rebuilt ``down`` (``error``: why it could
+        not); True once every request is answered."""
+        self.pending -= 1
+        if error is None:
+            self.fed[(down, up[:2])] = True
+        else:
+            self.stale |= "needs a later cut" in error
+        return self.pending == 0
+
+    def unfed(self) -> list[tuple[ReplicaId, tuple[int, int]]]:
+        """The (rebuilt replica, upstream partition) pairs nothing feeds."""
+        return [key for key, ok in self.fed.items() if not ok]
+
+
 def listening(ports: dict[ReplicaId, int | None], host: str) -> dict[ReplicaId, tuple[str, int]]:
     """The addresses of a worker's replicas from its ``ready`` ports (None: a replica with
     no inbox, a source)."""
@@ -324,6 +352,7 @@ __all__ = [
     "REJOIN_MARGIN_S",
     "REJOIN_TIMEOUT_S",
     "SPILL_BYTES",
+    "Feeding",
     "listening",
     "live_twins",
     "rebuild_links",

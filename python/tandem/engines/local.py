@@ -45,6 +45,7 @@ from tandem.engines.exchange import (
     REJOIN_ATTEMPTS,
     REJOIN_MARGIN_S,
     REJOIN_TIMEOUT_S,
+    Feeding,
     listening,
     live_twins,
     rebuild_links,
@@ -92,12 +93,7 @@ class _Rejoin:
     generation: int
     state: str = "starting"  # starting -> cutting -> binding -> linking
     cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
-    links: int = 0
-    """Link requests not yet answered."""
-    fed: dict[tuple[ReplicaId, tuple[int, int]], bool] = field(default_factory=dict)
-    """(rebuilt replica, upstream partition) -> whether a live upstream replica feeds it."""
-    stale: bool = False
-    """Some upstream replica's replay window no longer reached back to a cut."""
+    feeding: Feeding = field(default_factory=Feeding)
     warm: bool = False
     """The new process is the spare, started before the loss."""
     checkpoint: int | None = None
@@ -976,10 +972,10 @@ class _Run:
             self.plan, value, rj.cuts, self.down, lambda up: self.worker_of[up] == w
         )
         # Rolled back with it to the same checkpoint: fed by a local link.
-        rj.fed = {key: rj.checkpoint is not None and local for key, local in here.items()}
+        rj.feeding.fed = {key: rj.checkpoint is not None and on for key, on in here.items()}
         for up, rid, epoch in links:
             self.conns[self.worker_of[up]].send(("link", up, rid, self.addresses[rid], epoch))
-        rj.links = len(links)
+        rj.feeding.pending = len(links)
         rj.state = "linking"
         with contextlib.suppress(OSError):
             rj.proc.conn.send(("go", self.addresses, self.t0_ns, self.duration, self.warmup))
@@ -992,7 +988,7 @@ class _Run:
         self.killed_workers.discard(w)
         self.running.add(w)
         self.heard[w] = time.monotonic()
-        if rj.links == 0:
+        if rj.feeding.pending == 0:
             self._linked(w, now_s)
 
     def _on_cut(self, twin: ReplicaId, taken: Resume | None, token, now_s: float) -> None:
@@ -1021,23 +1017,18 @@ class _Run:
         rj = self.rejoins.get(self.worker_of[down])
         if rj is None or rj.state != "linking":
             return
-        rj.links -= 1
-        if error is None:
-            rj.fed[(down, up[:2])] = True
-        else:
-            rj.stale |= "needs a later cut" in error
+        if error is not None:
             log.warning(
                 "%s could not feed the rebuilt %s: %s", self._name(up), self._name(down), error
             )
-        if rj.links == 0:
+        if rj.feeding.answered(up, down, error):
             self._linked(rj.worker, now_s)
 
     def _linked(self, w: int, now_s: float) -> None:
         rj = self.rejoins[w]
         unfed = [
             f"{self._name(rid)} from {self.plan.tasks[t].name}[{p}]"
-            for (rid, (t, p)), ok in rj.fed.items()
-            if not ok
+            for rid, (t, p) in rj.feeding.unfed()
         ]
         if unfed and rj.checkpoint is not None:
             causes = dict(self.lost)
@@ -1054,13 +1045,13 @@ class _Run:
                 + (
                     f" (a replay window no longer reaches back to checkpoint {rj.checkpoint}: "
                     "raise Job(replay_ms=...) or lower checkpoint_ms)"
-                    if rj.stale
+                    if rj.feeding.stale
                     else ""
                 ),
             )
             return
         if unfed:
-            retry = rj.stale and self._attempts.get(w, 0) < REJOIN_ATTEMPTS
+            retry = rj.feeding.stale and self._attempts.get(w, 0) < REJOIN_ATTEMPTS
             self._abort_rejoin(
                 w,
                 "no live upstream replica could replay its input: "
