@@ -198,6 +198,29 @@ def test_a_retried_task_rejoins_and_then_masks_the_loss_of_its_twin(spark):
     assert res.max_gap_ms < 2_000
 
 
+def test_kazoo_a_lost_leader_rejoins_and_leads_once_its_twin_is_lost(spark, zookeeper, kafka):
+    """KaZoo, restore=True: the worker task of count[0]'s leader is killed; its retry
+    rejoins from the twins' cuts (each rebuilt replica follows the order log on from its
+    twin's place in it); then the twin, leading by now, is killed: the rebuilt replica
+    takes the partition over, and nothing is lost or repeated."""
+    config = td.KazooConfig(zk_hosts=kafka.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap)
+    job = counting_job(ordering="kazoo", kazoo=config)
+    faults = [
+        td.Kill("count", partition=0, replica="leader", at=1.0),
+        td.Kill("count", partition=0, replica="leader", at=5.0),
+    ]
+    res = job.run(duration=8.0, faults=faults, engine=tandem_spark.SparkEngine(spark))
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    first, second = res.faults
+    assert first["victim"] != second["victim"], res.faults
+    restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
+    assert restored == lost_replicas(res) == killed_replicas(res)
+    assert {("count", 0, 0), ("count", 0, 1)} <= restored
+    after = [t for t in res.leaders["count[0]"] if t["from_s"] >= second["injected_at"]]
+    assert after and after[0]["replica"] == first["victim"], res.leaders["count[0]"]
+
+
 def test_a_frozen_worker_task_is_declared_lost_fenced_and_rebuilt_by_its_retry(spark):
     """restore=True: a worker task frozen (SIGSTOP) sends no keepalive; the registry
     declares it lost after failure_timeout_ms and fences it (SIGKILL), Spark retries the
