@@ -20,7 +20,7 @@ pytestmark = pytest.mark.spark
 # 0, group 1, the sink), and the surviving executor has room for a retry.
 MASTER = "local-cluster[2,3,1024]"
 RATE, DURATION = 1_000, 4.0
-REJOIN_RUN = 7.0
+REJOIN_RUN = 8.0
 # A lost executor is replaced by a new JVM: seconds to start on a small machine.
 EXECUTOR_REJOIN_RUN = 16.0
 
@@ -81,7 +81,7 @@ def test_retried_tasks_rejoin_on_their_executors_and_r_is_restored(cluster):
     job.restore = True
     plan = job.plan()
     engine = tandem_spark.SparkEngine(cluster)
-    first, second = 1.0, 4.0
+    first, second = 1.0, 5.0
     faults = [td.Kill("map1", 0, 1, at=first), td.Kill("map1", 0, 0, at=second)]
     res = job.run(duration=REJOIN_RUN, faults=faults, engine=engine)
 
