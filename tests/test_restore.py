@@ -158,10 +158,10 @@ def test_bench_recovery_rebuilds_a_stateful_replica_and_reports_its_cost():
 
 def test_a_large_state_goes_from_twin_to_newcomer_as_a_file_removed_after_the_run():
     from tandem import bench
-    from tandem.engines import local
+    from tandem.engines import exchange
 
     before = set(glob.glob("/dev/shm/tandem-state-*")) | set(glob.glob("/tmp/tandem-state-*"))
-    mb = 2 * local.SPILL_BYTES / 2**20
+    mb = 2 * exchange.SPILL_BYTES / 2**20
     res = bench.recovery_job(mb, 1000).run(
         duration=6, faults=[td.Kill("state", 0, 0, at=2.0)], progress=False
     )

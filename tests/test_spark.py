@@ -20,7 +20,13 @@ from tandem.bench import mib1_job
 from tandem.cli import main
 from tandem.engines.common import multiset_diff
 from tandem.reference import canonical
-from tandem.testing import killed_replicas, lost_replicas, two_thresholds, with_batch_rows
+from tandem.testing import (
+    bucket,
+    killed_replicas,
+    lost_replicas,
+    two_thresholds,
+    with_batch_rows,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -125,6 +131,120 @@ def test_killed_worker_is_masked_and_only_its_task_is_retried(spark, fault_free,
     # Spark retried the killed task (attempt 1 of the same placement row) and no other.
     assert run.retried_slots() == [victim.slot]
     assert sorted(a.attempt for a in run.attempts if a.slot == victim.slot) == [0, 1]
+    assert (tasks, failed) == (WORKERS, 1)
+
+
+def counting_job(**options) -> td.Job:
+    """Keyed counts (operator state a rebuilt replica must get from its twin's cut), its
+    lost workers rebuilt while it runs: 5 workers, as MiB1's."""
+    job = td.Job("rejoin", replication=2, workers=2, restore=True, **options)
+    events = job.source(td.sources.Synthetic(rate=RATE, keys=40, seed=11), parallelism=2)
+    (
+        events.map(bucket, parallelism=2, name="enrich")
+        .key_by("key")
+        .process(td.CountPerKey(), parallelism=2, name="count")
+        .sink(td.sinks.Collect())
+    )
+    return job
+
+
+REJOIN_RUN = 8.0
+# A rebuild takes 0.6-2.6 s on a busy 2-core machine: the second kill must find it done.
+FIRST_KILL, SECOND_KILL = 1.0, 5.0
+
+
+def test_a_retried_task_rejoins_and_then_masks_the_loss_of_its_twin(spark):
+    """restore=True: Spark retries the killed worker's task, which rebuilds the worker's
+    replicas from cuts of their live twins, so r is restored; then the other replica of
+    the same partition is killed, and that is masked too (its retry rejoins as well)."""
+    job, engine = counting_job(), tandem_spark.SparkEngine(spark)
+    plan = job.plan()
+    faults = [td.Kill("count", 0, 0, at=FIRST_KILL), td.Kill("count", 0, 1, at=SECOND_KILL)]
+    res = job.run(duration=REJOIN_RUN, faults=faults, engine=engine)
+    tasks, failed = spark_tasks(spark)
+    ref = job.run_reference(duration=REJOIN_RUN, t0_ns=res.t0_ns)
+    assert res.output.num_rows == ref.output.num_rows == RATE * REJOIN_RUN
+    assert canonical(res.output).equals(canonical(ref.output))
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+
+    first, second = res.faults
+    assert first["worker"] != second["worker"]
+    names = {t.id: t.name for t in plan.tasks}
+    hosted = [{(names[t], p, r) for t, p, r in plan.placement()[f["worker"]]} for f in res.faults]
+    assert ("count", 0, 0) in hosted[0] and ("count", 0, 1) in hosted[1]
+    assert lost_replicas(res) == killed_replicas(res) == hosted[0] | hosted[1]
+    # r restored after the first kill, before the second: every replica of the first
+    # victim rebuilt from its twin (in the worker the second kill took), from a cut
+    # with state; then the second victim's too, from the rebuilt replicas.
+    rebuilt = [
+        {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas if pick(r)}
+        for pick in (
+            lambda r: r["lost_s"] < SECOND_KILL,
+            lambda r: r["lost_s"] > SECOND_KILL,
+        )
+    ]
+    assert rebuilt == hosted, res.restored_replicas
+    for r in res.restored_replicas:
+        assert r["lost_s"] < r["restored_s"] < r["lost_s"] + 10, r
+        assert r["epoch"] > 0 and r["twin"] != r["replica"] and not r["warm"], r
+    first_rebuilt = [r["restored_s"] for r in res.restored_replicas if r["lost_s"] < SECOND_KILL]
+    assert max(first_rebuilt) < second["injected_at"]
+    # Each killed task was retried once, and that attempt ran the rebuilt worker.
+    run = engine.last_run
+    victims = sorted(run.workers()[f["worker"]].slot for f in res.faults)
+    assert run.retried_slots() == victims
+    assert all(run.workers()[f["worker"]].rejoined for f in res.faults)
+    assert (tasks, failed) == (WORKERS, 2)
+    assert res.max_gap_ms < 2_000
+
+
+def test_kazoo_a_lost_leader_rejoins_and_leads_once_its_twin_is_lost(spark, zookeeper, kafka):
+    """KaZoo, restore=True: the worker task of count[0]'s leader is killed; its retry
+    rejoins from the twins' cuts (each rebuilt replica follows the order log on from its
+    twin's place in it); then the twin, leading by now, is killed: the rebuilt replica
+    takes the partition over, and nothing is lost or repeated."""
+    config = td.KazooConfig(zk_hosts=kafka.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap)
+    job = counting_job(ordering="kazoo", kazoo=config)
+    faults = [
+        td.Kill("count", partition=0, replica="leader", at=FIRST_KILL),
+        td.Kill("count", partition=0, replica="leader", at=SECOND_KILL),
+    ]
+    res = job.run(duration=REJOIN_RUN, faults=faults, engine=tandem_spark.SparkEngine(spark))
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    first, second = res.faults
+    assert first["victim"] != second["victim"], res.faults
+    restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
+    assert restored == lost_replicas(res) == killed_replicas(res)
+    assert {("count", 0, 0), ("count", 0, 1)} <= restored
+    after = [t for t in res.leaders["count[0]"] if t["from_s"] >= second["injected_at"]]
+    assert after and after[0]["replica"] == first["victim"], res.leaders["count[0]"]
+
+
+def test_a_frozen_worker_task_is_declared_lost_fenced_and_rebuilt_by_its_retry(spark):
+    """restore=True: a worker task frozen (SIGSTOP) sends no keepalive; the registry
+    declares it lost after failure_timeout_ms and fences it (SIGKILL), Spark retries the
+    task, and the retry rejoins — the frozen replicas never send again, r is restored."""
+    job, engine = counting_job(failure_timeout_ms=1000), tandem_spark.SparkEngine(spark)
+    plan = job.plan()
+    pause = td.Pause("count", partition=1, replica=0, at=1.0, for_s=30.0)
+    res = job.run(duration=REJOIN_RUN, faults=[pause], engine=engine)
+    tasks, failed = spark_tasks(spark)
+    assert res.output.num_rows == RATE * REJOIN_RUN
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    (record,) = res.faults
+    names = {t.id: t.name for t in plan.tasks}
+    frozen = {(names[t], p, r) for t, p, r in plan.placement()[record["worker"]]}
+    assert ("count", 1, 0) in frozen and killed_replicas(res) == set()
+    assert lost_replicas(res) == frozen
+    assert {r["cause"] for r in res.lost_replicas} == {"silent"}
+    restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
+    assert restored == frozen
+    for r in res.restored_replicas:  # declared lost about failure_timeout_ms after the pause
+        assert 1.5 < r["lost_s"] < 4.0 and r["restored_s"] < REJOIN_RUN, r
+    assert engine.last_run.workers()[record["worker"]].rejoined
     assert (tasks, failed) == (WORKERS, 1)
 
 

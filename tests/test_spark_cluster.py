@@ -20,6 +20,9 @@ pytestmark = pytest.mark.spark
 # 0, group 1, the sink), and the surviving executor has room for a retry.
 MASTER = "local-cluster[2,3,1024]"
 RATE, DURATION = 1_000, 4.0
+REJOIN_RUN = 8.0
+# A lost executor is replaced by a new JVM: seconds to start on a small machine.
+EXECUTOR_REJOIN_RUN = 16.0
 
 
 def mib1() -> td.Job:
@@ -67,3 +70,70 @@ def test_executor_crash_is_masked_and_twins_run_on_different_executors(cluster):
     # Spark re-ran the lost executor's tasks elsewhere; each retired at once.
     victims = {a.slot for a in run.workers().values() if a.executor == victim}
     assert run.retried_slots() == sorted(victims)
+
+
+def test_retried_tasks_rejoin_on_their_executors_and_r_is_restored(cluster):
+    """restore=True, the Python worker of a replica killed: Spark retries its task on the
+    same executor, the retry rebuilds the worker's replicas from cuts of their twins on
+    the other executor, and the later kill of those twins' worker is masked too — every
+    partition keeps its replicas on two executors throughout."""
+    job = mib1()
+    job.restore = True
+    plan = job.plan()
+    engine = tandem_spark.SparkEngine(cluster)
+    first, second = 1.0, 5.0
+    faults = [td.Kill("map1", 0, 1, at=first), td.Kill("map1", 0, 0, at=second)]
+    res = job.run(duration=REJOIN_RUN, faults=faults, engine=engine)
+
+    ref = job.run_reference(duration=REJOIN_RUN, t0_ns=res.t0_ns)
+    assert res.output.num_rows == ref.output.num_rows == RATE * REJOIN_RUN
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    assert lost_replicas(res) == killed_replicas(res)
+    # Both kills took a replica group down (the source's and map1's replicas of both
+    # partitions); each was rebuilt, the first before the second kill.
+    restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
+    assert restored == lost_replicas(res)
+    assert len(res.restored_replicas) == 8
+    (injected,) = [f["injected_at"] for f in res.faults if f["at"] == second]
+    assert all(r["restored_s"] < injected for r in res.restored_replicas if r["lost_s"] < second), (
+        res.restored_replicas
+    )
+    run = engine.last_run
+    placed = {rid: a.executor for rid, a in run.hosts().items()}
+    for task in plan.tasks:
+        for p in range(task.parallelism):
+            hosts = {placed[(task.id, p, r)] for r in range(task.replication)}
+            assert len(hosts) == task.replication, f"twins of {task.name}[{p}] share an executor"
+    assert all(run.workers()[f["worker"]].rejoined for f in res.faults)
+
+
+def test_an_executor_crash_is_rebuilt_on_another_executor_and_r_is_restored(cluster):
+    """restore=True, an executor JVM killed: Spark retries its worker task at once on the
+    surviving executor, beside the twins, so that attempt retires and the driver starts
+    the worker again in a job of its own on the lost executor's replacement (the
+    standalone master starts one), where it rejoins: r is restored and every partition
+    has its replicas on two executors again."""
+    job = mib1()
+    job.restore = True
+    plan = job.plan()
+    engine = tandem_spark.SparkEngine(cluster, kill="executor")
+    fault = td.Kill("map1", partition=0, replica=1, at=1.0)
+    res = job.run(duration=EXECUTOR_REJOIN_RUN, faults=[fault], engine=engine)
+
+    assert res.output.num_rows == RATE * EXECUTOR_REJOIN_RUN
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
+    assert restored == lost_replicas(res) == killed_replicas(res)
+    assert len(restored) == 4  # replica group 1: both partitions of the source and the map
+    run = engine.last_run
+    (record,) = res.faults
+    killed = next(a for a in run.attempts if a.cause == "killed")
+    rebuilt = run.workers()[record["worker"]]
+    assert rebuilt.rejoined and rebuilt.executor_id not in (None, killed.executor_id)
+    placed = {rid: a.executor for rid, a in run.hosts().items()}
+    for task in plan.tasks:
+        for p in range(task.parallelism):
+            hosts = {placed[(task.id, p, r)] for r in range(task.replication)}
+            assert len(hosts) == task.replication, f"twins of {task.name}[{p}] share an executor"

@@ -16,10 +16,11 @@ and one worker for the sinks). The driver (this module, where
 
 On an executor, :func:`worker_main` — the Arrow-backed UDF — reads its placement row,
 checks in with the registry (which confirms the row's worker, or on a cluster swaps
-workers between tasks so that twins run on different executors), binds the inboxes of
-every replica the worker hosts, waits for every peer's address and ``t0``, runs a
-:class:`tandem.runtime.Worker` hosting them (the same worker code the local engine runs:
-the Rust event loop behind a Python operator loop) and yields Arrow batches back to Spark:
+workers between tasks so that twins run on different executors), then serves the worker
+as a local engine's worker process does (:func:`tandem.engines.exchange.serve`, with the
+registry as coordinator): binds the inboxes of every replica the worker hosts, waits for
+every peer's address and ``t0``, runs a :class:`tandem.runtime.Worker` hosting them (the
+Rust event loop behind a Python operator loop) and yields Arrow batches back to Spark:
 the rows of the job's first ``td.sinks.Collect`` sink (so the output is a Spark DataFrame)
 and one report row per hosted replica, carrying the pickled
 :class:`~tandem.runtime.ReplicaReport`.
@@ -29,18 +30,22 @@ The driver collects that output with ``toArrow()``, hands the reports to
 keeps the sink rows for :meth:`SparkEngine.output_df`.
 
 A killed worker's task fails; ``local[N,F]`` (``F >= 2``) and clusters retry only that
-task. The retry checks in with the registry, learns that its placement row already ran,
-and ends at once without output: the twins of its replicas have been carrying their
-partitions all along, and rejoining as full replicas needs the twins' state (DESIGN §4,
-not done yet).
+task. The retry checks in with the registry with its placement row. Under
+``Job(restore=True)`` it rejoins: it gets cuts of its worker's replicas from their live
+twins and runs them, fed by the upstream replicas from those cuts (DESIGN §4; see
+:mod:`tandem_spark.registry`), so ``r`` is restored; otherwise it ends at once without
+output, and the twins of its replicas carry their partitions alone.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import secrets
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,14 +54,15 @@ import pyarrow.compute as pc
 
 from tandem import logs
 from tandem.engines.common import STARTUP_S, assemble_result, check_options
+from tandem.engines.exchange import REJOIN_TIMEOUT_S, serve
 from tandem.engines.process import child_env
 from tandem.exceptions import ConfigError, TandemError
-from tandem.faults import Kill, KillWorker
+from tandem.faults import Kill, KillWorker, Pause
 from tandem.heartbeat import Generators
 from tandem.ordering import kazoo
 from tandem.plan import Plan, Task
 from tandem.result import Result
-from tandem.runtime import ReplicaId, ReplicaReport, Worker
+from tandem.runtime import ReplicaId, ReplicaReport
 from tandem.sinks import Collect
 from tandem_spark import registry as reg
 from tandem_spark.session import (
@@ -66,6 +72,8 @@ from tandem_spark.session import (
     is_local,
     local_session,
 )
+
+log = logging.getLogger("tandem")
 
 SLOT = "slot"
 """The placement DataFrame's row index: the Spark partition, and the worker it runs."""
@@ -92,7 +100,7 @@ class SparkEngine:
     or ``td.KillWorker`` SIGKILLs — the Python ``"worker"`` process of the worker task
     hosting the replica, with every replica in it, or the whole ``"executor"`` JVM with
     every worker on it (a node crash; ``local-cluster[...]`` only, as the driver must see
-    the executor's processes).
+    the executor's processes). A ``td.Pause`` freezes (SIGSTOP) the Python worker process.
 
     After a run, ``last_run`` (:class:`~tandem_spark.registry.RunLog`) holds every task
     attempt the registry saw, and :meth:`output_df` the job's output as a DataFrame.
@@ -134,7 +142,7 @@ class SparkEngine:
         ``spark.ui.showConsoleProgress``, so it is not drawn again here)."""
         del progress
         faults = list(faults)
-        check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker))
+        check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause))
         if plan.checkpointing:
             raise ConfigError(
                 "the spark engine does not run Job(checkpoint_ms=...) (the passive "
@@ -199,6 +207,7 @@ class SparkEngine:
         host = self.host or ("127.0.0.1" if local else None)
         secret = secrets.token_bytes(32)
         tag = f"tandem-{plan.job}-{secret.hex()[:8]}"
+        rebuilds = _Rebuilds(self.spark, tag)
         registry = reg.Registry(
             plan,
             placement,
@@ -212,17 +221,24 @@ class SparkEngine:
             on_failure=lambda _: sc.cancelJobsWithTag(tag),
             zoo=zoo,
             warmup=warmup,
+            local=local,
+            relaunch=rebuilds,
         )
         udf = _worker_main(
             plan, secret, registry.address, host, schema, collect, zoo, logs.driver_level()
         )
+        spark_schema = _spark_schema(schema)
+        rebuilds.job = lambda slot, executor: self._placement(
+            plan, placement, (slot, executor)
+        ).mapInArrow(udf, spark_schema)
         with registry, _driver_path_on_workers(sc, local):
-            df = self._placement(plan, placement).mapInArrow(udf, _spark_schema(schema))
+            df = self._placement(plan, placement).mapInArrow(udf, spark_schema)
             sc.addJobTag(tag)
             sc.setJobDescription(
                 f"tandem {plan.job}: {len(placement)} workers hosting "
                 f"{len(plan.replicas())} replicas for {duration} s"
             )
+            table = None
             try:
                 table = df.toArrow()
             except Exception as exc:
@@ -232,12 +248,13 @@ class SparkEngine:
             finally:
                 sc.removeJobTag(tag)
                 sc.setJobDescription(None)
+                rebuilds.close(cancel=table is None)
+            table = pa.concat_tables([table, *rebuilds.tables])
         self.last_run = registry.log
         if registry.log.failure is not None:
             raise registry.log.failure
         reports = _unpack(table, collect)
-        lost = [(rid, "killed") for rid in registry.log.killed]
-        lost += [(rid, "crashed") for rid in registry.log.crashed]
+        lost = registry.log.lost
         missing = sorted(set(plan.replicas()) - set(reports) - {rid for rid, _ in lost})
         if missing:
             raise TandemError(f"replicas {missing} of {plan.job!r} never reported; see the log")
@@ -252,6 +269,7 @@ class SparkEngine:
             lost_replicas=lost,
             kazoo=zoo,
         )
+        result.restored_replicas = list(registry.log.restored)
         self._output = None if collect is None else result.outputs[collect.name]
         return result
 
@@ -265,15 +283,18 @@ class SparkEngine:
             )
         return self.spark.createDataFrame(self._output)
 
-    def _placement(self, plan: Plan, placement: list[list[ReplicaId]]):
+    def _placement(
+        self, plan: Plan, placement: list[list[ReplicaId]], only: tuple[int, tuple] | None = None
+    ):
         """The placement DataFrame: row ``i`` (worker ``i`` and its replicas) alone in
-        Spark partition ``i``. On a cluster of several executors each partition also
-        *prefers* an executor (a Spark task location): the workers of replica group ``g``
-        the ``g``-th executor, the sinks' worker the first. Spark would otherwise place
-        tasks wherever cores are free at the instant the job is submitted — on an
-        executor that has registered but not yet launched, none are — and could put
-        twins on one executor; delay scheduling (``spark.locality.wait``) holds a task
-        for its executor instead. The registry still checks where each task really ran
+        Spark partition ``i`` — or, with ``only`` = (row, executor), that one row alone,
+        preferring that executor (``(id, host)``). On a cluster of several executors each
+        partition also *prefers* an executor (a Spark task location): the workers of
+        replica group ``g`` the ``g``-th executor, the sinks' worker the first. Spark
+        would otherwise place tasks wherever cores are free at the instant the job is
+        submitted — on an executor that has registered but not yet launched, none are —
+        and could put twins on one executor; delay scheduling (``spark.locality.wait``)
+        holds a task for its executor instead. The registry still checks where each task really ran
         (:meth:`tandem_spark.registry.Registry._assign`)."""
         from pyspark.sql import DataFrame
         from pyspark.sql import functions as F
@@ -282,20 +303,27 @@ class SparkEngine:
         executors = (
             [] if LOCAL_MASTER.match(self.spark.sparkContext.master) else _executors(self.spark)
         )
-        if len(executors) < 2:
+        if only is None and len(executors) < 2:
             df = self.spark.range(0, n, 1, numPartitions=n)  # one slice per element
         else:
             tasks = plan.tasks
-            homes = [
-                executors[rids[0][2] % len(executors)]
-                if any(tasks[t].replication > 1 for t, _, _ in rids)
-                else executors[0]
-                for rids in placement
-            ]
+            located = (
+                [only]
+                if only is not None
+                else [
+                    (
+                        w,
+                        executors[rids[0][2] % len(executors)]
+                        if any(tasks[t].replication > 1 for t, _, _ in rids)
+                        else executors[0],
+                    )
+                    for w, rids in enumerate(placement)
+                ]
+            )
             jvm = self.spark.sparkContext._jvm
             utils = jvm.org.apache.spark.api.python.PythonUtils
             rows = jvm.java.util.ArrayList()
-            for w, (executor, host) in enumerate(homes):
+            for w, (executor, host) in located:
                 where = jvm.java.util.ArrayList()
                 where.add(f"executor_{host}_{executor}")  # Spark's TaskLocation syntax
                 rows.add(jvm.scala.Tuple2(str(w), utils.toSeq(where)))
@@ -322,6 +350,59 @@ class SparkEngine:
             for rids in placement
         ]
         return df.withColumn("replicas", F.array(*rows)[F.col(SLOT)])
+
+
+class _Rebuilds:
+    """Worker tasks started again in a Spark job of their own, each on an executor
+    running none of its replicas' twins — the registry's ``relaunch``, for a worker lost
+    with its executor whose task Spark retried beside the twins. ``job(slot,
+    executor)``: the DataFrame of that one task; their output joins the main job's."""
+
+    def __init__(self, spark, tag: str) -> None:
+        self.spark, self.tag = spark, tag
+        self.job = None
+        self.tables: list[pa.Table] = []
+        self._threads: list[threading.Thread] = []
+        self._closed = threading.Event()
+
+    def __call__(self, slot: int, avoid: set[str]) -> None:
+        t = threading.Thread(
+            target=self._run, args=(slot, avoid), name=f"tandem-relaunch-{slot}", daemon=True
+        )
+        t.start()
+        self._threads.append(t)
+
+    def _run(self, slot: int, avoid: set[str]) -> None:
+        # The lost executor's replacement registers seconds after the crash.
+        deadline = time.monotonic() + REJOIN_TIMEOUT_S
+        while not (free := [e for e in _executors(self.spark) if e[0] not in avoid]):
+            if time.monotonic() > deadline or self._closed.wait(0.2):
+                log.warning(
+                    "placement row %d is not started again: no executor without twins of "
+                    "its replicas registered within %.0f s",
+                    slot,
+                    REJOIN_TIMEOUT_S,
+                )
+                return
+        log.info("placement row %d: started again on executor %s", slot, free[0][0])
+        sc = self.spark.sparkContext
+        sc.addJobTag(self.tag)  # cancelled with the run
+        sc.setJobDescription(f"tandem: placement row {slot} again, on executor {free[0][0]}")
+        try:
+            self.tables.append(self.job(slot, free[0]).toArrow())
+        except Exception as exc:  # its replicas stay lost; the registry logged why
+            log.warning("the Spark job running placement row %d again failed: %s", slot, exc)
+        finally:
+            sc.removeJobTag(self.tag)
+            sc.setJobDescription(None)
+
+    def close(self, cancel: bool) -> None:
+        """Start no more jobs and wait for those running (``cancel``: cancel them first)."""
+        self._closed.set()
+        if cancel:
+            self.spark.sparkContext.cancelJobsWithTag(self.tag)
+        for t in self._threads:
+            t.join()
 
 
 def _executors(spark) -> list[tuple[str, str]]:
@@ -380,15 +461,22 @@ def _worker_main(plan, secret, registry_address, host, schema, collect, zoo, log
             answer = reg.receive(conn, "worker identity")
             if answer[0] == "retire":
                 return
-            _, w, rids = answer
+            _, w, rids, rejoin = answer
             logs.configure_worker(w, log_level)
-            worker = Worker(plan, [tuple(rid) for rid in rids], secret, kazoo=zoo)
-            conn.send(("bound", worker.bind(bind_host)))
-            _, addresses, t0_ns, duration, warmup = reg.receive(conn, "start signal")
-            reports = worker.run(addresses, t0_ns, duration, warmup)
-            logs.flush(1.0)
-            failures = [(rid, r.error, r.diverged) for rid, r in reports.items() if r.error]
-            conn.send(("done", failures))
+            reports = serve(
+                plan,
+                [tuple(rid) for rid in rids],
+                secret,
+                conn,
+                zoo,
+                rejoin,
+                host=bind_host,
+                receive=lambda what: reg.receive(conn, what),
+                finish=_failures,
+                sigterm=False,
+            )
+        if reports is None:  # a rebuild the registry gave up before it ran
+            return
         for rid, report in reports.items():
             key = index[rid]
             if collect is not None and rid[0] == collect.id:
@@ -397,6 +485,12 @@ def _worker_main(plan, secret, registry_address, host, schema, collect, zoo, log
             yield _envelope(key, 1, schema, pa.array([pickle.dumps(report)], pa.binary()))
 
     return worker_main
+
+
+def _failures(reports: dict[ReplicaId, ReplicaReport]) -> tuple:
+    """The ``done`` message of a worker task: the replicas whose operator failed, with
+    the error and whether it was a divergence (the reports travel as output rows)."""
+    return ("done", [(rid, r.error, r.diverged) for rid, r in reports.items() if r.error])
 
 
 def _envelope(key: int, n: int, schema: pa.Schema, report: pa.Array, columns=None):

@@ -10,23 +10,38 @@ secret, so only the job's own tasks can talk to it) and every task, in ``worker_
 1. says hello: its Spark partition (= placement row), attempt number, PID and node;
 2. once every task has checked in, gets its worker back — the index and the replicas of
    one worker of :meth:`tandem.plan.Plan.placement`, chosen so that the replicas of a
-   partition run on different executors where there are several — or, if its placement
-   row was already started once (Spark retried the task after a crash), is told to
-   retire;
-3. reports the port each of its replicas' inboxes listens on;
-4. once every worker has bound, gets every address and the logical time origin ``t0``;
-5. reports when it has finished (and which of its replicas' operators failed).
+   partition run on different executors where there are several;
+3. then speaks the exchange every engine has with its workers
+   (:func:`tandem.engines.exchange.serve`): reports the port each of its replicas'
+   inboxes listens on (``ready``); once every worker has, gets every address and the
+   logical time origin ``t0`` (``go``); reports when it has finished (``done``, with
+   which of its replicas' operators failed).
+
+A task Spark retries — its worker was killed or crashed — checks in again with its
+placement row. Under ``Job(restore=True)`` it **rejoins**: the registry plays the part the
+local engine's coordinator plays (DESIGN §4) — it asks a live twin's worker for a cut of
+each replica the lost worker hosted, hands the cuts to the retried task, tells the live
+upstream replicas to link to the rebuilt ones and replay from the cuts, and records each
+in ``restored_replicas`` once all of them feed it — so ``r`` is restored and a later loss
+of the twins is masked too. Otherwise (or when it cannot rejoin: its twins are gone, the
+stream is about to end, it landed on an executor that runs a twin of its replicas) the
+retried task is told to retire.
 
 The registry is also where faults are injected: it knows every worker's PID, so a
 ``td.Kill`` SIGKILLs the Python worker hosting the replica (or the executor JVM above it)
-at ``t0 + at``, with every replica it hosts. A connection that drops before step 5 is a
+at ``t0 + at``, with every replica it hosts. A connection that drops before ``done`` is a
 worker that died: killed on purpose, or a crash; when every replica of a task partition is
-gone the run cannot continue and the registry says so through ``on_failure``.
+gone the run cannot continue and the registry says so through ``on_failure``. Under
+``Job(restore=True)`` workers send keepalives, and one silent for the job's
+``failure_timeout_ms`` (or dropped by an upstream replica as a straggler) is declared lost
+and fenced — told to exit and, on a master on this machine, SIGKILLed — so Spark retries
+it and it rejoins.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -37,12 +52,22 @@ from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 
-from tandem.exceptions import DeterminismError, TandemError, TaskFailed
-from tandem.faults import Kill, KillWorker
+from tandem.engines.exchange import (
+    REJOIN_ATTEMPTS,
+    REJOIN_MARGIN_S,
+    REJOIN_TIMEOUT_S,
+    Feeding,
+    listening,
+    live_twins,
+    rebuild_links,
+    restored_entry,
+)
+from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
+from tandem.faults import Kill, KillWorker, Pause
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
-from tandem.runtime import ReplicaId
+from tandem.runtime import ReplicaId, Resume
 
 log = logging.getLogger("tandem")
 
@@ -60,9 +85,16 @@ class Attempt:
     node: str
     executor_pid: int | None
     worker: int | None = None
-    """The worker of the placement this attempt ran; None for an attempt told to retire."""
+    """The worker of the placement this attempt ran (rebuilt, if a retry rejoined); None
+    for an attempt told to retire."""
     replicas: list[ReplicaId] = field(default_factory=list)
     """The replicas that worker hosts."""
+    rejoined: bool = False
+    """A retry that rebuilt its worker's replicas from their twins."""
+    cause: str | None = None
+    """Why its worker was taken down on purpose (``killed``, ``silent``, ``evicted``)."""
+    executor_id: str | None = None
+    """Spark's id of its executor (None: the driver's JVM, in local mode)."""
 
     @property
     def executor(self) -> tuple[str, int | None]:
@@ -76,8 +108,12 @@ class RunLog:
 
     attempts: list[Attempt] = field(default_factory=list)
     killed: dict[ReplicaId, float] = field(default_factory=dict)
-    """Replica → seconds after t0 when a fault SIGKILLed its worker."""
+    """Replica → seconds after t0 when a fault last SIGKILLed its worker."""
     crashed: list[ReplicaId] = field(default_factory=list)
+    lost: list[tuple[ReplicaId, str]] = field(default_factory=list)
+    """Every loss of a replica, in order, with its cause (``killed``, ``crashed``, ...)."""
+    restored: list[dict] = field(default_factory=list)
+    """The replicas rebuilt from a live twin (``Result.restored_replicas``)."""
     faults: list[dict] = field(default_factory=list)
     t0_ns: int = 0
     failure: TandemError | None = None
@@ -86,21 +122,57 @@ class RunLog:
 
     def retried_slots(self) -> list[int]:
         """Placement rows that Spark started more than once."""
-        return sorted({a.slot for a in self.attempts if a.worker is None})
+        slots = [a.slot for a in self.attempts]
+        return sorted({s for s in slots if slots.count(s) > 1})
 
     def workers(self) -> dict[int, Attempt]:
-        """Worker index → the task attempt that ran it."""
+        """Worker index → the task attempt that ran it last."""
         return {a.worker: a for a in self.attempts if a.worker is not None}
 
     def hosts(self) -> dict[ReplicaId, Attempt]:
-        """Replica → the task attempt (so the executor) that ran it."""
+        """Replica → the task attempt (so the executor) that ran it last."""
         return {rid: a for a in self.workers().values() for rid in a.replicas}
+
+
+class _Peer:
+    """A worker task's connection, which several registry threads send on."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._sending = threading.Lock()
+
+    def send(self, message: tuple) -> bool:
+        """Send ``message``; False if the task is gone."""
+        with self._sending:
+            try:
+                self.conn.send(message)
+            except OSError:
+                return False
+        return True
+
+
+@dataclass
+class _Rejoin:
+    """A lost worker being rebuilt by a retried task (see the module documentation)."""
+
+    worker: int
+    attempt: Attempt
+    twins: dict[ReplicaId, ReplicaId]
+    lost_s: float
+    generation: int = 0
+    cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
+    refused: ReplicaId | None = None
+    """A twin that could not be cut (finished, failed, or going by): cut again."""
+    feeding: Feeding = field(default_factory=Feeding)
 
 
 class Registry:
     """The driver side (see the module documentation). Use as a context manager.
     ``placement``: the replicas of every worker (:meth:`tandem.plan.Plan.placement`), one
-    Spark task each."""
+    Spark task each. ``local``: the tasks run on this machine (their PIDs can be
+    signalled). ``relaunch(slot, avoid)``: start placement row ``slot``'s task again in a
+    Spark job of its own, on an executor whose id is not in ``avoid`` — for a worker
+    whose retried task Spark ran beside its twins (after an executor crash)."""
 
     def __init__(
         self,
@@ -108,7 +180,7 @@ class Registry:
         placement: list[list[ReplicaId]],
         secret: bytes,
         duration: float,
-        faults: list[Kill | KillWorker],
+        faults: list[Kill | KillWorker | Pause],
         *,
         host: str,
         startup_s: float,
@@ -117,22 +189,37 @@ class Registry:
         on_failure: Callable[[TandemError], None],
         zoo: KazooRun | None = None,
         warmup: float = 0.0,
+        local: bool = True,
+        relaunch: Callable[[int, set[str]], None] | None = None,
     ) -> None:
         self.plan, self.placement, self.secret = plan, placement, secret
-        self.warmup = warmup
+        self.warmup, self.local, self.relaunch = warmup, local, relaunch
+        self._relaunched: dict[int, int] = {}
+        """Placement row → its tasks started by ``relaunch`` for its latest loss."""
+        self._lost_at: dict[int, float] = {}
+        """Worker → when it was last lost (seconds after t0)."""
         self.zoo = zoo
         self.worker_of = {rid: w for w, rids in enumerate(placement) for rid in rids}
         self.duration, self.startup_s, self.kill = duration, startup_s, kill
         self.timeout = timeout
         self.faults = sorted(faults, key=lambda f: f.at)
         self.on_failure = on_failure
+        self.restoring = plan.restore and plan.replication > 1
         self.log = RunLog()
         self._lock = threading.Condition()
         self._ports: dict[ReplicaId, int | None] = {}
         self._nodes: dict[int, str] = {}
         """Worker → the node its inboxes listen on, once it has bound."""
         self._live: dict[int, Attempt] = {}
-        """Workers bound and not finished (nor dead)."""
+        """Workers bound and not finished (nor dead), by the attempt running them."""
+        self._peers: dict[int, _Peer] = {}
+        """Live worker → its connection, once it runs."""
+        self._heard: dict[int, float] = {}
+        """Live worker → when it last spoke (monotonic)."""
+        self._down: set[ReplicaId] = set()
+        """Replicas lost and not (yet) rebuilt."""
+        self._rejoins: dict[int, _Rejoin] = {}
+        self.addresses: dict[ReplicaId, tuple[str, int]] = {}
         self._first: dict[int, Attempt] = {}
         self._assigned = False
         self._go: tuple | None = None
@@ -178,13 +265,16 @@ class Registry:
                 return
             self._spawn(self._serve, "tandem-registry-conn", conn)
 
+    def _now_s(self) -> float:
+        return (time.time_ns() - self.log.t0_ns) / 1e9
+
     # -- one worker task ------------------------------------------------------------------
 
     def _serve(self, conn: Connection) -> None:
         attempt = None
         try:
-            _, slot, number, pid, node, executor_pid = conn.recv()
-            attempt = Attempt(slot, number, pid, node, executor_pid)
+            _, slot, number, pid, node, jvm, executor = conn.recv()
+            attempt = Attempt(slot, number, pid, node, jvm, executor_id=executor)
             with self._lock:
                 self.log.attempts.append(attempt)
                 if slot not in self._first and 0 <= slot < len(self.placement):
@@ -193,9 +283,12 @@ class Registry:
                         self._assign()
                     self._lock.wait_for(lambda: self._assigned or self._closing)
             if attempt.worker is None:
-                # A retry of a worker that crashed or was killed: the twins of its replicas
-                # carry on, and rejoining needs their state (DESIGN §4), so this attempt
-                # stays out.
+                rj = self._rejoinable(attempt)
+                if rj is not None:
+                    self._rejoin(conn, rj)
+                    return
+                # A retry of a worker that crashed or was killed, which does not rejoin:
+                # the twins of its replicas carry on without it.
                 conn.send(("retire", f"placement row {slot} was already started"))
                 if self._go is None:  # its first attempt failed before the job started
                     self.fail(
@@ -206,8 +299,11 @@ class Registry:
                     )
                 return
             w = attempt.worker
-            conn.send(("worker", w, attempt.replicas))
-            _, ports = conn.recv()  # ("bound", {replica: port or None})
+            conn.send(("worker", w, attempt.replicas, False))
+            kind, ports = conn.recv()  # ("ready", {replica: port or None}) or ("error", why)
+            if kind != "ready":
+                self.fail(ConfigError(str(ports)))
+                return
             with self._lock:
                 self._ports.update(ports)
                 self._nodes[w], self._live[w] = attempt.node, attempt
@@ -217,17 +313,38 @@ class Registry:
                     self._lock.wait()
                 if self._go is None:
                     return
-            conn.send(self._go)
-            _, failures = conn.recv()  # ("done", [(replica, error, diverged), ...])
-            with self._lock:
-                self._live.pop(w, None)
-            for _, error, diverged in failures:
-                self.fail(DeterminismError(error) if diverged else TaskFailed(error))
+                peer = self._peers[w] = _Peer(conn)  # cut and link requests go through it too
+                self._heard[w] = time.monotonic()
+            peer.send(self._go)
+            self._run(conn, attempt)
         except (EOFError, OSError):
             if attempt is not None and attempt.worker is not None:
-                self._lost(attempt.worker)
+                self._lost(attempt)
         finally:
             conn.close()
+
+    def _run(self, conn: Connection, attempt: Attempt) -> None:
+        """Serve a running worker's messages until it is ``done``: keepalives, and its
+        replicas' answers to cut and link requests for rebuilt workers."""
+        w = attempt.worker
+        while True:
+            msg = conn.recv()
+            with self._lock:
+                self._heard[w] = time.monotonic()
+            if msg[0] == "done":
+                break
+            if msg[0] == "cut":
+                self._on_cut(*msg[1:])
+            elif msg[0] == "linked":
+                self._on_linked(*msg[1:])
+            elif msg[0] == "evicted":
+                self._on_evicted(*msg[1:])
+        with self._lock:
+            if self._live.get(w) is attempt:
+                del self._live[w]
+                self._peers.pop(w, None)
+        for _, error, diverged in msg[1]:  # ("done", [(replica, error, diverged), ...])
+            self.fail(DeterminismError(error) if diverged else TaskFailed(error))
 
     def _assign(self) -> None:
         """Give every first attempt its worker (called with the lock held, once all have
@@ -289,10 +406,13 @@ class Registry:
             for rid, port in self._ports.items()
             if port is not None
         }
+        self.addresses = addresses
         self.log.t0_ns = time.time_ns() + int(self.startup_s * 1e9)
-        self._go = ("go", addresses, self.log.t0_ns, self.duration, self.warmup)
+        self._go = ("go", dict(addresses), self.log.t0_ns, self.duration, self.warmup)
         self._lock.notify_all()
         self._spawn(self._watch_clock, "tandem-clock")
+        if self.restoring:
+            self._spawn(self._watch_keepalives, "tandem-keepalives")
 
     def _watch_clock(self) -> None:
         """Inject the faults at their times, then fail the run if it outlives its timeout
@@ -344,7 +464,9 @@ class Registry:
                 if victim is None:
                     log.warning("fault %r: worker %d had already finished or died", fault, w)
                     continue
-                if self.kill == "executor":
+                if isinstance(fault, Pause):
+                    workers, pids = [w], [victim.pid]
+                elif self.kill == "executor":
                     workers = sorted(
                         v for v, a in self._live.items() if a.executor == victim.executor
                     )
@@ -354,8 +476,10 @@ class Registry:
                 else:
                     workers, pids = [w], [victim.pid]
                 replicas = [rid for v in workers for rid in self.placement[v]]
-                for rid in replicas:
-                    self.log.killed[rid] = now_s
+                for v in workers if not isinstance(fault, Pause) else ():
+                    self._live[v].cause = "killed"
+                    for rid in self.placement[v]:
+                        self.log.killed[rid] = now_s
                 self.log.faults.append(
                     {
                         **fault.to_dict(),
@@ -369,28 +493,63 @@ class Registry:
                         "injected_at": round(now_s, 3),
                     }
                 )
+            if isinstance(fault, Pause):
+                self._pause(victim, fault.for_s, now_s)
+                continue
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             log.info("fault: SIGKILL %s %s (workers %s) at %.2f s", self.kill, pids, workers, now_s)
 
-    def _lost(self, w: int) -> None:
-        """A worker's connection dropped before it finished: every replica it hosts is
-        gone."""
+    def _pause(self, victim: Attempt, for_s: float, now_s: float) -> None:
+        """A ``td.Pause``: SIGSTOP the worker task's Python process now and SIGCONT it
+        ``for_s`` seconds later — unless it was declared lost and fenced meanwhile."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim.pid, signal.SIGSTOP)
+        log.info("fault: SIGSTOP worker %d (PID %d) at %.2f s", victim.worker, victim.pid, now_s)
+
+        def resume() -> None:
+            if victim.cause is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim.pid, signal.SIGCONT)
+                log.info("fault: SIGCONT worker %d at %.2f s", victim.worker, self._now_s())
+
+        timer = threading.Timer(for_s, resume)
+        timer.daemon = True
+        timer.start()
+
+    def _lost(self, attempt: Attempt) -> None:
+        """A worker task's connection dropped before it finished: every replica its worker
+        hosts is gone (a rebuild it was running is given up)."""
+        w = attempt.worker
         with self._lock:
-            self._live.pop(w, None)
             if self._closing:
                 return
+            rj = self._rejoins.get(w)
+            if rj is not None and rj.attempt is attempt:
+                del self._rejoins[w]
+                self._lock.notify_all()
+                log.warning("worker %d is not rebuilt: its retried task died too", w)
+            if self._live.get(w) is not attempt:
+                return
+            del self._live[w]
+            self._peers.pop(w, None)
             starting = self._go is None
-            crashed = [rid for rid in self.placement[w] if rid not in self.log.killed]
-            if crashed:
-                log.warning("worker %d (replicas %s) died unexpectedly", w, crashed)
-                self.log.crashed.extend(crashed)
-            gone = set(self.log.killed) | set(self.log.crashed)
+            cause = attempt.cause or "crashed"
+            gone = [rid for rid in self.placement[w] if rid not in self._down]
+            if cause == "crashed" and gone:
+                log.warning("worker %d (replicas %s) died unexpectedly", w, gone)
+                self.log.crashed.extend(gone)
+            self.log.lost += [(rid, cause) for rid in gone]
+            self._lost_at[w] = self._now_s()
+            self._relaunched.pop(attempt.slot, None)  # a new loss
+            self._down |= set(gone)
             orphans = [
                 (task, part)
                 for task, part, _ in self.placement[w]
-                if all((task, part, r) in gone for r in range(self.plan.tasks[task].replication))
+                if all(
+                    (task, part, r) in self._down for r in range(self.plan.tasks[task].replication)
+                )
             ]
         if starting:
             self.fail(TandemError(f"worker {w} died while the job was starting; see its log"))
@@ -402,6 +561,271 @@ class Registry:
                     "gone; the job cannot continue"
                 )
             )
+
+    def _fence(self, w: int, cause: str, why: str) -> None:
+        """Take live worker ``w`` down on purpose (``cause``): tell it to exit and, on a
+        master on this machine, SIGKILL it; Spark retries its task, which rejoins."""
+        with self._lock:
+            attempt, peer = self._live.get(w), self._peers.get(w)
+            if attempt is None or attempt.cause is not None:
+                return
+            attempt.cause = cause
+        log.warning("worker %d %s: declared lost and fenced", w, why)
+        if peer is not None:
+            peer.send(("exit", why))
+        if self.local:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(attempt.pid, signal.SIGKILL)
+
+    def _on_evicted(self, up: ReplicaId, down: ReplicaId) -> None:
+        """``up`` dropped ``down`` as a straggler: its input is incomplete from then on."""
+        w = self.worker_of[down]
+        if not self._hosts_sinks(w):
+            self._fence(w, "evicted", f"was dropped by {up} as a straggler ({down})")
+
+    def _watch_keepalives(self) -> None:
+        """Declare lost every running worker silent for the job's ``failure_timeout_ms``
+        (a frozen or wedged task: its keepalives stopped), except the sinks' (they have no
+        twin to take over)."""
+        limit = self.plan.failure_timeout_ms / 1000
+        while True:
+            with self._lock:
+                if self._lock.wait_for(lambda: self._closing, timeout=limit / 4):
+                    return
+                now = time.monotonic()
+                silent = [
+                    (w, now - self._heard.get(w, now))
+                    for w in sorted(self._live)
+                    if now - self._heard.get(w, now) > limit and not self._hosts_sinks(w)
+                ]
+            for w, quiet in silent:
+                self._fence(w, "silent", f"has been silent for {quiet * 1000:.0f} ms")
+
+    def _hosts_sinks(self, w: int) -> bool:
+        return any(self.plan.tasks[t].kind == "sink" for t, _, _ in self.placement[w])
+
+    # -- rebuilding a lost worker in its retried task (Job(restore=True)) ---------------
+
+    def _rejoinable(self, attempt: Attempt) -> _Rejoin | None:
+        """A retried task: the rebuild it runs of its placement row's worker, or None
+        (with the reason, if it is one the user may want to know) if it retires."""
+        first = self._first.get(attempt.slot)
+        if self._go is None or not self.restoring or first is None:
+            return None
+        w = first.worker
+        with self._lock:
+            # The connection of the attempt it replaces may not have dropped yet.
+            self._lock.wait_for(lambda: self._live.get(w) is None or self._closing, timeout=5)
+            now_s = self._now_s()
+            why = None
+            twins = live_twins(self.plan, self.placement[w], self._down)
+            if self._closing or self.log.failure is not None:
+                return None
+            if w in self._live or w in self._rejoins:
+                why = "its worker still runs"
+            elif self._hosts_sinks(w):
+                return None  # sinks are not replicated: nothing to rebuild them from
+            elif now_s > self.duration - REJOIN_MARGIN_S:
+                why = f"the stream ends in under {REJOIN_MARGIN_S:g} s"
+            elif twins is None:
+                return None  # every replica of a partition is gone: the run fails for it
+            else:
+                shared = sorted(
+                    rid
+                    for rid, twin in twins.items()
+                    if self._live.get(self.worker_of[twin]) is not None
+                    and self._live[self.worker_of[twin]].executor == attempt.executor
+                    and len({a.executor for a in self._first.values()}) > 1
+                )
+                if shared:
+                    why = (
+                        f"Spark ran its retried task on executor {attempt.executor_id} "
+                        f"({attempt.node}, JVM {attempt.executor_pid}), which runs the twins "
+                        f"of {shared}; one executor's crash must not take two replicas of a "
+                        "partition"
+                    )
+                    avoid = {
+                        self._live[self.worker_of[twin]].executor_id
+                        for twin in twins.values()
+                        if self.worker_of[twin] in self._live
+                    }
+                    tries = self._relaunched.get(attempt.slot, 0)
+                    if self.relaunch is not None and None not in avoid and tries < REJOIN_ATTEMPTS:
+                        self._relaunched[attempt.slot] = tries + 1
+                        log.info("worker %d: %s; it is started again on another executor", w, why)
+                        self.relaunch(attempt.slot, avoid)
+                        return None
+            if why is not None:
+                log.warning("worker %d is not rebuilt: %s", w, why)
+                return None
+            self._give(attempt, w)
+            attempt.rejoined = True
+            rj = _Rejoin(w, attempt, twins, self._lost_at.get(w, now_s))
+            self._rejoins[w] = rj
+        log.info("rebuilding worker %d (%s) from live twins", w, self.placement[w])
+        return rj
+
+    def _rejoin(self, conn: Connection, rj: _Rejoin) -> None:
+        """Run rebuild ``rj`` in its retried task (on that task's registry thread): get
+        the twins' cuts to it, link its upstream replicas to it once it listens, let it
+        go; then serve it like any running worker."""
+        attempt, w = rj.attempt, rj.worker
+        peer = _Peer(conn)
+        conn.send(("worker", w, attempt.replicas, True))
+        kind, value = conn.recv()  # ("waiting", None): it has loaded the job
+        if kind != "waiting" or not self._cut_twins(rj):
+            self._abort_rejoin(rj, str(value) if kind == "error" else "no cut could be taken")
+            peer.send(("abandon", None))
+            return
+        conn.send(("resume", rj.cuts, self.log.t0_ns))
+        kind, ports = conn.recv()
+        if kind != "ready":
+            self._abort_rejoin(rj, str(ports))
+            return
+        with self._lock:
+            if self._rejoins.get(w) is not rj or self._closing:
+                peer.send(("abandon", None))
+                return
+            self.addresses |= listening(ports, attempt.node)
+            links, here = rebuild_links(
+                self.plan, ports, rj.cuts, self._down, lambda up: self.worker_of[up] == w
+            )
+            rj.feeding = Feeding(dict.fromkeys(here, False), {(up, rid) for up, rid, _ in links})
+            self._live[w], self._peers[w], self._heard[w] = attempt, peer, time.monotonic()
+            go = ("go", dict(self.addresses), self.log.t0_ns, self.duration, self.warmup)
+        timer = threading.Timer(REJOIN_TIMEOUT_S, self._expire, args=(rj,))
+        timer.daemon = True
+        timer.start()
+        peer.send(go)
+        for up, rid, epoch in links:
+            with self._lock:
+                upstream = self._peers.get(self.worker_of[up])
+            sent = upstream is not None and upstream.send(
+                ("link", up, rid, self.addresses[rid], epoch)
+            )
+            if not sent:
+                self._on_linked(up, rid, "its worker is gone")
+        if not links:
+            self._linked(rj)
+        try:
+            self._run(conn, attempt)
+        finally:
+            timer.cancel()
+
+    def _cut_twins(self, rj: _Rejoin) -> bool:
+        """Ask the twins' workers for a cut of every replica ``rj`` rebuilds, again if one
+        could not be taken (up to REJOIN_ATTEMPTS times); True once all are in."""
+        deadline = time.monotonic() + REJOIN_TIMEOUT_S
+        for _ in range(REJOIN_ATTEMPTS):
+            with self._lock:
+                rj.generation += 1
+                rj.cuts, rj.refused = {}, None
+                asks = [
+                    (self._peers.get(self.worker_of[twin]), twin, (rj.worker, rj.generation, rid))
+                    for rid, twin in rj.twins.items()
+                ]
+            if any(
+                peer is None or not peer.send(("cut", twin, token)) for peer, twin, token in asks
+            ):
+                return False  # a twin's worker is gone
+            with self._lock:
+                self._lock.wait_for(
+                    lambda: (
+                        len(rj.cuts) == len(rj.twins)
+                        or rj.refused is not None
+                        or self._rejoins.get(rj.worker) is not rj
+                        or self._closing
+                    ),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                )
+                if self._rejoins.get(rj.worker) is not rj or self._closing:
+                    return False
+                if len(rj.cuts) == len(rj.twins):
+                    return True
+                if rj.refused is None:  # timed out
+                    return False
+                log.info("worker %d: twin %s could not be cut; trying again", rj.worker, rj.refused)
+        return False
+
+    def _on_cut(self, twin: ReplicaId, taken: Resume | None, token) -> None:
+        w, generation, rid = token
+        with self._lock:
+            rj = self._rejoins.get(w)
+            if rj is None or rj.generation != generation:
+                return
+            if taken is None:
+                rj.refused = twin
+            else:
+                rj.cuts[rid] = taken
+            self._lock.notify_all()
+
+    def _on_linked(self, up: ReplicaId, down: ReplicaId, error: str | None) -> None:
+        with self._lock:
+            rj = self._rejoins.get(self.worker_of[down])
+            if rj is None or (up, down) not in rj.feeding.asked:
+                return
+            if error is not None:
+                log.warning("%s could not feed the rebuilt %s: %s", up, down, error)
+            done = rj.feeding.answered(up, down, error)
+        if done:
+            self._linked(rj)
+
+    def _linked(self, rj: _Rejoin) -> None:
+        """Every link request of ``rj`` is answered: its replicas are restored if a live
+        upstream replica feeds each input; else the rebuilt worker is fenced (Spark then
+        retries its task, which rejoins from later cuts)."""
+        unfed = sorted(f"{rid} from {part}" for rid, part in rj.feeding.unfed())
+        if unfed:
+            why = "no live upstream replica could replay its input: " + ", ".join(unfed)
+            if rj.feeding.stale:
+                why += " (a replay window no longer reached back to its cut)"
+            self._abort_rejoin(rj, why)
+            self._fence(rj.worker, "unfed", why)
+            return
+        with self._lock:
+            if self._rejoins.get(rj.worker) is not rj:
+                return
+            del self._rejoins[rj.worker]
+            now_s = self._now_s()
+            for rid in self.placement[rj.worker]:
+                self._down.discard(rid)
+                self.log.restored.append(
+                    restored_entry(
+                        self.plan,
+                        rid,
+                        rj.twins[rid],
+                        rj.cuts.get(rid),
+                        rj.lost_s,
+                        now_s,
+                        warm=False,
+                    )
+                )
+        log.info(
+            "rebuilt worker %d at %.2f s (%.0f ms after its loss)",
+            rj.worker,
+            now_s,
+            (now_s - rj.lost_s) * 1000,
+        )
+
+    def _expire(self, rj: _Rejoin) -> None:
+        with self._lock:
+            pending = self._rejoins.get(rj.worker) is rj
+        if pending:
+            why = f"not done within {REJOIN_TIMEOUT_S:.0f} s"
+            self._abort_rejoin(rj, why)
+            self._fence(rj.worker, "unfed", why)
+
+    def _abort_rejoin(self, rj: _Rejoin, why: str) -> None:
+        with self._lock:
+            if self._rejoins.get(rj.worker) is not rj:
+                return
+            del self._rejoins[rj.worker]
+            self._lock.notify_all()
+        log.warning(
+            "worker %d is not rebuilt: %s; its partitions go on with fewer replicas",
+            rj.worker,
+            why,
+        )
 
     def fail(self, error: TandemError) -> None:
         """Stop the run for ``error`` (the first reason given wins)."""
@@ -416,7 +840,8 @@ def register(address, secret: bytes, slot: int, attempt: int, node: str) -> Conn
     """The worker task's side of step 1: connect and say hello; the caller reads the
     answer."""
     conn = Client(address, authkey=secret)
-    conn.send(("hello", slot, attempt, os.getpid(), node, executor_pid()))
+    jvm = executor_pid()
+    conn.send(("hello", slot, attempt, os.getpid(), node, jvm, executor_id(jvm)))
     return conn
 
 
@@ -428,6 +853,22 @@ def receive(conn: Connection, what: str, timeout: float = REGISTER_TIMEOUT_S):
             "worker tasks running (one task slot per worker)?"
         )
     return conn.recv()
+
+
+def executor_id(jvm: int | None) -> str | None:
+    """Spark's id of the executor JVM ``jvm`` (its ``--executor-id`` argument), or None
+    (in local mode the JVM is the driver's)."""
+    if jvm is None:
+        return None
+    try:
+        with open(f"/proc/{jvm}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return None
+    for flag, value in itertools.pairwise(args):
+        if flag == b"--executor-id":
+            return value.decode()
+    return None
 
 
 def executor_pid() -> int | None:

@@ -41,8 +41,17 @@ from typing import Any
 import cloudpickle
 import psutil
 
-from tandem import logs
 from tandem.engines.common import STARTUP_S, Stop, assemble_result, check_options
+from tandem.engines.exchange import (
+    REJOIN_ATTEMPTS,
+    REJOIN_MARGIN_S,
+    REJOIN_TIMEOUT_S,
+    Feeding,
+    listening,
+    live_twins,
+    rebuild_links,
+    restored_entry,
+)
 from tandem.engines.process import child_env
 from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Chaos, Kill, KillHeartbeats, KillWorker, Pause, ReplicaFault
@@ -51,24 +60,13 @@ from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
 from tandem.result import Result
-from tandem.runtime import ReplicaId, ReplicaReport, Resume, Worker
+from tandem.runtime import ReplicaId, ReplicaReport, Resume
 
 log = logging.getLogger("tandem")
 
 ON_READY = None
 """Test hook: called with every inbox address once all replicas listen, before they start."""
 
-
-REJOIN_TIMEOUT_S = 30.0
-"""How long rebuilding a lost worker's replicas may take before the run gives up on it
-(the partitions go on with fewer replicas)."""
-
-REJOIN_MARGIN_S = 1.0
-"""A worker lost this close to the end of the stream is not rebuilt."""
-
-SPILL_BYTES = 1 << 20
-"""A cut's state at least this large travels from the twin to the rebuilt replica as a file
-(``Resume.state_file``) instead of through the coordinator's links."""
 
 STOP_LEAD_S = 1.0
 """A run with no duration: how far ahead of the wall clock, in source time, the sources
@@ -81,10 +79,6 @@ heartbeat periods): the request must reach every worker before its replicas forw
 
 CHECKPOINT_TIMEOUT_S = 10.0
 """A checkpoint not complete this long after it started is abandoned."""
-
-REJOIN_ATTEMPTS = 3
-"""Cuts taken for one loss before giving up: a cut that left an upstream replica's replay
-window (the rebuild took longer than ``Job(replay_ms=...)``) is retried with a later one."""
 
 
 @dataclass
@@ -100,12 +94,7 @@ class _Rejoin:
     generation: int
     state: str = "starting"  # starting -> cutting -> binding -> linking
     cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
-    asked: set[tuple[ReplicaId, ReplicaId]] = field(default_factory=set)
-    """Link requests ``(upstream, rebuilt replica)`` not yet answered."""
-    fed: dict[tuple[ReplicaId, tuple[int, int]], bool] = field(default_factory=dict)
-    """(rebuilt replica, upstream partition) -> whether a live upstream replica feeds it."""
-    stale: bool = False
-    """Some upstream replica's replay window no longer reached back to a cut."""
+    feeding: Feeding = field(default_factory=Feeding)
     warm: bool = False
     """The new process is the spare, started before the loss."""
     checkpoint: int | None = None
@@ -151,168 +140,6 @@ class _Deferred:
     at: float
     due: float
     """When the fault was scheduled."""
-
-
-def serve(
-    plan: Plan,
-    rids: list[ReplicaId],
-    secret: bytes,
-    conn,
-    kazoo: KazooRun | None,
-    rejoin: bool = False,
-) -> None:
-    """The exchange of a worker process with the coordinator, over ``conn`` (see
-    :mod:`tandem.engines.worker`, the process's entry point): ``ready`` with its ports,
-    ``go``, then ``done`` with its reports. Meanwhile the coordinator may ask it for cuts
-    of its replicas and to link them to rebuilt downstream replicas (``cut``, ``link``;
-    answered by ``cut`` and ``linked`` messages), and for a ``metrics`` snapshot every so
-    many seconds (:mod:`tandem.metrics`; sent as ``metrics`` messages, the last one before
-    ``done``). A worker that rebuilds lost replicas (``rejoin``) first says it is
-    ``waiting`` and gets their twins' cuts (``resume``)."""
-    resume = None
-    if rejoin:
-        conn.send(("waiting", None))
-        msg = conn.recv()
-        if msg[0] != "resume":
-            return
-        resume = msg[1]
-    try:
-        worker = Worker(plan, rids, secret, kazoo=kazoo, resume=resume)
-        if resume is not None:
-            # Load the operators' state before the upstream replicas start replaying to
-            # them (they are linked once this worker is ready).
-            worker.restore(msg[2])
-
-        def terminate(_signo, _frame) -> None:
-            # A graceful stop: hand leadership over at once instead of after a session
-            # timeout, then go.
-            worker.release()
-            os._exit(128 + signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, terminate)
-        conn.send(("ready", worker.bind()))
-    except Exception as exc:  # a bind failure is a configuration problem
-        conn.send(("error", f"worker of {rids} could not start: {type(exc).__name__}: {exc}"))
-        return
-    msg = conn.recv()
-    if msg[0] != "go":
-        return
-    _, addresses, t0_ns, duration, warmup = msg
-    sending = threading.Lock()
-
-    def send(message: tuple) -> None:
-        with sending, contextlib.suppress(OSError):
-            conn.send(message)
-
-    folders: dict[Any, str] = {}  # cut token -> where the coordinator wants large states
-
-    def send_cut(rid, taken, token) -> None:
-        # A cut may carry a large state: write and send it from a thread of its own, so
-        # the replicas this worker serves go on meanwhile. A large one goes to a file the
-        # rebuilt replica reads, rather than through the coordinator.
-        folder = folders.pop(token, None)
-
-        def run() -> None:
-            nonlocal taken
-            if taken is not None and taken.writer is not None:
-                # A child writes the state to the folder; a small one comes back inline.
-                taken = taken.written(inline_below=SPILL_BYTES)
-            elif taken is not None and folder is not None and len(taken.state) >= SPILL_BYTES:
-                try:
-                    taken = taken.spilled(folder)
-                except OSError as exc:
-                    log.warning("a cut's state goes inline: writing it failed (%s)", exc)
-            send(("cut", rid, taken, token))
-
-        threading.Thread(target=run, name="tandem-cut", daemon=True).start()
-
-    def send_metrics(snapshot: dict) -> None:
-        # Best effort, never waiting on the worker thread: skipped while a cut is sent.
-        if sending.acquire(blocking=False):
-            try:
-                with contextlib.suppress(OSError):
-                    conn.send(("metrics", snapshot))
-            finally:
-                sending.release()
-
-    worker.on_cut = send_cut
-    worker.state_folder = folders.get
-    worker.on_metrics = send_metrics
-
-    checkpoints: dict[int, str] = {}  # checkpoint epoch -> its folder
-
-    def send_checkpoint(rid, epoch, taken) -> None:
-        # Written off the worker thread, like a large cut: the replicas go on meanwhile.
-        folder = checkpoints.get(epoch)
-
-        def run() -> None:
-            written = None
-            if taken is not None and folder is not None:
-                try:
-                    os.makedirs(folder, exist_ok=True)
-                    path = os.path.join(folder, "{}-{}-{}.state".format(*rid))
-                    written = taken.checkpointed(path)
-                except OSError as exc:
-                    log.warning("checkpoint %d of %s not written: %s", epoch, rid, exc)
-            send(("checkpointed", epoch, rid, written))
-
-        threading.Thread(target=run, name="tandem-checkpoint", daemon=True).start()
-
-    worker.on_checkpoint = send_checkpoint
-    worker.on_link = lambda up, down, error: send(("linked", up, down, error))
-    if plan.restore:
-        worker.on_evicted = lambda up, down: send(("evicted", up, down))
-    threading.Thread(
-        target=_requests,
-        args=(conn, worker, folders, checkpoints),
-        name="tandem-requests",
-        daemon=True,
-    ).start()
-    if plan.rebuilds:
-        period = plan.failure_timeout_ms / 4000
-
-        def keepalive() -> None:
-            while True:
-                time.sleep(period)
-                send(("alive", None))
-
-        threading.Thread(target=keepalive, name="tandem-keepalive", daemon=True).start()
-    reports = worker.run(addresses, t0_ns, duration, warmup)
-    if worker.metrics_every is not None:
-        send(("metrics", worker.metrics()))  # the final counters
-    # The coordinator may stop this process once it has the reports: hand what the core
-    # logged to logging first.
-    logs.flush(1.0)
-    send(("done", reports))
-
-
-def _requests(
-    conn, worker: Worker, folders: dict[Any, str], checkpoints: dict[int, str] | None = None
-) -> None:
-    """Hand the coordinator's requests during the run to the worker thread (a cut's
-    ``folders`` entry: where to write its state if it is large; a checkpoint's
-    ``checkpoints`` entry: where its states go)."""
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg[0] == "cut":
-            if len(msg) > 3:
-                folders[msg[2]] = msg[3]
-            worker.request_cut(msg[1], msg[2])
-        elif msg[0] == "link":
-            worker.link(*msg[1:])
-        elif msg[0] == "until":
-            worker.extend(*msg[1:])
-        elif msg[0] == "metrics":
-            worker.metrics_every = msg[1]
-        elif msg[0] == "checkpoint" and checkpoints is not None:
-            _, epoch, folder = msg
-            checkpoints[epoch] = folder
-            for old in sorted(checkpoints)[:-4]:  # answered long ago
-                del checkpoints[old]
-            worker.request_checkpoint(epoch)
 
 
 class _Process:
@@ -729,9 +556,7 @@ class _Run:
                     ) from None
                 if kind == "error":
                     raise ConfigError(value)
-                for rid, port in value.items():
-                    if port is not None:
-                        addresses[rid] = (self.host, port)
+                addresses |= listening(value, self.host)
                 pending.discard(w)
         if ON_READY is not None:
             ON_READY(addresses)
@@ -1000,17 +825,9 @@ class _Run:
                 REJOIN_MARGIN_S,
             )
             return
-        twins: dict[ReplicaId, ReplicaId] = {}
-        for rid in rids:
-            t, p, r = rid
-            live = [
-                (t, p, q)
-                for q in range(self.plan.tasks[t].replication)
-                if q != r and (t, p, q) not in self.down
-            ]
-            if not live:
-                return  # the job fails for it (_crashed)
-            twins[rid] = live[0]
+        twins = live_twins(self.plan, rids, self.down)
+        if twins is None:
+            return  # the job fails for it (_crashed)
         self._generation += 1
         proc, warm = self._take_spare(
             (list(sys.path), self._blob, rids, self.secret, self.zoo, True, w)
@@ -1210,28 +1027,18 @@ class _Run:
         if kind != "ready":
             self._abort_rejoin(w, str(value))
             return
-        for rid, port in value.items():
-            if port is not None:
-                self.addresses[rid] = (self.host, port)
-        for rid, port in value.items():
-            if port is None:
-                continue
-            t, p, _ = rid
-            # No cut (rolled back with no checkpoint complete): from the very beginning.
-            epoch = rj.cuts[rid].epoch if rid in rj.cuts else 0
-            for ch in self.plan.input_channels(t, p):
-                rj.fed[(rid, (ch.task, ch.partition))] = False
-                for q in range(self.plan.tasks[ch.task].replication):
-                    up = (ch.task, ch.partition, q)
-                    if rj.checkpoint is not None and self.worker_of[up] == w:
-                        # Rolled back with it to the same checkpoint: fed by a local link.
-                        rj.fed[(rid, (ch.task, ch.partition))] = True
-                        continue
-                    u = self.worker_of[up]
-                    if up in self.down or u == w or u not in self.running:
-                        continue  # lost, rebuilt with it, or finished: cannot replay
-                    self.conns[u].send(("link", up, rid, self.addresses[rid], epoch))
-                    rj.asked.add((up, rid))
+        self.addresses |= listening(value, self.host)
+        # No cut (rolled back with no checkpoint complete): from the very beginning.
+        links, here = rebuild_links(
+            self.plan, value, rj.cuts, self.down, lambda up: self.worker_of[up] == w
+        )
+        # Rolled back with it to the same checkpoint: fed by a local link.
+        rj.feeding.fed = {key: rj.checkpoint is not None and on for key, on in here.items()}
+        for up, rid, epoch in links:
+            if self.worker_of[up] not in self.running:
+                continue  # finished: its replay window went with it
+            self.conns[self.worker_of[up]].send(("link", up, rid, self.addresses[rid], epoch))
+            rj.feeding.asked.add((up, rid))
         rj.state = "linking"
         with contextlib.suppress(OSError):
             rj.proc.conn.send(("go", self.addresses, self.t0_ns, self.duration, self.warmup))
@@ -1244,7 +1051,7 @@ class _Run:
         self.killed_workers.discard(w)
         self.running.add(w)
         self.heard[w] = time.monotonic()
-        if not rj.asked:
+        if not rj.feeding.asked:
             self._linked(w, now_s)
 
     def _on_cut(self, twin: ReplicaId, taken: Resume | None, token, now_s: float) -> None:
@@ -1271,24 +1078,20 @@ class _Run:
 
     def _on_linked(self, up: ReplicaId, down: ReplicaId, error: str | None, now_s: float) -> None:
         rj = self.rejoins.get(self.worker_of[down])
-        if rj is None or rj.state != "linking" or (up, down) not in rj.asked:
+        if rj is None or rj.state != "linking":
             return
-        rj.asked.discard((up, down))
-        if error is None:
-            rj.fed[(down, up[:2])] = True
-        else:
-            rj.stale |= "needs a later cut" in error
+        if error is not None and (up, down) in rj.feeding.asked:
             log.warning(
                 "%s could not feed the rebuilt %s: %s", self._name(up), self._name(down), error
             )
-        if not rj.asked:
+        if rj.feeding.answered(up, down, error):
             self._linked(rj.worker, now_s)
 
     def _unanswered(self, w: int, now_s: float) -> None:
         """Worker ``w`` finished: the link requests it had not answered before it said
         ``done`` never will be (its replicas finished first)."""
         for rj in list(self.rejoins.values()):
-            for up, down in sorted(rj.asked):
+            for up, down in sorted(rj.feeding.asked):
                 if self.worker_of[up] == w:
                     self._on_linked(up, down, "it finished first", now_s)
 
@@ -1296,8 +1099,7 @@ class _Run:
         rj = self.rejoins[w]
         unfed = [
             f"{self._name(rid)} from {self.plan.tasks[t].name}[{p}]"
-            for (rid, (t, p)), ok in rj.fed.items()
-            if not ok
+            for rid, (t, p) in rj.feeding.unfed()
         ]
         if unfed and rj.sinks:
             self._abort_rejoin(
@@ -1307,7 +1109,7 @@ class _Run:
                 + (
                     " (a replay window no longer reaches back to the position its last "
                     "committed output stored: raise Job(replay_ms=...))"
-                    if rj.stale
+                    if rj.feeding.stale
                     else " (its upstream replicas finished or were lost meanwhile)"
                 ),
             )
@@ -1327,13 +1129,13 @@ class _Run:
                 + (
                     f" (a replay window no longer reaches back to checkpoint {rj.checkpoint}: "
                     "raise Job(replay_ms=...) or lower checkpoint_ms)"
-                    if rj.stale
+                    if rj.feeding.stale
                     else ""
                 ),
             )
             return
         if unfed:
-            retry = rj.stale and self._attempts.get(w, 0) < REJOIN_ATTEMPTS
+            retry = rj.feeding.stale and self._attempts.get(w, 0) < REJOIN_ATTEMPTS
             self._abort_rejoin(
                 w,
                 "no live upstream replica could replay its input: "
@@ -1345,27 +1147,22 @@ class _Run:
             return
         del self.rejoins[w]
         self._attempts.pop(w, None)
+        rolled = {} if rj.checkpoint is None else {"checkpoint": rj.checkpoint}
+        if rj.sinks:
+            rolled = {"sink": True}
         for rid in self.placement[w]:
             self.down.discard(rid)
-            t, p, r = rid
-            cut = rj.cuts.get(rid)
-            rolled = {} if rj.checkpoint is None else {"checkpoint": rj.checkpoint}
-            if rj.sinks:
-                rolled = {"sink": True}
             self.restored.append(
-                {
-                    "task": self.plan.tasks[t].name,
-                    "partition": p,
-                    "replica": r,
-                    "twin": rj.twins[rid][2] if rid in rj.twins else None,
+                restored_entry(
+                    self.plan,
+                    rid,
+                    rj.twins.get(rid),
+                    rj.cuts.get(rid),
+                    rj.lost_s,
+                    now_s,
+                    rj.warm,
                     **rolled,
-                    "epoch": cut.epoch if cut is not None else 0,
-                    "lost_s": round(rj.lost_s, 3),
-                    "restored_s": round(now_s, 3),
-                    "restore_ms": round((now_s - rj.lost_s) * 1000, 1),
-                    "warm": rj.warm,
-                    "state_file": cut is not None and cut.state_file is not None,
-                }
+                )
             )
         log.info(
             "rebuilt %s at %.2f s (%.0f ms after its loss)",

@@ -8,7 +8,7 @@ this process's end of a socket pair, a :class:`multiprocessing.connection.Connec
 The coordinator first sends ``(sys.path, plan, rids, secret, kazoo, rejoin)``, the plan as a
 cloudpickle blob — functions, lambdas and closures defined in ``__main__`` travel by
 value, those of importable modules by reference, found through the coordinator's
-``sys.path``. Then the ready/go/done exchange of :func:`tandem.engines.local.serve`.
+``sys.path``. Then the ready/go/done exchange of :func:`tandem.engines.exchange.serve`.
 ``WORKER`` (the worker's index) names the process in its log lines, which go to stderr at
 the level in ``TANDEM_LOG_LEVEL`` (:func:`tandem.logs.configure_worker`). A spare process,
 started ahead of a loss to rebuild a worker (``Job(restore=True)``), is named ``spare``
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = argv[2] if len(argv) > 2 else "?"
 
     from tandem import logs
-    from tandem.engines import local, process
+    from tandem.engines import exchange, process
 
     logs.configure_worker(worker)
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         return 1
-    local.serve(plan, rids, secret, conn, kazoo, rejoin=rejoin)
+    exchange.serve(plan, rids, secret, conn, kazoo, rejoin=rejoin)
     return 0
 
 

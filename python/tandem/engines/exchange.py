@@ -1,0 +1,364 @@
+"""The exchange between a worker and the coordinator of its engine, both sides.
+
+Every engine runs the same workers (:class:`tandem.runtime.Worker`) and speaks to them the
+same way, over a :class:`multiprocessing.connection.Connection`: the local engine's
+coordinator to its worker processes, the Spark engine's registry on the driver to its
+worker tasks. :func:`serve` is the worker's side; the helpers below it are what a
+coordinator decides when it rebuilds a lost worker's replicas from their live twins
+(``Job(restore=True)``, DESIGN §4): which twin each is cut from, which upstream replicas
+replay to it, and what ``Result.restored_replicas`` records of it.
+
+The messages, worker → coordinator: ``waiting`` (a rebuilt worker, for its cuts),
+``ready`` (the port of every hosted replica's inbox) or ``error``; during the run ``cut``,
+``linked``, ``evicted``, ``metrics``, ``checkpointed`` and ``alive`` (a keepalive, when
+the job rebuilds lost workers); last ``done``. Coordinator → worker: ``resume`` (the
+twins' cuts), ``go`` (every address and ``t0``); during the run ``cut``, ``link``,
+``until``, ``metrics``, ``checkpoint`` and ``exit`` (a fenced worker: it leaves at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem import logs
+from tandem.ordering.kazoo import KazooRun
+from tandem.plan import Plan
+from tandem.runtime import ReplicaId, ReplicaReport, Resume, Worker, _warm_up
+
+log = logging.getLogger("tandem")
+
+SPILL_BYTES = 1 << 20
+"""A cut's state at least this large travels from the twin to the rebuilt replica as a file
+(``Resume.state_file``) instead of through the coordinator's links."""
+
+REJOIN_TIMEOUT_S = 30.0
+"""How long rebuilding a lost worker's replicas may take before the run gives up on it
+(the partitions go on with fewer replicas)."""
+
+REJOIN_MARGIN_S = 1.0
+"""A worker lost this close to the end of the stream is not rebuilt."""
+
+REJOIN_ATTEMPTS = 3
+"""Cuts taken for one loss before giving up: a cut that left an upstream replica's replay
+window (the rebuild took longer than ``Job(replay_ms=...)``) is retried with a later one."""
+
+EXIT_FENCED = 70
+"""The exit code of a worker its coordinator fenced (``exit``)."""
+
+
+def serve(
+    plan: Plan,
+    rids: list[ReplicaId],
+    secret: bytes,
+    conn,
+    kazoo: KazooRun | None,
+    rejoin: bool = False,
+    *,
+    host: str = "127.0.0.1",
+    receive: Callable[[str], tuple] | None = None,
+    finish: Callable[[dict[ReplicaId, ReplicaReport]], tuple] = lambda reports: (
+        "done",
+        reports,
+    ),
+    sigterm: bool = True,
+) -> dict[ReplicaId, ReplicaReport] | None:
+    """The worker's side of the exchange with its coordinator over ``conn``: ``ready``
+    with its ports (the inboxes bound on ``host``), ``go``, then ``finish(reports)`` —
+    by default ``done`` with the reports. Meanwhile the coordinator may ask it for cuts
+    of its replicas and to link them to rebuilt downstream replicas (``cut``, ``link``;
+    answered by ``cut`` and ``linked`` messages), and for a ``metrics`` snapshot every so
+    many seconds (:mod:`tandem.metrics`; sent as ``metrics`` messages, the last one before
+    ``done``). A worker that rebuilds lost replicas (``rejoin``) first says it is
+    ``waiting`` and gets their twins' cuts (``resume``). ``receive(what)``: the
+    coordinator's next message before the run (default: wait for it). ``sigterm``: a
+    SIGTERM hands KaZoo leadership over and exits the process. Returns the reports, or
+    None if the coordinator stopped the worker before it ran."""
+    recv = receive or (lambda what: conn.recv())
+    resume = None
+    if rejoin:
+        _warm_up()
+        conn.send(("waiting", None))
+        msg = recv("twins' cuts")
+        if msg[0] != "resume":
+            return None
+        resume = msg[1]
+    try:
+        worker = Worker(plan, rids, secret, kazoo=kazoo, resume=resume)
+        if resume is not None:
+            # Load the operators' state before the upstream replicas start replaying to
+            # them (they are linked once this worker is ready).
+            worker.restore(msg[2])
+
+        def terminate(_signo, _frame) -> None:
+            # A graceful stop: hand leadership over at once instead of after a session
+            # timeout, then go.
+            worker.release()
+            os._exit(128 + signal.SIGTERM)
+
+        if sigterm:
+            signal.signal(signal.SIGTERM, terminate)
+        conn.send(("ready", worker.bind(host)))
+    except Exception as exc:  # a bind failure is a configuration problem
+        conn.send(("error", f"worker of {rids} could not start: {type(exc).__name__}: {exc}"))
+        return None
+    msg = recv("start signal")
+    if msg[0] != "go":
+        return None
+    _, addresses, t0_ns, duration, warmup = msg
+    sending = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with sending, contextlib.suppress(OSError):
+            conn.send(message)
+
+    folders: dict[Any, str] = {}  # cut token -> where the coordinator wants large states
+
+    def send_cut(rid, taken, token) -> None:
+        # A cut may carry a large state: write and send it from a thread of its own, so
+        # the replicas this worker serves go on meanwhile. A large one goes to a file the
+        # rebuilt replica reads, rather than through the coordinator.
+        folder = folders.pop(token, None)
+
+        def run() -> None:
+            nonlocal taken
+            if taken is not None and taken.writer is not None:
+                # A child writes the state to the folder; a small one comes back inline.
+                taken = taken.written(inline_below=SPILL_BYTES)
+            elif taken is not None and folder is not None and len(taken.state) >= SPILL_BYTES:
+                try:
+                    taken = taken.spilled(folder)
+                except OSError as exc:
+                    log.warning("a cut's state goes inline: writing it failed (%s)", exc)
+            send(("cut", rid, taken, token))
+
+        threading.Thread(target=run, name="tandem-cut", daemon=True).start()
+
+    def send_metrics(snapshot: dict) -> None:
+        # Best effort, never waiting on the worker thread: skipped while a cut is sent.
+        if sending.acquire(blocking=False):
+            try:
+                with contextlib.suppress(OSError):
+                    conn.send(("metrics", snapshot))
+            finally:
+                sending.release()
+
+    worker.on_cut = send_cut
+    worker.state_folder = folders.get
+    worker.on_metrics = send_metrics
+
+    checkpoints: dict[int, str] = {}  # checkpoint epoch -> its folder
+
+    def send_checkpoint(rid, epoch, taken) -> None:
+        # Written off the worker thread, like a large cut: the replicas go on meanwhile.
+        folder = checkpoints.get(epoch)
+
+        def run() -> None:
+            written = None
+            if taken is not None and folder is not None:
+                try:
+                    os.makedirs(folder, exist_ok=True)
+                    path = os.path.join(folder, "{}-{}-{}.state".format(*rid))
+                    written = taken.checkpointed(path)
+                except OSError as exc:
+                    log.warning("checkpoint %d of %s not written: %s", epoch, rid, exc)
+            send(("checkpointed", epoch, rid, written))
+
+        threading.Thread(target=run, name="tandem-checkpoint", daemon=True).start()
+
+    worker.on_checkpoint = send_checkpoint
+    worker.on_link = lambda up, down, error: send(("linked", up, down, error))
+    if plan.restore:
+        worker.on_evicted = lambda up, down: send(("evicted", up, down))
+    threading.Thread(
+        target=_requests,
+        args=(conn, worker, folders, checkpoints),
+        name="tandem-requests",
+        daemon=True,
+    ).start()
+    if plan.rebuilds:
+        period = plan.failure_timeout_ms / 4000
+
+        def keepalive() -> None:
+            while True:
+                time.sleep(period)
+                send(("alive", None))
+
+        threading.Thread(target=keepalive, name="tandem-keepalive", daemon=True).start()
+    reports = worker.run(addresses, t0_ns, duration, warmup)
+    if worker.metrics_every is not None:
+        send(("metrics", worker.metrics()))  # the final counters
+    # The coordinator may stop this process once it has the reports: hand what the core
+    # logged to logging first.
+    logs.flush(1.0)
+    send(finish(reports))
+    return reports
+
+
+def _requests(
+    conn, worker: Worker, folders: dict[Any, str], checkpoints: dict[int, str] | None = None
+) -> None:
+    """Hand the coordinator's requests during the run to the worker thread (a cut's
+    ``folders`` entry: where to write its state if it is large; a checkpoint's
+    ``checkpoints`` entry: where its states go)."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "cut":
+            if len(msg) > 3:
+                folders[msg[2]] = msg[3]
+            worker.request_cut(msg[1], msg[2])
+        elif msg[0] == "link":
+            worker.link(*msg[1:])
+        elif msg[0] == "until":
+            worker.extend(*msg[1:])
+        elif msg[0] == "metrics":
+            worker.metrics_every = msg[1]
+        elif msg[0] == "checkpoint" and checkpoints is not None:
+            _, epoch, folder = msg
+            checkpoints[epoch] = folder
+            for old in sorted(checkpoints)[:-4]:  # answered long ago
+                del checkpoints[old]
+            worker.request_checkpoint(epoch)
+        elif msg[0] == "exit":
+            # Fenced: the coordinator gave up on this worker (its replicas are rebuilt
+            # elsewhere, or again); it must never send another row.
+            log.warning("fenced by the coordinator: %s", msg[1])
+            logs.flush(1.0)
+            os._exit(EXIT_FENCED)
+
+
+# -- the coordinator's side of rebuilding a lost worker -----------------------------------
+
+
+def live_twins(
+    plan: Plan, rids: Iterable[ReplicaId], down: set[ReplicaId]
+) -> dict[ReplicaId, ReplicaId] | None:
+    """The live twin each of ``rids`` is rebuilt from (the first one not ``down``), or
+    None if one of them has none left."""
+    twins: dict[ReplicaId, ReplicaId] = {}
+    for rid in rids:
+        t, p, r = rid
+        live = [
+            (t, p, q) for q in range(plan.tasks[t].replication) if q != r and (t, p, q) not in down
+        ]
+        if not live:
+            return None
+        twins[rid] = live[0]
+    return twins
+
+
+@dataclass
+class Feeding:
+    """Which inputs of a rebuilt worker's replicas a live upstream replica feeds, as the
+    link requests of its rebuild are answered."""
+
+    fed: dict[tuple[ReplicaId, tuple[int, int]], bool] = field(default_factory=dict)
+    """(rebuilt replica, upstream partition) -> whether a live upstream replica feeds it."""
+    asked: set[tuple[ReplicaId, ReplicaId]] = field(default_factory=set)
+    """Link requests ``(upstream, rebuilt replica)`` not yet answered."""
+    stale: bool = False
+    """Some upstream replica's replay window no longer reached back to a cut."""
+
+    def answered(self, up: ReplicaId, down: ReplicaId, error: str | None) -> bool:
+        """``up`` answered the request to feed rebuilt ``down`` (``error``: why it could
+        not); True once every request is answered. An answer to no open request (a late
+        one, or a second) changes nothing and gives False."""
+        if (up, down) not in self.asked:
+            return False
+        self.asked.discard((up, down))
+        if error is None:
+            self.fed[(down, up[:2])] = True
+        else:
+            self.stale |= "needs a later cut" in error
+        return not self.asked
+
+    def unfed(self) -> list[tuple[ReplicaId, tuple[int, int]]]:
+        """The (rebuilt replica, upstream partition) pairs nothing feeds."""
+        return [key for key, ok in self.fed.items() if not ok]
+
+
+def listening(ports: dict[ReplicaId, int | None], host: str) -> dict[ReplicaId, tuple[str, int]]:
+    """The addresses of a worker's replicas from its ``ready`` ports (None: a replica with
+    no inbox, a source)."""
+    return {rid: (host, port) for rid, port in ports.items() if port is not None}
+
+
+def rebuild_links(
+    plan: Plan,
+    ports: dict[ReplicaId, int | None],
+    cuts: dict[ReplicaId, Resume],
+    down: set[ReplicaId],
+    local: Callable[[ReplicaId], bool],
+) -> tuple[list[tuple[ReplicaId, ReplicaId, int]], dict[tuple[ReplicaId, tuple[int, int]], bool]]:
+    """What feeds rebuilt replicas that listen at ``ports``, each resumed from its cut in
+    ``cuts`` (none: from the beginning of the stream): the link requests ``(upstream, rebuilt,
+    epoch)`` for every upstream replica of their input that is alive and not ``local``
+    (in the rebuilt worker itself, which feeds it in memory), and for every (rebuilt
+    replica, upstream partition) whether a ``local`` upstream replica is there."""
+    epochs = {rid: cut.epoch for rid, cut in cuts.items()}
+    links: list[tuple[ReplicaId, ReplicaId, int]] = []
+    here: dict[tuple[ReplicaId, tuple[int, int]], bool] = {}
+    for rid, port in ports.items():
+        if port is None:
+            continue
+        t, p, _ = rid
+        for ch in plan.input_channels(t, p):
+            ups = [(ch.task, ch.partition, q) for q in range(plan.tasks[ch.task].replication)]
+            here[(rid, (ch.task, ch.partition))] = any(local(up) for up in ups)
+            links += [
+                (up, rid, epochs.get(rid, 0)) for up in ups if up not in down and not local(up)
+            ]
+    return links, here
+
+
+def restored_entry(
+    plan: Plan,
+    rid: ReplicaId,
+    twin: ReplicaId | None,
+    cut: Resume | None,
+    lost_s: float,
+    now_s: float,
+    warm: bool,
+    **extra,
+) -> dict:
+    """What ``Result.restored_replicas`` records of ``rid``, rebuilt from ``twin``'s
+    ``cut``, lost at ``lost_s`` and receiving its input again at ``now_s``."""
+    t, p, r = rid
+    return {
+        "task": plan.tasks[t].name,
+        "partition": p,
+        "replica": r,
+        "twin": twin[2] if twin is not None else None,
+        **extra,
+        "epoch": cut.epoch if cut is not None else 0,
+        "lost_s": round(lost_s, 3),
+        "restored_s": round(now_s, 3),
+        "restore_ms": round((now_s - lost_s) * 1000, 1),
+        "warm": warm,
+        "state_file": cut is not None and cut.state_file is not None,
+    }
+
+
+__all__ = [
+    "EXIT_FENCED",
+    "REJOIN_ATTEMPTS",
+    "REJOIN_MARGIN_S",
+    "REJOIN_TIMEOUT_S",
+    "SPILL_BYTES",
+    "Feeding",
+    "listening",
+    "live_twins",
+    "rebuild_links",
+    "restored_entry",
+    "serve",
+]
