@@ -14,7 +14,7 @@ help:
 	@echo "make test    set up, then run every check CI runs (lint, Rust, fuzz, Python)"
 	@echo "make bench   release-build microbenchmarks: Rust core vs Python reference"
 	@echo "make bench-check     the same, short (make test runs it): fails unless Rust >= 10x Python"
-	@echo "make paper   the paper's evaluation, every configuration (~35 min; paper-quick: 3-4 min)"
+	@echo "make paper   the paper's evaluation, every configuration (~25 min; paper-quick: 3-4 min)"
 	@echo "make services        start ZooKeeper + Kafka on 127.0.0.1 (tests start their own)"
 	@echo "make services-stop   stop the servers scripts/services.sh started"
 
