@@ -37,6 +37,7 @@ pub mod logs;
 pub mod merge;
 pub mod orderlog;
 pub mod outbox;
+pub mod reactor;
 pub mod socket;
 pub mod sync;
 pub mod transport;
