@@ -1,15 +1,19 @@
-//! Transport: the receiving [`Inbox`] (listener, one reader thread per connection,
-//! dedup, merge), the sending [`TcpLink`] (dialer, one writer thread, bounded queue) and
+//! Transport: the receiving [`Inbox`] (listener, handshakes, its connections read by a
+//! [`Reactor`], dedup, merge), the sending [`TcpLink`] (dialer, one writer thread, bounded
+//! queue) and
 //! the [`LocalLink`] between two replicas of one worker (the Arrow batch itself, straight
 //! into the inbox's dedup: no encoding, no socket, no thread).
 //!
 //! Receive path, per connection (DESIGN §2 invariants 2 and 5):
 //!
 //! ```text
-//! socket → handshake (who is this?) → FrameReader → dedup sender of that logical channel
-//!                                                     │ Full: wait for space  (back-pressure:
-//!                                                     │       the socket is not read, TCP's
-//!                                                     │       window closes, the sender blocks)
+//! socket → handshake (who is this?  a short-lived thread)
+//!        → the reactor (one thread per worker, epoll): FrameReader → dedup sender
+//!                                                     │ Full: hold the item, stop reading
+//!                                                     │       until the producer bell rings
+//!                                                     │       (back-pressure: the socket is not
+//!                                                     │       read, TCP's window closes, the
+//!                                                     │       sender blocks)
 //!                                                     │ Gap:  hold, retry when `next` moves
 //! LocalLink::send (same process) ──── check digest ──────────► dedup sender ◄┤
 //! Inbox::next() ← merge (none | liverobin | positional) ← dedup receivers ◄┘
@@ -24,10 +28,15 @@
 //! misbehaves (bad handshake, unknown sender, malformed frame) is closed on its own: the
 //! other connections, and therefore the other replicas, are unaffected.
 //!
+//! The reactor ([`crate::reactor`]) serves every inbox of a worker
+//! ([`InboxConfig::reactor`]); a connection is one [`Source`] on it, with its own frame
+//! decoder and the item its channel could not take yet. One connection held back by its
+//! channel does not stop the reactor reading the others.
+//!
 //! Determinism is checked online (DESIGN §2 invariant 4): a heartbeat frame carries the
-//! sender's digest of its channel's Data frames since the previous heartbeat. The reader of
-//! every connection compares it with the digest of the same cycle from the replica whose
-//! copy came first; a difference is a [`Divergence`], which fails [`Inbox::next`] or is
+//! sender's digest of its channel's Data frames since the previous heartbeat. The reactor
+//! compares it, for every connection, with the digest of the same cycle from the replica
+//! whose copy came first; a difference is a [`Divergence`], which fails [`Inbox::next`] or is
 //! logged ([`OnDivergence`]). Only heartbeat frames touch the digest table.
 
 use std::collections::{BTreeMap, VecDeque};
