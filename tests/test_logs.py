@@ -69,7 +69,7 @@ def test_a_rejected_connection_is_a_warning_naming_the_replica(caplog, peer):
     assert msg.startswith(f"{NAME}: rejected a connection from {origin}"), msg
     assert "handshake failed" in msg, msg
     assert (rec.task, rec.partition, rec.replica) == (3, 1, 0)
-    assert rec.threadName.startswith("tandem-read-"), rec.threadName
+    assert rec.threadName.startswith("tandem-handshake-"), rec.threadName
     assert rec.pathname.endswith("transport.rs") and rec.lineno > 0
 
 

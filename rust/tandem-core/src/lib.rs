@@ -19,6 +19,7 @@
 //!   emitted batch.
 //! * [`digest`] — the per-channel cycle digest replicas compare to check determinism.
 //! * [`transport`] — TCP listener/dialers on I/O threads, bounded queues, blocking `next()`.
+//! * [`reactor`] — one thread per worker reading every incoming connection (epoll).
 //! * [`worker`] — one thread serving many task replicas: watermarks, heartbeat forwarding
 //!   and source clocks without waking the host language.
 //! * [`logs`] — what the core logs (through the `log` facade), under which target, naming
@@ -37,6 +38,7 @@ pub mod logs;
 pub mod merge;
 pub mod orderlog;
 pub mod outbox;
+pub mod reactor;
 pub mod socket;
 pub mod sync;
 pub mod transport;

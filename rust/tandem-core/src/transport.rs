@@ -1,15 +1,19 @@
-//! Transport: the receiving [`Inbox`] (listener, one reader thread per connection,
-//! dedup, merge), the sending [`TcpLink`] (dialer, one writer thread, bounded queue) and
+//! Transport: the receiving [`Inbox`] (listener, handshakes, its connections read by a
+//! [`Reactor`], dedup, merge), the sending [`TcpLink`] (dialer, one writer thread, bounded
+//! queue) and
 //! the [`LocalLink`] between two replicas of one worker (the Arrow batch itself, straight
 //! into the inbox's dedup: no encoding, no socket, no thread).
 //!
 //! Receive path, per connection (DESIGN §2 invariants 2 and 5):
 //!
 //! ```text
-//! socket → handshake (who is this?) → FrameReader → dedup sender of that logical channel
-//!                                                     │ Full: wait for space  (back-pressure:
-//!                                                     │       the socket is not read, TCP's
-//!                                                     │       window closes, the sender blocks)
+//! socket → handshake (who is this?  a short-lived thread)
+//!        → the reactor (one thread per worker, epoll): FrameReader → dedup sender
+//!                                                     │ Full: hold the item, stop reading
+//!                                                     │       until the producer bell rings
+//!                                                     │       (back-pressure: the socket is not
+//!                                                     │       read, TCP's window closes, the
+//!                                                     │       sender blocks)
 //!                                                     │ Gap:  hold, retry when `next` moves
 //! LocalLink::send (same process) ──── check digest ──────────► dedup sender ◄┤
 //! Inbox::next() ← merge (none | liverobin | positional) ← dedup receivers ◄┘
@@ -24,17 +28,22 @@
 //! misbehaves (bad handshake, unknown sender, malformed frame) is closed on its own: the
 //! other connections, and therefore the other replicas, are unaffected.
 //!
+//! The reactor ([`crate::reactor`]) serves every inbox of a worker
+//! ([`InboxConfig::reactor`]); a connection is one [`Source`] on it, with its own frame
+//! decoder and the item its channel could not take yet. One connection held back by its
+//! channel does not stop the reactor reading the others.
+//!
 //! Determinism is checked online (DESIGN §2 invariant 4): a heartbeat frame carries the
-//! sender's digest of its channel's Data frames since the previous heartbeat. The reader of
-//! every connection compares it with the digest of the same cycle from the replica whose
-//! copy came first; a difference is a [`Divergence`], which fails [`Inbox::next`] or is
+//! sender's digest of its channel's Data frames since the previous heartbeat. The reactor
+//! compares it, for every connection, with the digest of the same cycle from the replica
+//! whose copy came first; a difference is a [`Divergence`], which fails [`Inbox::next`] or is
 //! logged ([`OnDivergence`]). Only heartbeat frames touch the digest table.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, ToSocketAddrs};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
@@ -51,17 +60,20 @@ use crate::logs::{log_replica, ReplicaTag, INBOX};
 use crate::merge::{self, Merge, MergeCut, OrderingMode};
 use crate::orderlog::{Leader, OrderLog, OrderLogCut, OrderLogStats, Verdict};
 use crate::outbox::{Link, OutFrame};
+use crate::reactor::{Reactor, Source, Turn};
 use crate::socket::{self, Listener, Stream};
-use crate::sync::Doorbell;
+use crate::sync::{Doorbell, Wake};
 use crate::wire::{self, Frame, FrameReader, Identity, Next};
 use crate::{Chunk, Delivery, Error, Item, Result};
 
-/// How long a blocked reader or writer goes without re-checking for shutdown.
+/// How long a blocked accept thread or writer goes without re-checking for shutdown.
 const POLL: Duration = Duration::from_millis(50);
-/// Bytes a connection's reader takes from the socket per read, at most.
+/// Bytes the reactor takes from a connection's socket per read, at most.
 const READ_BUFFER_BYTES: usize = 64 << 10;
 /// How long `close` waits to reach its own listener, which wakes the accept thread.
 const ACCEPT_WAKE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long `close` waits for the reactor to end the inbox's connections.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Closed connections kept for [`Inbox::stats`]; older ones are forgotten so a stream of
 /// bad connections cannot grow memory.
 const CLOSED_CONNECTIONS_KEPT: usize = 64;
@@ -208,6 +220,10 @@ pub struct InboxConfig {
     /// The replica this inbox receives for, as its log lines name it; None: they name the
     /// inbox by its address.
     pub me: Option<ReplicaTag>,
+    /// The reactor that reads this inbox's connections; None: the inbox's own. The inboxes
+    /// of one worker share one ([`crate::worker::Worker::reactor`]): one thread reads
+    /// every connection of the worker.
+    pub reactor: Option<Arc<Reactor>>,
     /// Start from a twin's cut ([`Inbox::cut`]) instead of from the beginning of every
     /// channel: a replica rebuilt while the job runs.
     pub resume: Option<InboxCut>,
@@ -250,6 +266,7 @@ impl InboxConfig {
             bell: None,
             order_bell: None,
             me: None,
+            reactor: None,
             resume: None,
             wait_orphaned: false,
         }
@@ -376,9 +393,9 @@ struct ConnCounters {
     bytes: AtomicU64,
     open: AtomicBool,
     error: Mutex<Option<String>>,
-    /// A second handle on the socket so `close()` can shut it down under a blocked reader.
-    /// The reader drops it when it exits, so the socket really closes then (the peer sees
-    /// it at once) rather than when the inbox goes away.
+    /// A second handle on the socket so `close()` can shut it down at once, whether it is
+    /// in its handshake or on the reactor. Dropped when the connection ends, so the socket
+    /// really closes then (the peer sees it at once) rather than when the inbox goes away.
     handle: Mutex<Option<Stream>>,
     /// The logical channel the peer feeds, once its handshake is accepted (else `usize::MAX`).
     channel: AtomicUsize,
@@ -386,10 +403,11 @@ struct ConnCounters {
 
 struct Conn {
     counters: Arc<ConnCounters>,
-    thread: Option<JoinHandle<()>>,
+    /// The thread of its handshake (which hands the connection to the reactor).
+    handshake: Option<JoinHandle<()>>,
 }
 
-/// State shared by the accept thread, the reader threads and the consumer.
+/// State shared by the accept threads, the handshake threads, the reactor and the consumer.
 struct Shared {
     job: String,
     secret: Vec<u8>,
@@ -426,6 +444,8 @@ pub struct Inbox {
     /// arrives at this inbox or an order is followed; None for the other orderings.
     orders: Option<(Arc<Mutex<OrderLog>>, Arc<Doorbell>)>,
     bell: Arc<Doorbell>,
+    /// Reads the established connections.
+    reactor: Arc<Reactor>,
     local_addr: SocketAddr,
     accept: Option<JoinHandle<()>>,
     /// The accept thread of the Unix socket paired with `local_addr` (see [`socket`]).
@@ -451,6 +471,10 @@ impl Inbox {
         })?;
         let local_addr = listener.local_addr()?;
         let bell = cfg.bell.clone().unwrap_or_default();
+        let reactor = match cfg.reactor.clone() {
+            Some(r) => r,
+            None => Arc::new(Reactor::new()),
+        };
         let wait_orphaned = cfg.wait_orphaned;
         let n = cfg.upstreams.len();
         if let Some(cut) = &cfg.resume {
@@ -508,19 +532,21 @@ impl Inbox {
         let local = socket::listen_local(local_addr);
         let accept = {
             let shared = Arc::clone(&shared);
+            let reactor = Arc::clone(&reactor);
             let listener = Listener::Tcp(listener);
             std::thread::Builder::new()
                 .name(format!("tandem-accept-{}", local_addr.port()))
-                .spawn(move || accept_loop(&shared, &listener))?
+                .spawn(move || accept_loop(&shared, &reactor, &listener))?
         };
         let local_accept = match local {
             Some(l) => {
                 let shared = Arc::clone(&shared);
+                let reactor = Arc::clone(&reactor);
                 let listener = Listener::Unix(l);
                 Some(
                     std::thread::Builder::new()
                         .name(format!("tandem-accept-{}u", local_addr.port()))
-                        .spawn(move || accept_loop(&shared, &listener))?,
+                        .spawn(move || accept_loop(&shared, &reactor, &listener))?,
                 )
             }
             None => None,
@@ -550,6 +576,7 @@ impl Inbox {
             merge,
             orders,
             bell,
+            reactor,
             local_addr,
             accept: Some(accept),
             local_accept,
@@ -771,7 +798,10 @@ impl Inbox {
                 let _ = local.join();
             }
         }
-        // The accept thread has exited: no connection can be registered any more.
+        // The accept threads have exited: no connection can start any more. Shut every
+        // socket down (the peers see it at once, a handshake in progress fails), let the
+        // handshakes end, then have the reactor end the rest: a connection held back by a
+        // full channel is not reading, so it learns of the close from a sweep.
         let threads: Vec<JoinHandle<()>> = {
             let mut conns = self.shared.conns.lock();
             conns
@@ -780,12 +810,34 @@ impl Inbox {
                     if let Some(s) = c.counters.handle.lock().as_ref() {
                         let _ = s.shutdown(Shutdown::Both);
                     }
-                    c.thread.take()
+                    c.handshake.take()
                 })
                 .collect()
         };
         for t in threads {
             let _ = t.join();
+        }
+        self.reactor.sweep();
+        let deadline = Instant::now() + CLOSE_TIMEOUT;
+        while self
+            .shared
+            .conns
+            .lock()
+            .iter()
+            .any(|c| c.counters.open.load(Ordering::SeqCst))
+        {
+            if Instant::now() > deadline {
+                log_replica!(
+                    Level::Warn,
+                    INBOX,
+                    self.shared.me.as_ref(),
+                    "{}: connections still open {CLOSE_TIMEOUT:?} after close(); leaving them \
+                     to the reactor",
+                    self.shared.who
+                );
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 }
@@ -1133,12 +1185,12 @@ impl PublishSleep {
     }
 }
 
-fn accept_loop(shared: &Arc<Shared>, listener: &Listener) {
+fn accept_loop(shared: &Arc<Shared>, reactor: &Arc<Reactor>, listener: &Listener) {
     while !shared.stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok(_) if shared.stop.load(Ordering::SeqCst) => return,
             Ok((stream, peer)) => {
-                if let Err(e) = start_connection(shared, stream, peer.clone()) {
+                if let Err(e) = start_connection(shared, reactor, stream, peer.clone()) {
                     log_replica!(
                         Level::Warn,
                         INBOX,
@@ -1164,12 +1216,19 @@ fn accept_loop(shared: &Arc<Shared>, listener: &Listener) {
     }
 }
 
-fn start_connection(shared: &Arc<Shared>, stream: Stream, peer: String) -> Result<()> {
+/// Serve a new connection: its handshake on a thread of its own (a silent peer holds
+/// nothing else up), then its frames on the reactor.
+fn start_connection(
+    shared: &Arc<Shared>,
+    reactor: &Arc<Reactor>,
+    stream: Stream,
+    peer: String,
+) -> Result<()> {
     stream.set_nonblocking(false)?;
     if let Stream::Tcp(s) = &stream {
         s.set_nodelay(true)?;
     }
-    let thread_name = format!("tandem-read-{peer}");
+    let thread_name = format!("tandem-handshake-{peer}");
     stream.set_read_timeout(Some(shared.handshake_timeout))?;
     stream.set_write_timeout(Some(shared.handshake_timeout))?;
     let handle = stream.try_clone()?;
@@ -1187,20 +1246,39 @@ fn start_connection(shared: &Arc<Shared>, stream: Stream, peer: String) -> Resul
     prune_closed(&mut conns);
     let thread = {
         let shared = Arc::clone(shared);
+        let reactor = Arc::clone(reactor);
         let counters = Arc::clone(&counters);
         std::thread::Builder::new()
             .name(thread_name)
-            .spawn(move || serve(&shared, stream, &counters))?
+            .spawn(move || {
+                let stream = Counting {
+                    inner: stream,
+                    counters: Arc::clone(&counters),
+                };
+                match handshake(&shared, stream, &counters) {
+                    Ok(reading) => {
+                        if let Err((source, e)) = reactor.register(Box::new(reading)) {
+                            drop(source);
+                            conn_ended(
+                                &shared,
+                                &counters,
+                                ConnEnd::Failed(format!("cannot read the connection: {e}")),
+                            );
+                        }
+                    }
+                    Err(end) => conn_ended(&shared, &counters, end),
+                }
+            })?
     };
     conns.push(Conn {
         counters,
-        thread: Some(thread),
+        handshake: Some(thread),
     });
     Ok(())
 }
 
 /// Forget the oldest closed connections beyond [`CLOSED_CONNECTIONS_KEPT`] (joining their
-/// finished threads).
+/// finished handshake threads).
 fn prune_closed(conns: &mut Vec<Conn>) {
     let closed = conns
         .iter()
@@ -1209,8 +1287,8 @@ fn prune_closed(conns: &mut Vec<Conn>) {
     let mut excess = closed.saturating_sub(CLOSED_CONNECTIONS_KEPT);
     conns.retain_mut(|c| {
         let done = !c.counters.open.load(Ordering::SeqCst);
-        if excess > 0 && done && c.thread.as_ref().is_none_or(JoinHandle::is_finished) {
-            if let Some(t) = c.thread.take() {
+        if excess > 0 && done && c.handshake.as_ref().is_none_or(JoinHandle::is_finished) {
+            if let Some(t) = c.handshake.take() {
                 let _ = t.join();
             }
             excess -= 1;
@@ -1236,9 +1314,9 @@ enum ConnEnd {
     Lost(String),
 }
 
-/// One connection's reader thread.
-fn serve(shared: &Shared, stream: Stream, counters: &ConnCounters) {
-    let end = serve_inner(shared, stream, counters);
+/// Account for the end of a connection (its socket already closed, but for `handle`): no
+/// longer a feeder of its channel, the consumer woken, the end logged and kept.
+fn conn_ended(shared: &Shared, counters: &ConnCounters, end: ConnEnd) {
     let channel = counters.channel.load(Ordering::SeqCst);
     if let Some(c) = shared.channels.get(channel) {
         c.feeders.fetch_sub(1, Ordering::SeqCst);
@@ -1298,65 +1376,127 @@ fn serve(shared: &Shared, stream: Stream, counters: &ConnCounters) {
     counters.open.store(false, Ordering::SeqCst);
 }
 
-fn serve_inner(shared: &Shared, stream: Stream, counters: &ConnCounters) -> ConnEnd {
-    let mut stream = Counting {
-        inner: stream,
-        bytes: &counters.bytes,
-    };
+/// The handshake (blocking, under the handshake timeout): who is this, and which logical
+/// channel does it feed? Then the connection, non-blocking, ready for the reactor.
+fn handshake(
+    shared: &Arc<Shared>,
+    mut stream: Counting,
+    counters: &Arc<ConnCounters>,
+) -> std::result::Result<Reading, ConnEnd> {
     let identity = match wire::server_handshake(&mut stream, &shared.job, &shared.secret) {
         Ok(id) => id,
-        Err(_) if shared.stop.load(Ordering::SeqCst) => return ConnEnd::Stopped,
-        Err(e) => return ConnEnd::Rejected(format!("handshake failed: {e}")),
+        Err(_) if shared.stop.load(Ordering::SeqCst) => return Err(ConnEnd::Stopped),
+        Err(e) => return Err(ConnEnd::Rejected(format!("handshake failed: {e}"))),
     };
     let Some(idx) = shared
         .upstreams
         .iter()
         .position(|&(t, p)| t == identity.task && p == identity.partition)
     else {
-        return ConnEnd::Rejected(format!(
+        return Err(ConnEnd::Rejected(format!(
             "sender (task {}, partition {}) replica {} is not an upstream of this inbox (upstreams: \
              {:?})",
             identity.task, identity.partition, identity.replica, shared.upstreams
-        ));
+        )));
     };
     let replica = identity.replica;
     shared.channels[idx].feed();
     counters.channel.store(idx, Ordering::SeqCst);
     *counters.identity.lock() = Some(identity);
-    // From here on, reads block until data, EOF or close() shuts the socket down; a read
-    // timeout inside a frame would corrupt the stream position.
-    if let Err(e) = stream.inner.set_read_timeout(None) {
-        return ConnEnd::Failed(format!("cannot clear the read timeout: {e}"));
+    // From here on the reactor reads only what is there; the FrameReader keeps a frame
+    // cut short by `WouldBlock` and resumes it on the next turn.
+    if let Err(e) = stream.inner.set_nonblocking(true) {
+        return Err(ConnEnd::Failed(format!(
+            "cannot make the socket non-blocking: {e}"
+        )));
     }
     // Buffered: a sender writes a worker turn's frames in one go, and one read takes them
     // all (instead of two per frame: header, then body). A body larger than the buffer is
     // still read straight into its own allocation.
     let stream = io::BufReader::with_capacity(READ_BUFFER_BYTES, stream);
-    let mut reader = FrameReader::new(stream, shared.max_frame_bytes);
-    let sender = &shared.senders[idx];
-    loop {
+    Ok(Reading {
+        shared: Arc::clone(shared),
+        counters: Arc::clone(counters),
+        idx,
+        replica,
+        reader: FrameReader::new(stream, shared.max_frame_bytes),
+        pending: None,
+        seen: 0,
+        end: None,
+    })
+}
+
+/// An established connection as the reactor serves it: its frame decoder, and the item its
+/// channel had no room for, if any.
+struct Reading {
+    shared: Arc<Shared>,
+    counters: Arc<ConnCounters>,
+    /// The logical channel it feeds.
+    idx: usize,
+    /// The upstream replica it comes from.
+    replica: u32,
+    reader: FrameReader<io::BufReader<Counting>>,
+    /// Held back by a full channel or a gap before it: offered again, before anything is
+    /// read, once the channel's producer bell rang past `seen`.
+    pending: Option<Item<RecordBatch>>,
+    seen: u64,
+    /// Why it ended, once [`Turn::Done`].
+    end: Option<ConnEnd>,
+}
+
+/// What one frame came to.
+enum Step {
+    /// Taken (delivered, skipped as a duplicate, or ignored).
+    Taken,
+    /// Its channel cannot take it yet: held in `pending`.
+    Held,
+    /// No whole frame in the socket yet.
+    WouldBlock,
+}
+
+impl Reading {
+    /// Offer `item` once; if the channel cannot take it, hold it and note the producer
+    /// bell's generation read before the offer (a ring after it unblocks the connection).
+    fn offer(&mut self, item: Item<RecordBatch>) -> Step {
+        self.seen = self.shared.senders[self.idx].producer_bell().generation();
+        match offer(&self.shared, self.idx, item) {
+            None => Step::Taken,
+            Some(back) => {
+                self.pending = Some(back);
+                Step::Held
+            }
+        }
+    }
+
+    /// Read and deliver the next frame, if a whole one is there.
+    fn step(&mut self) -> std::result::Result<Step, ConnEnd> {
+        let shared = &*self.shared;
+        let idx = self.idx;
+        let sender = &shared.senders[idx];
         // A Data frame whose every row is in already (the twin's copy came first) is
         // counted and dropped without decoding its Arrow body.
-        let next =
-            reader.next_frame_unless(|h| h.first_seq.saturating_add(h.count) <= sender.next_seq());
+        let next = self
+            .reader
+            .next_frame_unless(|h| h.first_seq.saturating_add(h.count) <= sender.next_seq());
         let frame = match next {
             Ok(Some(Next::Frame(f))) => f,
             Ok(Some(Next::Skipped(h))) => {
-                counters.frames.fetch_add(1, Ordering::Relaxed);
-                if let Err(why) = check_wire_channel(&shared.channels[idx], h.channel) {
-                    return ConnEnd::Failed(why);
-                }
+                self.counters.frames.fetch_add(1, Ordering::Relaxed);
+                check_wire_channel(&shared.channels[idx], h.channel).map_err(ConnEnd::Failed)?;
                 shared.channels[idx]
                     .duplicate_rows
                     .fetch_add(h.count, Ordering::Relaxed);
-                continue;
+                return Ok(Step::Taken);
             }
-            Ok(None) => return ConnEnd::Eof,
-            Err(_) if shared.stop.load(Ordering::SeqCst) => return ConnEnd::Stopped,
-            Err(e) if sender_lost(&e) => return ConnEnd::Lost(e.to_string()),
-            Err(e) => return ConnEnd::Failed(e.to_string()),
+            Ok(None) => return Err(ConnEnd::Eof),
+            Err(Error::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Ok(Step::WouldBlock)
+            }
+            Err(_) if shared.stop.load(Ordering::SeqCst) => return Err(ConnEnd::Stopped),
+            Err(e) if sender_lost(&e) => return Err(ConnEnd::Lost(e.to_string())),
+            Err(e) => return Err(ConnEnd::Failed(e.to_string())),
         };
-        counters.frames.fetch_add(1, Ordering::Relaxed);
+        self.counters.frames.fetch_add(1, Ordering::Relaxed);
         if let Frame::Order { .. } = frame {
             if !shared.order_frames_logged.swap(true, Ordering::Relaxed) {
                 log_replica!(
@@ -1366,10 +1506,10 @@ fn serve_inner(shared: &Shared, stream: Stream, counters: &ConnCounters) -> Conn
                     "{}: ignoring order frames from {}: orders travel on the KaZoo order log, \
                      never on replica connections (logged once)",
                     shared.who,
-                    counters.peer
+                    self.counters.peer
                 );
             }
-            continue;
+            return Ok(Step::Taken);
         }
         let digest = match &frame {
             Frame::Heartbeat {
@@ -1380,17 +1520,69 @@ fn serve_inner(shared: &Shared, stream: Stream, counters: &ConnCounters) -> Conn
             _ => None,
         };
         let Some((wire_channel, item)) = frame.into_item() else {
-            continue;
+            return Ok(Step::Taken);
         };
-        if let Err(why) = check_wire_channel(&shared.channels[idx], wire_channel) {
-            return ConnEnd::Failed(why);
-        }
+        check_wire_channel(&shared.channels[idx], wire_channel).map_err(ConnEnd::Failed)?;
         if let Some((epoch, digest)) = digest {
-            check_digest(shared, idx, replica, epoch, digest);
+            check_digest(shared, idx, self.replica, epoch, digest);
         }
-        if !deliver(shared, idx, item) {
-            return ConnEnd::Stopped;
+        Ok(self.offer(item))
+    }
+}
+
+/// Frames one connection takes per turn at most, so the others get theirs.
+const FRAMES_PER_TURN: usize = 64;
+
+impl Source for Reading {
+    fn fd(&self) -> RawFd {
+        self.reader.get_ref().get_ref().inner.as_raw_fd()
+    }
+
+    fn turn(&mut self) -> Turn {
+        if self.shared.stop.load(Ordering::SeqCst) {
+            self.end = Some(ConnEnd::Stopped);
+            return Turn::Done;
         }
+        if let Some(item) = self.pending.take() {
+            if let Step::Held = self.offer(item) {
+                return Turn::Blocked;
+            }
+        }
+        for _ in 0..FRAMES_PER_TURN {
+            match self.step() {
+                Ok(Step::Taken) => {}
+                Ok(Step::Held) => return Turn::Blocked,
+                Ok(Step::WouldBlock) => return Turn::Drained,
+                Err(end) => {
+                    self.end = Some(end);
+                    return Turn::Done;
+                }
+            }
+        }
+        Turn::More
+    }
+
+    fn unblocked(&self) -> bool {
+        self.shared.stop.load(Ordering::SeqCst)
+            || self.shared.senders[self.idx].producer_bell().generation() != self.seen
+    }
+
+    fn notify(&self, wake: Arc<dyn Wake>) -> bool {
+        self.shared.senders[self.idx]
+            .producer_bell()
+            .notify_once(self.seen, wake)
+    }
+
+    fn finish(self: Box<Self>) {
+        let Reading {
+            shared,
+            counters,
+            reader,
+            end,
+            ..
+        } = *self;
+        drop(reader); // closes the socket: the peer sees the end at once
+        conn_ended(&shared, &counters, end.unwrap_or(ConnEnd::Stopped));
     }
 }
 
@@ -1475,23 +1667,6 @@ fn check_digest(shared: &Shared, idx: usize, replica: u32, epoch: u64, digest: D
     }
 }
 
-/// Offer `item` to the dedup channel until it is accepted or found duplicate. Full →
-/// wait for space; Gap → wait for `next` to move. Returns false if the inbox is closing.
-fn deliver(shared: &Shared, idx: usize, mut item: Item<RecordBatch>) -> bool {
-    let sender = &shared.senders[idx];
-    loop {
-        let seen = sender.producer_bell().generation();
-        match offer(shared, idx, item) {
-            None => return true,
-            Some(back) => item = back,
-        }
-        if shared.stop.load(Ordering::SeqCst) {
-            return false;
-        }
-        sender.producer_bell().wait(seen, POLL);
-    }
-}
-
 /// Offer `item` to the dedup channel once, counting its rows as accepted or duplicate;
 /// handed back when there is no room or a gap before it (offer it again later).
 fn offer(shared: &Shared, idx: usize, item: Item<RecordBatch>) -> Option<Item<RecordBatch>> {
@@ -1523,21 +1698,21 @@ fn offer(shared: &Shared, idx: usize, item: Item<RecordBatch>) -> Option<Item<Re
     }
 }
 
-/// Counts the bytes read through it.
-struct Counting<'a> {
+/// A connection's socket, counting the bytes read through it.
+struct Counting {
     inner: Stream,
-    bytes: &'a AtomicU64,
+    counters: Arc<ConnCounters>,
 }
 
-impl Read for Counting<'_> {
+impl Read for Counting {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
-        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
     }
 }
 
-impl Write for Counting<'_> {
+impl Write for Counting {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.inner.write(buf)
     }
@@ -3215,6 +3390,187 @@ mod tests {
         }
         assert!(failed, "sending to a closed inbox never failed");
         assert!(t.elapsed() < Duration::from_secs(5));
+    }
+
+    /// A one-channel inbox read by `reactor`.
+    fn inbox_on(reactor: &Arc<Reactor>, capacity: usize) -> Inbox {
+        let mut cfg = InboxConfig::new(JOB, SECRET, vec![(TASK, 0)]);
+        cfg.queue_capacity = capacity;
+        cfg.handshake_timeout = Duration::from_millis(500);
+        cfg.reactor = Some(Arc::clone(reactor));
+        Inbox::bind(cfg).unwrap()
+    }
+
+    /// A raw TCP connection of replica `replica` of partition 0, past its handshake.
+    fn dial(addr: SocketAddr, replica: u32) -> std::net::TcpStream {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        wire::client_handshake(&mut s, &identity(0, replica), SECRET).unwrap();
+        s
+    }
+
+    /// Send heartbeats 0..n (epoch seq + 1) then the end, from a thread of its own.
+    fn send_heartbeats(mut s: std::net::TcpStream, n: u64) -> JoinHandle<()> {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            for seq in 0..n {
+                buf.extend_from_slice(&wire::encode_heartbeat(0, seq, seq + 1));
+                if buf.len() >= 64 << 10 {
+                    s.write_all(&buf).unwrap();
+                    buf.clear();
+                }
+            }
+            buf.extend_from_slice(&wire::encode_end(0, n));
+            s.write_all(&buf).unwrap();
+        })
+    }
+
+    /// Heartbeats delivered before the end (which must come within `limit`).
+    fn heartbeats_until_end(ib: &mut Inbox, limit: Duration) -> u64 {
+        let deadline = Instant::now() + limit;
+        let mut n = 0;
+        loop {
+            assert!(Instant::now() < deadline, "no end: {:?}", ib.stats());
+            match ib.next(Duration::from_millis(100)).unwrap() {
+                Some(Delivery::Heartbeat { .. }) => n += 1,
+                Some(Delivery::End) => return n,
+                Some(other) => panic!("unexpected {other:?}"),
+                None => {}
+            }
+        }
+    }
+
+    #[test]
+    fn one_reactor_reads_every_connection_of_many_inboxes() {
+        let reactor = Arc::new(Reactor::new());
+        let mut inboxes: Vec<Inbox> = (0..3).map(|_| inbox_on(&reactor, 16)).collect();
+        let senders: Vec<JoinHandle<()>> = inboxes
+            .iter()
+            .flat_map(|ib| (0..2).map(|r| send_heartbeats(dial(ib.local_addr(), r), 5_000)))
+            .collect();
+        for ib in &mut inboxes {
+            assert_eq!(heartbeats_until_end(ib, Duration::from_secs(30)), 5_000);
+        }
+        for s in senders {
+            s.join().unwrap();
+        }
+        for ib in &inboxes {
+            let stats = wait_all_closed(ib, 2);
+            assert!(
+                stats.connections.iter().all(|c| c.error.is_none()),
+                "{stats:#?}"
+            );
+            assert_eq!(
+                stats.connections.iter().map(|c| c.frames).sum::<u64>(),
+                10_002
+            );
+        }
+    }
+
+    #[test]
+    fn a_full_channel_holds_back_its_connection_only() {
+        let reactor = Arc::new(Reactor::new());
+        let mut stuck = inbox_on(&reactor, 1);
+        let mut flowing = inbox_on(&reactor, 4);
+        // Far more than the socket buffers hold: the sender blocks until it is read.
+        let n = 200_000;
+        let held = send_heartbeats(dial(stuck.local_addr(), 0), n);
+        std::thread::sleep(Duration::from_millis(200));
+        let free = send_heartbeats(dial(flowing.local_addr(), 0), 20_000);
+        assert_eq!(
+            heartbeats_until_end(&mut flowing, Duration::from_secs(30)),
+            20_000
+        );
+        free.join().unwrap();
+        let stats = stuck.stats();
+        assert!(
+            !held.is_finished(),
+            "the stuck inbox's sender was never held back"
+        );
+        assert!(
+            stats.channels[0].next_seq <= 2 && stats.channels[0].queued_seqs <= 1,
+            "the queue is bounded: {stats:#?}"
+        );
+        // Consuming lets it go on: nothing was lost meanwhile.
+        assert_eq!(heartbeats_until_end(&mut stuck, Duration::from_secs(60)), n);
+        held.join().unwrap();
+    }
+
+    #[test]
+    fn a_connection_cut_mid_frame_is_lost_and_no_longer_feeds_its_channel() {
+        crate::logs::capture::install();
+        let reactor = Arc::new(Reactor::new());
+        let mut cfg = InboxConfig::new(JOB, SECRET, vec![(TASK, 0)]);
+        cfg.reactor = Some(Arc::clone(&reactor));
+        cfg.me = Some(ReplicaTag::new(4, 0, 0).named("logtest-cut-mid-frame"));
+        let mut ib = Inbox::bind(cfg).unwrap();
+        let mut s = dial(ib.local_addr(), 0);
+        s.write_all(&wire::encode_heartbeat(0, 0, 1)).unwrap();
+        let frame = wire::encode_heartbeat(0, 1, 2);
+        s.write_all(&frame[..frame.len() / 2]).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        drop(s);
+        assert!(matches!(
+            ib.next(Duration::from_secs(5)).unwrap(),
+            Some(Delivery::Heartbeat { epoch: 1, .. })
+        ));
+        let stats = wait_all_closed(&ib, 1);
+        let err = stats.connections[0].error.clone().unwrap();
+        assert!(err.contains("truncated"), "{err}");
+        let got = crate::logs::capture::matching("logtest-cut-mid-frame: lost the connection");
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].level, log::Level::Info);
+        let e = ib.next(Duration::from_secs(1)).unwrap_err().to_string();
+        assert!(e.contains("lost every upstream replica"), "{e}");
+    }
+
+    #[test]
+    fn close_ends_every_connection_at_once_and_spares_the_reactors_other_inboxes() {
+        let reactor = Arc::new(Reactor::new());
+        let mut closing = inbox_on(&reactor, 1);
+        let mut other = inbox_on(&reactor, 8);
+        // One connection held back by its full channel, one idle.
+        let held = dial(closing.local_addr(), 0);
+        let held_sender = send_heartbeats(held.try_clone().unwrap(), 200_000);
+        let mut idle = dial(closing.local_addr(), 1);
+        wait_for(&closing, "both connections served", |st| {
+            st.connections
+                .iter()
+                .filter(|c| c.identity.is_some())
+                .count()
+                == 2
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        closing.close();
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "close took {:?}",
+            t.elapsed()
+        );
+        let stats = closing.stats();
+        assert!(
+            stats
+                .connections
+                .iter()
+                .all(|c| !c.open && c.error.is_none()),
+            "every connection ended by close(): {stats:#?}"
+        );
+        idle.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut byte = [0u8; 1];
+        assert!(
+            matches!(idle.read(&mut byte), Ok(0) | Err(_)),
+            "the peer sees the end"
+        );
+        assert!(
+            held_sender.join().is_err(),
+            "the held-back sender's writes fail once the inbox is closed"
+        );
+        let s = send_heartbeats(dial(other.local_addr(), 0), 1_000);
+        assert_eq!(
+            heartbeats_until_end(&mut other, Duration::from_secs(30)),
+            1_000
+        );
+        s.join().unwrap();
     }
 
     #[test]

@@ -41,6 +41,7 @@ use arrow_array::RecordBatch;
 use parking_lot::Mutex;
 
 use crate::outbox::{Outbox, OutboxCut};
+use crate::reactor::Reactor;
 use crate::sync::Doorbell;
 use crate::transport::{Inbox, InboxCut};
 use crate::{Delivery, Error, Result};
@@ -310,6 +311,8 @@ impl Waker {
 /// See the module documentation.
 pub struct Worker {
     bell: Arc<Doorbell>,
+    /// Reads the connections of every inbox of this worker (started with the first).
+    reactor: Arc<Reactor>,
     slots: Vec<Slot>,
     /// The slot served first on the next call (round robin).
     cursor: usize,
@@ -337,6 +340,7 @@ impl Worker {
     pub fn new() -> Self {
         Worker {
             bell: Arc::new(Doorbell::new()),
+            reactor: Arc::new(Reactor::new()),
             slots: Vec::new(),
             cursor: 0,
             stats: WorkerStats::default(),
@@ -363,6 +367,12 @@ impl Worker {
     /// ([`crate::transport::InboxConfig::bell`]).
     pub fn bell(&self) -> Arc<Doorbell> {
         Arc::clone(&self.bell)
+    }
+
+    /// The reactor every inbox of this worker should be read by
+    /// ([`crate::transport::InboxConfig::reactor`]): one thread for all their connections.
+    pub fn reactor(&self) -> Arc<Reactor> {
+        Arc::clone(&self.reactor)
     }
 
     /// Add a slot; returns its index.

@@ -268,6 +268,7 @@ impl Inbox {
         cfg.handshake_timeout = arg_seconds("handshake_timeout", handshake_timeout)?;
         cfg.on_divergence = OnDivergence::parse(on_divergence).py()?;
         cfg.bell = worker.as_ref().map(|w| w.bell());
+        cfg.reactor = worker.as_ref().map(|w| w.reactor());
         cfg.order_bell = worker.map(|w| w.order_bell());
         cfg.me = replica_tag(me, name)?;
         cfg.resume = resume.map(crate::cut::inbox_from_py);

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use tandem_core::reactor::Reactor;
 use tandem_core::sync::Doorbell;
 use tandem_core::worker::{SlotConfig, SourceClock, Waker, Work, Worker as CoreWorker};
 
@@ -146,6 +147,8 @@ pub struct Worker {
     /// Rung by this worker's KaZoo inboxes (arrivals, followed orders): the bell of the
     /// worker's `OrderPublisher`.
     order_bell: Arc<Doorbell>,
+    /// Reads the connections of every inbox made with this worker.
+    reactor: Arc<Reactor>,
     waker: Waker,
     schemas: SchemaCache,
 }
@@ -157,6 +160,10 @@ impl Worker {
 
     pub(crate) fn order_bell(&self) -> Arc<Doorbell> {
         Arc::clone(&self.order_bell)
+    }
+
+    pub(crate) fn reactor(&self) -> Arc<Reactor> {
+        Arc::clone(&self.reactor)
     }
 
     fn with<T: Send>(
@@ -182,6 +189,7 @@ impl Worker {
         Worker {
             bell: inner.bell(),
             order_bell: Arc::default(),
+            reactor: inner.reactor(),
             waker: inner.waker(),
             inner: Mutex::new(inner),
             schemas: SchemaCache::default(),
