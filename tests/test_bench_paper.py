@@ -167,7 +167,7 @@ def test_quick_and_full_grids():
         ("kazoo", "follower"),
         ("sss", None),
     ]
-    assert fault[-1].spark == {"maps": 3, "kill_driver_at": 15.0}
+    assert fault[-1].spark == {"maps": 3, "kill_driver_at": bp.FULL.fault_duration_s / 2}
     assert fault[-1].variant == "kill driver" and fault[-1].warmup_s == 10
     assert all(c.fault is None or c.fault.at == c.duration_s / 2 for c in full)
     spark = [(c.experiment, c.spark["maps"]) for c in full if c.config == "sss"]
