@@ -223,8 +223,9 @@ def test_kazoo_a_lost_leader_rejoins_and_leads_once_its_twin_is_lost(spark, zook
 
 
 def test_a_frozen_worker_task_is_declared_lost_fenced_and_rebuilt_by_its_retry(spark):
-    """restore=True: a worker task frozen (SIGSTOP) sends no keepalive; the registry
-    declares it lost after failure_timeout_ms and fences it (SIGKILL), Spark retries the
+    """restore=True: a worker task frozen (SIGSTOP) sends no keepalive (and reads nothing);
+    the registry declares it lost after failure_timeout_ms (or once its upstream replicas
+    drop it as a straggler) and fences it (SIGKILL), Spark retries the
     task, and the retry rejoins — the frozen replicas never send again, r is restored."""
     job, engine = counting_job(failure_timeout_ms=1000), tandem_spark.SparkEngine(spark)
     plan = job.plan()
@@ -239,7 +240,10 @@ def test_a_frozen_worker_task_is_declared_lost_fenced_and_rebuilt_by_its_retry(s
     frozen = {(names[t], p, r) for t, p, r in plan.placement()[record["worker"]]}
     assert ("count", 1, 0) in frozen and killed_replicas(res) == set()
     assert lost_replicas(res) == frozen
-    assert {r["cause"] for r in res.lost_replicas} == {"silent"}
+    # Its keepalives stopped, and its upstream replicas dropped it as a straggler: either
+    # declares it lost, whichever comes first.
+    causes = {r["cause"] for r in res.lost_replicas}
+    assert len(causes) == 1 and causes <= {"silent", "evicted"}, res.lost_replicas
     restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
     assert restored == frozen
     for r in res.restored_replicas:  # declared lost about failure_timeout_ms after the pause
