@@ -28,6 +28,13 @@ from tandem.exceptions import ConfigError, TandemError
 from tandem.operators import EVENT_TIME
 
 
+def _not_restartable(sink: Sink) -> str:
+    return (
+        f"{sink.describe()} is not restartable: only a sink that stores its input position "
+        "with its output (keep_positions, as td.sinks.Kafka does) can be restarted"
+    )
+
+
 class Sink(abc.ABC):
     """Base class of sinks."""
 
@@ -74,7 +81,7 @@ class Sink(abc.ABC):
         this partition's input through ``cut`` (a heartbeat-cycle boundary of its input:
         every input channel's position; picklable, JSON-able). Make them durable together
         with ``cut``, atomically."""
-        raise NotImplementedError(f"{self.describe()} is not restartable")
+        raise ConfigError(_not_restartable(self))
 
     def recover(self, partition: int, run: int) -> tuple[tuple | None, bytes]:
         """Restartable sinks: after partition ``partition`` was lost in ``run`` (called
@@ -82,13 +89,13 @@ class Sink(abc.ABC):
         still write for it and return the last position it made durable with its rows in
         that run (None: none, it starts over from its first input) and what
         :meth:`restore` needs."""
-        raise NotImplementedError(f"{self.describe()} is not restartable")
+        raise ConfigError(_not_restartable(self))
 
     def restore(self, state: bytes) -> int:
         """Restartable sinks, restarted (after :meth:`open`, before any write): take
         ``state`` from :meth:`recover`; returns the rows the lost partition had made
         durable (they count as written by this one)."""
-        raise NotImplementedError(f"{self.describe()} is not restartable")
+        raise ConfigError(_not_restartable(self))
 
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> Any:
         """Merge the partitions' ``close()`` values (in partition order); ``schema`` is the
