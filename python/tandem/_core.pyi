@@ -378,6 +378,10 @@ def order_frames(message: bytes) -> list[tuple[int, bytes]]:
     """The Order frames of one order log message as ``(slot, frame)``; ``ProtocolError``
     unless it is a non-empty sequence of whole Order frames."""
 
+class DialedLink:
+    """A connection ``Outbox.dial`` made, for ``Outbox.attach``; closed if dropped
+    unattached."""
+
 class Outbox:
     """The output of one task partition replica.
 
@@ -432,7 +436,16 @@ class Outbox:
         """Dial ``address``, a replica of downstream partition ``channel`` rebuilt from a
         twin's cut at heartbeat ``after_epoch``; send it what the replay window holds after
         that heartbeat (one write), then everything from now on. Raises if it cannot be
-        reached or the window no longer reaches back to the cut ("needs a later cut")."""
+        reached or the window no longer reaches back to the cut ("needs a later cut").
+        ``dial`` then ``attach``, on the calling thread."""
+    def dial(self, address: tuple[str, int]) -> DialedLink:
+        """Dial and authenticate ``address`` for a later ``attach`` (blocks, GIL released;
+        touches nothing of the outbox, so any thread may dial while another sends).
+        Raises ConnectionError if it cannot be reached or refuses the handshake."""
+    def attach(self, channel: int, link: DialedLink, after_epoch: int) -> None:
+        """``add_link`` with a link ``dial`` made: the replay window after
+        ``after_epoch`` first, then everything from now on. Raises if the link was attached
+        before, or the window no longer reaches back to the cut."""
     def emit(self, batch: pa.RecordBatch) -> None:
         """Partition ``batch`` and send each channel's part now. A batch that cannot be
         encoded or digested is refused whole (nothing sent). Blocks (GIL released) while a

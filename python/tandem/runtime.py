@@ -45,6 +45,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -498,17 +499,30 @@ class Replica:
                     found.append(o.peers[peer])
         return found
 
-    def link(self, down: ReplicaId, address: tuple[str, int], after_epoch: int) -> None:
-        """Send the output meant for ``down``, a downstream replica rebuilt from a twin cut
-        at heartbeat ``after_epoch``, to its new ``address`` too — the replay window's
-        cycles after the cut first."""
+    def output_to(self, down: ReplicaId) -> tuple[_Output, int]:
+        """The output edge towards downstream replica ``down``, and the channel of its
+        partition."""
         task, part, _ = down
         for o in self.outputs:
             if o.edge.downstream == task and part in o.edge.partitions:
-                o.outbox.add_link(o.edge.partitions.index(part), address, after_epoch)
-                o.peers["{}:{}".format(*address)] = down
-                return
+                return o, o.edge.partitions.index(part)
         raise ConfigError(f"{self.name} has no output to {self.plan.tasks[task].name}[{part}]")
+
+    def link(self, down: ReplicaId, address: tuple[str, int], after_epoch: int) -> None:
+        """Send the output meant for ``down``, a downstream replica rebuilt from a twin cut
+        at heartbeat ``after_epoch``, to its new ``address`` too — the replay window's
+        cycles after the cut first. Dials on the calling thread (see :meth:`attach`)."""
+        output, _ = self.output_to(down)
+        self.attach(down, output.outbox.dial(address), address, after_epoch)
+
+    def attach(
+        self, down: ReplicaId, link: _core.DialedLink, address: tuple[str, int], after_epoch: int
+    ) -> None:
+        """:meth:`link`, with the connection to ``down`` dialled already (``Outbox.dial``,
+        on any thread): only the replay and the new link are the worker thread's work."""
+        output, channel = self.output_to(down)
+        output.outbox.attach(channel, link, after_epoch)
+        output.peers["{}:{}".format(*address)] = down
 
     def _emit(self, batch: pa.RecordBatch | None) -> None:
         for o in self.outputs:
@@ -911,9 +925,26 @@ class Worker:
     def link(self, up: ReplicaId, down: ReplicaId, address: tuple[str, int], epoch: int) -> None:
         """Have replica ``up`` send to ``down``, rebuilt from a cut at heartbeat ``epoch``
         and listening at ``address`` (:meth:`Replica.link`); the outcome goes to
-        :attr:`on_link`."""
-        self.control.append(("link", up, down, address, epoch))
-        self.core.wake()
+        :attr:`on_link`. The connection is dialled on a thread of its own, the links of
+        one rebuild in parallel: the new process answers the handshakes while it is still
+        setting up its replicas, and the worker thread, which serves the replicas that
+        mask the loss meanwhile, only attaches the dialled link (:meth:`Replica.attach`)."""
+        rep = next((r for r in self.replicas if r.me == up), None)
+
+        def dial() -> None:
+            try:
+                if rep is None:
+                    raise ConfigError(f"this worker hosts no replica {up}")
+                output, _ = rep.output_to(down)
+                dialed = output.outbox.dial(address)
+            except Exception as exc:
+                self.control.append(("linked", up, down, exc))
+            else:
+                self.control.append(("linked", up, down, (dialed, address, epoch)))
+            self.core.wake()
+
+        name = "tandem-dial-{}.{}.{}".format(*down)
+        threading.Thread(target=dial, name=name, daemon=True).start()
 
     def extend(self, until_ns: int, final: bool) -> None:
         """A run with no duration (``run(duration=None)``): the hosted sources may emit
@@ -940,12 +971,14 @@ class Worker:
                     continue
                 self._cuts.setdefault(rep.slot, []).append(req[2])
                 self.core.request_cut(rep.slot)
-            else:
-                _, up, down, address, epoch = req
+            else:  # "linked": dialled (or not) by the thread :meth:`link` started
+                _, up, down, dialed = req
                 try:
+                    if isinstance(dialed, Exception):
+                        raise dialed
                     if rep is None:
                         raise ConfigError(f"this worker hosts no replica {up}")
-                    rep.link(down, address, epoch)
+                    rep.attach(down, *dialed)
                 except Exception as exc:
                     self.on_link(up, down, f"{type(exc).__name__}: {exc}")
                 else:

@@ -142,25 +142,54 @@ class _Deferred:
     """When the fault was scheduled."""
 
 
+SPARE_NICE = 19
+"""The niceness of the thread a spare process loads its modules on (``0``: none)."""
+
+_SPARE_BOOT = """
+import os, sys, threading
+
+def load():
+    # This thread only (Linux keeps a niceness per thread): the main thread, which serves
+    # the rebuilt worker once a payload comes, keeps the priority the process started with.
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(sys.argv[4]))
+    except (AttributeError, OSError):
+        pass
+    from tandem.engines import worker
+    worker.warm_up()
+
+loader = threading.Thread(target=load, name="tandem-spare-load")
+loader.start()
+loader.join()
+from tandem.engines.worker import main
+sys.exit(main(sys.argv[1:4]))
+"""
+"""How a spare starts (``python -c``): a spare is started right after a rebuild, beside
+the survivors, and its start is about half a CPU-second of imports (``import tandem``
+alone is half of it). Loading them on a thread of the lowest priority hands that CPU
+to the survivors first, where ``python -m tandem.engines.worker`` would import
+``tandem`` at normal priority before any of our code runs. The spare waits for a loss
+anyway; the work a rebuild does once the payload comes runs at normal priority."""
+
+
 class _Process:
-    """A worker process (``python -m tandem.engines.worker``) and its end of the link.
-    ``relay``: its stderr comes through a pipe and is written line by line above the
-    progress bar (:func:`_relay`) instead of across it."""
+    """A worker process (``python -m tandem.engines.worker``) and its end of the link;
+    a spare (``payload`` None) starts as :data:`_SPARE_BOOT` says. ``relay``: its stderr
+    comes through a pipe and is written line by line above the progress bar
+    (:func:`_relay`) instead of across it."""
 
     def __init__(
         self, payload: tuple | None, env: dict[str, str], worker: int | str, relay: bool
     ) -> None:
         mine, theirs = socket.socketpair()
+        args = [str(theirs.fileno()), str(os.getpid()), str(worker)]
+        if payload is None and SPARE_NICE:
+            command = [sys.executable, "-c", _SPARE_BOOT, *args, str(SPARE_NICE)]
+        else:
+            command = [sys.executable, "-m", "tandem.engines.worker", *args]
         try:
             self.popen = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tandem.engines.worker",
-                    str(theirs.fileno()),
-                    str(os.getpid()),
-                    str(worker),
-                ],
+                command,
                 pass_fds=(theirs.fileno(),),
                 env=env,
                 stderr=subprocess.PIPE if relay else None,

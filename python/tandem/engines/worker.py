@@ -24,6 +24,16 @@ import sys
 from multiprocessing.connection import Connection
 
 
+def warm_up() -> None:
+    """Import what a worker runs and pay pyarrow's lazy imports before the payload comes:
+    a spare waits for a loss after this, and its rebuild then waits for none of it (a
+    spare runs this on a low-priority thread first: ``engines.local._SPARE_BOOT``)."""
+    from tandem import runtime
+    from tandem.engines import exchange, process  # noqa: F401
+
+    runtime._warm_up()
+
+
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl-C
     argv = sys.argv[1:] if argv is None else argv
@@ -40,11 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     os.set_inheritable(fd, False)  # nothing this process starts may hold the link open
     conn = Connection(fd)
-    # Pay pyarrow's lazy imports before the payload comes: a spare waits here for a loss,
-    # and its rebuild then does not wait for them.
-    from tandem.runtime import _warm_up
-
-    _warm_up()
+    warm_up()
     try:
         path, blob, rids, secret, kazoo, rejoin, *named = conn.recv()
     except EOFError:

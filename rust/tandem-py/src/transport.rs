@@ -36,6 +36,7 @@ use tandem_core::orderlog::{split_message, Verdict};
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Inbox>()?;
     m.add_class::<Outbox>()?;
+    m.add_class::<DialedLink>()?;
     m.add_class::<Delivery>()?;
     m.add_class::<OrderFeed>()?;
     m.add_class::<OrderPublisher>()?;
@@ -647,10 +648,31 @@ impl OrderPublisher {
 /// Construction dials the others (in parallel, retrying until `connect_timeout`); an
 /// unreachable replica is logged and skipped, a channel with no reachable replica is an
 /// error.
+/// A connection to a downstream replica, dialled and authenticated by [`Outbox::dial`],
+/// waiting to be attached to a channel of that outbox ([`Outbox::attach`]). Dropped
+/// unattached, it closes.
+#[pyclass(frozen, module = "tandem._core")]
+pub struct DialedLink {
+    peer: String,
+    link: Mutex<Option<TcpLink>>,
+}
+
+#[pymethods]
+impl DialedLink {
+    fn __repr__(&self) -> String {
+        let state = if self.link.lock().is_some() {
+            "unattached"
+        } else {
+            "attached"
+        };
+        format!("DialedLink({}, {state})", self.peer)
+    }
+}
+
 #[pyclass(frozen, module = "tandem._core")]
 pub struct Outbox {
     pub(crate) inner: Handle<CoreOutbox>,
-    /// Who this outbox sends as, and how it dials: for `add_link`.
+    /// Who this outbox sends as, and how it dials: for `dial`.
     me: Identity,
     secret: Vec<u8>,
     link_cfg: LinkConfig,
@@ -801,7 +823,8 @@ impl Outbox {
     /// Dial `address` (`(host, port)`), a replica of downstream partition `channel` rebuilt
     /// from a twin's cut at heartbeat `after_epoch`, send it what the replay window holds
     /// after that heartbeat, and send it everything from now on. Fails (ConnectionError)
-    /// if it cannot be reached or the window no longer reaches back to the cut.
+    /// if it cannot be reached or the window no longer reaches back to the cut. The same
+    /// as [`Outbox::dial`] then [`Outbox::attach`], on the calling thread.
     fn add_link(
         &self,
         py: Python<'_>,
@@ -809,16 +832,43 @@ impl Outbox {
         address: (String, u16),
         after_epoch: u64,
     ) -> PyResult<()> {
+        let link = self.dial(py, address)?;
+        self.attach(py, channel, &link, after_epoch)
+    }
+
+    /// Dial `address` (`(host, port)`) and authenticate, for a later [`Outbox::attach`]:
+    /// blocking (GIL released) for as long as the peer takes to answer, touching nothing
+    /// of the outbox, so any thread may dial while another sends. Fails (ConnectionError)
+    /// if the peer cannot be reached within `connect_timeout` or refuses the handshake.
+    fn dial(&self, py: Python<'_>, address: (String, u16)) -> PyResult<DialedLink> {
         let addr = format!("{}:{}", address.0, address.1);
-        py.detach(|| -> tandem_core::Result<()> {
-            let link = TcpLink::connect(&addr, &self.me, &self.secret, &self.link_cfg)?;
-            let mut guard = self.inner.lock();
-            let ob = guard
-                .as_mut()
-                .ok_or_else(|| Error::Closed("the outbox is closed".to_owned()))?;
+        let link = py
+            .detach(|| TcpLink::connect(&addr, &self.me, &self.secret, &self.link_cfg))
+            .py()?;
+        Ok(DialedLink {
+            peer: addr,
+            link: Mutex::new(Some(link)),
+        })
+    }
+
+    /// Make `link` (from [`Outbox::dial`]) a link of channel `channel`, to a replica
+    /// rebuilt from a twin's cut at heartbeat `after_epoch`: what the replay window holds
+    /// after that heartbeat first, then everything from now on. Fails if the link was
+    /// attached before, or the window no longer reaches back to the cut ("needs a later
+    /// cut"); the link is then closed.
+    fn attach(
+        &self,
+        py: Python<'_>,
+        channel: usize,
+        link: &DialedLink,
+        after_epoch: u64,
+    ) -> PyResult<()> {
+        let link = link.link.lock().take().ok_or_else(|| {
+            ConfigError::new_err(format!("the link to {} is attached already", link.peer))
+        })?;
+        self.with(py, "attach", move |ob| {
             ob.add_link(channel, Box::new(link), after_epoch)
         })
-        .py()
     }
 
     /// Partition the rows of `batch` (a pyarrow.RecordBatch or anything with
