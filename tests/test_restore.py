@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import itertools
 import os
+import time
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -18,6 +19,8 @@ import pytest
 
 import tandem as td
 from tandem import testing
+from tandem.engines import local
+from tandem.engines.process import child_env
 from tandem.exceptions import TandemError
 
 RATE = 1500
@@ -232,3 +235,41 @@ def test_a_cut_written_by_a_child_comes_back_inline_as_a_file_or_not_at_all(tmp_
     failed.write_bytes(b"")
     pending = Resume((7,), b"", str(failed), writer=_child_writes(str(failed), None))
     assert pending.written() is None and not failed.exists()
+
+
+def _threads(pid: int) -> dict[int, tuple[str, int]]:
+    """Per thread of ``pid``: its state letter and niceness (``/proc/PID/task/TID/stat``)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (fields[0], int(fields[16]))  # state, nice (fields 3 and 19)
+    return out
+
+
+def test_a_spare_loads_at_the_lowest_priority_and_then_runs_every_thread_at_normal():
+    proc = local._Process(None, child_env(), "spare", relay=False)
+    try:
+        seen_niced, deadline = False, time.monotonic() + 30
+        while True:
+            threads = _threads(proc.pid)
+            niced = {t for t, (_, nice) in threads.items() if nice == local.SPARE_NICE}
+            seen_niced |= bool(niced)
+            # Loaded: no niced thread left, and the main thread waits for its payload.
+            if seen_niced and not niced and threads[proc.pid][0] == "S":
+                break
+            assert time.monotonic() < deadline, (
+                f"after 30 s the spare still loads, or a thread kept the loader's niceness "
+                f"(thread: (state, nice)): {threads}"
+            )
+            time.sleep(0.01)
+        assert proc.is_alive()
+        # Every thread the spare has now (numpy's, pyarrow's, the main one) will run the
+        # rebuilt worker: none may have inherited the loader's niceness.
+        assert {nice for _, nice in _threads(proc.pid).values()} == {0}
+    finally:
+        proc.kill()
+        proc.join(10)

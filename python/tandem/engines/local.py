@@ -148,6 +148,10 @@ SPARE_NICE = 19
 _SPARE_BOOT = """
 import os, sys, threading
 
+# Modules that start threads of their own load first, at normal priority: a new thread
+# gets its creator's niceness (numpy's BLAS threads, pyarrow's jemalloc purger).
+import numpy, pyarrow
+
 def load():
     # This thread only (Linux keeps a niceness per thread): the main thread, which serves
     # the rebuilt worker once a payload comes, keeps the priority the process started with.
@@ -165,11 +169,13 @@ from tandem.engines.worker import main
 sys.exit(main(sys.argv[1:4]))
 """
 """How a spare starts (``python -c``): a spare is started right after a rebuild, beside
-the survivors, and its start is about half a CPU-second of imports (``import tandem``
-alone is half of it). Loading them on a thread of the lowest priority hands that CPU
-to the survivors first, where ``python -m tandem.engines.worker`` would import
-``tandem`` at normal priority before any of our code runs. The spare waits for a loss
-anyway; the work a rebuild does once the payload comes runs at normal priority."""
+the survivors, and its start is about half a CPU-second of imports. Loading the modules
+that start no thread (two thirds of it: tandem, pandas through pyarrow's shim) on a
+thread of the lowest priority hands that CPU to the survivors first, where ``python -m
+tandem.engines.worker`` would import ``tandem`` at normal priority before any of our code
+runs. The spare waits for a loss anyway; every thread it has once loaded runs at normal
+priority (``tests/test_restore.py`` checks), and so does the work a rebuild does once the
+payload comes."""
 
 
 class _Process:
