@@ -78,13 +78,13 @@ CREDIT_POLL_S = 0.001
 """How soon a worker looks again at a source whose downstream links are backed up."""
 
 METRICS_EVERY_S = 1.0
+"""How often a worker hands :attr:`Worker.on_metrics` a snapshot, when the engine asks for
+them (:mod:`tandem.metrics`)."""
 #: How long a child writing a cut's state may take (:meth:`Resume.written`).
 WRITER_TIMEOUT_S = 60.0
 #: Whether a rebuild's cut snapshots the operator's state in a forked child
 #: (:meth:`Replica.cut_in_child`): Linux only, where fork is cheap and the usual start.
 FORK_CUTS = sys.platform == "linux"
-"""How often a worker hands :attr:`Worker.on_metrics` a snapshot, when the engine asks for
-them (:mod:`tandem.metrics`)."""
 
 
 @dataclass
