@@ -8,6 +8,7 @@ sink) plus spares, and up to 3 attempts per task.
 
 from __future__ import annotations
 
+import glob
 import sys
 
 import pyarrow as pa
@@ -250,6 +251,33 @@ def test_a_frozen_worker_task_is_declared_lost_fenced_and_rebuilt_by_its_retry(s
         assert 1.5 < r["lost_s"] < 4.0 and r["restored_s"] < REJOIN_RUN, r
     assert engine.last_run.workers()[record["worker"]].rejoined
     assert (tasks, failed) == (WORKERS, 1)
+
+
+def test_a_large_state_goes_to_the_retried_task_as_a_file_never_through_the_registry(spark):
+    """On a master on this machine, a twin's worker and the retried task share the node:
+    a state of SPILL_BYTES or more goes from one to the other as a file in a folder the
+    driver made (as on the local engine), and the folder goes with the run."""
+    from tandem import bench
+    from tandem.engines import exchange
+
+    def folders() -> set[str]:
+        return set(glob.glob("/dev/shm/tandem-state-*")) | set(glob.glob("/tmp/tandem-state-*"))
+
+    before = folders()
+    mb = 2 * exchange.SPILL_BYTES / 2**20
+    res = bench.recovery_job(mb, RATE).run(
+        duration=6,
+        faults=[td.Kill("state", 0, 0, at=1.0)],
+        engine=tandem_spark.SparkEngine(spark),
+        progress=False,
+    )
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    by_task = {(r["task"], r["partition"]): r for r in res.restored_replicas}
+    # The stateful replicas' states (2 MiB each) came as files, the sources' inline.
+    assert by_task[("state", 0)]["state_file"] and by_task[("state", 1)]["state_file"]
+    assert not by_task[("source", 0)]["state_file"]
+    assert folders() <= before, "the run left its state folder behind"
 
 
 def test_too_small_cluster_fails_fast_with_the_fix(spark):

@@ -44,6 +44,7 @@ import contextlib
 import itertools
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -61,6 +62,7 @@ from tandem.engines.exchange import (
     live_twins,
     rebuild_links,
     restored_entry,
+    state_folder,
 )
 from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
 from tandem.faults import Kill, KillWorker, Pause
@@ -229,6 +231,9 @@ class Registry:
         self._listener = Listener((host, 0), backlog=len(placement) + 8, authkey=secret)
         self.address: tuple[str, int] = self._listener.address
         self._threads: list[threading.Thread] = []
+        self._state_dir: str | None = None
+        """Where twins leave large states for rebuilt workers on the same host (see
+        :meth:`_state_files`), made on first use and removed with the run."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -246,6 +251,8 @@ class Registry:
         for t in self._threads:
             t.join(timeout=5)
         self._listener.close()
+        if self._state_dir is not None:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
 
     def _spawn(self, target, name: str, *args) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -721,11 +728,17 @@ class Registry:
                 rj.generation += 1
                 rj.cuts, rj.refused = {}, None
                 asks = [
-                    (self._peers.get(self.worker_of[twin]), twin, (rj.worker, rj.generation, rid))
+                    (
+                        self._peers.get(self.worker_of[twin]),
+                        twin,
+                        (rj.worker, rj.generation, rid),
+                        self._state_files(rj, self.worker_of[twin]),
+                    )
                     for rid, twin in rj.twins.items()
                 ]
             if any(
-                peer is None or not peer.send(("cut", twin, token)) for peer, twin, token in asks
+                peer is None or not peer.send(("cut", twin, token, *folder))
+                for peer, twin, token, folder in asks
             ):
                 return False  # a twin's worker is gone
             with self._lock:
@@ -746,6 +759,18 @@ class Registry:
                     return False
                 log.info("worker %d: twin %s could not be cut; trying again", rj.worker, rj.refused)
         return False
+
+    def _state_files(self, rj: _Rejoin, twin_worker: int) -> tuple[str, ...]:
+        """Where the twin's worker ``twin_worker`` should leave a large state for ``rj``
+        (called with the lock held): a folder this driver made, when the master runs on
+        this machine and the twin's worker and the retried task are on one node — the
+        file then never travels through the registry, as on the local engine. Else
+        nothing: the state comes inline."""
+        if not self.local or self._nodes.get(twin_worker) != rj.attempt.node:
+            return ()
+        if self._state_dir is None:
+            self._state_dir = state_folder()
+        return (self._state_dir,)
 
     def _on_cut(self, twin: ReplicaId, taken: Resume | None, token) -> None:
         w, generation, rid = token

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +39,15 @@ log = logging.getLogger("tandem")
 SPILL_BYTES = 1 << 20
 """A cut's state at least this large travels from the twin to the rebuilt replica as a file
 (``Resume.state_file``) instead of through the coordinator's links."""
+
+
+def state_folder() -> str:
+    """A new folder for the large states twins leave for rebuilt replicas (memory-backed
+    where Linux offers it: ``/dev/shm``); its maker removes it with the run."""
+    shm = "/dev/shm"
+    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix="tandem-state-", dir=where)
+
 
 REJOIN_TIMEOUT_S = 30.0
 """How long rebuilding a lost worker's replicas may take before the run gives up on it

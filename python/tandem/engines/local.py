@@ -51,6 +51,7 @@ from tandem.engines.exchange import (
     live_twins,
     rebuild_links,
     restored_entry,
+    state_folder,
 )
 from tandem.engines.process import child_env
 from tandem.exceptions import ConfigError, TandemError
@@ -831,9 +832,7 @@ class _Run:
         """The folder twins write large states to for their rebuilt replicas (memory-backed
         where Linux offers it), made on first use and removed with the run."""
         if self._state_dir is None:
-            shm = "/dev/shm"
-            where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-            self._state_dir = tempfile.mkdtemp(prefix="tandem-state-", dir=where)
+            self._state_dir = state_folder()
         return self._state_dir
 
     # -- rebuilding lost workers (Job(restore=True)) --------------------------------------
