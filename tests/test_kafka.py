@@ -848,3 +848,40 @@ def test_the_reference_merges_log_partitions_as_the_replicas_do(logs, batch_rows
         for ob in outboxes:
             ob.close()
         inbox.close()
+
+
+# -- tandem bench kafka ------------------------------------------------------------------
+
+
+def test_bench_kafka_runs_both_sources_and_loses_nothing(kafka, tmp_path, capsys):
+    """A short `tandem bench kafka`: the same job on a synthetic and on a Kafka source,
+    both checked against the reference; the timing ratio is reported, not asserted (CI
+    machines are loaded)."""
+    from tandem import bench_kafka, cli
+
+    out = tmp_path / "kafka.json"
+    argv = ["bench", "kafka", "--rate", "1000", "--warmup", "1", "--measure", "2"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "p99: Kafka" in printed and "synthetic" in printed
+    doc = json.loads(out.read_text())
+    assert doc["experiment"] == "kafka" and doc["target_p99_ratio"] == 1.5
+    rows = {r["source"]: r for r in doc["rows"]}
+    assert set(rows) == set(bench_kafka.SOURCES)
+    for r in rows.values():
+        assert r["lost"] == 0 and r["duplicates"] == 0 and r["digests_match"], r
+        assert r["events_out"] > 0 and r["p50_ms"] is not None and r["p99_ms"] is not None
+        assert r["cpu_s"] > 0 and r["rate"] == 1000
+    kaf = rows["kafka"]
+    assert kaf["producer_cpu_s"] is not None and kaf["p99_ratio"] == round(
+        kaf["p99_ms"] / rows["synthetic"]["p99_ms"], 2
+    )
+
+
+def test_bench_kafka_refuses_options_it_does_not_take(capsys):
+    from tandem import cli
+
+    assert cli.main(["bench", "kafka", "--duration", "5"]) == 2
+    assert "--duration: not for `tandem bench kafka`" in capsys.readouterr().err
+    assert cli.main(["bench", "kafka", "--measure", "0"]) == 2
+    assert "measured time > 0 s" in capsys.readouterr().err
