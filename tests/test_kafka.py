@@ -866,6 +866,7 @@ def test_bench_kafka_runs_both_sources_and_loses_nothing(kafka, tmp_path, capsys
     assert "p99: Kafka" in printed and "synthetic" in printed
     doc = json.loads(out.read_text())
     assert doc["experiment"] == "kafka" and doc["target_p99_ratio"] == 1.5
+    assert doc["median_p99_ratio"] == rows_ratio(doc)
     rows = {r["source"]: r for r in doc["rows"]}
     assert set(rows) == set(bench_kafka.SOURCES)
     for r in rows.values():
@@ -878,6 +879,10 @@ def test_bench_kafka_runs_both_sources_and_loses_nothing(kafka, tmp_path, capsys
     )
 
 
+def rows_ratio(doc: dict) -> float:
+    return next(r["p99_ratio"] for r in doc["rows"] if r["source"] == "kafka")
+
+
 def test_bench_kafka_refuses_options_it_does_not_take(capsys):
     from tandem import cli
 
@@ -885,3 +890,7 @@ def test_bench_kafka_refuses_options_it_does_not_take(capsys):
     assert "--duration: not for `tandem bench kafka`" in capsys.readouterr().err
     assert cli.main(["bench", "kafka", "--measure", "0"]) == 2
     assert "measured time > 0 s" in capsys.readouterr().err
+    assert cli.main(["bench", "kafka", "--rounds", "0"]) == 2
+    assert "rounds must be an int >= 1" in capsys.readouterr().err
+    assert cli.main(["bench", "mib1", "--rounds", "2"]) == 2
+    assert "--rounds: for `tandem bench kafka` only" in capsys.readouterr().err

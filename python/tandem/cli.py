@@ -382,12 +382,16 @@ both."""
 def _bench(args: argparse.Namespace) -> int:
     from tandem import bench
 
+    if args.experiment == "kafka":
+        return _bench_kafka(args)
+    if args.rounds is not None:
+        raise tandem.ConfigError(
+            f"--rounds: for `tandem bench kafka` only, not `tandem bench {args.experiment}`"
+        )
     if args.experiment == "paper":
         return _bench_paper(args)
     if args.experiment == "recovery":
         return _bench_recovery(args)
-    if args.experiment == "kafka":
-        return _bench_kafka(args)
     given = [f"--{f}" for f in PAPER_ONLY_FLAGS if getattr(args, f) is not None]
     if given:
         where = "paper` or `tandem bench recovery" if given == ["--experiments"] else "paper"
@@ -722,18 +726,20 @@ def _bench_kafka(args: argparse.Namespace) -> int:
     _reject(
         args,
         ("out", "master", "configs", "experiments", "sizes", "duration", "plot"),
-        "not for `tandem bench kafka` (its options: --rate, --warmup, --measure, --json)",
+        "not for `tandem bench kafka` (its options: --rate, --warmup, --measure, --rounds, --json)",
     )
     if args.quick:
         raise tandem.ConfigError("--quick: not for `tandem bench kafka` (give --measure)")
     rate = bench_kafka.RATE if args.rate is None else args.rate
     warmup = 3.0 if args.warmup is None else args.warmup
     measure = 10.0 if args.measure is None else args.measure
-    bench_kafka.check_options(rate, warmup, measure)
+    rounds = 1 if args.rounds is None else args.rounds
+    bench_kafka.check_options(rate, warmup, measure, rounds)
     print(
         f"tandem {tandem.__version__} ({tandem.build_profile} build) bench kafka: filter -> "
         f"keyed count -> Kafka sink, r = 2 LiveRobin, {rate} ev/s, warm-up {warmup:g} s, "
-        f"measured {measure:g} s; a synthetic source, then a Kafka source",
+        f"measured {measure:g} s; a synthetic source, then a Kafka source"
+        + (f", {rounds} rounds" if rounds > 1 else ""),
         flush=True,
     )
     if tandem.build_profile != "release":
@@ -742,7 +748,7 @@ def _bench_kafka(args: argparse.Namespace) -> int:
 
     services = ensure_running(zookeeper=False, kafka=True)
     try:
-        rows = bench_kafka.kafka(services.kafka_bootstrap, rate, warmup, measure)
+        rows = bench_kafka.kafka(services.kafka_bootstrap, rate, warmup, measure, rounds=rounds)
     finally:
         if services.started:
             services.stop()
@@ -757,6 +763,7 @@ def _bench_kafka(args: argparse.Namespace) -> int:
             "build": tandem.build_profile,
             "cpus": os.cpu_count(),
             "target_p99_ratio": bench_kafka.TARGET_P99_RATIO,
+            "median_p99_ratio": bench_kafka.median_ratio(rows),
             "rows": bench_kafka.rows_json(rows),
         },
     )
@@ -905,6 +912,13 @@ def main(argv: list[str] | None = None) -> int:
         help="failover, cost, recovery: PNG path (recovery: default out/recovery_fault_p99.png)",
     )
     bench.add_argument("--lengths", default="1,2,3,4", help="mib1 pipeline lengths")
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        metavar="N",
+        help="kafka: N pairs of runs, synthetic then Kafka, alternating (default 1); the "
+        "ratio reported is the median of the pairs'",
+    )
     bench.add_argument(
         "--sizes", help="recovery: MiB of state per partition, comma-separated (default 1,10,100)"
     )
