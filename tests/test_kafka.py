@@ -848,3 +848,109 @@ def test_the_reference_merges_log_partitions_as_the_replicas_do(logs, batch_rows
         for ob in outboxes:
             ob.close()
         inbox.close()
+
+
+# -- tandem bench kafka ------------------------------------------------------------------
+
+
+def test_bench_kafka_runs_both_sources_and_loses_nothing(kafka, tmp_path, capsys):
+    """A short `tandem bench kafka`: the same job on a synthetic and on a Kafka source,
+    both checked against the reference; the timing ratio is reported, not asserted (CI
+    machines are loaded)."""
+    from tandem import bench_kafka, cli
+
+    out = tmp_path / "kafka.json"
+    argv = ["bench", "kafka", "--rate", "1000", "--warmup", "1", "--measure", "2"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "p99: Kafka" in printed and "synthetic" in printed
+    doc = json.loads(out.read_text())
+    assert doc["experiment"] == "kafka" and doc["target_p99_ratio"] == 1.5
+    assert doc["median_p99_ratio"] == rows_ratio(doc)
+    rows = {r["source"]: r for r in doc["rows"]}
+    assert set(rows) == set(bench_kafka.SOURCES)
+    for r in rows.values():
+        assert r["lost"] == 0 and r["duplicates"] == 0 and r["digests_match"], r
+        assert r["events_out"] > 0 and r["p50_ms"] is not None and r["p99_ms"] is not None
+        assert r["cpu_s"] > 0 and r["rate"] == 1000
+    kaf = rows["kafka"]
+    assert kaf["producer_cpu_s"] is not None and kaf["p99_ratio"] == round(
+        kaf["p99_ms"] / rows["synthetic"]["p99_ms"], 2
+    )
+
+
+def rows_ratio(doc: dict) -> float:
+    return next(r["p99_ratio"] for r in doc["rows"] if r["source"] == "kafka")
+
+
+def test_bench_kafka_refuses_options_it_does_not_take(capsys):
+    from tandem import cli
+
+    assert cli.main(["bench", "kafka", "--duration", "5"]) == 2
+    assert "--duration: not for `tandem bench kafka`" in capsys.readouterr().err
+    assert cli.main(["bench", "kafka", "--measure", "0"]) == 2
+    assert "measured time > 0 s" in capsys.readouterr().err
+    assert cli.main(["bench", "kafka", "--rounds", "0"]) == 2
+    assert "rounds must be an int >= 1" in capsys.readouterr().err
+    assert cli.main(["bench", "mib1", "--rounds", "2"]) == 2
+    assert "--rounds: for `tandem bench kafka` only" in capsys.readouterr().err
+
+
+json_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**64), max_value=2**64),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.dictionaries(st.sampled_from(["a", "b", "c"]), json_values, max_size=3), max_size=8
+    ),
+    types=st.lists(
+        st.sampled_from(["int64", "float64", "bool", "string", "int32", "timestamp[ms]"]),
+        min_size=3,
+        max_size=3,
+    ),
+    nullable=st.booleans(),
+    raw=st.sampled_from([None, b"[1]", b'{"a": 1, "a": 2}', b'{"a": 1}{"a": 2}', b"{"]),
+)
+@example(
+    rows=[{"a": 1, "b": 2, "c": "x"}, {"a": -5, "b": 0.5, "d": 1}, {"b": None}],
+    types=["int64", "float64", "string"],
+    nullable=True,
+    raw=None,
+)
+def test_small_kafka_batches_parse_as_read_json_does(rows, types, nullable, raw):
+    """Python's json parses a small batch only where it cannot differ from read_json (which
+    then decides: the same columns, or the same error)."""
+    import io
+
+    import pyarrow.json as pajson
+
+    from tandem.sources import _parse_small
+
+    schema = pa.schema(
+        [pa.field(n, pa.type_for_alias(t), nullable) for n, t in zip("abc", types, strict=True)]
+    )
+    values = [json.dumps(r).encode() for r in rows] + ([raw] if raw is not None else [])
+    if not values:
+        return
+    small = _parse_small(schema, values)
+    if small is None:
+        assert rows != [{"a": 1, "b": 2, "c": "x"}, {"a": -5, "b": 0.5, "d": 1}, {"b": None}]
+        return
+    table = pajson.read_json(
+        io.BytesIO(b"\n".join(values)),
+        read_options=pajson.ReadOptions(use_threads=False),
+        parse_options=pajson.ParseOptions(
+            explicit_schema=schema, unexpected_field_behavior="ignore", newlines_in_values=True
+        ),
+    )
+    assert table.num_rows == len(values)
+    for col, got in zip(table.columns, small, strict=True):
+        assert col.combine_chunks().equals(got), (col, got)

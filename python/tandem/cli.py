@@ -382,6 +382,12 @@ both."""
 def _bench(args: argparse.Namespace) -> int:
     from tandem import bench
 
+    if args.experiment == "kafka":
+        return _bench_kafka(args)
+    if args.rounds is not None:
+        raise tandem.ConfigError(
+            f"--rounds: for `tandem bench kafka` only, not `tandem bench {args.experiment}`"
+        )
     if args.experiment == "paper":
         return _bench_paper(args)
     if args.experiment == "recovery":
@@ -410,6 +416,7 @@ def _bench(args: argparse.Namespace) -> int:
         )
     args.rate = 5_000 if args.rate is None else args.rate
     args.warmup = 30.0 if args.warmup is None else args.warmup
+    args.measure = 30.0 if args.measure is None else args.measure
     if args.experiment == "spark":
         # An engine package's own benchmark, found through its entry point.
         spark_bench = engines.load(engines.BENCHMARK_GROUP, "spark", "benchmark")
@@ -713,6 +720,56 @@ def _bench_recovery(args: argparse.Namespace) -> int:
     return _report_written(doc)
 
 
+def _bench_kafka(args: argparse.Namespace) -> int:
+    from tandem import bench, bench_kafka
+
+    _reject(
+        args,
+        ("out", "master", "configs", "experiments", "sizes", "duration", "plot"),
+        "not for `tandem bench kafka` (its options: --rate, --warmup, --measure, --rounds, --json)",
+    )
+    if args.quick:
+        raise tandem.ConfigError("--quick: not for `tandem bench kafka` (give --measure)")
+    rate = bench_kafka.RATE if args.rate is None else args.rate
+    warmup = 3.0 if args.warmup is None else args.warmup
+    measure = 10.0 if args.measure is None else args.measure
+    rounds = 1 if args.rounds is None else args.rounds
+    bench_kafka.check_options(rate, warmup, measure, rounds)
+    print(
+        f"tandem {tandem.__version__} ({tandem.build_profile} build) bench kafka: filter -> "
+        f"keyed count -> Kafka sink, r = 2 LiveRobin, {rate} ev/s, warm-up {warmup:g} s, "
+        f"measured {measure:g} s; a synthetic source, then a Kafka source"
+        + (f", {rounds} rounds" if rounds > 1 else ""),
+        flush=True,
+    )
+    if tandem.build_profile != "release":
+        print("warning: a debug build: its timings say nothing about a release build", flush=True)
+    from tandem._services import ensure_running
+
+    services = ensure_running(zookeeper=False, kafka=True)
+    try:
+        rows = bench_kafka.kafka(services.kafka_bootstrap, rate, warmup, measure, rounds=rounds)
+    finally:
+        if services.started:
+            services.stop()
+            print("stopped kafka (started for this command)")
+    print(bench.table(bench_kafka.summary(rows)))
+    print(bench_kafka.verdict(rows))
+    _write_json(
+        args.json,
+        {
+            "experiment": "kafka",
+            "tandem": tandem.__version__,
+            "build": tandem.build_profile,
+            "cpus": os.cpu_count(),
+            "target_p99_ratio": bench_kafka.TARGET_P99_RATIO,
+            "median_p99_ratio": bench_kafka.median_ratio(rows),
+            "rows": bench_kafka.rows_json(rows),
+        },
+    )
+    return 0 if all(r.lost == 0 and r.duplicates == 0 and r.digests_match for r in rows) else 1
+
+
 def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip()) if value else ()
 
@@ -806,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="end-to-end experiments of the paper (§VII)")
     bench.add_argument(
         "experiment",
-        choices=["mib1", "throughput", "failover", "recovery", "spark", "cost", "paper"],
+        choices=["mib1", "throughput", "failover", "recovery", "spark", "cost", "paper", "kafka"],
         help="failover: the paper's fault experiment (passive with checkpoints, LiveRobin, KaZoo "
         "leader and follower kills: downtime, lost, duplicates, peak p99); spark: MiB1 "
         "length 3 on the local engine, the Spark engine (with a replica kill) and Spark "
@@ -816,7 +873,10 @@ def main(argv: list[str] | None = None) -> int:
         "the fault experiment (passive, LiveRobin, KaZoo) in the same run: a Markdown table, "
         "JSON (--json) and a PNG (--plot); paper: the paper's whole evaluation (MiB1-3, the "
         "heartbeat sweep, the fault run, the BetterCloud-like application) in every "
-        "configuration side by side, into --out DIR (JSON, Markdown, PNG figures)",
+        "configuration side by side, into --out DIR (JSON, Markdown, PNG figures); kafka: "
+        "filter -> keyed count -> Kafka sink (r = 2 LiveRobin) on a synthetic source, then "
+        "on a Kafka source fed at the same rate by a producer: p50/p99 of both, the p99 "
+        "ratio, CPU",
     )
     bench.add_argument(
         "--configs",
@@ -853,6 +913,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--lengths", default="1,2,3,4", help="mib1 pipeline lengths")
     bench.add_argument(
+        "--rounds",
+        type=int,
+        metavar="N",
+        help="kafka: N pairs of runs, synthetic then Kafka, alternating (default 1); the "
+        "ratio reported is the median of the pairs'",
+    )
+    bench.add_argument(
         "--sizes", help="recovery: MiB of state per partition, comma-separated (default 1,10,100)"
     )
     bench.add_argument("--rate", type=int, metavar="EV_PER_S", help="default 5000")
@@ -861,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         metavar="S",
         help="default 30; cost: 5; paper: 5, sss 10 (left out of latency); recovery: the "
-        "fault runs' (5)",
+        "fault runs' (5); kafka: 3",
     )
     bench.add_argument(
         "--idle-rate", type=int, metavar="EV_PER_S", help="cost: the idle runs' rate (10)"
@@ -884,7 +951,12 @@ def main(argv: list[str] | None = None) -> int:
         "only: for CI, a few minutes; recovery: 1 MiB (6 s) and the fault runs of paper "
         "--quick",
     )
-    bench.add_argument("--measure", type=float, default=30.0, metavar="S")
+    bench.add_argument(
+        "--measure",
+        type=float,
+        metavar="S",
+        help="seconds measured after the warm-up (default 30; kafka: 10)",
+    )
     bench.add_argument("--master", metavar="URL", help="Spark master for the spark experiment")
     bench.add_argument(
         "--json",

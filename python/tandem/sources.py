@@ -224,6 +224,76 @@ _JSON_TYPES = (
 )
 
 
+SMALL_BATCH_ROWS = 64
+"""A Kafka batch of at most this many rows is parsed by Python's ``json`` where it can
+(:func:`_parse_small`): a ``pyarrow.json.read_json`` call costs about 0.2 ms whatever its
+size (12 rows: 0.21 ms, against 0.05 ms with ``json``; 1,000 rows: 0.7 ms against 3 ms),
+and a Kafka source cuts a batch at every heartbeat marker."""
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _distinct_keys(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a key repeats")
+    return out
+
+
+def _is_int64(v) -> bool:
+    return type(v) is int and -(2**63) <= v < 2**63
+
+
+def _is_float64(v) -> bool:
+    return (type(v) is float and math.isfinite(v)) or type(v) is int
+
+
+_SMALL_CHECKS = {
+    pa.int64(): _is_int64,
+    pa.float64(): _is_float64,
+    pa.bool_(): lambda v: type(v) is bool,
+    pa.string(): lambda v: type(v) is str,
+    pa.large_string(): lambda v: type(v) is str,
+}
+"""The column types :func:`_parse_small` parses, and which JSON values each takes (what
+``read_json`` takes: an integer for a float column, never a boolean for a number)."""
+
+
+def _parse_small(schema: pa.Schema, values: list) -> list[pa.Array] | None:
+    """``values`` (JSON objects) parsed into the columns of ``schema`` with Python's
+    ``json``, or None wherever that might differ from ``pyarrow.json.read_json``: a column
+    of another type, a value that is not one JSON object with distinct keys, a number
+    that is not finite, a JSON value of another type than its column's, a null in a
+    non-nullable column. The caller then parses with ``read_json``, which decides."""
+    import json
+
+    checks = [_SMALL_CHECKS.get(f.type) for f in schema]
+    if None in checks:
+        return None
+    try:
+        objs = [
+            json.loads(v, object_pairs_hook=_distinct_keys, parse_constant=_no_constant)
+            for v in values
+        ]
+    except (ValueError, TypeError, RecursionError):
+        return None
+    if not all(type(o) is dict for o in objs):
+        return None
+    cols = []
+    for f, ok in zip(schema, checks, strict=True):
+        col = [o.get(f.name) for o in objs]
+        for v in col:
+            if v is None:
+                if not f.nullable:
+                    return None
+            elif not ok(v):
+                return None
+        cols.append(pa.array(col, f.type))
+    return cols
+
+
 class Kafka(LogSource):
     """The records of a Kafka topic: one source partition per Kafka partition, each read
     ``read_committed`` by every replica from the same offset.
@@ -450,6 +520,10 @@ class Kafka(LogSource):
             )
 
         bad = None
+        if all(values) and len(values) <= SMALL_BATCH_ROWS:
+            cols = _parse_small(self.payload, values)
+            if cols is not None:
+                return cols
         if all(values):
             try:
                 table = parse(b"\n".join(values))
