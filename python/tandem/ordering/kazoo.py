@@ -169,9 +169,14 @@ def _require_clients() -> None:
         ) from exc
 
 
-def _kafka_logger() -> logging.Logger:
+def _kafka(bootstrap: str, **settings) -> dict:
+    """librdkafka settings for a KaZoo client of ``bootstrap``, ``settings`` on top."""
     # librdkafka prints every refused reconnect to stderr; route it to logging instead.
-    return logging.getLogger("tandem.kazoo.librdkafka")
+    return {
+        "bootstrap.servers": bootstrap,
+        "logger": logging.getLogger("tandem.kazoo.librdkafka"),
+        **settings,
+    }
 
 
 def prepare(plan: Plan, config: KazooConfig | None = None, timeout: float = 10.0) -> KazooRun:
@@ -187,9 +192,7 @@ def prepare(plan: Plan, config: KazooConfig | None = None, timeout: float = 10.0
     endpoints.probe_kafka(config.kafka_bootstrap, timeout=timeout)
     run = KazooRun(config, plan.job, os.urandom(4).hex(), tuple(plan.ordered_partitions()))
     if run.partitions:
-        admin = AdminClient(
-            {"bootstrap.servers": config.kafka_bootstrap, "logger": _kafka_logger()}
-        )
+        admin = AdminClient(_kafka(config.kafka_bootstrap))
         futures = admin.create_topics(
             [NewTopic(run.topic, num_partitions=1, replication_factor=1)],
             operation_timeout=timeout,
@@ -212,9 +215,7 @@ def cleanup(run: KazooRun) -> None:
     from kazoo.client import KazooClient
 
     if run.partitions:
-        admin = AdminClient(
-            {"bootstrap.servers": run.config.kafka_bootstrap, "logger": _kafka_logger()}
-        )
+        admin = AdminClient(_kafka(run.config.kafka_bootstrap))
         for fut in admin.delete_topics([run.topic]).values():
             try:
                 fut.result(timeout=10)
@@ -240,12 +241,10 @@ def read_orders(run: KazooRun, channels: dict[tuple[int, int], int], timeout: fl
 
     follow = {run.slot(t, p): _core.OrderLog(channels[(t, p)]) for t, p in run.partitions}
     consumer = Consumer(
-        {
-            "bootstrap.servers": run.config.kafka_bootstrap,
-            "group.id": f"tandem-check-{run.run}",
-            "enable.auto.commit": False,
-            "logger": _kafka_logger(),
-        }
+        _kafka(
+            run.config.kafka_bootstrap,
+            **{"group.id": f"tandem-check-{run.run}", "enable.auto.commit": False},
+        )
     )
     try:
         tp = TopicPartition(run.topic, 0, OFFSET_BEGINNING)
@@ -415,7 +414,7 @@ class KazooSession:
                 "`scripts/services.sh start zookeeper`"
             ) from exc
         self.zk.add_listener(self._on_state)
-        kafka = {"bootstrap.servers": cfg.kafka_bootstrap, "logger": _kafka_logger()}
+        kafka = _kafka(cfg.kafka_bootstrap)
         self.producer = self._producer()
         group = f"tandem-{self.run.run}-{self.name}"
         self.consumer = Consumer(
@@ -456,8 +455,7 @@ class KazooSession:
         cfg = self.run.config
         return Producer(
             {
-                "bootstrap.servers": cfg.kafka_bootstrap,
-                "logger": _kafka_logger(),
+                **_kafka(cfg.kafka_bootstrap),
                 "acks": "all",
                 "enable.idempotence": True,
                 "linger.ms": 0,
