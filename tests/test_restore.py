@@ -273,3 +273,66 @@ def test_a_spare_loads_at_the_lowest_priority_and_then_runs_every_thread_at_norm
     finally:
         proc.kill()
         proc.join(10)
+
+
+class _Nested(td.KeyedProcess):
+    def process(self, batch, state):
+        state.setdefault("seen", []).append(batch.num_rows)  # a list: not sized
+        return batch
+
+
+class _Custom(td.KeyedProcess):
+    def process(self, batch, state):
+        return batch
+
+    def snapshot(self) -> bytes:
+        return b"custom"
+
+
+def test_state_size_is_known_only_where_it_is_cheap_and_sure():
+    import numpy as np
+
+    assert td.operators.Map(lambda b: b).state_size() == 0  # stateless
+    counts = td.CountPerKey()
+    assert counts.state_size() == 0
+    counts.state.update({"a": 1, "b": 2})
+    assert 0 < counts.state_size() < 200
+    counts.state.update({i: i for i in range(td.operators.SIZED_KEYS)})
+    assert counts.state_size() is None  # too many keys to walk
+    arrays = td.CountPerKey()
+    arrays.state["x"] = np.zeros(1 << 20, np.uint8)
+    assert arrays.state_size() >= 1 << 20
+    nested = _Nested()
+    nested.process(pa.record_batch({"v": [1]}), nested.state)
+    assert nested.state_size() is None
+    assert _Custom().state_size() is None  # its own snapshot, no state_size of its own
+
+
+def test_a_rebuilds_cut_forks_only_for_a_state_that_may_be_large(tmp_path):
+    """The twin's side of a rebuild: a state known to be small (``state_size``) is
+    snapshotted in place — no fork of the worker — and one that may be large in a forked
+    child (``Resume.writer``); both give the same state back."""
+    from tandem import _core, bench
+    from tandem.operators import empty_batch
+    from tandem.runtime import INLINE_CUT_BYTES, Replica
+
+    cut = (7, [7], None, [])
+
+    def cut_of(mb: float) -> tuple:
+        plan = bench.recovery_job(mb, 1000).plan()
+        task = next(t for t in plan.tasks if t.name == "state")
+        source = next(t for t in plan.tasks if t.name != "state" and t.kind == "source")
+        rep = Replica(plan, task.id, 0, 0, b"s" * 32, _core.Worker())
+        rep._inst = plan.instantiate(task.id, 0)
+        rep._inst.batch(empty_batch(source.schema), 0)  # the ballast is made
+        return rep._inst, rep.cut_in_child(cut, str(tmp_path))
+
+    small_mb = (INLINE_CUT_BYTES - 8) / 2**20
+    inst, taken = cut_of(small_mb)
+    assert inst.state_size() == INLINE_CUT_BYTES
+    assert taken.writer is None and taken.state == inst.snapshot()
+    inst, taken = cut_of(2 * small_mb)
+    assert inst.state_size() > INLINE_CUT_BYTES
+    assert taken.writer is not None  # a forked child writes it
+    done = taken.written(inline_below=1)
+    assert done.state_file is not None and done.load() == inst.snapshot()

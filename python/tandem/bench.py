@@ -955,6 +955,9 @@ class Ballast(td.KeyedProcess):
             return b""
         return st["batches"].to_bytes(8, "little") + st["bytes"].tobytes()
 
+    def state_size(self) -> int:
+        return 8 + self.state["bytes"].nbytes if "bytes" in self.state else 0
+
     def restore(self, data: bytes) -> None:
         self.state.clear()
         if data:

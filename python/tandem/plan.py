@@ -618,6 +618,10 @@ class TaskInstance:
     def snapshot(self) -> bytes:
         return self._guard(self.op.snapshot)
 
+    def state_size(self) -> int | None:
+        """The operator's :meth:`~tandem.operators.Operator.state_size`."""
+        return self._guard(self.op.state_size)
+
     def restore(self, data: bytes) -> None:
         self._guard(lambda: self.op.restore(data))
 
