@@ -429,23 +429,20 @@ class Outbox:
         waiting, while another replica of its channel keeps up (logged); the backlog a
         worker reads is then each channel's least backed-up link's. None: wait for every
         replica. ``replay_cycles``: keep each channel's last that many heartbeat cycles
-        (fewer if they hold more than ``replay_bytes``) for ``add_link``; None keeps
+        (fewer if they hold more than ``replay_bytes``) for ``attach``; None keeps
         nothing. ``hold_orphans``: a channel that lost every link goes on into its replay
-        window only (until ``add_link``) instead of failing with ``ChannelClosed``."""
-    def add_link(self, channel: int, address: tuple[str, int], after_epoch: int) -> None:
-        """Dial ``address``, a replica of downstream partition ``channel`` rebuilt from a
-        twin's cut at heartbeat ``after_epoch``; send it what the replay window holds after
-        that heartbeat (one write), then everything from now on. Raises if it cannot be
-        reached or the window no longer reaches back to the cut ("needs a later cut").
-        ``dial`` then ``attach``, on the calling thread."""
+        window only (until ``attach``) instead of failing with ``ChannelClosed``."""
     def dial(self, address: tuple[str, int]) -> DialedLink:
-        """Dial and authenticate ``address`` for a later ``attach`` (blocks, GIL released;
-        touches nothing of the outbox, so any thread may dial while another sends).
-        Raises ConnectionError if it cannot be reached or refuses the handshake."""
+        """Dial and authenticate ``address``, a replica of a downstream partition rebuilt
+        from a twin's cut, for a later ``attach`` (blocks, GIL released; touches nothing
+        of the outbox, so any thread may dial while another sends). Raises
+        ConnectionError if it cannot be reached or refuses the handshake."""
     def attach(self, channel: int, link: DialedLink, after_epoch: int) -> None:
-        """``add_link`` with a link ``dial`` made: the replay window after
-        ``after_epoch`` first, then everything from now on. Raises if the link was attached
-        before, or the window no longer reaches back to the cut."""
+        """Make ``link`` a link of downstream partition ``channel``, a replica rebuilt from
+        a twin's cut at heartbeat ``after_epoch``: send it what the replay window holds
+        after that heartbeat (one write), then everything from now on. Raises if the link
+        was attached before, or the window no longer reaches back to the cut ("needs a
+        later cut")."""
     def emit(self, batch: pa.RecordBatch) -> None:
         """Partition ``batch`` and send each channel's part now. A batch that cannot be
         encoded or digested is refused whole (nothing sent). Blocks (GIL released) while a

@@ -470,8 +470,9 @@ class Replica:
         """:meth:`cut`, with the operator's state snapshotted and written to a new file
         in ``folder`` by a forked child: the child sees the state as it is at the cut
         (copy-on-write), and this replica goes on at once instead of pausing for the
-        snapshot's copy (about 120 ms for 100 MiB here; a fork of such a worker about
-        1.5 ms). The returned cut's ``writer`` is the child: see :meth:`Resume.written`.
+        snapshot's copy (about 120 ms for 100 MiB here; a fork of such a worker 3.5-9
+        ms, growing with the process, not the state). The returned cut's ``writer`` is
+        the child: see :meth:`Resume.written`.
         Replicas with no operator state to speak of, or a state known to be small
         (``Operator.state_size`` at most :data:`INLINE_CUT_BYTES`), take :meth:`cut` as
         usual."""
@@ -528,18 +529,13 @@ class Replica:
                 return o, o.edge.partitions.index(part)
         raise ConfigError(f"{self.name} has no output to {self.plan.tasks[task].name}[{part}]")
 
-    def link(self, down: ReplicaId, address: tuple[str, int], after_epoch: int) -> None:
-        """Send the output meant for ``down``, a downstream replica rebuilt from a twin cut
-        at heartbeat ``after_epoch``, to its new ``address`` too — the replay window's
-        cycles after the cut first. Dials on the calling thread (see :meth:`attach`)."""
-        output, _ = self.output_to(down)
-        self.attach(down, output.outbox.dial(address), address, after_epoch)
-
     def attach(
         self, down: ReplicaId, link: _core.DialedLink, address: tuple[str, int], after_epoch: int
     ) -> None:
-        """:meth:`link`, with the connection to ``down`` dialled already (``Outbox.dial``,
-        on any thread): only the replay and the new link are the worker thread's work."""
+        """Send the output meant for ``down``, a downstream replica rebuilt from a twin cut
+        at heartbeat ``after_epoch``, to its new ``address`` too — the replay window's
+        cycles after the cut first — over ``link``, dialled already (``Outbox.dial``, on
+        any thread: :meth:`Worker.link`)."""
         output, channel = self.output_to(down)
         output.outbox.attach(channel, link, after_epoch)
         output.peers["{}:{}".format(*address)] = down
@@ -944,7 +940,7 @@ class Worker:
 
     def link(self, up: ReplicaId, down: ReplicaId, address: tuple[str, int], epoch: int) -> None:
         """Have replica ``up`` send to ``down``, rebuilt from a cut at heartbeat ``epoch``
-        and listening at ``address`` (:meth:`Replica.link`); the outcome goes to
+        and listening at ``address`` (:meth:`Replica.attach`); the outcome goes to
         :attr:`on_link`. The connection is dialled on a thread of its own, the links of
         one rebuild in parallel: the new process answers the handshakes while it is still
         setting up its replicas, and the worker thread, which serves the replicas that

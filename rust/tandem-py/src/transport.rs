@@ -820,22 +820,6 @@ impl Outbox {
         })
     }
 
-    /// Dial `address` (`(host, port)`), a replica of downstream partition `channel` rebuilt
-    /// from a twin's cut at heartbeat `after_epoch`, send it what the replay window holds
-    /// after that heartbeat, and send it everything from now on. Fails (ConnectionError)
-    /// if it cannot be reached or the window no longer reaches back to the cut. The same
-    /// as [`Outbox::dial`] then [`Outbox::attach`], on the calling thread.
-    fn add_link(
-        &self,
-        py: Python<'_>,
-        channel: usize,
-        address: (String, u16),
-        after_epoch: u64,
-    ) -> PyResult<()> {
-        let link = self.dial(py, address)?;
-        self.attach(py, channel, &link, after_epoch)
-    }
-
     /// Dial `address` (`(host, port)`) and authenticate, for a later [`Outbox::attach`]:
     /// blocking (GIL released) for as long as the peer takes to answer, touching nothing
     /// of the outbox, so any thread may dial while another sends. Fails (ConnectionError)
