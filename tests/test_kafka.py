@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -35,18 +34,11 @@ from tandem.kafka import (
     ensure_positions_topic,
     recover_positions,
 )
+from tandem.testing import new_topic
 
 pytestmark = pytest.mark.timeout(180)
 
 SCHEMA = {"key": "int64", "amount": "int64"}
-
-
-def new_topic(bootstrap: str, partitions: int, prefix: str = "t") -> str:
-    name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for fut in admin.create_topics([NewTopic(name, partitions, 1)]).values():
-        fut.result(30)
-    return name
 
 
 def produce(bootstrap: str, topic: str, rows: list[dict], partitions: int) -> None:

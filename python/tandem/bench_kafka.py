@@ -40,7 +40,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -48,6 +47,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import tandem as td
+from tandem import testing
 
 RATE = 5_000
 KEYS = 1_000
@@ -202,16 +202,6 @@ class KafkaRow:
     per_second_p99_ms: list = field(default_factory=list)
 
 
-def _new_topic(bootstrap: str, prefix: str) -> str:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for fut in admin.create_topics([NewTopic(name, PARTITIONS, 1)]).values():
-        fut.result(30)
-    return name
-
-
 def _delete_topics(bootstrap: str, topics: list[str]) -> None:
     from confluent_kafka.admin import AdminClient
 
@@ -257,7 +247,7 @@ def _row(source: str, rate: int, warmup: float, measure: float, res: td.Result) 
 def run_synthetic(
     bootstrap: str, rate: int = RATE, warmup: float = 3.0, measure: float = 10.0
 ) -> KafkaRow:
-    out = _new_topic(bootstrap, "bench-kafka-out")
+    out = testing.new_topic(bootstrap, PARTITIONS, "bench-kafka-out")
     try:
         res = job(synthetic(rate), out, bootstrap).run(
             duration=warmup + measure, warmup=warmup, progress=False, check=True
@@ -274,8 +264,8 @@ def run_kafka(
     measure: float = 10.0,
     linger_ms: float = LINGER_MS,
 ) -> KafkaRow:
-    topic = _new_topic(bootstrap, "bench-kafka-in")
-    out = _new_topic(bootstrap, "bench-kafka-out")
+    topic = testing.new_topic(bootstrap, PARTITIONS, "bench-kafka-in")
+    out = testing.new_topic(bootstrap, PARTITIONS, "bench-kafka-out")
     schema = {"key": "int64", "value": "float64", "ts": "int64"}
     source = td.sources.Kafka(topic, bootstrap, schema=schema, event_time="ts")
     j = job(source, out, bootstrap)

@@ -629,6 +629,20 @@ class ReferenceOrderLog:
         return out
 
 
+def new_topic(bootstrap: str, partitions: int, prefix: str = "t") -> str:
+    """Create a Kafka topic of ``partitions`` partitions with a fresh name starting with
+    ``prefix``, and return the name."""
+    import uuid
+
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for fut in admin.create_topics([NewTopic(name, partitions, 1)]).values():
+        fut.result(30)
+    return name
+
+
 def read_order_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[bytes]:
     """Every message of a single-partition Kafka topic, in log order, read from its
     beginning to its current end with a plain ``confluent_kafka`` consumer (no group
