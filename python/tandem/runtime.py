@@ -883,6 +883,9 @@ class Worker:
         a forked child (:meth:`Replica.cut_in_child`)."""
         self.on_link = None
         """Called with ``(upstream rid, downstream rid, error or None)`` after a link."""
+        self.on_started = None
+        """Called once every replica has started (its downstream replicas dialled): a
+        rebuilt worker is not a twin to count on before."""
         self.on_evicted = None
         """Called with ``(upstream rid, downstream rid)`` when an outbox dropped a
         downstream replica as a straggler (checked every ``IDLE_WAIT_S``)."""
@@ -1059,6 +1062,8 @@ class Worker:
                     r.fail(exc)
                     if r.report.error:
                         return self._finish()
+            if self.on_started is not None:
+                self.on_started()
             self._loop(duration)
             self._serve_control({r.me: r for r in self.replicas})
         except Exception as exc:  # a fault of the worker itself: blame every live replica

@@ -87,7 +87,8 @@ def serve(
     answered by ``cut`` and ``linked`` messages), and for a ``metrics`` snapshot every so
     many seconds (:mod:`tandem.metrics`; sent as ``metrics`` messages, the last one before
     ``done``). A worker that rebuilds lost replicas (``rejoin``) first says it is
-    ``waiting`` and gets their twins' cuts (``resume``). ``receive(what)``: the
+    ``waiting`` and gets their twins' cuts (``resume``), and says ``started`` once its
+    replicas have dialled their downstream replicas. ``receive(what)``: the
     coordinator's next message before the run (default: wait for it). ``sigterm``: a
     SIGTERM hands KaZoo leadership over and exits the process. Returns the reports, or
     None if the coordinator stopped the worker before it ran."""
@@ -185,6 +186,8 @@ def serve(
 
     worker.on_checkpoint = send_checkpoint
     worker.on_link = lambda up, down, error: send(("linked", up, down, error))
+    if rejoin:
+        worker.on_started = lambda: send(("started",))
     if plan.restore:
         worker.on_evicted = lambda up, down: send(("evicted", up, down))
     threading.Thread(

@@ -94,6 +94,9 @@ class _Rejoin:
     deadline: float
     generation: int
     state: str = "starting"  # starting -> cutting -> binding -> linking
+    started: bool = False
+    """The new process said its replicas have started (dialled their downstream
+    replicas): until then it is no twin to count on, and no kill of its twins comes."""
     cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
     feeding: Feeding = field(default_factory=Feeding)
     warm: bool = False
@@ -681,7 +684,9 @@ class _Run:
                 running -= self.killed_workers
             for w, rj in list(self.rejoins.items()):
                 if time.monotonic() > rj.deadline:
-                    self._abort_rejoin(w, f"not done within {REJOIN_TIMEOUT_S:.0f} s")
+                    self._abort_rejoin(
+                        w, f"not done within {REJOIN_TIMEOUT_S:.0f} s ({self._stuck(rj)})"
+                    )
             if self.checkpointing:
                 self._checkpoint_step(now_s)
             self._draw(now_s)
@@ -723,6 +728,8 @@ class _Run:
                     self._on_cut(*msg[1:], now_s=now_s)
                 elif msg[0] == "linked":
                     self._on_linked(*msg[1:], now_s=now_s)
+                elif msg[0] == "started":
+                    self._on_started(w, now_s)
                 elif msg[0] == "evicted":
                     self._on_evicted(*msg[1:], now_s=now_s)
                 elif msg[0] == "metrics":
@@ -1085,8 +1092,6 @@ class _Run:
         self.killed_workers.discard(w)
         self.running.add(w)
         self.heard[w] = time.monotonic()
-        if not rj.feeding.asked:
-            self._linked(w, now_s)
 
     def _on_cut(self, twin: ReplicaId, taken: Resume | None, token, now_s: float) -> None:
         w, generation, rid = token
@@ -1118,8 +1123,16 @@ class _Run:
             log.warning(
                 "%s could not feed the rebuilt %s: %s", self._name(up), self._name(down), error
             )
-        if rj.feeding.answered(up, down, error):
+        if rj.feeding.answered(up, down, error) and rj.started:
             self._linked(rj.worker, now_s)
+
+    def _on_started(self, w: int, now_s: float) -> None:
+        rj = self.rejoins.get(w)
+        if rj is None or rj.state != "linking":
+            return
+        rj.started = True
+        if not rj.feeding.asked:
+            self._linked(w, now_s)
 
     def _unanswered(self, w: int, now_s: float) -> None:
         """Worker ``w`` finished: the link requests it had not answered before it said
@@ -1203,6 +1216,22 @@ class _Run:
             self._worker_name(w),
             now_s,
             (now_s - rj.lost_s) * 1000,
+        )
+
+    def _stuck(self, rj: _Rejoin) -> str:
+        """What a rebuild that timed out was waiting for, in words."""
+        if rj.state == "starting":
+            return "its new process never said it was ready for its cuts"
+        if rj.state == "cutting":
+            missing = [self._name(rj.twins[r]) for r in sorted(rj.twins) if r not in rj.cuts]
+            return "no cut came from " + ", ".join(missing)
+        if rj.state == "binding":
+            return "its new process did not take its cuts"
+        if not rj.started:
+            return "its replicas did not start (dialling their downstream replicas)"
+        unanswered = sorted(rj.feeding.asked)
+        return "no answer to the links asked of " + ", ".join(
+            f"{self._name(up)} (to {self._name(down)})" for up, down in unanswered
         )
 
     def _abort_rejoin(self, w: int, why: str) -> None:

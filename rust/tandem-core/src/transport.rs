@@ -1843,7 +1843,11 @@ impl TcpLink {
                 .and_then(|mut s| wire::client_handshake(&mut s, me, secret).map(|()| s))
             {
                 Ok(s) => break s,
-                Err(e @ Error::Handshake(_)) => return Err(e),
+                Err(Error::Handshake(m)) => {
+                    return Err(Error::Handshake(format!(
+                        "downstream replica at {addr}: {m}"
+                    )))
+                }
                 Err(e) => e,
             };
             let now = Instant::now();

@@ -147,7 +147,17 @@ pub fn client_handshake<S: Read + Write>(
         )));
     }
     let mut hello = [0u8; 6 + NONCE_LEN];
-    read_step(stream, &mut hello, "its hello")?;
+    // A server closes without a hello only when it is going away (stopping, or its
+    // process dying with the connection still in its backlog); one that refuses says
+    // why. So an end of stream here is not a refusal: the caller may dial again.
+    stream.read_exact(&mut hello).map_err(|e| {
+        let what = if e.kind() == io::ErrorKind::UnexpectedEof {
+            "the peer closed the connection before its hello (it is stopping or gone)".to_owned()
+        } else {
+            format!("handshake: reading its hello: {e}")
+        };
+        Error::Io(io::Error::new(e.kind(), what))
+    })?;
     check_preamble(&hello, "server")?;
     let server_nonce = &hello[6..];
     let client_nonce = nonce()?;
@@ -486,6 +496,20 @@ mod tests {
             matches!(err, Error::Handshake(ref m) if m.contains("magic")),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_server_gone_before_its_hello_is_no_refusal() {
+        // A server going away closes without a hello: an I/O error the dialler retries,
+        // not a handshake refusal it gives up on.
+        let (mut c, s) = tcp_pair();
+        drop(s);
+        let err = client_handshake(&mut c, &ident("job-a"), b"k").unwrap_err();
+        assert!(
+            matches!(err, Error::Io(ref e) if e.kind() == io::ErrorKind::UnexpectedEof),
+            "{err}"
+        );
+        assert!(err.to_string().contains("before its hello"), "{err}");
     }
 
     #[test]
