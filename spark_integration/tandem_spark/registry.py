@@ -166,6 +166,9 @@ class _Rejoin:
     refused: ReplicaId | None = None
     """A twin that could not be cut (finished, failed, or going by): cut again."""
     feeding: Feeding = field(default_factory=Feeding)
+    started: bool = False
+    """The retried task said its replicas have started (dialled their downstream
+    replicas): until then it is no twin to count on."""
 
 
 class Registry:
@@ -344,6 +347,8 @@ class Registry:
                 self._on_cut(*msg[1:])
             elif msg[0] == "linked":
                 self._on_linked(*msg[1:])
+            elif msg[0] == "started":
+                self._on_started(w)
             elif msg[0] == "evicted":
                 self._on_evicted(*msg[1:])
         with self._lock:
@@ -712,8 +717,6 @@ class Registry:
             )
             if not sent:
                 self._on_linked(up, rid, "its worker is gone")
-        if not links:
-            self._linked(rj)
         try:
             self._run(conn, attempt)
         finally:
@@ -791,7 +794,17 @@ class Registry:
                 return
             if error is not None:
                 log.warning("%s could not feed the rebuilt %s: %s", up, down, error)
-            done = rj.feeding.answered(up, down, error)
+            done = rj.feeding.answered(up, down, error) and rj.started
+        if done:
+            self._linked(rj)
+
+    def _on_started(self, w: int) -> None:
+        with self._lock:
+            rj = self._rejoins.get(w)
+            if rj is None:
+                return
+            rj.started = True
+            done = not rj.feeding.asked
         if done:
             self._linked(rj)
 
