@@ -223,18 +223,21 @@ def test_a_cut_written_by_a_child_comes_back_inline_as_a_file_or_not_at_all(tmp_
     """The twin's side of a rebuild (Replica.cut_in_child): a forked child writes the
     state; the cut is sent once it is done — a small state read back inline, a large one
     as the file — and a child that failed makes it a cut not taken (a later one is tried)."""
-    from tandem.runtime import Resume
+    from tandem.runtime import CutWriter, Resume
+
+    def writes(path, data):
+        return CutWriter(_child_writes(path, data))
 
     small, large = tmp_path / "small.state", tmp_path / "large.state"
-    pending = Resume((7,), b"", str(small), writer=_child_writes(str(small), b"x" * 10))
+    pending = Resume((7,), b"", str(small), writer=writes(str(small), b"x" * 10))
     done = pending.written(inline_below=1 << 20)
     assert done == Resume((7,), b"x" * 10) and not small.exists()
-    pending = Resume((7,), b"", str(large), writer=_child_writes(str(large), b"y" * 100))
+    pending = Resume((7,), b"", str(large), writer=writes(str(large), b"y" * 100))
     done = pending.written(inline_below=50)
     assert done.writer is None and done.state_file == str(large) and done.load() == b"y" * 100
     failed = tmp_path / "failed.state"
     failed.write_bytes(b"")
-    pending = Resume((7,), b"", str(failed), writer=_child_writes(str(failed), None))
+    pending = Resume((7,), b"", str(failed), writer=writes(str(failed), None))
     assert pending.written() is None and not failed.exists()
 
 
@@ -307,6 +310,23 @@ def test_state_size_is_known_only_where_it_is_cheap_and_sure():
     nested.process(pa.record_batch({"v": [1]}), nested.state)
     assert nested.state_size() is None
     assert _Custom().state_size() is None  # its own snapshot, no state_size of its own
+
+
+def test_one_fork_writes_every_large_state_a_rebuild_cuts_in_a_worker():
+    """A worker hosting the twins of two large states cut for one rebuild forks once: the
+    slot cut first is held until the other is cut too, and one child writes both."""
+    from tandem import bench
+
+    job = bench.recovery_job(3, 2000)
+    job.workers = 1  # both partitions of each replica group in one worker
+    res = job.run(duration=5, faults=[td.Kill("state", 0, 0, at=2.0)], progress=False)
+    assert res.lost == 0 and res.duplicates == 0
+    assert res.digests_match, res.determinism_errors
+    states = [r for r in res.restored_replicas if r["task"] == "state"]
+    assert len(states) == 2, res.restored_replicas
+    assert all(r["forked_with"] == 2 and r["state_file"] for r in states), states
+    others = [r for r in res.restored_replicas if r["task"] != "state"]
+    assert others and all(r["forked_with"] == 0 for r in others), others
 
 
 def test_a_rebuilds_cut_forks_only_for_a_state_that_may_be_large(tmp_path):

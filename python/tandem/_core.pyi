@@ -550,6 +550,10 @@ class Worker:
         checkpoint): ``next()`` hands out a ``"cut"`` item with ``at=epoch`` — its cut taken
         after the last heartbeat forwarded together with ``epoch``, nothing between them —
         or with ``cut=None`` at once if the slot already forwarded ``epoch`` or finished."""
+    def hold(self, slot: int, on: bool) -> None:
+        """Hold ``slot`` where it stands (``on``) or let it go on: while held, ``next()``
+        hands out nothing of it — no input, heartbeat or watermark — and its input waits
+        in its inbox."""
     def allow(self, slot: int, epoch: int) -> None:
         """A source slot may send its heartbeats through ``epoch``, each when due."""
     def heartbeats_through(self, slot: int, epoch: int) -> None:

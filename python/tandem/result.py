@@ -51,7 +51,9 @@ class Result:
     heartbeat ``epoch`` of the cut, ``lost_s`` and ``restored_s`` — seconds from t0 — and
     ``restore_ms``, from the loss to the new replica receiving its input; ``warm``: it ran in
     the spare process started ahead of the loss; ``state_file``: its state came as a file
-    from the twin, not through the coordinator; rolled back to a checkpoint, under
+    from the twin, not through the coordinator; ``forked_with``: how many states the child
+    forked from the twin's worker wrote with this one (one fork per worker and rebuild; 0:
+    snapshotted in place); rolled back to a checkpoint, under
     ``Job(checkpoint_ms=...)``: ``twin`` None and ``checkpoint``, the checkpoint's epoch,
     0 for a restart from the beginning of the stream; a Kafka sink restarted from its last
     commit: ``twin`` None, ``sink`` True, ``epoch`` the heartbeat its stored input position

@@ -90,6 +90,9 @@ WRITER_TIMEOUT_S = 60.0
 #: Whether a rebuild's cut snapshots the operator's state in a forked child
 #: (:meth:`Replica.cut_in_child`): Linux only, where fork is cheap and the usual start.
 FORK_CUTS = sys.platform == "linux"
+#: How long a slot cut for a rebuild waits, held, for the other slots of its worker asked
+#: for in the same rebuild, so that one fork writes every state (:meth:`Worker._cut`).
+HOLD_CUTS_S = 0.02
 #: The niceness of a child writing a cut's state (``os.nice``; 0: its parent's).
 CHILD_NICE = 19
 #: A rebuild's cut of a state known to be at most this large (``Operator.state_size``)
@@ -97,6 +100,40 @@ CHILD_NICE = 19
 #: 3.5-4 ms here (its page tables, whatever the state), then copy-on-write faults while
 #: the child lives, where copying 2 MiB of arrays takes well under a millisecond.
 INLINE_CUT_BYTES = 2 << 20
+
+
+class CutWriter:
+    """A forked child writing the states of one or more cuts (:func:`fork_cuts`): waited
+    for once, by whichever of its cuts is sent first; the others read the same outcome."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._lock = threading.Lock()
+        self._code: int | None = None
+
+    def wait(self, timeout: float = WRITER_TIMEOUT_S) -> int:
+        """The child's exit code (killed, and not 0, after ``timeout``)."""
+        with self._lock:
+            if self._code is None:
+                self._code = self._reap(timeout)
+            return self._code
+
+    def _reap(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() > deadline:
+                with contextlib.suppress(OSError):
+                    os.kill(self.pid, 9)
+                os.waitpid(self.pid, 0)
+                log.warning("writing a cut's state took over %g s: abandoned", timeout)
+                return -9
+            time.sleep(0.002)
+
+    def __repr__(self) -> str:
+        return f"CutWriter(pid={self.pid}, exit={self._code})"
 
 
 @dataclass
@@ -148,15 +185,18 @@ class Resume:
     file instead (``state_file``, written by the twin's worker, read once and removed by
     the rebuilt replica's): it then crosses no process but the two that need it. A
     checkpoint's state file (``Job(checkpoint_ms=...)``) belongs to the checkpoint
-    (``keep_file``): read, never removed by the replica. ``writer``: the PID of the child
-    process still writing ``state_file`` (:meth:`Replica.cut_in_child`); wait for it with
-    :meth:`written` before the cut goes anywhere."""
+    (``keep_file``): read, never removed by the replica. ``writer``: the child process
+    still writing ``state_file`` (:func:`fork_cuts`); wait for it with :meth:`written`
+    before the cut goes anywhere."""
 
     cut: tuple
     state: bytes
     state_file: str | None = None
     keep_file: bool = False
-    writer: int | None = None
+    writer: CutWriter | None = None
+    forked_with: int = 0
+    """How many states the forked child that wrote this one wrote in all (one fork for
+    every cut of a rebuild in a worker: :func:`fork_cuts`); 0: not written by a child."""
 
     def written(self, inline_below: int = 0, timeout: float = WRITER_TIMEOUT_S) -> Resume | None:
         """Wait for the child writing the state file; this cut without it — a state under
@@ -165,20 +205,9 @@ class Resume:
         reports the cut as not taken and a later one is tried."""
         if self.writer is None:
             return self
-        deadline = time.monotonic() + timeout
-        while True:
-            pid, status = os.waitpid(self.writer, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                with contextlib.suppress(OSError):
-                    os.kill(self.writer, 9)
-                _, status = os.waitpid(self.writer, 0)
-                log.warning("writing a cut's state took over %g s: abandoned", timeout)
-                break
-            time.sleep(0.002)
+        code = self.writer.wait(timeout)
         path = self.state_file
-        if os.waitstatus_to_exitcode(status) != 0 or path is None:
+        if code != 0 or path is None:
             if path is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
@@ -187,8 +216,8 @@ class Resume:
             with open(path, "rb") as f:
                 state = f.read()
             os.unlink(path)
-            return Resume(self.cut, state)
-        return Resume(self.cut, b"", path, self.keep_file)
+            return Resume(self.cut, state, forked_with=self.forked_with)
+        return Resume(self.cut, b"", path, self.keep_file, forked_with=self.forked_with)
 
     @property
     def epoch(self) -> int:
@@ -472,44 +501,31 @@ class Replica:
         state = self._inst.snapshot() if self._inst is not None else b""
         return Resume(cut, state)
 
-    def cut_in_child(self, cut: tuple | None, folder: str) -> Resume | None:
-        """:meth:`cut`, with the operator's state snapshotted and written to a new file
-        in ``folder`` by a forked child: the child sees the state as it is at the cut
-        (copy-on-write), and this replica goes on at once instead of pausing for the
-        snapshot's copy (about 120 ms for 100 MiB here; a fork of such a worker 3.5-9
-        ms, growing with the process, not the state). The returned cut's ``writer`` is
-        the child: see :meth:`Resume.written`.
-        Replicas with no operator state to speak of, or a state known to be small
-        (``Operator.state_size`` at most :data:`INLINE_CUT_BYTES`), take :meth:`cut` as
-        usual."""
+    def forks(self, cut: tuple | None) -> bool:
+        """Whether a rebuild's cut ``cut`` of this replica should have its operator's state
+        snapshotted and written by a forked child (:func:`fork_cuts`): the child sees the
+        state as it is at the cut (copy-on-write), and this replica goes on at once instead
+        of pausing for the snapshot's copy (about 120 ms for 100 MiB here; a fork of such
+        a worker 3.5-9 ms, growing with the process, not the state). Not for a replica
+        with no operator state to speak of, or a state known to be small
+        (``Operator.state_size`` at most :data:`INLINE_CUT_BYTES`): :meth:`cut` copies
+        those in place."""
         if cut is None or self._inst is None or self.log_reader is not None or not FORK_CUTS:
-            return self.cut(cut)
+            return False
         try:
             size = self._inst.state_size()
         except Exception:  # a hint, not the snapshot: unknown then
             log.debug("%s: state_size() failed; the cut forks", self.name, exc_info=True)
             size = None
-        if size is not None and size <= INLINE_CUT_BYTES:
+        return size is None or size > INLINE_CUT_BYTES
+
+    def cut_in_child(self, cut: tuple | None, folder: str) -> Resume | None:
+        """:meth:`cut`, the operator's state written to a new file in ``folder`` by a
+        forked child where :meth:`forks` says so (the returned cut's ``writer``: see
+        :meth:`Resume.written`)."""
+        if not self.forks(cut):
             return self.cut(cut)
-        fd, path = tempfile.mkstemp(dir=folder, suffix=".state")
-        os.close(fd)
-        with warnings.catch_warnings():
-            # Python 3.12+ warns of fork in a threaded process: the child runs only the
-            # operator's snapshot() and a file write, then leaves by os._exit.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # the child
-            code = 1
-            try:
-                # Lowest priority: the replicas its parent serves, and their twins, get
-                # the cores first; it has until WRITER_TIMEOUT_S.
-                with contextlib.suppress(OSError):
-                    os.nice(CHILD_NICE)
-                Resume(cut, self._inst.snapshot())._to_file(path, keep=False)
-                code = 0
-            finally:
-                os._exit(code)
-        return Resume(cut, b"", path, writer=pid)
+        return fork_cuts([(self, cut, folder)])[0]
 
     def log_resume(self) -> tuple[int, int, int]:
         """A rebuilt log source's ``(heartbeat, next offset, data rows before it)``."""
@@ -862,6 +878,41 @@ class _LogSource:
         }
 
 
+def fork_cuts(cuts: list[tuple[Replica, tuple, str]]) -> list[Resume]:
+    """The cuts ``(replica, cut, folder)`` — each replica stopped at its cut — with their
+    operators' states snapshotted and written, each to a new file in its folder, by one
+    forked child (:meth:`Replica.forks`): one fork of the worker, whatever the number of
+    states. The child runs only ``snapshot()`` and the writes, at the lowest priority, so
+    what other threads held at the fork does not matter."""
+    paths = []
+    for _, _, folder in cuts:
+        fd, path = tempfile.mkstemp(dir=folder, suffix=".state")
+        os.close(fd)
+        paths.append(path)
+    with warnings.catch_warnings():
+        # Python 3.12+ warns of fork in a threaded process: the child runs only the
+        # operators' snapshot() and file writes, then leaves by os._exit.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        try:
+            # Lowest priority: the replicas its parent serves, and their twins, get the
+            # cores first; it has until WRITER_TIMEOUT_S.
+            with contextlib.suppress(OSError):
+                os.nice(CHILD_NICE)
+            for (rep, cut, _), path in zip(cuts, paths, strict=True):
+                Resume(cut, rep._inst.snapshot())._to_file(path, keep=False)
+            code = 0
+        finally:
+            os._exit(code)
+    writer = CutWriter(pid)
+    return [
+        Resume(cut, b"", path, writer=writer, forked_with=len(cuts))
+        for (_, cut, _), path in zip(cuts, paths, strict=True)
+    ]
+
+
 class Worker:
     """One worker process's replicas, served from one thread (see the module
     documentation). ``rids``: the ``(task, partition, replica)`` it hosts."""
@@ -921,6 +972,9 @@ class Worker:
             if offsets and all(o is not None for o in offsets):
                 self.kazoo.start_offset = min(offsets)
         self._cuts: dict[int, list] = {}  # slot -> tokens of the cuts asked of it
+        self._held: dict[int, tuple[Replica, tuple, str, float]] = {}
+        """Slots held at a rebuild's cut (``Worker.hold``) until their siblings are cut too
+        (:meth:`_cut`): slot -> (replica, cut, state folder, monotonic time held)."""
         self.until: tuple[int, bool] | None = None
         """A run with no duration: the source time its sources may emit through (ns after
         t0) and whether the run stops there (:meth:`extend`)."""
@@ -1113,6 +1167,8 @@ class Worker:
             if control:
                 self._serve_control(by_rid)
             wait = IDLE_WAIT_S
+            if self._held:
+                wait = min(wait, self._release_held())
             if sources:
                 now = time.time_ns()
                 finished = False
@@ -1201,6 +1257,13 @@ class Worker:
         # One rebuild asking, with a folder for its state: written by a forked child.
         folder = self.state_folder(tokens[0]) if len(tokens) == 1 else None
         try:
+            if folder is not None and rep.forks(item.cut):
+                # Held until every other slot asked to fork for a cut is cut too: one
+                # fork then writes them all (:meth:`_release_held`).
+                self._held[item.slot] = (rep, item.cut, folder, time.monotonic())
+                self.core.hold(item.slot, True)
+                self._release_held()
+                return
             taken = rep.cut(item.cut) if folder is None else rep.cut_in_child(item.cut, folder)
         except Exception:
             what = "a checkpoint's cut" if checkpoint else "a cut"
@@ -1212,6 +1275,39 @@ class Worker:
             return
         for token in self._cuts.pop(item.slot, []):
             self.on_cut(rep.me, taken, token)
+
+    def _release_held(self) -> float:
+        """Fork once for the slots held at their cuts (:meth:`_cut`) once no other slot
+        of this worker waits to be cut with a state folder — or once the first of them
+        has been held for :data:`HOLD_CUTS_S` (a sibling late to its boundary, behind
+        the held ones, say) — then let them go on. How soon to look again."""
+        if not self._held:
+            return IDLE_WAIT_S
+        oldest = min(since for *_, since in self._held.values())
+        left = oldest + HOLD_CUTS_S - time.monotonic()
+        pending = [
+            slot
+            for slot, tokens in self._cuts.items()
+            if slot not in self._held
+            and len(tokens) == 1
+            and self.state_folder(tokens[0]) is not None
+        ]
+        if pending and left > 0:
+            return left
+        held, self._held = self._held, {}
+        entries = [(rep, cut, folder) for rep, cut, folder, _ in held.values()]
+        try:
+            taken = fork_cuts(entries)
+        except Exception:
+            log.exception("taking the cuts of %s failed", [r.name for r, *_ in entries])
+            taken = [None] * len(entries)
+        for slot, resume in zip(held, taken, strict=True):
+            with contextlib.suppress(Exception):
+                self.core.hold(slot, False)
+            rep = held[slot][0]
+            for token in self._cuts.pop(slot, []):
+                self.on_cut(rep.me, resume, token)
+        return IDLE_WAIT_S
 
     @staticmethod
     def _dispatch(rep: Replica, item) -> bool:

@@ -359,6 +359,7 @@ def restored_entry(
         "restore_ms": round((now_s - lost_s) * 1000, 1),
         "warm": warm,
         "state_file": cut is not None and cut.state_file is not None,
+        "forked_with": cut.forked_with if cut is not None else 0,
     }
 
 

@@ -150,36 +150,74 @@ SPARE_NICE = 19
 """The niceness of the thread a spare process loads its modules on (``0``: none)."""
 
 _SPARE_BOOT = """
-import os, sys, threading
+import os, resource, sys, threading
 
-# Modules that start threads of their own load first, at normal priority: a new thread
-# gets its creator's niceness (numpy's BLAS threads, pyarrow's jemalloc purger).
-import numpy, pyarrow
+def may_raise(base):
+    # Whether this process may give a thread back its normal priority after the lowest
+    # (CAP_SYS_NICE, or an RLIMIT_NICE that allows it).
+    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or 20 - soft <= base
 
-def load():
-    # This thread only (Linux keeps a niceness per thread): the main thread, which serves
-    # the rebuilt worker once a payload comes, keeps the priority the process started with.
+def lowest(tid):
+    os.setpriority(os.PRIO_PROCESS, tid, int(sys.argv[4]))
+    if hasattr(os, "SCHED_IDLE"):  # runs only when a core has nothing else to run
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+
+def threads():
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(sys.argv[4]))
+        return set(map(int, os.listdir("/proc/self/task")))
+    except OSError:
+        return {threading.get_native_id()}
+
+base = os.getpriority(os.PRIO_PROCESS, 0)
+if may_raise(base):
+    # Everything at the lowest priority, then every thread (the modules' own: numpy's
+    # BLAS threads, pyarrow's jemalloc purger) back to the normal one.
+    try:
+        lowest(threading.get_native_id())
     except (AttributeError, OSError):
         pass
     from tandem.engines import worker
     worker.warm_up()
+    for tid in threads():
+        try:
+            if hasattr(os, "SCHED_OTHER"):
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+        except OSError:
+            pass
+else:
+    # numpy and pyarrow start threads, which get their creator's priority and could not
+    # be given the normal one back: they load first, at normal priority, and the rest on
+    # a thread of the lowest (Linux keeps a priority per thread).
+    import numpy, pyarrow
 
-loader = threading.Thread(target=load, name="tandem-spare-load")
-loader.start()
-loader.join()
+    def load():
+        try:
+            lowest(threading.get_native_id())
+        except (AttributeError, OSError):
+            pass
+        from tandem.engines import worker
+        worker.warm_up()
+
+    loader = threading.Thread(target=load, name="tandem-spare-load")
+    loader.start()
+    loader.join()
 from tandem.engines.worker import main
 sys.exit(main(sys.argv[1:4]))
 """
 """How a spare starts (``python -c``): a spare is started right after a rebuild, beside
-the survivors, and its start is about half a CPU-second of imports. Loading the modules
-that start no thread (two thirds of it: tandem, pandas through pyarrow's shim) on a
-thread of the lowest priority hands that CPU to the survivors first, where ``python -m
-tandem.engines.worker`` would import ``tandem`` at normal priority before any of our code
-runs. The spare waits for a loss anyway; every thread it has once loaded runs at normal
-priority (``tests/test_restore.py`` checks), and so does the work a rebuild does once the
-payload comes."""
+the survivors and the rebuilt worker catching up, and its start is about half a
+CPU-second of imports. It loads them at the lowest priority — niceness ``SPARE_NICE`` and
+``SCHED_IDLE``, so that the survivors get a core the moment they need one — where ``python
+-m tandem.engines.worker`` would import ``tandem`` at normal priority before any of our
+code runs. Then every thread it has (numpy's BLAS threads and pyarrow's jemalloc purger
+among them, which inherit the priority of the thread that loads those modules) goes back
+to the normal priority: where the process may raise a thread's priority (root, or an
+``RLIMIT_NICE`` that allows it). Elsewhere numpy and pyarrow load first, at normal
+priority, and the rest on a thread of the lowest. The spare waits for a loss anyway;
+every thread it has once loaded runs at normal priority (``tests/test_restore.py``
+checks), and so does the work a rebuild does once the payload comes."""
 
 
 class _Process:

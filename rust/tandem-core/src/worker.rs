@@ -150,6 +150,8 @@ struct Slot {
     cut_at: Option<u64>,
     /// An aligned cut taken (or refused) and not yet handed out: `(epoch asked, cut)`.
     aligned: Option<(u64, Option<SlotCut>)>,
+    /// Held by the caller ([`Worker::hold`]): nothing of the slot runs, its input waits.
+    held: bool,
 }
 
 impl Slot {
@@ -438,6 +440,7 @@ impl Worker {
             cut: None,
             cut_at: None,
             aligned: None,
+            held: false,
         });
         self.bell.ring();
         Ok(self.slots.len() - 1)
@@ -499,6 +502,18 @@ impl Worker {
             s.cut_at = None;
             s.aligned = Some((epoch, None));
         }
+        self.bell.ring();
+        Ok(())
+    }
+
+    /// Hold `slot` where it stands (`on`), or let it go on: while held, [`Worker::next`]
+    /// hands out nothing of it — no input, no heartbeat, no watermark — and its input
+    /// waits in its inbox (its upstream replicas feel the back-pressure once that is
+    /// full). The caller holds a slot cut for a rebuild until the other slots asked for
+    /// in the same rebuild are cut too, so that one fork copies every state.
+    pub fn hold(&mut self, slot: usize, on: bool) -> Result<()> {
+        let s = self.slot(slot)?;
+        s.held = on;
         self.bell.ring();
         Ok(())
     }
@@ -620,7 +635,7 @@ impl Worker {
         if let Some(w) = s.take_ready(idx) {
             return Some(w);
         }
-        if !s.active {
+        if !s.active || s.held {
             return None;
         }
         // The heartbeat of a watermark handed out last time follows its output.

@@ -261,6 +261,12 @@ impl Worker {
         self.with(py, move |w| w.request_cut_at(slot, epoch))
     }
 
+    /// Hold `slot` where it stands (`on=True`) or let it go on: while held, `next()` hands
+    /// out nothing of it and its input waits in its inbox.
+    fn hold(&self, py: Python<'_>, slot: usize, on: bool) -> PyResult<()> {
+        self.with(py, move |w| w.hold(slot, on))
+    }
+
     /// A source slot may send its heartbeats through `epoch`, each when due.
     fn allow(&self, py: Python<'_>, slot: usize, epoch: u64) -> PyResult<()> {
         self.with(py, move |w| w.allow(slot, epoch))
