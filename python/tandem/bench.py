@@ -953,7 +953,7 @@ class Ballast(td.KeyedProcess):
         st = self.state
         if "bytes" not in st:
             return b""
-        return st["batches"].to_bytes(8, "little") + st["bytes"].tobytes()
+        return b"".join((st["batches"].to_bytes(8, "little"), st["bytes"].data))  # one copy
 
     def state_size(self) -> int:
         return 8 + self.state["bytes"].nbytes if "bytes" in self.state else 0
@@ -962,7 +962,7 @@ class Ballast(td.KeyedProcess):
         self.state.clear()
         if data:
             self.state["batches"] = int.from_bytes(data[:8], "little")
-            self.state["bytes"] = np.frombuffer(data[8:], dtype=np.uint8).copy()
+            self.state["bytes"] = np.frombuffer(data, np.uint8, offset=8).copy()  # one copy
 
 
 @dataclass

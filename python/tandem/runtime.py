@@ -90,6 +90,9 @@ WRITER_TIMEOUT_S = 60.0
 #: Whether a rebuild's cut snapshots the operator's state in a forked child
 #: (:meth:`Replica.cut_in_child`): Linux only, where fork is cheap and the usual start.
 FORK_CUTS = sys.platform == "linux"
+#: Added to the niceness of a rebuilt worker's thread while it loads its states and
+#: catches up (:attr:`Worker.caught_up_nice`).
+CATCH_UP_NICE = 10
 #: How long a slot cut for a rebuild waits, held, for the other slots of its worker asked
 #: for in the same rebuild, so that one fork writes every state (:meth:`Worker._cut`).
 HOLD_CUTS_S = 0.02
@@ -878,6 +881,30 @@ class _LogSource:
         }
 
 
+def may_raise_priority() -> bool:
+    """Whether this process may give a thread back a priority it lowered (``nice``):
+    root (``CAP_SYS_NICE``), or an ``RLIMIT_NICE`` that allows the process's niceness."""
+    if not hasattr(os, "getpriority"):
+        return False
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or 20 - soft <= base
+
+
+def thread_nice(nice: int, relative: bool = True) -> int | None:
+    """Set the calling thread's niceness (Linux keeps one per thread) to ``nice`` (added
+    to the process's, ``relative``); the niceness it had, or None if it could not."""
+    tid = threading.get_native_id()
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, before + nice) if relative else nice)
+    except (AttributeError, OSError):
+        return None
+    return before
+
+
 def fork_cuts(cuts: list[tuple[Replica, tuple, str]]) -> list[Resume]:
     """The cuts ``(replica, cut, folder)`` — each replica stopped at its cut — with their
     operators' states snapshotted and written, each to a new file in its folder, by one
@@ -943,6 +970,13 @@ class Worker:
         self.on_started = None
         """Called once every replica has started (its downstream replicas dialled): a
         rebuilt worker is not a twin to count on before."""
+        self.caught_up_nice: int | None = None
+        """A rebuilt worker whose thread set itself a lower priority for the rebuild
+        (:data:`CATCH_UP_NICE`, by the exchange where the process may raise it back:
+        :func:`may_raise_priority`): the niceness the worker thread goes back to once it
+        has consumed its replay — the first time it finds nothing to do after some
+        input. Loading the states and catching up take the CPU the survivors leave, not
+        theirs."""
         self.on_evicted = None
         """Called with ``(upstream rid, downstream rid)`` when an outbox dropped a
         downstream replica as a straggler (checked every ``IDLE_WAIT_S``)."""
@@ -1162,6 +1196,7 @@ class Worker:
         by_rid = {r.me: r for r in self.replicas}
         control = self.control
         live = len(by_slot)
+        served = 0  # work items served, while catching up
         checked = measured = time.monotonic()
         while live:
             if control:
@@ -1215,6 +1250,11 @@ class Worker:
                 if not live:
                     return
             item = core.next(timeout=wait)
+            if self.caught_up_nice is not None:
+                if item is None and served and wait > 0:  # caught up
+                    thread_nice(self.caught_up_nice, relative=False)
+                    self.caught_up_nice = None
+                served += item is not None
             if item is not None:
                 rep = by_slot[item.slot]
                 if item.kind == "cut":

@@ -32,7 +32,16 @@ from typing import Any
 from tandem import logs
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
-from tandem.runtime import ReplicaId, ReplicaReport, Resume, Worker, _warm_up
+from tandem.runtime import (
+    CATCH_UP_NICE,
+    ReplicaId,
+    ReplicaReport,
+    Resume,
+    Worker,
+    _warm_up,
+    may_raise_priority,
+    thread_nice,
+)
 
 log = logging.getLogger("tandem")
 
@@ -94,7 +103,13 @@ def serve(
     None if the coordinator stopped the worker before it ran."""
     recv = receive or (lambda what: conn.recv())
     resume = None
+    base_nice = None
     if rejoin:
+        # What a rebuild does here — load the states, catch up on the replay — runs at a
+        # lower priority than the survivors' work, where the priority can be raised back
+        # (Worker.caught_up_nice).
+        if may_raise_priority():
+            base_nice = thread_nice(CATCH_UP_NICE)
         _warm_up()
         conn.send(("waiting", None))
         msg = recv("twins' cuts")
@@ -188,6 +203,7 @@ def serve(
     worker.on_link = lambda up, down, error: send(("linked", up, down, error))
     if rejoin:
         worker.on_started = lambda: send(("started",))
+        worker.caught_up_nice = base_nice
     if plan.restore:
         worker.on_evicted = lambda up, down: send(("evicted", up, down))
     threading.Thread(
