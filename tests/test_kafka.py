@@ -81,10 +81,9 @@ def read_committed(bootstrap: str, topic: str, partitions: int) -> list:
 H = 1_000  # heartbeat period (ns) in the schedule's own unit tests
 
 
-def _records(draw_ops, stamps=()) -> list[tuple[int, int | None, int | None]]:
-    """(offset, marker instant or None, timestamp or None) records from a list of ops,
-    the data rows stamped from ``stamps`` in turn."""
-    return [(i, op, stamps[i % len(stamps)] if stamps else None) for i, op in enumerate(draw_ops)]
+def _records(draw_ops) -> list[tuple[int, int | None]]:
+    """(offset, marker instant or None) records from a list of ops."""
+    return [(i, op) for i, op in enumerate(draw_ops)]
 
 
 ops = st.lists(
@@ -104,31 +103,14 @@ ops = st.lists(
     batch_rows=st.integers(min_value=1, max_value=17),
     t0=st.integers(min_value=0, max_value=10 * H),
     last=st.one_of(st.none(), st.integers(min_value=1, max_value=30)),
-    stamps=st.one_of(
-        st.just(()),  # a log without timestamps
-        st.lists(st.one_of(st.none(), st.integers(min_value=0, max_value=60)), max_size=40),
-    ),
-    window=st.integers(min_value=0, max_value=12),
 )
 def test_the_schedule_is_a_function_of_the_log_not_of_how_it_arrives(
-    log, cuts, batch_rows, t0, last, stamps, window
+    log, cuts, batch_rows, t0, last
 ):
-    records = _records(log, stamps)
-
-    def schedule(resume=None):
-        return LogSchedule(
-            H,
-            t0,
-            last,
-            batch_rows,
-            marker=lambda r: r[1],
-            resume=resume,
-            stamp=lambda r: r[2],
-            window_ns=window,
-        )
+    records = _records(log)
 
     def run(chunks):
-        sched = schedule()
+        sched = LogSchedule(H, t0, last, batch_rows, marker=lambda r: r[1])
         steps = []
         for chunk in chunks:
             steps += sched.feed(chunk)
@@ -144,12 +126,11 @@ def test_the_schedule_is_a_function_of_the_log_not_of_how_it_arrives(
 
     # Batches hold data rows only, never span a taken marker, and are cut at every
     # batch_rows-th data row; heartbeats are the markers taken, strictly increasing.
-    # Within those segments the timestamps cut too (checked after).
     taken, rows_seen, epochs = t0 // H, 0, []
     expect_batches: list[list[int]] = []
     current: list[int] = []
     ended = False
-    for off, m, _ in records:
+    for off, m in records:
         if m is None:
             current.append(off)
             rows_seen += 1
@@ -165,39 +146,7 @@ def test_the_schedule_is_a_function_of_the_log_not_of_how_it_arrives(
             if last is not None and epochs[-1] >= last:
                 ended = True
                 break
-    batches = [b for kind, b, _ in whole if kind == "rows"]
-
-    def win(off: int) -> int | None:
-        ts = records[off][2]
-        return None if ts is None else (ts // window if window else ts)
-
-    # Each segment is split where a row's timestamp window passes every window of the
-    # batch so far: a row inside a batch is unstamped, or no later than the batch's
-    # latest window before it; a batch that follows a timestamp cut starts with a row
-    # later than every window of the batch before.
-    def check(parts: list[list[int]]) -> None:
-        for before, after in itertools.pairwise(parts):
-            stamped = [w for w in map(win, before) if w is not None]
-            assert stamped and win(after[0]) is not None and win(after[0]) > max(stamped)
-        for part in parts:
-            first = next((w for w in map(win, part) if w is not None), None)
-            assert all(w is None or w <= first for w in map(win, part))
-
-    seg = iter(batches)
-    for expected in expect_batches:
-        parts = [next(seg)]
-        while sum(map(len, parts)) < len(expected):
-            parts.append(next(seg))
-        assert [o for part in parts for o in part] == expected
-        check(parts)
-    # The rows after the last marker or cap: batches cut by their timestamps, and what is
-    # still pending.
-    tail = list(seg)
-    done = [o for part in tail for o in part]
-    assert done == current[: len(done)] and (not tail or len(done) < len(current))
-    check([*tail, current[len(done) :]] if len(done) < len(current) else tail)
-    if not stamps:
-        assert batches == expect_batches
+    assert [b for kind, b, _ in whole if kind == "rows"] == expect_batches
     assert [e for kind, _, e in whole if kind == "heartbeat"] == epochs
     assert all(a < b for a, b in itertools.pairwise(epochs))
     assert ([k for k, _, _ in whole].count("end") == 1) == ended
@@ -206,12 +155,14 @@ def test_the_schedule_is_a_function_of_the_log_not_of_how_it_arrives(
 
     # A replica rebuilt from a cut at any heartbeat, reading the log from the record after
     # that heartbeat's marker, emits exactly what follows it in the whole schedule.
-    full = schedule().feed(records)
+    full = LogSchedule(H, t0, last, batch_rows, marker=lambda r: r[1]).feed(records)
     for i, step in enumerate(full):
         if step.kind != "heartbeat":
             continue
         after = step.records[0][0] + 1
-        rebuilt = schedule(resume=(step.epoch, step.rows)).feed(records[after:])
+        rebuilt = LogSchedule(
+            H, t0, last, batch_rows, marker=lambda r: r[1], resume=(step.epoch, step.rows)
+        ).feed(records[after:])
         assert rebuilt == full[i + 1 :]
 
 

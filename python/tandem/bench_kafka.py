@@ -22,12 +22,11 @@ the sink's transaction commits it; the sink is the same in both runs) minus the 
 was due (its event time, on the same machine's clock): how long after a row came into
 being its count reached the sink, whether it came from a clock inside the source or
 through a producer, a broker and a consumer. Only rows received after the warm-up count.
-Both cut a batch every buffer timeout (5 ms) of their rows' time — the synthetic source
-by release instant, the Kafka source by the records' timestamps in the log — and every
-``batch_rows`` rows; the Kafka source also at every heartbeat marker taken, and it closes
-a window only once it has read a row of a later one (a log source never cuts on timing).
-Every run is checked against the reference executor (lost and duplicates; the Kafka run's
-reference replays the log it read). CPU: ``cpu_s``, the job's processes (its workers, and for the
+What differs by design: a synthetic source cuts a batch every buffer timeout (5 ms); a
+Kafka source at every heartbeat marker taken (every 10 ms) and, like both, every
+``batch_rows`` rows — a log source never cuts on timing. Every run is
+checked against the reference executor (lost and duplicates; the Kafka run's reference
+replays the log it read). CPU: ``cpu_s``, the job's processes (its workers, and for the
 Kafka run the heartbeat generators) from start to exit; ``producer_cpu_s`` and
 ``broker_cpu_s`` the outside producer's and the Kafka broker's during the Kafka run.
 """

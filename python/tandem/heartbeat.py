@@ -31,16 +31,12 @@ heartbeat ``k`` sends every heartbeat not sent yet through ``k``, one apiece, as
 does (:func:`tandem.reference.log_entries`), so every channel carries every epoch.
 
 **Cutting batches (DESIGN §2 invariant 1).** :class:`LogSchedule` is a pure function of
-the log's content: a batch ends at every marker taken (a batch never spans a heartbeat),
-where the partition-local count of data rows read since the start offset reaches a
-multiple of ``batch_rows``, and — as a clock source cuts by release time — before a row
-whose timestamp in the log falls in a later ``buffer_timeout_ms`` window than every row
-of the batch so far (a row stamped earlier, from a producer with a slower clock, joins
-the batch). Nothing timing-dependent — how many records a ``poll`` returned, when they
-came — cuts a batch, so a replica emits a batch only once it has read the record that
-closes it: a row waits at its source until the first row of a later window, or the next
-marker, has arrived — at most one heartbeat period plus the time the marker takes to
-arrive, and at a steady rate little more than its window.
+the log's content: a batch ends at every marker taken (a batch never spans a heartbeat)
+and where the partition-local count of data rows read since the start offset reaches a
+multiple of ``batch_rows``. Nothing timing-dependent — how many records a ``poll``
+returned, when they came — cuts a batch, so a replica emits a batch only once it has read
+the record that closes it: with markers every ``heartbeat_ms`` a row waits at most one
+period (plus the time the marker takes to arrive) at its source.
 
 **Clocks.** Generators should run on clocks kept in step (NTP): one ahead by ``d`` makes
 its markers the ones taken, ``d`` early; one behind only writes repeats. A generator far
@@ -116,9 +112,7 @@ class LogSchedule:
     (``K0 = t0 // h``); ``last_epoch``: the run ends after the first marker taken with
     ``k >= last_epoch`` (None: never); ``batch_rows``: a batch ends where the count of data
     rows read reaches a multiple of it. ``marker(record)`` is the instant a record marks,
-    or None for a data row (:func:`marker_ns` of its headers). ``stamp(record)``: a data
-    row's timestamp in the log (ns; None: it has none), which cuts batches at windows of
-    ``window_ns`` (0: every distinct timestamp its own window); no ``stamp``: no such cut.
+    or None for a data row (:func:`marker_ns` of its headers).
 
     ``resume=(k, rows)``: continue right after heartbeat ``k``, before which ``rows`` data
     rows were read (a replica rebuilt from a twin's cut, fed the log from the record after
@@ -132,8 +126,6 @@ class LogSchedule:
         batch_rows: int,
         marker: Callable[[Any], int | None],
         resume: tuple[int, int] | None = None,
-        stamp: Callable[[Any], int | None] | None = None,
-        window_ns: int = 0,
     ) -> None:
         if heartbeat_ns < 1 or batch_rows < 1:
             raise ValueError("heartbeat_ns and batch_rows must be >= 1")
@@ -143,10 +135,6 @@ class LogSchedule:
         self.last = last_epoch
         self.cap = batch_rows
         self.marker = marker
-        self.stamp = stamp
-        self.window_ns = max(0, window_ns)
-        self.window: int | None = None
-        """The latest timestamp window of the pending batch's rows (None: none stamped)."""
         self.rows = resume[1] if resume else 0
         self.markers_taken = 0
         self.markers_ignored = 0
@@ -163,19 +151,10 @@ class LogSchedule:
             return [LogStep("end")]
         if self.ended:
             return out
-        pending, cap, marker, stamp = self.pending, self.cap, self.marker, self.stamp
+        pending, cap, marker = self.pending, self.cap, self.marker
         for rec in records:
             at = marker(rec)
             if at is None:
-                if stamp is not None:
-                    ts = stamp(rec)
-                    if ts is not None:
-                        w = ts // self.window_ns if self.window_ns else ts
-                        if not pending or self.window is None:
-                            self.window = w
-                        elif w > self.window:
-                            out.append(LogStep("rows", pending))
-                            pending, self.window = [], w
                 pending.append(rec)
                 self.rows += 1
                 if self.rows % cap == 0:

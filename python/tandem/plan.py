@@ -439,8 +439,7 @@ class Plan:
     ) -> LogSchedule:
         """How a log source partition is cut into batches and heartbeats
         (:class:`tandem.heartbeat.LogSchedule`): at the heartbeat markers of the log, taken
-        from the run's epoch ``t0 // heartbeat`` on, at every ``batch_rows`` data rows, and
-        where the rows' timestamps in the log enter a later ``buffer_timeout_ms`` window;
+        from the run's epoch ``t0 // heartbeat`` on, and at every ``batch_rows`` data rows;
         the run ends at the first marker taken with epoch ``>= last_epoch(duration_s)``.
         ``resume``: see :class:`~tandem.heartbeat.LogSchedule`."""
         from tandem.heartbeat import LogSchedule
@@ -449,14 +448,7 @@ class Plan:
         self._check_partition(task, partition)
         last = None if duration_s is None else self.last_epoch(duration_s)
         return LogSchedule(
-            self.heartbeat_ns,
-            t0_ns,
-            last,
-            self.batch_rows,
-            src.marker,
-            resume=resume,
-            stamp=src.stamp,
-            window_ns=self.buffer_timeout_ns,
+            self.heartbeat_ns, t0_ns, last, self.batch_rows, src.marker, resume=resume
         )
 
     @property

@@ -80,11 +80,6 @@ CREDIT_POLL_S = 0.001
 METRICS_EVERY_S = 1.0
 """How often a worker hands :attr:`Worker.on_metrics` a snapshot, when the engine asks for
 them (:mod:`tandem.metrics`)."""
-READER_SWITCH_S = 0.0005
-"""The interpreter's thread switch interval (``sys.setswitchinterval``) in a worker that
-reads a log: a reader thread handed records by its client needs the GIL (two or three
-times per poll) while the worker thread may hold it running operators, and waits up to
-one interval each time (5 ms by default)."""
 #: How long a child writing a cut's state may take (:meth:`Resume.written`).
 WRITER_TIMEOUT_S = 60.0
 #: Whether a rebuild's cut snapshots the operator's state in a forked child
@@ -395,7 +390,6 @@ class Replica:
                 self.log_reader = self.task.source.reader(
                     p, self.core.wake, name=self.name, offset=offset
                 )
-                sys.setswitchinterval(min(sys.getswitchinterval(), READER_SWITCH_S))
                 self.log_reader.start()
             return None
         t, p, r = self.me

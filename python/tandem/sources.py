@@ -205,12 +205,6 @@ class LogSource(Source):
         """The instant (ns since the Unix epoch) a heartbeat marker stands for, or None if
         ``record`` is a data row (:func:`tandem.heartbeat.marker_ns`)."""
 
-    def stamp(self, record) -> int | None:
-        """A data row's timestamp in the log (ns since the Unix epoch), which cuts batches
-        at ``buffer_timeout_ms`` windows (:class:`tandem.heartbeat.LogSchedule`); None: the
-        log keeps none (only markers and ``batch_rows`` cut then)."""
-        return None
-
     @abc.abstractmethod
     def decode(self, partition: int, records: list) -> pa.RecordBatch:
         """The batch of data rows ``records`` (never markers), in order."""
@@ -489,10 +483,6 @@ class Kafka(LogSource):
         from tandem.heartbeat import marker_ns
 
         return marker_ns(record.headers())
-
-    def stamp(self, record) -> int | None:
-        kind, ms = record.timestamp()
-        return ms * 1_000_000 if kind and ms >= 0 else None
 
     def decode(self, partition: int, records: list) -> pa.RecordBatch:
         seq = pa.array([m.offset() for m in records], pa.int64())
