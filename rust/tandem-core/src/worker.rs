@@ -880,6 +880,23 @@ mod tests {
     }
 
     #[test]
+    fn a_held_slot_runs_nothing_until_it_is_let_go() {
+        let (mut worker, slot) = source_worker();
+        worker.request_cut(slot).unwrap();
+        worker.allow(slot, 2).unwrap();
+        assert_eq!(cuts(&drain(&mut worker)), vec![(None, Some(2))]);
+        // Held where its cut was taken: no heartbeat leaves, so an aligned cut at 4 is
+        // not taken either, however far the slot is allowed.
+        worker.hold(slot, true).unwrap();
+        worker.request_cut_at(slot, 4).unwrap();
+        worker.allow(slot, 6).unwrap();
+        assert!(drain(&mut worker).is_empty());
+        // Let go, it forwards 3..=6 in one go: the aligned cut follows heartbeat 6.
+        worker.hold(slot, false).unwrap();
+        assert_eq!(cuts(&drain(&mut worker)), vec![(Some(4), Some(6))]);
+    }
+
+    #[test]
     fn an_aligned_cut_and_a_next_boundary_cut_are_handed_out_apart() {
         let (mut worker, slot) = source_worker();
         worker.allow(slot, 2).unwrap();
