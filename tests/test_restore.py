@@ -11,6 +11,8 @@ from __future__ import annotations
 import glob
 import itertools
 import os
+import subprocess
+import sys
 import time
 
 import pyarrow as pa
@@ -277,6 +279,29 @@ def test_a_spare_loads_at_the_lowest_priority_and_then_runs_every_thread_at_norm
     finally:
         proc.kill()
         proc.join(10)
+
+
+def test_a_rebuilt_workers_threads_get_their_priority_back_once_it_caught_up():
+    """The rebuilt worker's thread loads and catches up at a lower priority; the threads
+    it starts meanwhile inherit it, and all of them get the normal one back."""
+    code = """
+import os, threading
+from tandem.runtime import renice_threads, thread_nice
+base = thread_nice(5)
+assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base + 5
+stop = threading.Event()
+t = threading.Thread(target=stop.wait)
+t.start()
+assert os.getpriority(os.PRIO_PROCESS, t.native_id) == base + 5  # inherited
+renice_threads(base)
+tids = [int(x) for x in os.listdir("/proc/self/task")]
+print(sorted({os.getpriority(os.PRIO_PROCESS, tid) for tid in tids}), base)
+stop.set()
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
+    assert out == ["[0]", "0"], out
 
 
 class _Nested(td.KeyedProcess):

@@ -887,16 +887,34 @@ def may_raise_priority() -> bool:
     return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or 20 - soft <= base
 
 
-def thread_nice(nice: int, relative: bool = True) -> int | None:
-    """Set the calling thread's niceness (Linux keeps one per thread) to ``nice`` (added
-    to the process's, ``relative``); the niceness it had, or None if it could not."""
+def thread_nice(more: int) -> int | None:
+    """Add ``more`` to the calling thread's niceness (Linux keeps one per thread); the
+    niceness it had, or None if it could not."""
     tid = threading.get_native_id()
     try:
         before = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, before + nice) if relative else nice)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, before + more))
     except (AttributeError, OSError):
         return None
     return before
+
+
+def renice_threads(nice: int) -> None:
+    """Give the calling thread niceness ``nice`` again, and every thread of this process
+    at the niceness it had (the threads it started meanwhile inherited it: the socket
+    reactor's, the links' writers', a log reader's)."""
+    me = threading.get_native_id()
+    try:
+        was = os.getpriority(os.PRIO_PROCESS, me)
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except (AttributeError, OSError):
+        tids, was = [me], None
+    for tid in tids:
+        try:
+            if tid == me or os.getpriority(os.PRIO_PROCESS, tid) == was:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:  # ended meanwhile, or not permitted
+            pass
 
 
 def fork_cuts(cuts: list[tuple[Replica, tuple, str]]) -> list[Resume]:
@@ -1246,7 +1264,7 @@ class Worker:
             item = core.next(timeout=wait)
             if self.caught_up_nice is not None:
                 if item is None and served and wait > 0:  # caught up
-                    thread_nice(self.caught_up_nice, relative=False)
+                    renice_threads(self.caught_up_nice)
                     self.caught_up_nice = None
                 served += item is not None
             if item is not None:

@@ -154,7 +154,8 @@ import os, resource, sys, threading
 
 def may_raise(base):
     # Whether this process may give a thread back its normal priority after the lowest
-    # (CAP_SYS_NICE, or an RLIMIT_NICE that allows it).
+    # (CAP_SYS_NICE, or an RLIMIT_NICE that allows it): tandem.runtime.may_raise_priority,
+    # which cannot be imported before the modules load.
     soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
     return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or 20 - soft <= base
 
