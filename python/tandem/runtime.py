@@ -83,7 +83,7 @@ them (:mod:`tandem.metrics`)."""
 #: How long a child writing a cut's state may take (:meth:`Resume.written`).
 WRITER_TIMEOUT_S = 60.0
 #: Whether a rebuild's cut snapshots the operator's state in a forked child
-#: (:meth:`Replica.cut_in_child`): Linux only, where fork is cheap and the usual start.
+#: (:meth:`Replica.forks`, :func:`fork_cuts`): Linux only, where fork is cheap and the usual start.
 FORK_CUTS = sys.platform == "linux"
 #: Added to the niceness of a rebuilt worker's thread while it loads its states and
 #: catches up (:attr:`Worker.caught_up_nice`).
@@ -976,7 +976,7 @@ class Worker:
         self.state_folder = lambda token: None
         """The folder where the state of the cut asked for with ``token`` should be
         written (None: it travels in the cut): the replica's state is then snapshotted in
-        a forked child (:meth:`Replica.cut_in_child`)."""
+        a forked child where :meth:`Replica.forks` says so (:func:`fork_cuts`)."""
         self.on_link = None
         """Called with ``(upstream rid, downstream rid, error or None)`` after a link."""
         self.on_started = None
@@ -1316,7 +1316,7 @@ class Worker:
                 self.core.hold(item.slot, True)
                 self._release_held()
                 return
-            taken = rep.cut(item.cut) if folder is None else rep.cut_in_child(item.cut, folder)
+            taken = rep.cut(item.cut)  # small, or no folder: in place
         except Exception:
             what = "a checkpoint's cut" if checkpoint else "a cut"
             log.exception("%s: taking %s failed", rep.name, what)
