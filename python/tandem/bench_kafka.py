@@ -4,7 +4,7 @@ synthetic source, in one invocation, on the local engine.
 The job (:func:`job`): a source of 2 partitions → a filter (``value < 0.9``) → a keyed
 running count (``td.CountPerKey``, 2 partitions) → a Kafka sink (a transactional producer
 per sink partition), r = 2 LiveRobin, heartbeat 10 ms, buffer timeout 5 ms. A round runs
-it twice, one run after the other (``rounds`` alternate the two):
+it twice, with Kafka's own delivery measured in between (``rounds`` repeat the three):
 
 * ``synthetic`` — the source is ``td.sources.Synthetic(rate, keys, seed)``: row ``i`` is
   released at ``t0 + i / rate`` and carries that instant as its event time.
@@ -16,6 +16,12 @@ it twice, one run after the other (``rounds`` alternate the two):
   producer starts as the job is submitted (its first rows wait for the job's ``t0``, in
   the warm-up). The engine runs its two heartbeat generators (``tandem heartbeats``) for
   the topic, as for any job with a Kafka source.
+* ``delivery`` (:func:`run_delivery`) — no job: the same producer on a fresh topic, read
+  by the readers a Kafka source's replicas use (one per partition and replica), each row
+  timed as its reader hands it over. This is the part of the Kafka run's latency that is
+  Kafka's (the producer's ``linger.ms``, the broker, the fetch), measured in the same
+  invocation, so that the Kafka run's p99 can be read against what any consumer of the
+  topic gets on the same machine at the same moment.
 
 Both runs measure the same thing: at the sink replica, the time a row was received (before
 the sink's transaction commits it; the sink is the same in both runs) minus the instant it
@@ -26,9 +32,11 @@ What differs by design: a synthetic source cuts a batch every buffer timeout (5 
 Kafka source at every heartbeat marker taken (every 10 ms) and, like both, every
 ``batch_rows`` rows — a log source never cuts on timing. Every run is
 checked against the reference executor (lost and duplicates; the Kafka run's reference
-replays the log it read). CPU: ``cpu_s``, the job's processes (its workers, and for the
-Kafka run the heartbeat generators) from start to exit; ``producer_cpu_s`` and
-``broker_cpu_s`` the outside producer's and the Kafka broker's during the Kafka run.
+replays the log it read; the delivery run's readers must see every offset once, in
+order). CPU: ``cpu_s``, the job's processes (its workers, and for the Kafka run the
+heartbeat generators) from start to exit, and for the delivery run this process's;
+``producer_cpu_s`` and ``broker_cpu_s`` the outside producer's and the Kafka broker's
+during the delivery and Kafka runs.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ RATE = 5_000
 KEYS = 1_000
 SEED = 1
 PARTITIONS = 2
-SOURCES = ("synthetic", "kafka")
+SOURCES = ("synthetic", "delivery", "kafka")
 TICK_NS = 1_000_000
 """The producer wakes at most this often (ns)."""
 LINGER_MS = 5.0
@@ -269,6 +277,24 @@ def run_kafka(
     schema = {"key": "int64", "value": "float64", "ts": "int64"}
     source = td.sources.Kafka(topic, bootstrap, schema=schema, event_time="ts")
     j = job(source, out, bootstrap)
+    broker0 = _broker_cpu(bootstrap)
+    producer = _producer(bootstrap, topic, rate, time.time_ns() + 200_000_000, linger_ms)
+    try:
+        res = j.run(duration=warmup + measure, warmup=warmup, progress=False, check=True)
+    finally:
+        producer_cpu = _stop_producer(producer)
+        broker1 = _broker_cpu(bootstrap)
+        _delete_topics(bootstrap, [topic, out])
+    row = _row("kafka", rate, warmup, measure, res)
+    row.producer_cpu_s = producer_cpu
+    if broker0 is not None and broker1 is not None:
+        row.broker_cpu_s = round(broker1 - broker0, 2)
+    return row
+
+
+def _producer(bootstrap: str, topic: str, rate: int, start_ns: int, linger_ms: float):
+    """The producer process (:func:`produce`) for ``topic``, its first row due at
+    ``start_ns``."""
     cmd = [
         sys.executable,
         "-m",
@@ -280,22 +306,138 @@ def run_kafka(
         "--rate",
         str(rate),
         "--start-ns",
-        str(time.time_ns() + 200_000_000),
+        str(start_ns),
         "--linger-ms",
         repr(linger_ms),
     ]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+
+
+def _stop_producer(producer: subprocess.Popen) -> float:
+    """SIGTERM the producer, reap it, and return the CPU seconds it used."""
+    producer.send_signal(signal.SIGTERM)
+    _, status, usage = os.wait4(producer.pid, 0)
+    producer.returncode = status
+    return round(usage.ru_utime + usage.ru_stime, 2)
+
+
+DELIVERY_GRACE_S = 30.0
+"""How long after the measured span :func:`run_delivery` waits for its readers to reach
+the end of it."""
+
+
+def run_delivery(
+    bootstrap: str,
+    rate: int = RATE,
+    warmup: float = 3.0,
+    measure: float = 10.0,
+    linger_ms: float = LINGER_MS,
+    replication: int = 2,
+) -> KafkaRow:
+    """Kafka's own part of the Kafka run's latency, with no job: the same producer at the
+    same pace, and the readers a Kafka source's replicas use (:class:`tandem.kafka.LogReader`,
+    one per partition and replica, in this process), each row timed as its reader hands
+    it over, minus the instant it was due. A reader's rows must come in log order with no
+    offset missing or repeated (``lost``/``duplicates``, in offsets)."""
+    import threading
+
+    from tandem.kafka import LogReader
+
+    topic = testing.new_topic(bootstrap, PARTITIONS, "bench-kafka-in")
+    start_ns = time.time_ns() + 200_000_000
+    lo_ns = start_ns + int(warmup * 1e9)
+    hi_ns = lo_ns + int(measure * 1e9)
+    lat: list[list[float]] = []
+    next_offset: list[int] = []
+    latest: list[int] = []  # the latest instant each reader has seen a row of
+    gaps = [0, 0]  # offsets skipped, offsets seen again
+    received = [0]
+    lock = threading.Lock()
+    readers: list[LogReader] = []
+
+    def taker(i: int):
+        def wake() -> None:
+            now = time.time_ns()
+            records = readers[i].take()
+            mine = []
+            for m in records:
+                ts = int(m.value().rsplit(b'"ts":', 1)[1].rstrip(b"}"))
+                if lo_ns <= ts < hi_ns:
+                    mine.append((now - ts) / 1e6)
+                latest[i] = max(latest[i], ts)
+            with lock:
+                for m in records:
+                    off = m.offset()
+                    if off > next_offset[i]:
+                        gaps[0] += off - next_offset[i]
+                    elif off < next_offset[i]:
+                        gaps[1] += 1
+                    next_offset[i] = max(next_offset[i], off + 1)
+                lat[i].extend(mine)
+                received[0] += len(mine)
+
+        return wake
+
     broker0 = _broker_cpu(bootstrap)
-    producer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    cpu0 = time.process_time()
+    producer = _producer(bootstrap, topic, rate, start_ns, linger_ms)
     try:
-        res = j.run(duration=warmup + measure, warmup=warmup, progress=False, check=True)
+        for i in range(PARTITIONS * replication):
+            lat.append([])
+            next_offset.append(0)
+            latest.append(0)
+            readers.append(
+                LogReader(bootstrap, topic, i % PARTITIONS, 0, None, taker(i), name="delivery")
+            )
+        for r in readers:
+            r.start()
+        # Until every reader has had a row due after the measured span (or the producer
+        # or the broker is hopelessly behind).
+        deadline = time.monotonic() + (hi_ns - time.time_ns()) / 1e9 + DELIVERY_GRACE_S
+        while min(latest) < hi_ns and time.monotonic() < deadline:
+            if any(r.error is not None for r in readers):
+                break
+            time.sleep(0.05)
+        behind = [i for i, ts in enumerate(latest) if ts < hi_ns]
     finally:
-        producer.send_signal(signal.SIGTERM)
-        _, status, usage = os.wait4(producer.pid, 0)
-        producer.returncode = status
+        for r in readers:
+            r.stop()
+        producer_cpu = _stop_producer(producer)
         broker1 = _broker_cpu(bootstrap)
-        _delete_topics(bootstrap, [topic, out])
-    row = _row("kafka", rate, warmup, measure, res)
-    row.producer_cpu_s = round(usage.ru_utime + usage.ru_stime, 2)
+        _delete_topics(bootstrap, [topic])
+    errors = [r.error for r in readers if r.error is not None]
+    if errors:
+        raise errors[0]
+    if behind:
+        raise RuntimeError(
+            f"bench kafka: {len(behind)} of Kafka's delivery readers had not reached the end "
+            f"of the measured span {DELIVERY_GRACE_S:g} s after it: the producer or the broker "
+            "fell behind"
+        )
+    every = np.concatenate([np.asarray(v, dtype=np.float64) for v in lat])
+
+    def pct(q: float) -> float | None:
+        return round(float(np.percentile(every, q)), 2) if every.size else None
+
+    row = KafkaRow(
+        source="delivery",
+        rate=rate,
+        round=1,
+        warmup_s=warmup,
+        measure_s=measure,
+        events_in=int(received[0]),
+        events_out=int(received[0]),
+        p50_ms=pct(50),
+        p99_ms=pct(99),
+        max_ms=round(float(every.max()), 2) if every.size else None,
+        lost=gaps[0],
+        duplicates=gaps[1],
+        digests_match=True,
+        cpu_s=round(time.process_time() - cpu0, 2),
+        steady_cpu_s=None,
+        producer_cpu_s=producer_cpu,
+        load_avg=round(os.getloadavg()[0], 2),
+    )
     if broker0 is not None and broker1 is not None:
         row.broker_cpu_s = round(broker1 - broker0, 2)
     return row
@@ -321,12 +463,15 @@ def kafka(
         at = f" (round {i + 1}/{rounds})" if rounds > 1 else ""
         print(f"kafka bench: synthetic source, {rate} ev/s{at} ...", file=log, flush=True)
         syn = run_synthetic(bootstrap, rate, warmup, measure)
+        print(f"kafka bench: Kafka's delivery alone, {rate} ev/s{at} ...", file=log, flush=True)
+        dlv = run_delivery(bootstrap, rate, warmup, measure, linger_ms)
         print(f"kafka bench: Kafka source, {rate} ev/s{at} ...", file=log, flush=True)
         kaf = run_kafka(bootstrap, rate, warmup, measure, linger_ms)
-        if syn.p99_ms and kaf.p99_ms is not None:
-            kaf.p99_ratio = round(kaf.p99_ms / syn.p99_ms, 2)
-        syn.round = kaf.round = i + 1
-        rows += [syn, kaf]
+        for row in (dlv, kaf):
+            if syn.p99_ms and row.p99_ms is not None:
+                row.p99_ratio = round(row.p99_ms / syn.p99_ms, 2)
+        syn.round = dlv.round = kaf.round = i + 1
+        rows += [syn, dlv, kaf]
     return rows
 
 
@@ -365,9 +510,10 @@ def summary(rows: list[KafkaRow]) -> list[dict]:
     return [{k: getattr(r, k) for k in SUMMARY} for r in rows]
 
 
-def median_ratio(rows: list[KafkaRow]) -> float | None:
-    """The median of the rounds' p99 ratios (None if none was measured)."""
-    ratios = [r.p99_ratio for r in rows if r.source == "kafka" and r.p99_ratio is not None]
+def median_ratio(rows: list[KafkaRow], source: str = "kafka") -> float | None:
+    """The median of the rounds' p99 ratios of ``source``'s runs to the synthetic ones
+    (None if none was measured)."""
+    ratios = [r.p99_ratio for r in rows if r.source == source and r.p99_ratio is not None]
     return round(float(np.median(ratios)), 2) if ratios else None
 
 
@@ -380,12 +526,20 @@ def verdict(rows: list[KafkaRow]) -> str:
     rounds = len(p99["kafka"])
     what = "" if rounds == 1 else f"median of {rounds} rounds "
     loads = [r.load_avg for r in rows if r.load_avg is not None]
-    return (
+    line = (
         f"p99: Kafka {', '.join(map(str, p99['kafka']))} ms, synthetic "
         f"{', '.join(map(str, p99['synthetic']))} ms: {what}{ratio}x (target <= "
         f"{TARGET_P99_RATIO}x: {'met' if ratio <= TARGET_P99_RATIO else 'missed'}; load "
         f"average {min(loads, default=0):g}-{max(loads, default=0):g} on {os.cpu_count()} CPUs)"
     )
+    alone = [v for v in p99["delivery"] if v is not None]
+    if alone:
+        share = median_ratio(rows, "delivery")
+        line += (
+            f"\nKafka's delivery alone (producer -> broker -> the source's readers, no job): "
+            f"p99 {', '.join(map(str, alone))} ms, {what}{share}x the synthetic job's"
+        )
+    return line
 
 
 def rows_json(rows: list[KafkaRow]) -> list[dict]:

@@ -738,8 +738,8 @@ def _bench_kafka(args: argparse.Namespace) -> int:
     print(
         f"tandem {tandem.__version__} ({tandem.build_profile} build) bench kafka: filter -> "
         f"keyed count -> Kafka sink, r = 2 LiveRobin, {rate} ev/s, warm-up {warmup:g} s, "
-        f"measured {measure:g} s; a synthetic source, then a Kafka source"
-        + (f", {rounds} rounds" if rounds > 1 else ""),
+        f"measured {measure:g} s; a synthetic source, Kafka's delivery alone, then a Kafka "
+        "source" + (f", {rounds} rounds" if rounds > 1 else ""),
         flush=True,
     )
     if tandem.build_profile != "release":
@@ -764,6 +764,7 @@ def _bench_kafka(args: argparse.Namespace) -> int:
             "cpus": os.cpu_count(),
             "target_p99_ratio": bench_kafka.TARGET_P99_RATIO,
             "median_p99_ratio": bench_kafka.median_ratio(rows),
+            "delivery_median_p99_ratio": bench_kafka.median_ratio(rows, "delivery"),
             "rows": bench_kafka.rows_json(rows),
         },
     )
