@@ -529,6 +529,37 @@ def test_raw_records_arrive_once_and_markers_never_reach_an_operator(kafka, no_o
         assert seq == int(v[1:]) // 2
 
 
+def test_commit_ms_spaces_transactions_and_still_commits_unasked(kafka):
+    """With ``commit_s`` a writer starts a transaction at most that often, whatever the
+    rate of puts, and commits what waits once the interval passed, with no further put."""
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 1, "spaced")
+    w = TransactionalWriter(b, topic, f"spaced-{uuid.uuid4().hex[:8]}", commit_s=0.25)
+    w.ready(30)
+    began = time.monotonic()
+    sent = [f"r{i}".encode() for i in range(100)]
+    for value in sent:
+        w.put([(value, None, 0)])
+        time.sleep(0.01)
+    spent = time.monotonic() - began
+    # At most one transaction per 0.25 s began (the first at once).
+    assert 1 <= w.transactions <= int(spent / 0.25) + 1, (w.transactions, spent)
+    w.put([(b"last", None, 0)])
+    deadline = time.monotonic() + 30
+    while w.committed_rows < len(sent) + 1:
+        assert time.monotonic() < deadline, "what waited was never committed"
+        time.sleep(0.02)
+    w.close()
+    assert [m.value() for m in read_committed(b, topic, 1)] == [*sent, b"last"]
+
+
+def test_commit_ms_must_be_a_number_of_milliseconds():
+    for bad in (-1, float("nan"), float("inf"), "100", True):
+        with pytest.raises(td.ConfigError, match="commit_ms must be a number of milliseconds"):
+            td.sinks.Kafka("t", "127.0.0.1:1", commit_ms=bad)
+    assert td.sinks.Kafka("t", "127.0.0.1:1", commit_ms=100).commit_ms == 100
+
+
 def test_a_second_writer_with_the_same_transactional_id_fences_the_first(kafka):
     b = kafka.kafka_bootstrap
     topic = new_topic(b, 1, "fence")

@@ -555,7 +555,15 @@ class TransactionalWriter:
     committed one back. A mark with no record after it is committed alone every
     ``POSITIONS_EVERY_S``, so an idle sink's stored position keeps up with its input.
     The last transaction (:meth:`close`) takes everything queued and stores no cut: the
-    sink's input ended."""
+    sink's input ended.
+
+    ``commit_s``: at least this long between the starts of two transactions (0: the next
+    starts as soon as the previous one committed). Rows then wait up to that long before
+    ``read_committed`` consumers see them, and each transaction carries more of them: the
+    broker handles a handful of requests per transaction (adding partitions, producing,
+    ending it and writing its markers): one transaction after another took about 40 % of
+    its CPU in ``tandem bench kafka`` (README, "Kafka in and out"). Queued records past
+    ``limit`` and :meth:`close` do not wait."""
 
     def __init__(
         self,
@@ -566,11 +574,13 @@ class TransactionalWriter:
         limit: int = 262_144,
         timeout: float = 30.0,
         positions: tuple[str, int, int] | None = None,
+        commit_s: float = 0.0,
     ) -> None:
         _require()
         from confluent_kafka import Producer
 
         self.topic = topic
+        self.commit_s = commit_s
         self.positions = positions
         self.transactional_id = transactional_id
         self.timeout = timeout
@@ -598,6 +608,7 @@ class TransactionalWriter:
         self._cut_new = False  # _cut moved since the last commit
         self._ended = False  # the last transaction (no cut: the input ended) committed
         self._committed_at = time.monotonic()
+        self._began_at = -float("inf")  # when the last transaction was taken
         self._cond = threading.Condition()
         self._closing = False
         self._aborted = False
@@ -675,7 +686,7 @@ class TransactionalWriter:
         while True:
             with self._cond:
                 while not self._closing and not self._due():
-                    self._cond.wait(POSITIONS_EVERY_S if self._cut_new else None)
+                    self._cond.wait(self._wait_s())
                 if self._aborted:
                     return
                 if self._closing or self.positions is None:
@@ -684,6 +695,7 @@ class TransactionalWriter:
                     batch, cut = self._pending[: self._marked], self._cut
                     del self._pending[: self._marked]
                 self._marked, self._cut_new = 0, False
+                self._began_at = time.monotonic()
                 self._cond.notify_all()
                 if not batch and self._closing and (self.positions is None or self._ended):
                     return
@@ -695,10 +707,29 @@ class TransactionalWriter:
                     self._cond.notify_all()
                 return
 
+    def _early(self) -> float:
+        """How long before ``commit_s`` has passed since the last transaction began (0:
+        it has), unless the queue is full."""
+        if len(self._pending) >= self.limit:
+            return 0.0
+        return max(0.0, self._began_at + self.commit_s - time.monotonic())
+
+    def _wait_s(self) -> float | None:
+        """How long the thread may sleep before a transaction can fall due unasked (None:
+        until a put or a mark)."""
+        early = self._early()
+        if early > 0 and (self._pending if self.positions is None else self._marked):
+            return early
+        if self._cut_new:
+            return max(early, POSITIONS_EVERY_S)
+        return None
+
     def _due(self) -> bool:
-        """Whether a transaction is due (with the lock held): records queued (with
-        ``positions``: records a mark covers), or a mark with no record after it that has
-        waited ``POSITIONS_EVERY_S``."""
+        """Whether a transaction is due (with the lock held): ``commit_s`` since the last
+        one began, and records queued (with ``positions``: records a mark covers), or a
+        mark with no record after it that has waited ``POSITIONS_EVERY_S``."""
+        if self._early() > 0:
+            return False
         if self.positions is None:
             return bool(self._pending)
         if self._marked:
