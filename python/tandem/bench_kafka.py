@@ -326,6 +326,36 @@ DELIVERY_GRACE_S = 30.0
 the end of it."""
 
 
+class _Delivery:
+    """One reader of :func:`run_delivery`: a :class:`tandem.kafka.LogReader` of one
+    partition whose wake-up times every row it hands over (due within ``[lo_ns, hi_ns)``)
+    and checks that offsets come in order, none missing or repeated."""
+
+    def __init__(self, bootstrap: str, topic: str, partition: int, lo_ns: int, hi_ns: int):
+        from tandem.kafka import LogReader
+
+        self.lo_ns, self.hi_ns = lo_ns, hi_ns
+        self.latencies_ms: list[float] = []
+        self.next_offset = 0
+        self.skipped = self.repeated = 0
+        self.latest_ns = 0  # the latest instant a row handed over was due
+        self.reader = LogReader(bootstrap, topic, partition, 0, None, self._wake, "delivery")
+
+    def _wake(self) -> None:  # on the reader's thread
+        now = time.time_ns()
+        for m in self.reader.take():
+            ts = int(m.value().rsplit(b'"ts":', 1)[1].rstrip(b"}"))
+            if self.lo_ns <= ts < self.hi_ns:
+                self.latencies_ms.append((now - ts) / 1e6)
+            self.latest_ns = max(self.latest_ns, ts)
+            off = m.offset()
+            if off > self.next_offset:
+                self.skipped += off - self.next_offset
+            elif off < self.next_offset:
+                self.repeated += 1
+            self.next_offset = max(self.next_offset, off + 1)
+
+
 def run_delivery(
     bootstrap: str,
     rate: int = RATE,
@@ -339,82 +369,44 @@ def run_delivery(
     one per partition and replica, in this process), each row timed as its reader hands
     it over, minus the instant it was due. A reader's rows must come in log order with no
     offset missing or repeated (``lost``/``duplicates``, in offsets)."""
-    import threading
-
-    from tandem.kafka import LogReader
-
     topic = testing.new_topic(bootstrap, PARTITIONS, "bench-kafka-in")
     start_ns = time.time_ns() + 200_000_000
     lo_ns = start_ns + int(warmup * 1e9)
     hi_ns = lo_ns + int(measure * 1e9)
-    lat: list[list[float]] = []
-    next_offset: list[int] = []
-    latest: list[int] = []  # the latest instant each reader has seen a row of
-    gaps = [0, 0]  # offsets skipped, offsets seen again
-    received = [0]
-    lock = threading.Lock()
-    readers: list[LogReader] = []
-
-    def taker(i: int):
-        def wake() -> None:
-            now = time.time_ns()
-            records = readers[i].take()
-            mine = []
-            for m in records:
-                ts = int(m.value().rsplit(b'"ts":', 1)[1].rstrip(b"}"))
-                if lo_ns <= ts < hi_ns:
-                    mine.append((now - ts) / 1e6)
-                latest[i] = max(latest[i], ts)
-            with lock:
-                for m in records:
-                    off = m.offset()
-                    if off > next_offset[i]:
-                        gaps[0] += off - next_offset[i]
-                    elif off < next_offset[i]:
-                        gaps[1] += 1
-                    next_offset[i] = max(next_offset[i], off + 1)
-                lat[i].extend(mine)
-                received[0] += len(mine)
-
-        return wake
-
+    readers = [
+        _Delivery(bootstrap, topic, i % PARTITIONS, lo_ns, hi_ns)
+        for i in range(PARTITIONS * replication)
+    ]
     broker0 = _broker_cpu(bootstrap)
     cpu0 = time.process_time()
     producer = _producer(bootstrap, topic, rate, start_ns, linger_ms)
     try:
-        for i in range(PARTITIONS * replication):
-            lat.append([])
-            next_offset.append(0)
-            latest.append(0)
-            readers.append(
-                LogReader(bootstrap, topic, i % PARTITIONS, 0, None, taker(i), name="delivery")
-            )
         for r in readers:
-            r.start()
+            r.reader.start()
         # Until every reader has had a row due after the measured span (or the producer
         # or the broker is hopelessly behind).
         deadline = time.monotonic() + (hi_ns - time.time_ns()) / 1e9 + DELIVERY_GRACE_S
-        while min(latest) < hi_ns and time.monotonic() < deadline:
-            if any(r.error is not None for r in readers):
+        while min(r.latest_ns for r in readers) < hi_ns and time.monotonic() < deadline:
+            if any(r.reader.error is not None for r in readers):
                 break
             time.sleep(0.05)
-        behind = [i for i, ts in enumerate(latest) if ts < hi_ns]
     finally:
         for r in readers:
-            r.stop()
+            r.reader.stop()
         producer_cpu = _stop_producer(producer)
         broker1 = _broker_cpu(bootstrap)
         _delete_topics(bootstrap, [topic])
-    errors = [r.error for r in readers if r.error is not None]
-    if errors:
-        raise errors[0]
+    for r in readers:
+        if r.reader.error is not None:
+            raise r.reader.error
+    behind = sum(r.latest_ns < hi_ns for r in readers)
     if behind:
         raise RuntimeError(
-            f"bench kafka: {len(behind)} of Kafka's delivery readers had not reached the end "
+            f"bench kafka: {behind} of Kafka's delivery readers had not reached the end "
             f"of the measured span {DELIVERY_GRACE_S:g} s after it: the producer or the broker "
             "fell behind"
         )
-    every = np.concatenate([np.asarray(v, dtype=np.float64) for v in lat])
+    every = np.concatenate([np.asarray(r.latencies_ms, dtype=np.float64) for r in readers])
 
     def pct(q: float) -> float | None:
         return round(float(np.percentile(every, q)), 2) if every.size else None
@@ -425,13 +417,13 @@ def run_delivery(
         round=1,
         warmup_s=warmup,
         measure_s=measure,
-        events_in=int(received[0]),
-        events_out=int(received[0]),
+        events_in=int(every.size),
+        events_out=int(every.size),
         p50_ms=pct(50),
         p99_ms=pct(99),
         max_ms=round(float(every.max()), 2) if every.size else None,
-        lost=gaps[0],
-        duplicates=gaps[1],
+        lost=sum(r.skipped for r in readers),
+        duplicates=sum(r.repeated for r in readers),
         digests_match=True,
         cpu_s=round(time.process_time() - cpu0, 2),
         steady_cpu_s=None,
