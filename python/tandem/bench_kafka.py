@@ -277,48 +277,57 @@ def run_kafka(
     schema = {"key": "int64", "value": "float64", "ts": "int64"}
     source = td.sources.Kafka(topic, bootstrap, schema=schema, event_time="ts")
     j = job(source, out, bootstrap)
-    broker0 = _broker_cpu(bootstrap)
-    producer = _producer(bootstrap, topic, rate, time.time_ns() + 200_000_000, linger_ms)
+    feed = _Feed(bootstrap, topic, rate, time.time_ns() + 200_000_000, linger_ms)
     try:
-        res = j.run(duration=warmup + measure, warmup=warmup, progress=False, check=True)
+        with feed:
+            res = j.run(duration=warmup + measure, warmup=warmup, progress=False, check=True)
     finally:
-        producer_cpu = _stop_producer(producer)
-        broker1 = _broker_cpu(bootstrap)
         _delete_topics(bootstrap, [topic, out])
-    row = _row("kafka", rate, warmup, measure, res)
-    row.producer_cpu_s = producer_cpu
-    if broker0 is not None and broker1 is not None:
-        row.broker_cpu_s = round(broker1 - broker0, 2)
-    return row
+    return feed.credit(_row("kafka", rate, warmup, measure, res))
 
 
-def _producer(bootstrap: str, topic: str, rate: int, start_ns: int, linger_ms: float):
-    """The producer process (:func:`produce`) for ``topic``, its first row due at
-    ``start_ns``."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.bench_kafka",
-        "--bootstrap",
-        bootstrap,
-        "--topic",
-        topic,
-        "--rate",
-        str(rate),
-        "--start-ns",
-        str(start_ns),
-        "--linger-ms",
-        repr(linger_ms),
-    ]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+class _Feed:
+    """The producer process (:func:`produce`) filling ``topic`` while a run is inside
+    ``with``, its first row due at ``start_ns``; on leaving, the CPU seconds it and the
+    broker spent meanwhile (:meth:`credit` puts them in the run's row)."""
 
+    def __init__(self, bootstrap: str, topic: str, rate: int, start_ns: int, linger_ms: float):
+        self.bootstrap = bootstrap
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "tandem.bench_kafka",
+            "--bootstrap",
+            bootstrap,
+            "--topic",
+            topic,
+            "--rate",
+            str(rate),
+            "--start-ns",
+            str(start_ns),
+            "--linger-ms",
+            repr(linger_ms),
+        ]
+        self.producer_cpu_s: float | None = None
+        self.broker_cpu_s: float | None = None
 
-def _stop_producer(producer: subprocess.Popen) -> float:
-    """SIGTERM the producer, reap it, and return the CPU seconds it used."""
-    producer.send_signal(signal.SIGTERM)
-    _, status, usage = os.wait4(producer.pid, 0)
-    producer.returncode = status
-    return round(usage.ru_utime + usage.ru_stime, 2)
+    def __enter__(self) -> _Feed:
+        self._broker0 = _broker_cpu(self.bootstrap)
+        self._producer = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._producer.send_signal(signal.SIGTERM)
+        _, status, usage = os.wait4(self._producer.pid, 0)
+        self._producer.returncode = status
+        self.producer_cpu_s = round(usage.ru_utime + usage.ru_stime, 2)
+        broker1 = _broker_cpu(self.bootstrap)
+        if self._broker0 is not None and broker1 is not None:
+            self.broker_cpu_s = round(broker1 - self._broker0, 2)
+
+    def credit(self, row: KafkaRow) -> KafkaRow:
+        row.producer_cpu_s, row.broker_cpu_s = self.producer_cpu_s, self.broker_cpu_s
+        return row
 
 
 DELIVERY_GRACE_S = 30.0
@@ -377,24 +386,24 @@ def run_delivery(
         _Delivery(bootstrap, topic, i % PARTITIONS, lo_ns, hi_ns)
         for i in range(PARTITIONS * replication)
     ]
-    broker0 = _broker_cpu(bootstrap)
     cpu0 = time.process_time()
-    producer = _producer(bootstrap, topic, rate, start_ns, linger_ms)
+    feed = _Feed(bootstrap, topic, rate, start_ns, linger_ms)
     try:
-        for r in readers:
-            r.reader.start()
-        # Until every reader has had a row due after the measured span (or the producer
-        # or the broker is hopelessly behind).
-        deadline = time.monotonic() + (hi_ns - time.time_ns()) / 1e9 + DELIVERY_GRACE_S
-        while min(r.latest_ns for r in readers) < hi_ns and time.monotonic() < deadline:
-            if any(r.reader.error is not None for r in readers):
-                break
-            time.sleep(0.05)
+        with feed:
+            try:
+                for r in readers:
+                    r.reader.start()
+                # Until every reader has had a row due after the measured span (or the
+                # producer or the broker is hopelessly behind).
+                deadline = time.monotonic() + (hi_ns - time.time_ns()) / 1e9 + DELIVERY_GRACE_S
+                while min(r.latest_ns for r in readers) < hi_ns and time.monotonic() < deadline:
+                    if any(r.reader.error is not None for r in readers):
+                        break
+                    time.sleep(0.05)
+            finally:
+                for r in readers:
+                    r.reader.stop()
     finally:
-        for r in readers:
-            r.reader.stop()
-        producer_cpu = _stop_producer(producer)
-        broker1 = _broker_cpu(bootstrap)
         _delete_topics(bootstrap, [topic])
     for r in readers:
         if r.reader.error is not None:
@@ -427,12 +436,9 @@ def run_delivery(
         digests_match=True,
         cpu_s=round(time.process_time() - cpu0, 2),
         steady_cpu_s=None,
-        producer_cpu_s=producer_cpu,
         load_avg=round(os.getloadavg()[0], 2),
     )
-    if broker0 is not None and broker1 is not None:
-        row.broker_cpu_s = round(broker1 - broker0, 2)
-    return row
+    return feed.credit(row)
 
 
 def kafka(
