@@ -53,9 +53,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tandem import logs
-from tandem.engines.common import STARTUP_S, assemble_result, check_options
+from tandem.engines.common import check_options
+from tandem.engines.coordinator import Coordinator
 from tandem.engines.exchange import REJOIN_TIMEOUT_S, serve
 from tandem.engines.process import child_env
+from tandem.engines.protocol import Assign, Retire, expect
 from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Kill, KillWorker, Pause
 from tandem.heartbeat import Generators
@@ -212,18 +214,23 @@ class SparkEngine:
             plan,
             placement,
             secret,
-            duration,
-            faults,
             host="127.0.0.1" if local else sc.getConf().get("spark.driver.host"),
-            startup_s=STARTUP_S,
-            timeout=timeout if timeout is not None else duration + 60.0,
             kill=self.kill,
             on_failure=lambda _: sc.cancelJobsWithTag(tag),
-            zoo=zoo,
-            warmup=warmup,
             local=local,
             relaunch=rebuilds,
         )
+        coordinator = Coordinator(
+            plan,
+            registry,
+            duration,
+            faults,
+            secret=secret,
+            zoo=zoo,
+            warmup=warmup,
+            startup_timeout=reg.REGISTER_TIMEOUT_S,
+        )
+        registry.coordinator = coordinator
         udf = _worker_main(
             plan, secret, registry.address, host, schema, collect, zoo, logs.driver_level()
         )
@@ -232,6 +239,7 @@ class SparkEngine:
             plan, placement, (slot, executor)
         ).mapInArrow(udf, spark_schema)
         with registry, _driver_path_on_workers(sc, local):
+            coordinating = _Coordinating(coordinator, registry, timeout or duration + 60.0)
             df = self._placement(plan, placement).mapInArrow(udf, spark_schema)
             sc.addJobTag(tag)
             sc.setJobDescription(
@@ -249,27 +257,18 @@ class SparkEngine:
                 sc.removeJobTag(tag)
                 sc.setJobDescription(None)
                 rebuilds.close(cancel=table is None)
+                coordinating.finish(abandon=table is None)
             table = pa.concat_tables([table, *rebuilds.tables])
+        registry.log.t0_ns = coordinator.t0_ns
         self.last_run = registry.log
         if registry.log.failure is not None:
             raise registry.log.failure
         reports = _unpack(table, collect)
-        lost = registry.log.lost
+        lost = coordinator.lost
         missing = sorted(set(plan.replicas()) - set(reports) - {rid for rid, _ in lost})
         if missing:
             raise TandemError(f"replicas {missing} of {plan.job!r} never reported; see the log")
-        result = assemble_result(
-            plan,
-            duration,
-            reports,
-            t0_ns=registry.log.t0_ns,
-            warmup=warmup,
-            check=check,
-            faults=registry.log.faults,
-            lost_replicas=lost,
-            kazoo=zoo,
-        )
-        result.restored_replicas = list(registry.log.restored)
+        result = coordinator.result(check, reports)
         self._output = None if collect is None else result.outputs[collect.name]
         return result
 
@@ -350,6 +349,32 @@ class SparkEngine:
             for rids in placement
         ]
         return df.withColumn("replicas", F.array(*rows)[F.col(SLOT)])
+
+
+class _Coordinating:
+    """The run's coordinator on a thread of the driver, while the Spark job runs on the
+    caller's: a failure it raises stops the Spark job (the registry's ``on_failure``)."""
+
+    def __init__(self, coordinator: Coordinator, registry: reg.Registry, timeout: float):
+        self.coordinator, self.registry, self.timeout = coordinator, registry, timeout
+        self.thread = threading.Thread(target=self._run, name="tandem-coordinator", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.coordinator.start()
+            self.coordinator.watch(self.timeout)
+        except BaseException as exc:
+            if not self.coordinator.stop_token.killed:
+                self.registry.fail(exc)
+
+    def finish(self, abandon: bool) -> None:
+        """Wait for the coordinator to have every worker's ``Done`` (``abandon``: the
+        Spark job failed, stop it instead)."""
+        if abandon:
+            self.coordinator.stop_token.kill()
+        self.thread.join(timeout=30)
+        self.coordinator.close()
 
 
 class _Rebuilds:
@@ -458,21 +483,22 @@ def _worker_main(plan, secret, registry_address, host, schema, collect, zoo, log
         bind_host = host or _own_address()
         attempt = TaskContext.get().attemptNumber()
         with reg.register(registry_address, secret, slot, attempt, bind_host) as conn:
-            answer = reg.receive(conn, "worker identity")
-            if answer[0] == "retire":
+            answer = expect(
+                reg.receive(conn, "worker identity"), Assign, Retire, what="after checking in"
+            )
+            if isinstance(answer, Retire):
                 return
-            _, w, rids, rejoin = answer
-            logs.configure_worker(w, log_level)
+            logs.configure_worker(answer.worker, log_level)
             reports = serve(
                 plan,
-                [tuple(rid) for rid in rids],
+                [tuple(rid) for rid in answer.replicas],
                 secret,
                 conn,
                 zoo,
-                rejoin,
+                answer.rejoin,
                 host=bind_host,
                 receive=lambda what: reg.receive(conn, what),
-                finish=_failures,
+                send_reports=False,
                 sigterm=False,
             )
         if reports is None:  # a rebuild the registry gave up before it ran
@@ -485,12 +511,6 @@ def _worker_main(plan, secret, registry_address, host, schema, collect, zoo, log
             yield _envelope(key, 1, schema, pa.array([pickle.dumps(report)], pa.binary()))
 
     return worker_main
-
-
-def _failures(reports: dict[ReplicaId, ReplicaReport]) -> tuple:
-    """The ``done`` message of a worker task: the replicas whose operator failed, with
-    the error and whether it was a divergence (the reports travel as output rows)."""
-    return ("done", [(rid, r.error, r.diverged) for rid, r in reports.items() if r.error])
 
 
 def _envelope(key: int, n: int, schema: pa.Schema, report: pa.Array, columns=None):

@@ -1,4 +1,5 @@
-"""The rendezvous of a Spark run: a small server in the driver that every worker task calls.
+"""The Spark engine's host of workers: a small server in the driver that every worker task
+calls, and through which the run's coordinator speaks to them.
 
 Spark starts the worker tasks of a non-barrier job one by one and tells none of them
 where the others are; barrier mode's ``allGather`` would, but it costs about a second and
@@ -7,35 +8,29 @@ replication needs. So the driver runs this registry (a thread per connected task
 ``multiprocessing.connection``: length-prefixed pickles, HMAC-authenticated with the job
 secret, so only the job's own tasks can talk to it) and every task, in ``worker_main``:
 
-1. says hello: its Spark partition (= placement row), attempt number, PID and node;
-2. once every task has checked in, gets its worker back — the index and the replicas of
-   one worker of :meth:`tandem.plan.Plan.placement`, chosen so that the replicas of a
-   partition run on different executors where there are several;
+1. says :class:`~tandem.engines.protocol.Hello`: its Spark partition (= placement row),
+   attempt number, PID and node;
+2. once every task has checked in, gets its worker back
+   (:class:`~tandem.engines.protocol.Assign`) — the index and the replicas of one worker
+   of :meth:`tandem.plan.Plan.placement`, chosen so that the replicas of a partition run
+   on different executors where there are several;
 3. then speaks the exchange every engine has with its workers
-   (:func:`tandem.engines.exchange.serve`): reports the port each of its replicas'
-   inboxes listens on (``ready``); once every worker has, gets every address and the
-   logical time origin ``t0`` (``go``); reports when it has finished (``done``, with
-   which of its replicas' operators failed).
+   (:func:`tandem.engines.exchange.serve`) with the run's
+   :class:`~tandem.engines.coordinator.Coordinator` — the one the local engine runs too,
+   here on a thread of the driver: this registry is its
+   :class:`~tandem.engines.coordinator.WorkerHost`, handing every message it reads over as
+   an event and sending what the coordinator says.
 
-A task Spark retries — its worker was killed or crashed — checks in again with its
-placement row. Under ``Job(restore=True)`` it **rejoins**: the registry plays the part the
-local engine's coordinator plays (DESIGN §4) — it asks a live twin's worker for a cut of
-each replica the lost worker hosted, hands the cuts to the retried task, tells the live
-upstream replicas to link to the rebuilt ones and replay from the cuts, and records each
-in ``restored_replicas`` once all of them feed it — so ``r`` is restored and a later loss
-of the twins is masked too. Otherwise (or when it cannot rejoin: its twins are gone, the
-stream is about to end, it landed on an executor that runs a twin of its replicas) the
-retried task is told to retire.
-
-The registry is also where faults are injected: it knows every worker's PID, so a
-``td.Kill`` SIGKILLs the Python worker hosting the replica (or the executor JVM above it)
-at ``t0 + at``, with every replica it hosts. A connection that drops before ``done`` is a
-worker that died: killed on purpose, or a crash; when every replica of a task partition is
-gone the run cannot continue and the registry says so through ``on_failure``. Under
-``Job(restore=True)`` workers send keepalives, and one silent for the job's
-``failure_timeout_ms`` (or dropped by an upstream replica as a straggler) is declared lost
-and fenced — told to exit and, on a master on this machine, SIGKILLed — so Spark retries
-it and it rejoins.
+The coordinator decides everything else — faults, losses, fencing, rebuilds — as on the
+local engine. What is Spark's here: a worker lost is rebuilt by the task Spark retries
+(``Job(restore=True)``): the retry checks in with its placement row and *claims* the
+rebuild the coordinator has waiting for that worker, as the worker's next incarnation
+(a retry with nothing to claim is told to retire); where Spark ran the retry on an
+executor that runs a twin of its replicas (after an executor crash), the registry starts
+the row again in a Spark job of its own elsewhere (``relaunch``). Faults reach the
+processes of the executors on this machine: ``td.Kill`` SIGKILLs the Python worker (or
+the executor JVM above it), ``td.Pause`` freezes it; a fenced worker is told to exit and,
+on a master on this machine, SIGKILLed.
 """
 
 from __future__ import annotations
@@ -44,6 +39,7 @@ import contextlib
 import itertools
 import logging
 import os
+import queue
 import shutil
 import signal
 import threading
@@ -53,28 +49,32 @@ from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 
-from tandem.engines.exchange import (
-    REJOIN_ATTEMPTS,
-    REJOIN_MARGIN_S,
-    REJOIN_TIMEOUT_S,
-    Feeding,
-    listening,
-    live_twins,
-    rebuild_links,
-    restored_entry,
-    state_folder,
+import psutil
+
+from tandem.engines.coordinator import Call, Coordinator, Event, Exited, Received
+from tandem.engines.exchange import REJOIN_ATTEMPTS, state_folder
+from tandem.engines.protocol import (
+    Assign,
+    Done,
+    Exit,
+    Hello,
+    Message,
+    Retire,
+    check_version,
+    expect,
 )
-from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
-from tandem.faults import Kill, KillWorker, Pause
-from tandem.ordering import kazoo
-from tandem.ordering.kazoo import KazooRun
+from tandem.exceptions import TandemError
 from tandem.plan import Plan
-from tandem.runtime import ReplicaId, Resume
+from tandem.runtime import ReplicaId
 
 log = logging.getLogger("tandem")
 
 REGISTER_TIMEOUT_S = 120.0
 """How long a worker task waits for the others (a slow cluster may start tasks late)."""
+
+CLAIM_WAIT_S = 5.0
+"""How long a retried task waits for the coordinator to see its worker's loss (the
+connection of the attempt it replaces may not have dropped yet)."""
 
 
 @dataclass
@@ -97,6 +97,8 @@ class Attempt:
     """Why its worker was taken down on purpose (``killed``, ``silent``, ``evicted``)."""
     executor_id: str | None = None
     """Spark's id of its executor (None: the driver's JVM, in local mode)."""
+    incarnation: int = 0
+    """Which incarnation of its worker it runs."""
 
     @property
     def executor(self) -> tuple[str, int | None]:
@@ -109,14 +111,6 @@ class RunLog:
     """What the registry saw during one run (kept by the engine as ``last_run``)."""
 
     attempts: list[Attempt] = field(default_factory=list)
-    killed: dict[ReplicaId, float] = field(default_factory=dict)
-    """Replica → seconds after t0 when a fault last SIGKILLed its worker."""
-    crashed: list[ReplicaId] = field(default_factory=list)
-    lost: list[tuple[ReplicaId, str]] = field(default_factory=list)
-    """Every loss of a replica, in order, with its cause (``killed``, ``crashed``, ...)."""
-    restored: list[dict] = field(default_factory=list)
-    """The replicas rebuilt from a live twin (``Result.restored_replicas``)."""
-    faults: list[dict] = field(default_factory=list)
     t0_ns: int = 0
     failure: TandemError | None = None
     """Why the run was stopped: a replica's operator failed (TaskFailed), a whole
@@ -137,13 +131,13 @@ class RunLog:
 
 
 class _Peer:
-    """A worker task's connection, which several registry threads send on."""
+    """A worker task's connection, which several threads send on."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self._sending = threading.Lock()
 
-    def send(self, message: tuple) -> bool:
+    def send(self, message: Message) -> bool:
         """Send ``message``; False if the task is gone."""
         with self._sending:
             try:
@@ -153,81 +147,47 @@ class _Peer:
         return True
 
 
-@dataclass
-class _Rejoin:
-    """A lost worker being rebuilt by a retried task (see the module documentation)."""
-
-    worker: int
-    attempt: Attempt
-    twins: dict[ReplicaId, ReplicaId]
-    lost_s: float
-    generation: int = 0
-    cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
-    refused: ReplicaId | None = None
-    """A twin that could not be cut (finished, failed, or going by): cut again."""
-    feeding: Feeding = field(default_factory=Feeding)
-    started: bool = False
-    """The retried task said its replicas have started (dialled their downstream
-    replicas): until then it is no twin to count on."""
-
-
 class Registry:
-    """The driver side (see the module documentation). Use as a context manager.
-    ``placement``: the replicas of every worker (:meth:`tandem.plan.Plan.placement`), one
-    Spark task each. ``local``: the tasks run on this machine (their PIDs can be
-    signalled). ``relaunch(slot, avoid)``: start placement row ``slot``'s task again in a
-    Spark job of its own, on an executor whose id is not in ``avoid`` — for a worker
-    whose retried task Spark ran beside its twins (after an executor crash)."""
+    """The driver side (see the module documentation). Use as a context manager, and set
+    :attr:`coordinator` before the Spark job starts. ``placement``: the replicas of every
+    worker (:meth:`tandem.plan.Plan.placement`), one Spark task each. ``local``: the tasks
+    run on this machine (their PIDs can be signalled). ``kill``: what a ``td.Kill``
+    takes down, the Python ``worker`` or its ``executor`` JVM. ``relaunch(slot,
+    avoid)``: start placement row ``slot``'s task again in a Spark job of its own, on an
+    executor whose id is not in ``avoid``. ``on_failure(error)``: stop the Spark job."""
+
+    name = "spark"
+    starts_rebuilds = False
 
     def __init__(
         self,
         plan: Plan,
         placement: list[list[ReplicaId]],
         secret: bytes,
-        duration: float,
-        faults: list[Kill | KillWorker | Pause],
         *,
         host: str,
-        startup_s: float,
-        timeout: float,
         kill: str,
         on_failure: Callable[[TandemError], None],
-        zoo: KazooRun | None = None,
-        warmup: float = 0.0,
         local: bool = True,
         relaunch: Callable[[int, set[str]], None] | None = None,
     ) -> None:
         self.plan, self.placement, self.secret = plan, placement, secret
-        self.warmup, self.local, self.relaunch = warmup, local, relaunch
-        self._relaunched: dict[int, int] = {}
-        """Placement row → its tasks started by ``relaunch`` for its latest loss."""
-        self._lost_at: dict[int, float] = {}
-        """Worker → when it was last lost (seconds after t0)."""
-        self.zoo = zoo
-        self.worker_of = {rid: w for w, rids in enumerate(placement) for rid in rids}
-        self.duration, self.startup_s, self.kill = duration, startup_s, kill
-        self.timeout = timeout
-        self.faults = sorted(faults, key=lambda f: f.at)
-        self.on_failure = on_failure
-        self.restoring = plan.restore and plan.replication > 1
+        self.kill_unit, self.on_failure = kill, on_failure
+        self.local, self.relaunch = local, relaunch
+        self.coordinator: Coordinator | None = None
         self.log = RunLog()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._lock = threading.Condition()
-        self._ports: dict[ReplicaId, int | None] = {}
-        self._nodes: dict[int, str] = {}
-        """Worker → the node its inboxes listen on, once it has bound."""
-        self._live: dict[int, Attempt] = {}
-        """Workers bound and not finished (nor dead), by the attempt running them."""
-        self._peers: dict[int, _Peer] = {}
-        """Live worker → its connection, once it runs."""
-        self._heard: dict[int, float] = {}
-        """Live worker → when it last spoke (monotonic)."""
-        self._down: set[ReplicaId] = set()
-        """Replicas lost and not (yet) rebuilt."""
-        self._rejoins: dict[int, _Rejoin] = {}
-        self.addresses: dict[ReplicaId, tuple[str, int]] = {}
         self._first: dict[int, Attempt] = {}
         self._assigned = False
-        self._go: tuple | None = None
+        self._assignments: dict[int, Assign] = {}
+        self._running: dict[tuple[int, int], Attempt] = {}
+        """(worker, incarnation) -> the attempt running it."""
+        self._peers: dict[tuple[int, int], _Peer] = {}
+        self._latest: dict[int, Attempt] = {}
+        """Worker -> the attempt that runs it now (or last did)."""
+        self._relaunched: dict[int, int] = {}
+        """Placement row → its tasks started by ``relaunch`` for its latest loss."""
         self._closing = False
         # Every worker task checks in at about the same time: a backlog of one (the
         # default) would drop connections whose clients then wait for ever.
@@ -236,7 +196,7 @@ class Registry:
         self._threads: list[threading.Thread] = []
         self._state_dir: str | None = None
         """Where twins leave large states for rebuilt workers on the same host (see
-        :meth:`_state_files`), made on first use and removed with the run."""
+        :meth:`state_folder`), made on first use and removed with the run."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -275,88 +235,145 @@ class Registry:
                 return
             self._spawn(self._serve, "tandem-registry-conn", conn)
 
-    def _now_s(self) -> float:
-        return (time.time_ns() - self.log.t0_ns) / 1e9
+    def fail(self, error: BaseException) -> None:
+        """Stop the run for ``error`` (the first reason given wins)."""
+        if not isinstance(error, TandemError):
+            error = TandemError(f"the coordinator failed: {type(error).__name__}: {error}")
+        with self._lock:
+            if self.log.failure is not None:
+                return
+            self.log.failure = error
+        self.on_failure(error)
 
     # -- one worker task ------------------------------------------------------------------
 
     def _serve(self, conn: Connection) -> None:
         attempt = None
         try:
-            _, slot, number, pid, node, jvm, executor = conn.recv()
-            attempt = Attempt(slot, number, pid, node, jvm, executor_id=executor)
+            hello = expect(conn.recv(), Hello, what="from a worker task")
+            check_version(hello.version, f"the worker task of placement row {hello.slot}")
+            attempt = Attempt(
+                hello.slot,
+                hello.attempt,
+                hello.pid,
+                hello.node,
+                hello.executor_pid,
+                executor_id=hello.executor_id,
+            )
             with self._lock:
                 self.log.attempts.append(attempt)
-                if slot not in self._first and 0 <= slot < len(self.placement):
-                    self._first[slot] = attempt
+                if attempt.slot not in self._first and 0 <= attempt.slot < len(self.placement):
+                    self._first[attempt.slot] = attempt
                     if len(self._first) == len(self.placement):
                         self._assign()
-                    self._lock.wait_for(lambda: self._assigned or self._closing)
-            if attempt.worker is None:
-                rj = self._rejoinable(attempt)
-                if rj is not None:
-                    self._rejoin(conn, rj)
-                    return
-                # A retry of a worker that crashed or was killed, which does not rejoin:
-                # the twins of its replicas carry on without it.
-                conn.send(("retire", f"placement row {slot} was already started"))
-                if self._go is None:  # its first attempt failed before the job started
-                    self.fail(
-                        TandemError(
-                            f"the worker task of placement row {slot} failed while the job "
-                            "was starting and was retried; see the executor log for why"
-                        )
+                self._lock.wait_for(
+                    lambda: (
+                        (self._assigned and len(self._assignments) == len(self.placement))
+                        or self._closing
                     )
-                return
-            w = attempt.worker
-            conn.send(("worker", w, attempt.replicas, False))
-            kind, ports = conn.recv()  # ("ready", {replica: port or None}) or ("error", why)
-            if kind != "ready":
-                self.fail(ConfigError(str(ports)))
-                return
-            with self._lock:
-                self._ports.update(ports)
-                self._nodes[w], self._live[w] = attempt.node, attempt
-                if len(self._nodes) == len(self.placement):
-                    self._start_run()
-                while self._go is None and not self._closing:
-                    self._lock.wait()
-                if self._go is None:
+                )
+                if self._closing:
                     return
-                peer = self._peers[w] = _Peer(conn)  # cut and link requests go through it too
-                self._heard[w] = time.monotonic()
-            peer.send(self._go)
-            self._run(conn, attempt)
+                w = attempt.worker
+            if w is None:
+                inc = self._claim(attempt)
+                if inc is None:
+                    # A retry of a worker that crashed or was killed, which does not
+                    # rejoin: the twins of its replicas carry on without it.
+                    conn.send(Retire(f"placement row {attempt.slot} was already started"))
+                    return
+                w = attempt.worker
+            peer = _Peer(conn)
+            with self._lock:
+                self._running[(w, attempt.incarnation)] = attempt
+                self._peers[(w, attempt.incarnation)] = peer
+                self._latest[w] = attempt
+            peer.send(Assign(w, tuple(self.placement[w]), attempt.rejoined))
+            self._forward(conn, w, attempt.incarnation)
         except (EOFError, OSError):
             if attempt is not None and attempt.worker is not None:
-                self._lost(attempt)
+                self._events.put(Exited(attempt.worker, attempt.incarnation))
+        except TandemError as exc:
+            self.fail(exc)
         finally:
             conn.close()
 
-    def _run(self, conn: Connection, attempt: Attempt) -> None:
-        """Serve a running worker's messages until it is ``done``: keepalives, and its
-        replicas' answers to cut and link requests for rebuilt workers."""
-        w = attempt.worker
+    def _forward(self, conn: Connection, w: int, inc: int) -> None:
+        """Hand every message of that incarnation to the coordinator, up to ``Done``; a
+        connection that drops first is the incarnation exiting."""
         while True:
             msg = conn.recv()
-            with self._lock:
-                self._heard[w] = time.monotonic()
-            if msg[0] == "done":
-                break
-            if msg[0] == "cut":
-                self._on_cut(*msg[1:])
-            elif msg[0] == "linked":
-                self._on_linked(*msg[1:])
-            elif msg[0] == "started":
-                self._on_started(w)
-            elif msg[0] == "evicted":
-                self._on_evicted(*msg[1:])
+            self._events.put(Received(w, inc, msg))
+            if isinstance(msg, Done):
+                return
+
+    def _ask(self, fn):
+        """Run ``fn`` on the coordinator's thread and return its result."""
+        call = Call(fn)
+        self._events.put(call)
+        return call.future.result()
+
+    def _claim(self, attempt: Attempt) -> int | None:
+        """A retried task: the incarnation it runs of its placement row's worker — the
+        rebuild the coordinator has waiting for it — or None if it retires."""
+        first = self._first.get(attempt.slot)
+        if first is None or first.worker is None:
+            return None
+        w = first.worker
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while True:
+            answer = self._ask(lambda: self._claim_on_coordinator(attempt, w))
+            if answer != "wait":
+                return answer
+            if time.monotonic() > deadline or self._closing:
+                log.warning("worker %d is not rebuilt: its worker still runs", w)
+                return None
+            time.sleep(0.05)
+
+    def _claim_on_coordinator(self, attempt: Attempt, w: int):
+        coord = self.coordinator
+        if coord is None or not coord.started:
+            raise TandemError(
+                f"the worker task of placement row {attempt.slot} failed while the job "
+                "was starting and was retried; see the executor log for why"
+            )
+        rj = coord.pending_rebuild(w)
+        if rj is None:
+            return "wait" if w in coord.running and w not in coord.rejoins else None
+        twins = rj.twins
         with self._lock:
-            if self._live.get(w) is attempt:
-                del self._live[w]
-                self._peers.pop(w, None)
-        for _, error, diverged in msg[1]:  # ("done", [(replica, error, diverged), ...])
-            self.fail(DeterminismError(error) if diverged else TaskFailed(error))
+            shared = sorted(
+                rid
+                for rid, twin in twins.items()
+                if (tw := self._latest.get(coord.worker_of[twin])) is not None
+                and tw.executor == attempt.executor
+                and len({a.executor for a in self._first.values()}) > 1
+            )
+            avoid = {
+                self._latest[coord.worker_of[twin]].executor_id
+                for twin in twins.values()
+                if coord.worker_of[twin] in self._latest
+            }
+        if shared:
+            why = (
+                f"Spark ran its retried task on executor {attempt.executor_id} "
+                f"({attempt.node}, JVM {attempt.executor_pid}), which runs the twins "
+                f"of {shared}; one executor's crash must not take two replicas of a "
+                "partition"
+            )
+            tries = self._relaunched.get(attempt.slot, 0)
+            if self.relaunch is not None and None not in avoid and tries < REJOIN_ATTEMPTS:
+                self._relaunched[attempt.slot] = tries + 1
+                log.info("worker %d: %s; it is started again on another executor", w, why)
+                self.relaunch(attempt.slot, avoid)
+            else:
+                coord.give_up(w, why)
+            return None
+        rj.claimed = True
+        attempt.worker, attempt.replicas = w, list(self.placement[w])
+        attempt.rejoined, attempt.incarnation = True, rj.incarnation
+        log.info("rebuilding worker %d (%s) from live twins", w, self.placement[w])
+        return rj.incarnation
 
     def _assign(self) -> None:
         """Give every first attempt its worker (called with the lock held, once all have
@@ -409,469 +426,116 @@ class Registry:
     def _give(self, attempt: Attempt, w: int) -> None:
         attempt.worker, attempt.replicas = w, list(self.placement[w])
 
-    def _start_run(self) -> None:
-        """Every worker has bound (called with the lock held): publish the addresses and
-        the logical time origin (with the run's length and warm-up), and schedule the
-        faults relative to it."""
-        addresses = {
-            rid: (self._nodes[self.worker_of[rid]], port)
-            for rid, port in self._ports.items()
-            if port is not None
-        }
-        self.addresses = addresses
-        self.log.t0_ns = time.time_ns() + int(self.startup_s * 1e9)
-        self._go = ("go", dict(addresses), self.log.t0_ns, self.duration, self.warmup)
-        self._lock.notify_all()
-        self._spawn(self._watch_clock, "tandem-clock")
-        if self.restoring:
-            self._spawn(self._watch_keepalives, "tandem-keepalives")
+    # -- the coordinator's host (WorkerHost) ----------------------------------------------
 
-    def _watch_clock(self) -> None:
-        """Inject the faults at their times, then fail the run if it outlives its timeout
-        (``timeout`` seconds after ``t0``; starting up is bounded separately, by
-        REGISTER_TIMEOUT_S in every worker task)."""
-        self._inject_faults()
-        if self._sleep_until(self.timeout):
-            return
-        self.fail(
-            TandemError(
-                f"the run did not finish within {self.timeout:.0f} s of its start; raise "
-                "timeout= if the job is expected to take longer"
-            )
-        )
-
-    def _sleep_until(self, offset_s: float) -> bool:
-        """Wait until ``t0 + offset_s``; True if the registry closed meanwhile."""
-        delay = self.log.t0_ns / 1e9 + offset_s - time.time()
+    def start(self, assignments: list[Assign]) -> None:
+        """The tasks check in by themselves; each gets its assignment once all have."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._closing, timeout=max(0.0, delay))
+            self._assignments = {a.worker: a for a in assignments}
+            self._lock.notify_all()
 
-    # -- faults and deaths ----------------------------------------------------------------
+    def replace(self, assign: Assign, incarnation: int) -> bool:
+        """Spark retries the lost worker's task by itself; the retry claims the rebuild."""
+        self._relaunched.pop(assign.worker, None)  # a new loss
+        return False
 
-    def _inject_faults(self) -> None:
-        for fault in self.faults:
-            if self._sleep_until(fault.at):
-                return
-            replica = None if isinstance(fault, KillWorker) else fault.replica
-            if isinstance(replica, str):  # a KaZoo role: who holds it now
-                task = self.plan.task(fault.task)
-                with self._lock:
-                    alive = [
-                        r
-                        for r in range(task.replication)
-                        if self.worker_of[(task.id, fault.partition, r)] in self._live
-                    ]
-                try:
-                    replica = kazoo.resolve_role(self.zoo, task.id, fault.partition, replica, alive)
-                except TandemError as exc:
-                    log.warning("fault %r: %s", fault, exc)
-                    continue
-            with self._lock:
-                if isinstance(fault, KillWorker):
-                    w = fault.worker
-                else:
-                    w = self.worker_of[(self.plan.task(fault.task).id, fault.partition, replica)]
-                victim = self._live.get(w)
-                now_s = (time.time_ns() - self.log.t0_ns) / 1e9
-                if victim is None:
-                    log.warning("fault %r: worker %d had already finished or died", fault, w)
-                    continue
-                if isinstance(fault, Pause):
-                    workers, pids = [w], [victim.pid]
-                elif self.kill == "executor":
-                    workers = sorted(
-                        v for v, a in self._live.items() if a.executor == victim.executor
-                    )
-                    pids = [self._live[v].pid for v in workers]
-                    if victim.executor_pid is not None:  # None: no JVM found above the worker
-                        pids.insert(0, victim.executor_pid)
-                else:
-                    workers, pids = [w], [victim.pid]
-                replicas = [rid for v in workers for rid in self.placement[v]]
-                for v in workers if not isinstance(fault, Pause) else ():
-                    self._live[v].cause = "killed"
-                    for rid in self.placement[v]:
-                        self.log.killed[rid] = now_s
-                self.log.faults.append(
-                    {
-                        **fault.to_dict(),
-                        "victim": replica,
-                        "worker": w,
-                        "workers": workers,
-                        "replicas": [
-                            {"task": self.plan.tasks[t].name, "partition": p, "replica": r}
-                            for t, p, r in replicas
-                        ],
-                        "injected_at": round(now_s, 3),
-                    }
-                )
-            if isinstance(fault, Pause):
-                self._pause(victim, fault.for_s, now_s)
-                continue
+    def send(self, worker: int, incarnation: int, message: Message) -> bool:
+        with self._lock:
+            peer = self._peers.get((worker, incarnation))
+        return peer is not None and peer.send(message)
+
+    def kill(self, worker: int, incarnation: int, cause: str) -> list[int]:
+        """A fault (``killed``) SIGKILLs the worker's Python process, or its executor JVM
+        with every worker on it (``kill="executor"``); any other cause fences it: it is
+        told to exit and, on a master on this machine, SIGKILLed. Nothing waits for it."""
+        with self._lock:
+            victim = self._running.get((worker, incarnation))
+            peer = self._peers.get((worker, incarnation))
+            if victim is None or victim.cause is not None:
+                return []
+            victim.cause = cause
+            others: list[tuple[int, Attempt]] = []
+            if cause == "killed" and self.kill_unit == "executor":
+                others = [
+                    (w, a)
+                    for (w, inc), a in self._running.items()
+                    if a is not victim
+                    and a.cause is None
+                    and a.executor == victim.executor
+                    and self._latest.get(w) is a
+                ]
+                for _, a in others:
+                    a.cause = "killed"
+        if cause == "killed":
+            pids = [victim.pid, *(a.pid for _, a in others)]
+            if self.kill_unit == "executor" and victim.executor_pid is not None:
+                pids.insert(0, victim.executor_pid)
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            log.info("fault: SIGKILL %s %s (workers %s) at %.2f s", self.kill, pids, workers, now_s)
-
-    def _pause(self, victim: Attempt, for_s: float, now_s: float) -> None:
-        """A ``td.Pause``: SIGSTOP the worker task's Python process now and SIGCONT it
-        ``for_s`` seconds later — unless it was declared lost and fenced meanwhile."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim.pid, signal.SIGSTOP)
-        log.info("fault: SIGSTOP worker %d (PID %d) at %.2f s", victim.worker, victim.pid, now_s)
-
-        def resume() -> None:
-            if victim.cause is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(victim.pid, signal.SIGCONT)
-                log.info("fault: SIGCONT worker %d at %.2f s", victim.worker, self._now_s())
-
-        timer = threading.Timer(for_s, resume)
-        timer.daemon = True
-        timer.start()
-
-    def _lost(self, attempt: Attempt) -> None:
-        """A worker task's connection dropped before it finished: every replica its worker
-        hosts is gone (a rebuild it was running is given up)."""
-        w = attempt.worker
-        with self._lock:
-            if self._closing:
-                return
-            rj = self._rejoins.get(w)
-            if rj is not None and rj.attempt is attempt:
-                del self._rejoins[w]
-                self._lock.notify_all()
-                log.warning("worker %d is not rebuilt: its retried task died too", w)
-            if self._live.get(w) is not attempt:
-                return
-            del self._live[w]
-            self._peers.pop(w, None)
-            starting = self._go is None
-            cause = attempt.cause or "crashed"
-            gone = [rid for rid in self.placement[w] if rid not in self._down]
-            if cause == "crashed" and gone:
-                log.warning("worker %d (replicas %s) died unexpectedly", w, gone)
-                self.log.crashed.extend(gone)
-            self.log.lost += [(rid, cause) for rid in gone]
-            self._lost_at[w] = self._now_s()
-            self._relaunched.pop(attempt.slot, None)  # a new loss
-            self._down |= set(gone)
-            orphans = [
-                (task, part)
-                for task, part, _ in self.placement[w]
-                if all(
-                    (task, part, r) in self._down for r in range(self.plan.tasks[task].replication)
-                )
-            ]
-        if starting:
-            self.fail(TandemError(f"worker {w} died while the job was starting; see its log"))
-        elif orphans:
-            task, part = orphans[0]
-            self.fail(
-                TandemError(
-                    f"every replica of {self.plan.tasks[task].describe()} partition {part} is "
-                    "gone; the job cannot continue"
-                )
+            log.info(
+                "fault: SIGKILL %s %s (workers %s)",
+                self.kill_unit,
+                pids,
+                [worker] + [w for w, _ in others],
             )
-
-    def _fence(self, w: int, cause: str, why: str) -> None:
-        """Take live worker ``w`` down on purpose (``cause``): tell it to exit and, on a
-        master on this machine, SIGKILL it; Spark retries its task, which rejoins."""
-        with self._lock:
-            attempt, peer = self._live.get(w), self._peers.get(w)
-            if attempt is None or attempt.cause is not None:
-                return
-            attempt.cause = cause
-        log.warning("worker %d %s: declared lost and fenced", w, why)
+            return [w for w, _ in others]
         if peer is not None:
-            peer.send(("exit", why))
+            peer.send(Exit(f"declared lost ({cause})"))
         if self.local:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(attempt.pid, signal.SIGKILL)
+                os.kill(victim.pid, signal.SIGKILL)
+        return []
 
-    def _on_evicted(self, up: ReplicaId, down: ReplicaId) -> None:
-        """``up`` dropped ``down`` as a straggler: its input is incomplete from then on."""
-        w = self.worker_of[down]
-        if not self._hosts_sinks(w):
-            self._fence(w, "evicted", f"was dropped by {up} as a straggler ({down})")
+    def pause(self, worker: int, incarnation: int) -> bool:
+        victim = self._running.get((worker, incarnation))
+        if victim is None or not self.local:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim.pid, signal.SIGSTOP)
+        return True
 
-    def _watch_keepalives(self) -> None:
-        """Declare lost every running worker silent for the job's ``failure_timeout_ms``
-        (a frozen or wedged task: its keepalives stopped), except the sinks' (they have no
-        twin to take over)."""
-        limit = self.plan.failure_timeout_ms / 1000
-        while True:
-            with self._lock:
-                if self._lock.wait_for(lambda: self._closing, timeout=limit / 4):
-                    return
-                now = time.monotonic()
-                silent = [
-                    (w, now - self._heard.get(w, now))
-                    for w in sorted(self._live)
-                    if now - self._heard.get(w, now) > limit and not self._hosts_sinks(w)
-                ]
-            for w, quiet in silent:
-                self._fence(w, "silent", f"has been silent for {quiet * 1000:.0f} ms")
+    def thaw(self, worker: int, incarnation: int) -> None:
+        victim = self._running.get((worker, incarnation))
+        if victim is not None and victim.cause is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.pid, signal.SIGCONT)
 
-    def _hosts_sinks(self, w: int) -> bool:
-        return any(self.plan.tasks[t].kind == "sink" for t, _, _ in self.placement[w])
-
-    # -- rebuilding a lost worker in its retried task (Job(restore=True)) ---------------
-
-    def _rejoinable(self, attempt: Attempt) -> _Rejoin | None:
-        """A retried task: the rebuild it runs of its placement row's worker, or None
-        (with the reason, if it is one the user may want to know) if it retires."""
-        first = self._first.get(attempt.slot)
-        if self._go is None or not self.restoring or first is None:
-            return None
-        w = first.worker
-        with self._lock:
-            # The connection of the attempt it replaces may not have dropped yet.
-            self._lock.wait_for(lambda: self._live.get(w) is None or self._closing, timeout=5)
-            now_s = self._now_s()
-            why = None
-            twins = live_twins(self.plan, self.placement[w], self._down)
-            if self._closing or self.log.failure is not None:
-                return None
-            if w in self._live or w in self._rejoins:
-                why = "its worker still runs"
-            elif self._hosts_sinks(w):
-                return None  # sinks are not replicated: nothing to rebuild them from
-            elif now_s > self.duration - REJOIN_MARGIN_S:
-                why = f"the stream ends in under {REJOIN_MARGIN_S:g} s"
-            elif twins is None:
-                return None  # every replica of a partition is gone: the run fails for it
-            else:
-                shared = sorted(
-                    rid
-                    for rid, twin in twins.items()
-                    if self._live.get(self.worker_of[twin]) is not None
-                    and self._live[self.worker_of[twin]].executor == attempt.executor
-                    and len({a.executor for a in self._first.values()}) > 1
-                )
-                if shared:
-                    why = (
-                        f"Spark ran its retried task on executor {attempt.executor_id} "
-                        f"({attempt.node}, JVM {attempt.executor_pid}), which runs the twins "
-                        f"of {shared}; one executor's crash must not take two replicas of a "
-                        "partition"
-                    )
-                    avoid = {
-                        self._live[self.worker_of[twin]].executor_id
-                        for twin in twins.values()
-                        if self.worker_of[twin] in self._live
-                    }
-                    tries = self._relaunched.get(attempt.slot, 0)
-                    if self.relaunch is not None and None not in avoid and tries < REJOIN_ATTEMPTS:
-                        self._relaunched[attempt.slot] = tries + 1
-                        log.info("worker %d: %s; it is started again on another executor", w, why)
-                        self.relaunch(attempt.slot, avoid)
-                        return None
-            if why is not None:
-                log.warning("worker %d is not rebuilt: %s", w, why)
-                return None
-            self._give(attempt, w)
-            attempt.rejoined = True
-            rj = _Rejoin(w, attempt, twins, self._lost_at.get(w, now_s))
-            self._rejoins[w] = rj
-        log.info("rebuilding worker %d (%s) from live twins", w, self.placement[w])
-        return rj
-
-    def _rejoin(self, conn: Connection, rj: _Rejoin) -> None:
-        """Run rebuild ``rj`` in its retried task (on that task's registry thread): get
-        the twins' cuts to it, link its upstream replicas to it once it listens, let it
-        go; then serve it like any running worker."""
-        attempt, w = rj.attempt, rj.worker
-        peer = _Peer(conn)
-        conn.send(("worker", w, attempt.replicas, True))
-        kind, value = conn.recv()  # ("waiting", None): it has loaded the job
-        if kind != "waiting" or not self._cut_twins(rj):
-            self._abort_rejoin(rj, str(value) if kind == "error" else "no cut could be taken")
-            peer.send(("abandon", None))
-            return
-        conn.send(("resume", rj.cuts, self.log.t0_ns))
-        kind, ports = conn.recv()
-        if kind != "ready":
-            self._abort_rejoin(rj, str(ports))
-            return
-        with self._lock:
-            if self._rejoins.get(w) is not rj or self._closing:
-                peer.send(("abandon", None))
-                return
-            self.addresses |= listening(ports, attempt.node)
-            links, here = rebuild_links(
-                self.plan, ports, rj.cuts, self._down, lambda up: self.worker_of[up] == w
-            )
-            rj.feeding = Feeding(dict.fromkeys(here, False), {(up, rid) for up, rid, _ in links})
-            self._live[w], self._peers[w], self._heard[w] = attempt, peer, time.monotonic()
-            go = ("go", dict(self.addresses), self.log.t0_ns, self.duration, self.warmup)
-        timer = threading.Timer(REJOIN_TIMEOUT_S, self._expire, args=(rj,))
-        timer.daemon = True
-        timer.start()
-        peer.send(go)
-        for up, rid, epoch in links:
-            with self._lock:
-                upstream = self._peers.get(self.worker_of[up])
-            sent = upstream is not None and upstream.send(
-                ("link", up, rid, self.addresses[rid], epoch)
-            )
-            if not sent:
-                self._on_linked(up, rid, "its worker is gone")
+    def poll(self, timeout: float) -> list[Event]:
+        events: list[Event] = []
         try:
-            self._run(conn, attempt)
-        finally:
-            timer.cancel()
+            events.append(self._events.get(timeout=max(timeout, 0.0)))
+            while True:
+                events.append(self._events.get_nowait())
+        except queue.Empty:
+            pass
+        return events
 
-    def _cut_twins(self, rj: _Rejoin) -> bool:
-        """Ask the twins' workers for a cut of every replica ``rj`` rebuilds, again if one
-        could not be taken (up to REJOIN_ATTEMPTS times); True once all are in."""
-        deadline = time.monotonic() + REJOIN_TIMEOUT_S
-        for _ in range(REJOIN_ATTEMPTS):
-            with self._lock:
-                rj.generation += 1
-                rj.cuts, rj.refused = {}, None
-                asks = [
-                    (
-                        self._peers.get(self.worker_of[twin]),
-                        twin,
-                        (rj.worker, rj.generation, rid),
-                        self._state_files(rj, self.worker_of[twin]),
-                    )
-                    for rid, twin in rj.twins.items()
-                ]
-            if any(
-                peer is None or not peer.send(("cut", twin, token, *folder))
-                for peer, twin, token, folder in asks
-            ):
-                return False  # a twin's worker is gone
-            with self._lock:
-                self._lock.wait_for(
-                    lambda: (
-                        len(rj.cuts) == len(rj.twins)
-                        or rj.refused is not None
-                        or self._rejoins.get(rj.worker) is not rj
-                        or self._closing
-                    ),
-                    timeout=max(0.0, deadline - time.monotonic()),
-                )
-                if self._rejoins.get(rj.worker) is not rj or self._closing:
-                    return False
-                if len(rj.cuts) == len(rj.twins):
-                    return True
-                if rj.refused is None:  # timed out
-                    return False
-                log.info("worker %d: twin %s could not be cut; trying again", rj.worker, rj.refused)
-        return False
+    def node(self, worker: int, incarnation: int) -> str:
+        return self._running[(worker, incarnation)].node
 
-    def _state_files(self, rj: _Rejoin, twin_worker: int) -> tuple[str, ...]:
-        """Where the twin's worker ``twin_worker`` should leave a large state for ``rj``
-        (called with the lock held): a folder this driver made, when the master runs on
-        this machine and the twin's worker and the retried task are on one node — the
-        file then never travels through the registry, as on the local engine. Else
-        nothing: the state comes inline."""
-        if not self.local or self._nodes.get(twin_worker) != rj.attempt.node:
-            return ()
+    def pid(self, worker: int, incarnation: int) -> int | None:
+        attempt = self._running.get((worker, incarnation))
+        return None if attempt is None or not self.local else attempt.pid
+
+    def state_folder(self, twin_worker: int, worker: int, incarnation: int) -> str | None:
+        """A folder this driver made, when the master runs on this machine and the twin's
+        worker and the rebuilt one run on one node — the file then never travels through
+        the registry, as on the local engine. Else None: the state comes inline."""
+        with self._lock:
+            rebuilt = self._running.get((worker, incarnation))
+            twin = self._latest.get(twin_worker)
+        if not self.local or rebuilt is None or twin is None or twin.node != rebuilt.node:
+            return None
         if self._state_dir is None:
             self._state_dir = state_folder()
-        return (self._state_dir,)
+        return self._state_dir
 
-    def _on_cut(self, twin: ReplicaId, taken: Resume | None, token) -> None:
-        w, generation, rid = token
-        with self._lock:
-            rj = self._rejoins.get(w)
-            if rj is None or rj.generation != generation:
-                return
-            if taken is None:
-                rj.refused = twin
-            else:
-                rj.cuts[rid] = taken
-            self._lock.notify_all()
+    def idle(self) -> None:
+        pass
 
-    def _on_linked(self, up: ReplicaId, down: ReplicaId, error: str | None) -> None:
-        with self._lock:
-            rj = self._rejoins.get(self.worker_of[down])
-            if rj is None or (up, down) not in rj.feeding.asked:
-                return
-            if error is not None:
-                log.warning("%s could not feed the rebuilt %s: %s", up, down, error)
-            done = rj.feeding.answered(up, down, error) and rj.started
-        if done:
-            self._linked(rj)
-
-    def _on_started(self, w: int) -> None:
-        with self._lock:
-            rj = self._rejoins.get(w)
-            if rj is None:
-                return
-            rj.started = True
-            done = not rj.feeding.asked
-        if done:
-            self._linked(rj)
-
-    def _linked(self, rj: _Rejoin) -> None:
-        """Every link request of ``rj`` is answered: its replicas are restored if a live
-        upstream replica feeds each input; else the rebuilt worker is fenced (Spark then
-        retries its task, which rejoins from later cuts)."""
-        unfed = sorted(f"{rid} from {part}" for rid, part in rj.feeding.unfed())
-        if unfed:
-            why = "no live upstream replica could replay its input: " + ", ".join(unfed)
-            if rj.feeding.stale:
-                why += " (a replay window no longer reached back to its cut)"
-            self._abort_rejoin(rj, why)
-            self._fence(rj.worker, "unfed", why)
-            return
-        with self._lock:
-            if self._rejoins.get(rj.worker) is not rj:
-                return
-            del self._rejoins[rj.worker]
-            now_s = self._now_s()
-            for rid in self.placement[rj.worker]:
-                self._down.discard(rid)
-                self.log.restored.append(
-                    restored_entry(
-                        self.plan,
-                        rid,
-                        rj.twins[rid],
-                        rj.cuts.get(rid),
-                        rj.lost_s,
-                        now_s,
-                        warm=False,
-                    )
-                )
-        log.info(
-            "rebuilt worker %d at %.2f s (%.0f ms after its loss)",
-            rj.worker,
-            now_s,
-            (now_s - rj.lost_s) * 1000,
-        )
-
-    def _expire(self, rj: _Rejoin) -> None:
-        with self._lock:
-            pending = self._rejoins.get(rj.worker) is rj
-        if pending:
-            why = f"not done within {REJOIN_TIMEOUT_S:.0f} s"
-            self._abort_rejoin(rj, why)
-            self._fence(rj.worker, "unfed", why)
-
-    def _abort_rejoin(self, rj: _Rejoin, why: str) -> None:
-        with self._lock:
-            if self._rejoins.get(rj.worker) is not rj:
-                return
-            del self._rejoins[rj.worker]
-            self._lock.notify_all()
-        log.warning(
-            "worker %d is not rebuilt: %s; its partitions go on with fewer replicas",
-            rj.worker,
-            why,
-        )
-
-    def fail(self, error: TandemError) -> None:
-        """Stop the run for ``error`` (the first reason given wins)."""
-        with self._lock:
-            if self.log.failure is not None:
-                return
-            self.log.failure = error
-        self.on_failure(error)
+    def close(self) -> None:
+        """The Spark job ends its tasks; the registry closes with its context."""
 
 
 def register(address, secret: bytes, slot: int, attempt: int, node: str) -> Connection:
@@ -879,7 +543,7 @@ def register(address, secret: bytes, slot: int, attempt: int, node: str) -> Conn
     answer."""
     conn = Client(address, authkey=secret)
     jvm = executor_pid()
-    conn.send(("hello", slot, attempt, os.getpid(), node, jvm, executor_id(jvm)))
+    conn.send(Hello(slot, attempt, os.getpid(), node, jvm, executor_id(jvm)))
     return conn
 
 
@@ -899,30 +563,24 @@ def executor_id(jvm: int | None) -> str | None:
     if jvm is None:
         return None
     try:
-        with open(f"/proc/{jvm}/cmdline", "rb") as f:
-            args = f.read().split(b"\0")
-    except OSError:
+        args = psutil.Process(jvm).cmdline()
+    except psutil.Error:
         return None
     for flag, value in itertools.pairwise(args):
-        if flag == b"--executor-id":
-            return value.decode()
+        if flag == "--executor-id":
+            return value
     return None
 
 
 def executor_pid() -> int | None:
     """The PID of the executor JVM hosting this Python worker: the nearest ancestor process
     named ``java`` (the worker's parent is usually PySpark's daemon), or None."""
-    pid = os.getppid()
-    for _ in range(4):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            return None
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        if name == "java":
-            return pid
-        pid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if pid <= 1:
-            return None
+    try:
+        for parent in psutil.Process().parents()[:4]:
+            if parent.pid <= 1:
+                return None
+            if parent.name() == "java":
+                return parent.pid
+    except psutil.Error:
+        return None
     return None

@@ -8,12 +8,7 @@ coordinator decides when it rebuilds a lost worker's replicas from their live tw
 (``Job(restore=True)``, DESIGN §4): which twin each is cut from, which upstream replicas
 replay to it, and what ``Result.restored_replicas`` records of it.
 
-The messages, worker → coordinator: ``waiting`` (a rebuilt worker, for its cuts),
-``ready`` (the port of every hosted replica's inbox) or ``error``; during the run ``cut``,
-``linked``, ``evicted``, ``metrics``, ``checkpointed`` and ``alive`` (a keepalive, when
-the job rebuilds lost workers); last ``done``. Coordinator → worker: ``resume`` (the
-twins' cuts), ``go`` (every address and ``t0``); during the run ``cut``, ``link``,
-``until``, ``metrics``, ``checkpoint`` and ``exit`` (a fenced worker: it leaves at once).
+The messages are the typed ones of :mod:`tandem.engines.protocol`, in the order it gives.
 """
 
 from __future__ import annotations
@@ -30,6 +25,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem import logs
+from tandem.engines.protocol import (
+    Alive,
+    Checkpointed,
+    CheckpointRequest,
+    CutRequest,
+    CutTaken,
+    Done,
+    Evicted,
+    Exit,
+    Go,
+    Link,
+    Linked,
+    Message,
+    Metrics,
+    MetricsEvery,
+    Ready,
+    Restore,
+    Started,
+    StartFailed,
+    Until,
+    Waiting,
+    expect,
+)
+from tandem.exceptions import ProtocolError
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
 from tandem.runtime import (
@@ -82,11 +101,8 @@ def serve(
     rejoin: bool = False,
     *,
     host: str = "127.0.0.1",
-    receive: Callable[[str], tuple] | None = None,
-    finish: Callable[[dict[ReplicaId, ReplicaReport]], tuple] = lambda reports: (
-        "done",
-        reports,
-    ),
+    receive: Callable[[str], Message] | None = None,
+    send_reports: bool = True,
     sigterm: bool = True,
 ) -> dict[ReplicaId, ReplicaReport] | None:
     """The worker's side of the exchange with its coordinator over ``conn``: ``ready``
@@ -98,9 +114,11 @@ def serve(
     ``done``). A worker that rebuilds lost replicas (``rejoin``) first says it is
     ``waiting`` and gets their twins' cuts (``resume``), and says ``started`` once its
     replicas have dialled their downstream replicas. ``receive(what)``: the
-    coordinator's next message before the run (default: wait for it). ``sigterm``: a
-    SIGTERM hands KaZoo leadership over and exits the process. Returns the reports, or
-    None if the coordinator stopped the worker before it ran."""
+    coordinator's next message before the run (default: wait for it).
+    ``send_reports``: the ``Done`` message carries the reports (else only the failed
+    replicas: Spark returns the reports as its output). ``sigterm``: a SIGTERM hands KaZoo
+    leadership over and exits the process. Returns the reports, or None if the
+    coordinator stopped the worker before it ran."""
     recv = receive or (lambda what: conn.recv())
     resume = None
     base_nice = None
@@ -111,17 +129,17 @@ def serve(
         if may_raise_priority():
             base_nice = thread_nice(CATCH_UP_NICE)
         _warm_up()
-        conn.send(("waiting", None))
-        msg = recv("twins' cuts")
-        if msg[0] != "resume":
+        conn.send(Waiting())
+        msg = expect(recv("twins' cuts"), Restore, Exit, what="for a rebuilt worker")
+        if isinstance(msg, Exit):
             return None
-        resume = msg[1]
+        resume = msg.cuts
     try:
         worker = Worker(plan, rids, secret, kazoo=kazoo, resume=resume)
         if resume is not None:
             # Load the operators' state before the upstream replicas start replaying to
             # them (they are linked once this worker is ready).
-            worker.restore(msg[2])
+            worker.restore(msg.t0_ns)
 
         def terminate(_signo, _frame) -> None:
             # A graceful stop: hand leadership over at once instead of after a session
@@ -131,17 +149,16 @@ def serve(
 
         if sigterm:
             signal.signal(signal.SIGTERM, terminate)
-        conn.send(("ready", worker.bind(host)))
+        conn.send(Ready(worker.bind(host)))
     except Exception as exc:  # a bind failure is a configuration problem
-        conn.send(("error", f"worker of {rids} could not start: {type(exc).__name__}: {exc}"))
+        conn.send(StartFailed(f"worker of {rids} could not start: {type(exc).__name__}: {exc}"))
         return None
-    msg = recv("start signal")
-    if msg[0] != "go":
+    go = expect(recv("start signal"), Go, Exit, what="before the run")
+    if isinstance(go, Exit):
         return None
-    _, addresses, t0_ns, duration, warmup = msg
     sending = threading.Lock()
 
-    def send(message: tuple) -> None:
+    def send(message: Message) -> None:
         with sending, contextlib.suppress(OSError):
             conn.send(message)
 
@@ -163,7 +180,7 @@ def serve(
                     taken = taken.spilled(folder)
                 except OSError as exc:
                     log.warning("a cut's state goes inline: writing it failed (%s)", exc)
-            send(("cut", rid, taken, token))
+            send(CutTaken(rid, taken, token))
 
         threading.Thread(target=run, name="tandem-cut", daemon=True).start()
 
@@ -172,7 +189,7 @@ def serve(
         if sending.acquire(blocking=False):
             try:
                 with contextlib.suppress(OSError):
-                    conn.send(("metrics", snapshot))
+                    conn.send(Metrics(snapshot))
             finally:
                 sending.release()
 
@@ -195,17 +212,17 @@ def serve(
                     written = taken.checkpointed(path)
                 except OSError as exc:
                     log.warning("checkpoint %d of %s not written: %s", epoch, rid, exc)
-            send(("checkpointed", epoch, rid, written))
+            send(Checkpointed(epoch, rid, written))
 
         threading.Thread(target=run, name="tandem-checkpoint", daemon=True).start()
 
     worker.on_checkpoint = send_checkpoint
-    worker.on_link = lambda up, down, error: send(("linked", up, down, error))
+    worker.on_link = lambda up, down, error: send(Linked(up, down, error))
     if rejoin:
-        worker.on_started = lambda: send(("started",))
+        worker.on_started = lambda: send(Started())
         worker.caught_up_nice = base_nice
     if plan.restore:
-        worker.on_evicted = lambda up, down: send(("evicted", up, down))
+        worker.on_evicted = lambda up, down: send(Evicted(up, down))
     threading.Thread(
         target=_requests,
         args=(conn, worker, folders, checkpoints),
@@ -218,16 +235,17 @@ def serve(
         def keepalive() -> None:
             while True:
                 time.sleep(period)
-                send(("alive", None))
+                send(Alive())
 
         threading.Thread(target=keepalive, name="tandem-keepalive", daemon=True).start()
-    reports = worker.run(addresses, t0_ns, duration, warmup)
+    reports = worker.run(go.addresses, go.t0_ns, go.duration, go.warmup)
     if worker.metrics_every is not None:
-        send(("metrics", worker.metrics()))  # the final counters
+        send(Metrics(worker.metrics()))  # the final counters
     # The coordinator may stop this process once it has the reports: hand what the core
     # logged to logging first.
     logs.flush(1.0)
-    send(finish(reports))
+    failures = tuple((rid, r.error, r.diverged) for rid, r in reports.items() if r.error)
+    send(Done(reports if send_reports else None, failures))
     return reports
 
 
@@ -242,28 +260,32 @@ def _requests(
             msg = conn.recv()
         except (EOFError, OSError):
             return
-        if msg[0] == "cut":
-            if len(msg) > 3:
-                folders[msg[2]] = msg[3]
-            worker.request_cut(msg[1], msg[2])
-        elif msg[0] == "link":
-            worker.link(*msg[1:])
-        elif msg[0] == "until":
-            worker.extend(*msg[1:])
-        elif msg[0] == "metrics":
-            worker.metrics_every = msg[1]
-        elif msg[0] == "checkpoint" and checkpoints is not None:
-            _, epoch, folder = msg
-            checkpoints[epoch] = folder
+        if isinstance(msg, CutRequest):
+            if msg.folder is not None:
+                folders[msg.token] = msg.folder
+            worker.request_cut(msg.twin, msg.token)
+        elif isinstance(msg, Link):
+            worker.link(msg.up, msg.down, msg.address, msg.epoch)
+        elif isinstance(msg, Until):
+            worker.extend(msg.until_ns, msg.final)
+        elif isinstance(msg, MetricsEvery):
+            worker.metrics_every = msg.every_s
+        elif isinstance(msg, CheckpointRequest) and checkpoints is not None:
+            checkpoints[msg.epoch] = msg.folder
             for old in sorted(checkpoints)[:-4]:  # answered long ago
                 del checkpoints[old]
-            worker.request_checkpoint(epoch)
-        elif msg[0] == "exit":
+            worker.request_checkpoint(msg.epoch)
+        elif isinstance(msg, Exit):
             # Fenced: the coordinator gave up on this worker (its replicas are rebuilt
             # elsewhere, or again); it must never send another row.
-            log.warning("fenced by the coordinator: %s", msg[1])
+            log.warning("fenced by the coordinator: %s", msg.why)
             logs.flush(1.0)
             os._exit(EXIT_FENCED)
+        else:
+            try:
+                expect(msg, CutRequest, Link, Until, MetricsEvery, CheckpointRequest, Exit)
+            except ProtocolError as exc:  # a coordinator of another make: say so, go on
+                log.error("from the coordinator: %s", exc)
 
 
 # -- the coordinator's side of rebuilding a lost worker -----------------------------------

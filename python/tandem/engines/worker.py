@@ -5,14 +5,16 @@ The coordinator (:mod:`tandem.engines.local`) starts this module as a fresh inte
 rather than with ``multiprocessing``, so that the user's main script is never imported
 again here: a plain script without an ``if __name__ == "__main__":`` guard works. ``FD`` is
 this process's end of a socket pair, a :class:`multiprocessing.connection.Connection`.
-The coordinator first sends ``(sys.path, plan, rids, secret, kazoo, rejoin)``, the plan as a
-cloudpickle blob — functions, lambdas and closures defined in ``__main__`` travel by
-value, those of importable modules by reference, found through the coordinator's
-``sys.path``. Then the ready/go/done exchange of :func:`tandem.engines.exchange.serve`.
+The coordinator first sends an :class:`~tandem.engines.protocol.Assign`: the worker's
+replicas, the coordinator's ``sys.path`` and the plan as a cloudpickle blob — functions,
+lambdas and closures defined in ``__main__`` travel by value, those of importable modules
+by reference, found through that ``sys.path``. Then the exchange of
+:func:`tandem.engines.exchange.serve`.
 ``WORKER`` (the worker's index) names the process in its log lines, which go to stderr at
 the level in ``TANDEM_LOG_LEVEL`` (:func:`tandem.logs.configure_worker`). A spare process,
 started ahead of a loss to rebuild a worker (``Job(restore=True)``), is named ``spare``
-until its payload arrives, which then names the worker it becomes as a seventh element.
+until its :class:`~tandem.engines.protocol.Assign` arrives, which names the worker it
+becomes.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = argv[2] if len(argv) > 2 else "?"
 
     from tandem import logs
-    from tandem.engines import exchange, process
+    from tandem.engines import exchange, process, protocol
 
     logs.configure_worker(worker)
 
@@ -52,18 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     conn = Connection(fd)
     warm_up()
     try:
-        path, blob, rids, secret, kazoo, rejoin, *named = conn.recv()
+        assign = protocol.expect(conn.recv(), protocol.Assign, what="to start a worker")
     except EOFError:
         return 1
-    if named:
-        logs.configure_worker(named[0])
+    protocol.check_version(assign.version, "the coordinator")
+    logs.configure_worker(assign.worker)
+    path = assign.path
     sys.path[:] = list(path) + [p for p in sys.path if p not in path]
+    rids = list(assign.replicas)
     try:
-        plan = pickle.loads(blob)
+        plan = pickle.loads(assign.plan)
     except BaseException as exc:
         conn.send(
-            (
-                "error",
+            protocol.StartFailed(
                 f"the worker of {rids} could not load the job: {type(exc).__name__}: {exc} "
                 "(a function of an importable module is shipped by name: that module must "
                 "be importable in the worker process too, from the coordinator's sys.path "
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         return 1
-    exchange.serve(plan, rids, secret, conn, kazoo, rejoin=rejoin)
+    exchange.serve(plan, rids, assign.secret, conn, assign.kazoo, rejoin=assign.rejoin)
     return 0
 
 

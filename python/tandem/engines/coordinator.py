@@ -1,0 +1,1313 @@
+"""The coordinator of a run, one for every engine: it starts the workers' exchange, injects
+faults, decides losses, rebuilds lost workers, takes checkpoints and restarts sinks.
+
+An engine only *hosts* workers — the local engine as processes on this machine
+(:mod:`tandem.engines.local`), the Spark engine as long-running tasks that check in with a
+registry on the driver (``tandem_spark.registry``) — behind the small
+:class:`WorkerHost` protocol: start them, send one a message, kill, freeze or thaw one,
+start a new *incarnation* of one to rebuild it, and hand over what they say as
+:class:`Received` and :class:`Exited` events. Everything else is decided here, once, in
+one thread, against the typed messages of :mod:`tandem.engines.protocol`:
+
+- **Start.** Every worker says :class:`~tandem.engines.protocol.Ready` with its inbox
+  ports; then every one gets :class:`~tandem.engines.protocol.Go` with every address and
+  the logical time origin ``t0``.
+- **Faults** (:mod:`tandem.faults`) at their times: ``td.Kill`` takes the worker hosting
+  the replica down with every replica in it (``WorkerHost.kill``), ``td.Pause`` freezes
+  it and thaws it later, ``td.Chaos`` kills random workers of replicated tasks, and
+  ``td.KillHeartbeats`` a heartbeat generator. A kill that would take the last live
+  replica of a partition whose other replicas are being rebuilt waits for them.
+- **Loss** is decided by the job: a worker whose link drops, whose keepalives stop for
+  ``failure_timeout_ms``, or whose upstream replicas drop it as a straggler is lost at
+  once, and fenced — its incarnation ends, and nothing it says afterwards is used.
+- **Rebuilds** (``Job(restore=True)``, DESIGN §4): a new incarnation of the lost worker
+  gets cuts of its replicas from their live twins, the live upstream replicas replay to
+  it from the cuts, and once all of them feed it, ``r`` is restored
+  (``Result.restored_replicas``). The passive configuration (``Job(checkpoint_ms=...)``)
+  rolls a lost worker back to the latest complete checkpoint instead, and a lost
+  restartable sink restarts from the position its last commit stored — the same
+  exchange, with those cuts.
+
+Incarnations: each worker slot counts the processes or tasks that have run it; a rebuild
+runs the next one. Events carry the incarnation they come from, and one that is neither
+the slot's current incarnation nor the one being rebuilt is stale and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from tandem.engines.common import STARTUP_S, Stop, assemble_result
+from tandem.engines.exchange import (
+    REJOIN_ATTEMPTS,
+    REJOIN_MARGIN_S,
+    REJOIN_TIMEOUT_S,
+    Feeding,
+    live_twins,
+    rebuild_links,
+    restored_entry,
+)
+from tandem.engines.protocol import (
+    Alive,
+    Assign,
+    Checkpointed,
+    CheckpointRequest,
+    CutRequest,
+    CutTaken,
+    Done,
+    Evicted,
+    Go,
+    Link,
+    Linked,
+    Message,
+    Metrics,
+    MetricsEvery,
+    Ready,
+    Restore,
+    Started,
+    StartFailed,
+    Until,
+    Waiting,
+    expect,
+)
+from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
+from tandem.faults import Chaos, KillHeartbeats, KillWorker, Pause, ReplicaFault
+from tandem.heartbeat import Generators
+from tandem.ordering import kazoo
+from tandem.ordering.kazoo import KazooRun
+from tandem.plan import Plan
+from tandem.result import Result
+from tandem.runtime import ReplicaId, ReplicaReport, Resume
+
+log = logging.getLogger("tandem")
+
+STOP_LEAD_S = 1.0
+"""A run with no duration: how far ahead of the wall clock, in source time, the sources
+may emit; the coordinator moves that point on every half of it, and a stop takes effect
+there (so a stop drains at most this much source time more)."""
+
+CHECKPOINT_LEAD_S = 0.05
+"""How far ahead of the sources' clock a checkpoint's epoch is picked (at least three
+heartbeat periods): the request must reach every worker before its replicas forward it."""
+
+CHECKPOINT_TIMEOUT_S = 10.0
+"""A checkpoint not complete this long after it started is abandoned."""
+
+DEFER_STEP_S = 0.05
+"""How often a kill waiting for a rebuild (:class:`_Deferred`) looks again."""
+
+
+# -- events and the host ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Received:
+    """Incarnation ``incarnation`` of worker ``worker`` said ``message``."""
+
+    worker: int
+    incarnation: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class Exited:
+    """The link to incarnation ``incarnation`` of worker ``worker`` is gone: its process
+    exited or its task ended (``code``: the exit code where known; negative: a signal)."""
+
+    worker: int
+    incarnation: int
+    code: int | None = None
+
+
+@dataclass
+class Call:
+    """A host's question for the coordinator's thread (e.g. a Spark retry asking whether
+    it rebuilds a worker): ``fn()`` is run there and its result set on ``future``."""
+
+    fn: Any
+    future: Future = field(default_factory=Future)
+
+
+Event = Received | Exited | Call
+
+
+@runtime_checkable
+class WorkerHost(Protocol):
+    """What an engine does for the :class:`Coordinator`: host workers. Every method is
+    called from the coordinator's thread."""
+
+    name: str
+    """``"local"``, ``"spark"``: how the coordinator names the engine in messages."""
+    starts_rebuilds: bool
+    """:meth:`replace` brings the new incarnation up itself (True), or one comes by
+    itself — a Spark retry — and is claimed (:meth:`Coordinator.pending_rebuild`)."""
+
+    def start(self, assignments: list[Assign]) -> None:
+        """Start incarnation 0 of every worker (asynchronously: each says ``Ready``)."""
+
+    def replace(self, assign: Assign, incarnation: int) -> bool:
+        """Bring up incarnation ``incarnation`` of worker ``assign.worker`` to rebuild it
+        (it says ``Waiting``); True if it comes from a process started ahead (warm)."""
+
+    def send(self, worker: int, incarnation: int, message: Message) -> bool:
+        """Send ``message``; False if that incarnation is gone."""
+
+    def kill(self, worker: int, incarnation: int, cause: str) -> list[int]:
+        """Take that incarnation down now, never waiting for what it would say: SIGKILL,
+        or told to exit where it cannot be signalled. ``cause``: ``killed`` (a fault),
+        ``silent``, ``evicted``, ``unfed``, ``aborted``. Returns every other worker taken
+        down with it (a whole executor killed)."""
+
+    def pause(self, worker: int, incarnation: int) -> bool:
+        """Freeze it (SIGSTOP); False if it could not be."""
+
+    def thaw(self, worker: int, incarnation: int) -> None:
+        """Let a frozen incarnation go on (SIGCONT)."""
+
+    def poll(self, timeout: float) -> list[Event]:
+        """The events since the last call, waiting up to ``timeout`` s for the first."""
+
+    def node(self, worker: int, incarnation: int) -> str:
+        """The address the incarnation's inboxes listen on."""
+
+    def pid(self, worker: int, incarnation: int) -> int | None:
+        """Its process id, where this machine can see it."""
+
+    def state_folder(self, twin_worker: int, worker: int, incarnation: int) -> str | None:
+        """Where ``twin_worker`` may leave a large state for that incarnation of
+        ``worker`` (None: it travels inline)."""
+
+    def idle(self) -> None:
+        """No rebuild runs: a moment to prepare the next (start a spare)."""
+
+    def close(self) -> None:
+        """Stop whatever still runs, also on errors and Ctrl-C."""
+
+
+# -- the coordinator's records ------------------------------------------------------------
+
+
+@dataclass
+class _Rejoin:
+    """A lost worker being rebuilt: its new incarnation, the live twin each of its replicas
+    is rebuilt from, and how far it got."""
+
+    worker: int
+    incarnation: int
+    twins: dict[ReplicaId, ReplicaId]
+    lost_s: float
+    deadline: float
+    state: str = "starting"  # starting -> cutting -> binding -> linking
+    generation: int = 0
+    """Raised with every round of cut requests: a late cut of an earlier round is dropped."""
+    cut_rounds: int = 0
+    started: bool = False
+    """The new incarnation said its replicas have started (dialled their downstream
+    replicas): until then it is no twin to count on, and no kill of its twins comes."""
+    cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
+    feeding: Feeding = field(default_factory=Feeding)
+    warm: bool = False
+    """The new incarnation is a spare, started before the loss."""
+    checkpoint: int | None = None
+    """Rolled back (``Job(checkpoint_ms=...)``): the checkpoint's epoch (0: none was
+    complete, the replicas restart from the beginning of the stream); None: from twins."""
+    sinks: bool = False
+    """Restarted sinks: each from the position its last committed output stored (no
+    cut: nothing was committed, from the beginning of the stream)."""
+    claimed: bool = True
+    """The new incarnation exists (False: a Spark retry is awaited)."""
+
+
+@dataclass
+class _Checkpoint:
+    """A checkpoint being taken (``Job(checkpoint_ms=...)``): every replica not a sink cut
+    right after heartbeat ``epoch``, its state written to ``folder``."""
+
+    epoch: int
+    folder: str
+    waiting: set[ReplicaId]
+    deadline: float
+    started_s: float
+    cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Thaw:
+    """The second half of a ``td.Pause``: thaw the frozen incarnation at ``at``."""
+
+    worker: int
+    incarnation: int
+    at: float
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A kill that came while the twins of its victims were still being rebuilt: looked
+    at again at ``at``, injected once they are back."""
+
+    fault: ReplicaFault | KillWorker
+    at: float
+    due: float
+    """When the fault was scheduled."""
+
+
+class Coordinator:
+    """One run's coordinator (see the module documentation), on ``host``.
+
+    ``duration``: seconds of source time (None: until ``stop`` or the end of the bounded
+    sources, by stop points: :meth:`end_s`). ``progress``: draw a progress bar on stderr.
+    ``on_ready(addresses)``: called once every replica listens, before the go.
+    ``startup_timeout``: how long the workers may take to say ready.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        host: WorkerHost,
+        duration: float | None,
+        faults: list,
+        *,
+        secret: bytes,
+        zoo: KazooRun | None = None,
+        warmup: float = 0.0,
+        progress: bool = False,
+        generators: Generators | None = None,
+        stop: Stop | None = None,
+        cap_ns: int | None = None,
+        startup_timeout: float = 60.0,
+        on_ready=None,
+        metrics=None,
+    ) -> None:
+        self.plan, self.host, self.duration, self.progress = plan, host, duration, progress
+        self.secret, self.zoo, self.warmup = secret, zoo, warmup
+        # A run with no duration: the source time the sources may reach (ns after t0), and
+        # whether the run stops there; the end of the bounded sources, if all are.
+        self.until_ns, self.final = 0, duration is not None
+        self.natural_ns = plan.natural_end_ns() if duration is None else None
+        if cap_ns is not None:
+            self.natural_ns = min(cap_ns, self.natural_ns or cap_ns)
+        self.stop_token = stop or Stop()
+        self.generators = generators
+        self.startup_timeout, self.on_ready = startup_timeout, on_ready
+        self.metrics = metrics
+        """A :class:`tandem.metrics.Metrics` the workers' snapshots go to, if served."""
+        self._bar = None  # the tqdm progress bar, while drawn
+        self.pending: list = sorted(faults, key=lambda f: f.at)
+        self.placement = plan.placement()
+        self.worker_of: dict[ReplicaId, int] = {
+            rid: w for w, rids in enumerate(self.placement) for rid in rids
+        }
+        self.current: dict[int, int] = dict.fromkeys(range(len(self.placement)), 0)
+        """Worker -> the incarnation running it (or that last ran it)."""
+        self._incarnations: dict[int, int] = dict.fromkeys(range(len(self.placement)), 0)
+        """Worker -> the last incarnation started for it."""
+        self.running: set[int] = set()
+        self.started = False
+        """Every worker has had its go."""
+        self.reports: dict[ReplicaId, ReplicaReport] = {}
+        self.killed: dict[ReplicaId, float] = {}
+        self.killed_workers: set[int] = set()
+        self.crashed: list[ReplicaId] = []
+        self.lost: list[tuple[ReplicaId, str]] = []  # every loss, in order, with its cause
+        self.down: set[ReplicaId] = set()  # lost and not (yet) rebuilt
+        self.injected: list[dict] = []
+        # Rebuilding lost replicas from their twins (DESIGN §4).
+        self.restoring = plan.restore and plan.replication > 1
+        # The passive configuration (Job(checkpoint_ms=...), replication 1): checkpoints
+        # taken while the job runs, and a lost worker rolled back to the latest complete one.
+        self.checkpointing = plan.checkpointing
+        self.restoring |= self.checkpointing
+        self.checkpoint: _Checkpoint | None = None  # the latest complete one
+        self._taking: _Checkpoint | None = None  # the one in flight
+        # Seconds from t0: when the next one starts (the first, one period in).
+        self._checkpoint_at = (plan.checkpoint_ms or 0) / 1000
+        self._checkpoint_dir: str | None = None
+        self.checkpoint_stats: dict[str, Any] = {
+            "completed": 0,
+            "abandoned": 0,
+            "last_epoch": None,
+            "last_s": None,
+            "rollbacks": 0,
+        }
+        self.rejoins: dict[int, _Rejoin] = {}
+        self.restored: list[dict] = []
+        self._attempts: dict[int, int] = {}  # worker -> rebuild attempts for its last loss
+        self.chaos: Chaos | None = None
+        self._chaos_rng = random.Random(0)
+        self._chaos_at = 0.0
+        self.addresses: dict[ReplicaId, tuple[str, int]] = {}
+        self.heard: dict[int, float] = {}  # worker -> when it last spoke (monotonic)
+        self.t0_ns = 0
+        self.sampler = None
+        """Called with the time since t0 on every turn of the watch loop (the local
+        engine's cost and memory readings)."""
+
+    # -- names ----------------------------------------------------------------------------
+
+    def name(self, rid: ReplicaId) -> str:
+        t, p, r = rid
+        return f"{self.plan.tasks[t].name}[{p}] replica {r}"
+
+    @staticmethod
+    def worker_name(w: int) -> str:
+        return f"worker {w}"
+
+    def hosts_sinks(self, w: int) -> bool:
+        return any(self.plan.tasks[t].kind == "sink" for t, _, _ in self.placement[w])
+
+    def now_s(self) -> float:
+        return (time.time_ns() - self.t0_ns) / 1e9
+
+    def assignment(self, w: int, rejoin: bool = False) -> Assign:
+        """What worker ``w``'s process or task is told to run."""
+        return Assign(w, tuple(self.placement[w]), rejoin, secret=self.secret, kazoo=self.zoo)
+
+    # -- start ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every worker, wait for each to be ready, then let them go."""
+        self.host.start([self.assignment(w) for w in range(len(self.placement))])
+        ports: dict[int, dict] = {}
+        deadline = time.monotonic() + self.startup_timeout
+        while len(ports) < len(self.placement):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = sorted(
+                    self.worker_name(w) for w in range(len(self.placement)) if w not in ports
+                )
+                raise TandemError(
+                    f"workers did not start within {self.startup_timeout:.0f} s: {names}"
+                )
+            for event in self.host.poll(min(left, 0.5)):
+                if isinstance(event, Call):
+                    self._call(event)
+                    continue
+                w = event.worker
+                if isinstance(event, Exited):
+                    raise TandemError(
+                        f"{self.worker_name(w)} exited while starting (exit code "
+                        f"{event.code}); its error, if any, is in its log above"
+                    )
+                msg = expect(
+                    event.message, Ready, StartFailed, Alive, what=f"from {self.worker_name(w)}"
+                )
+                if isinstance(msg, StartFailed):
+                    raise ConfigError(msg.why)
+                if isinstance(msg, Ready):
+                    ports[w] = msg.ports
+        for w, found in ports.items():
+            self.addresses |= self._listening(w, 0, found)
+        if self.on_ready is not None:
+            self.on_ready(self.addresses)
+        self.t0_ns = time.time_ns() + int(STARTUP_S * 1e9)
+        go = Go(dict(self.addresses), self.t0_ns, self.duration, self.warmup)
+        for w in range(len(self.placement)):
+            self.host.send(w, 0, go)
+            if self.metrics is not None:
+                self.host.send(w, 0, MetricsEvery(self.metrics.every_s))
+        self.running = set(range(len(self.placement)))
+        self.started = True
+        self.heard = dict.fromkeys(self.running, time.monotonic())
+        if self.restoring:
+            self.host.idle()
+        if self.duration is None:
+            self._extend(-STARTUP_S)
+
+    def _listening(self, w: int, inc: int, ports: dict) -> dict[ReplicaId, tuple[str, int]]:
+        node = self.host.node(w, inc)
+        return {rid: (node, port) for rid, port in ports.items() if port is not None}
+
+    # -- runs with no duration ------------------------------------------------------------
+
+    def end_s(self) -> float:
+        """Where the stream ends, in seconds of source time (inf: not known yet)."""
+        if self.duration is not None:
+            return self.duration
+        return self.until_ns / 1e9 if self.final else math.inf
+
+    def _extend(self, now_s: float) -> None:
+        """A run with no duration: move the point the sources may reach on, to
+        ``STOP_LEAD_S`` ahead of ``now_s`` (a whole number of heartbeats), or make the
+        current one final when a stop was requested or the bounded sources end there."""
+        if self.final:
+            return
+        hb = self.plan.heartbeat_ns
+        if self.stop_token.requested and self.until_ns > 0:
+            self.final = True
+            log.info(
+                "stopping job %r: its sources end at %.2f s of source time, then what is in "
+                "flight drains to the sinks",
+                self.plan.job,
+                self.until_ns / 1e9,
+            )
+        else:
+            if self.until_ns / 1e9 - now_s > STOP_LEAD_S / 2 and self.until_ns > 0:
+                return
+            target = round((max(now_s, 0.0) + STOP_LEAD_S) * 1e9)
+            self.until_ns = max(self.until_ns, -(-target // hb) * hb)
+            if self.natural_ns is not None and self.until_ns >= self.natural_ns:
+                self.until_ns, self.final = self.natural_ns, True
+            self.final |= self.stop_token.requested
+        for w in self.running:
+            self.host.send(w, self.current[w], Until(self.until_ns, self.final))
+
+    # -- the run --------------------------------------------------------------------------
+
+    def watch(self, timeout: float) -> None:
+        """Inject the faults, rebuild lost workers, take checkpoints, collect the reports
+        until every worker has finished or is lost for good; ``timeout``: how long the run
+        may take after its end (its start, with no duration, after the stop point)."""
+        deadline = time.monotonic() + STARTUP_S + timeout
+        if self.duration is None:  # from the stop point on
+            deadline = math.inf
+        pending = self.pending
+        while self.running:
+            if self.metrics is not None:
+                self.metrics.engine(self.lost, self.restored, self.down)
+            now_s = self.now_s()
+            if self.stop_token.killed:
+                raise TandemError(
+                    f"job {self.plan.job!r} was killed: its workers were stopped at once, "
+                    "without a drain, so the sinks may hold part of its output"
+                )
+            if not self.final:
+                self._extend(now_s)
+                if self.final:
+                    deadline = time.monotonic() + max(0.0, self.end_s() - now_s) + timeout
+            if self.sampler is not None:
+                self.sampler(now_s)
+            while pending and pending[0].at <= now_s:
+                self._inject(pending.pop(0), now_s)
+            if self.chaos is not None:
+                self._chaos_step(now_s)
+            for w, rj in list(self.rejoins.items()):
+                if time.monotonic() > rj.deadline:
+                    self._abort_rejoin(
+                        w, f"not done within {REJOIN_TIMEOUT_S:.0f} s ({self._stuck(rj)})"
+                    )
+            if self.checkpointing:
+                self._checkpoint_step(now_s)
+            self._draw(now_s)
+            wait_s = (pending[0].at - now_s) if pending else 0.2
+            if not self.final:  # a stop is seen within 0.1 s
+                wait_s = min(wait_s, 0.1)
+            if self.checkpointing and self._taking is None:
+                wait_s = min(wait_s, self._checkpoint_at - now_s)
+            if self.restoring:
+                wait_s = min(wait_s, self.plan.failure_timeout_ms / 4000)
+            for event in self.host.poll(max(0.0, min(0.2, wait_s))):
+                self._handle(event, now_s)
+            if self.restoring:
+                self._silent(now_s)
+                if not self.rejoins and now_s < self.end_s() - REJOIN_MARGIN_S:
+                    self.host.idle()  # after a rebuild, not beside it
+            if self.running and time.monotonic() > deadline:
+                stuck = sorted(self.worker_name(w) for w in self.running)
+                logs_hint = ""
+                if any(self.plan.is_log_source(t.id) for t in self.plan.sources()):
+                    logs_hint = (
+                        " A Kafka source ends only at a heartbeat marker in its log: is a "
+                        "heartbeat generator running for its topic (generators=, or "
+                        "`tandem heartbeats`)?"
+                    )
+                raise TandemError(
+                    f"the run did not finish within {timeout:.0f} s of its start; still running: "
+                    f"{stuck}. Raise timeout= if the job is expected to take longer.{logs_hint}"
+                )
+        for w in list(self.rejoins):
+            self._abort_rejoin(w, "the job ended first")
+        if self.metrics is not None:
+            self.metrics.engine(self.lost, self.restored, self.down)
+        self._draw(self.end_s(), done=True)
+
+    def _call(self, event: Call) -> None:
+        try:
+            event.future.set_result(event.fn())
+        except BaseException as exc:
+            event.future.set_exception(exc)
+
+    def _handle(self, event: Event, now_s: float) -> None:
+        if isinstance(event, Call):
+            self._call(event)
+            return
+        w, inc = event.worker, event.incarnation
+        rj = self.rejoins.get(w)
+        if rj is not None and rj.incarnation == inc and rj.state != "linking":
+            if isinstance(event, Exited):
+                self._abort_rejoin(w, f"its new process exited (exit code {event.code})")
+            else:
+                self._rejoin_message(rj, event.message, now_s)
+            return
+        if inc != self.current[w] or w not in self.running:
+            return  # stale: an incarnation fenced or finished
+        if isinstance(event, Exited):
+            self.running.discard(w)
+            self._crashed(w, event.code, now_s)
+            return
+        self.heard[w] = time.monotonic()
+        msg = event.message
+        if isinstance(msg, Alive):
+            pass
+        elif isinstance(msg, CutTaken):
+            self._on_cut(msg.twin, msg.taken, msg.token, now_s)
+        elif isinstance(msg, Linked):
+            self._on_linked(msg.up, msg.down, msg.error, now_s)
+        elif isinstance(msg, Started):
+            self._on_started(w, now_s)
+        elif isinstance(msg, Evicted):
+            self._on_evicted(msg.up, msg.down, now_s)
+        elif isinstance(msg, Metrics):
+            if self.metrics is not None:
+                self.metrics.update(msg.snapshot)
+        elif isinstance(msg, Checkpointed):
+            self._on_checkpointed(msg.epoch, msg.rid, msg.taken, now_s)
+        elif isinstance(msg, Done):
+            self.reports.update(msg.reports or {})
+            self.running.discard(w)
+            self._unanswered(w, now_s)
+            for _, error, diverged in msg.failures:
+                raise DeterminismError(error) if diverged else TaskFailed(error)
+        else:
+            expect(msg, Alive, CutTaken, Linked, Started, Evicted, Metrics, Checkpointed, Done)
+
+    # -- loss -----------------------------------------------------------------------------
+
+    def _silent(self, now_s: float) -> None:
+        """Declare lost every running worker that has not spoken for the job's
+        ``failure_timeout_ms`` (a frozen or wedged process, or one cut off: its keepalives
+        stopped), and fence it, to rebuild it."""
+        if self.checkpointing and self.rejoins:
+            # Rolling a worker back: its neighbours wait for it (on a loaded machine a
+            # keepalive may then come late), and a second loss meanwhile fails the job.
+            return
+        limit = self.plan.failure_timeout_ms / 1000
+        now = time.monotonic()
+        for w in sorted(self.running):
+            if now - self.heard.get(w, now) <= limit or self.hosts_sinks(w):
+                continue  # a sink has no twin to take over: killing it would lose the job
+            log.warning(
+                "%s has been silent for %.0f ms (failure_timeout_ms=%g): declared lost",
+                self.worker_name(w),
+                (now - self.heard[w]) * 1000,
+                self.plan.failure_timeout_ms,
+            )
+            self._kill_worker(w, now_s, "silent")
+
+    def _on_evicted(self, up: ReplicaId, down: ReplicaId, now_s: float) -> None:
+        """``up`` dropped ``down`` as a straggler: its input is incomplete from then on, so
+        its worker is declared lost — fenced and rebuilt from the twins."""
+        w = self.worker_of[down]
+        if w not in self.running or down in self.down or self.hosts_sinks(w):
+            return
+        log.warning(
+            "%s dropped %s as a straggler: %s declared lost",
+            self.name(up),
+            self.name(down),
+            self.worker_name(w),
+        )
+        self._kill_worker(w, now_s, "evicted")
+
+    def _kill_worker(self, w: int, now_s: float, cause: str) -> None:
+        """Take worker ``w`` down (``cause``) and fence it; its replicas are lost and
+        rebuilt if the job restores them. Fails the job if a partition has no live
+        replica left."""
+        others = self.host.kill(w, self.current[w], cause)
+        for v in [w, *(v for v in others if v in self.running and v != w)]:
+            self.running.discard(v)
+            self.killed_workers.add(v)
+            for r in self.placement[v]:
+                if r not in self.reports:
+                    self.killed[r] = now_s
+                    self.lost.append((r, cause))
+                    self.down.add(r)
+            self._check_partitions(
+                [r for r in self.placement[v] if r in self.down],
+                f"{self.worker_name(v)} was {'killed' if cause == 'killed' else 'declared lost'}",
+            )
+            self._attempts.pop(v, None)  # a new loss
+            self._lost_worker(v, now_s)
+
+    def _crashed(self, w: int, code: int | None, now_s: float) -> None:
+        log.warning("%s died unexpectedly (exit code %s)", self.worker_name(w), code)
+        lost = [r for r in self.placement[w] if r not in self.reports and r not in self.down]
+        self.crashed.extend(lost)
+        self.lost += [(r, "crashed") for r in lost]
+        self.down |= set(lost)
+        self._check_partitions(lost, f"{self.worker_name(w)} exited with code {code}")
+        self._attempts.pop(w, None)  # a new loss
+        self._lost_worker(w, now_s)
+
+    def _check_partitions(self, lost: list[ReplicaId], why: str) -> None:
+        """Fail the job if a partition of ``lost`` has no live replica left (one being
+        rebuilt does not count: it starts from a live twin)."""
+        for task, part, _ in lost:
+            if self.checkpointing and self.plan.tasks[task].kind != "sink":
+                continue  # rolled back to the latest checkpoint (_roll_back)
+            if self.restoring and self.plan.restarts_sink(task):
+                continue  # restarted from its committed position (_restart_sinks)
+            alive = [
+                r
+                for r in range(self.plan.tasks[task].replication)
+                if (task, part, r) not in self.down
+            ]
+            if not alive:
+                raise TandemError(
+                    f"every replica of {self.plan.tasks[task].describe()} partition {part} is "
+                    f"gone ({why}); the job cannot continue"
+                )
+
+    # -- rebuilding lost workers (Job(restore=True)) --------------------------------------
+
+    def _new_incarnation(self, w: int) -> int:
+        self._incarnations[w] += 1
+        return self._incarnations[w]
+
+    def _lost_worker(self, w: int, now_s: float) -> None:
+        """Start rebuilding worker ``w``'s replicas from their twins, if the job asks for it
+        and it can be done: a new incarnation of the worker, which waits for their cuts."""
+        if self.checkpointing and w in self.rejoins:
+            self._abort_rejoin(w, "its new process was lost too")
+        if not self.restoring or w in self.rejoins:
+            return
+        if self.hosts_sinks(w):
+            self._restart_sinks(w, now_s)
+            return
+        if self.checkpointing:
+            self._roll_back(w, now_s)
+            return
+        self._attempts[w] = self._attempts.get(w, 0) + 1
+        rids = self.placement[w]
+        if now_s > self.end_s() - REJOIN_MARGIN_S:
+            log.info(
+                "%s is not rebuilt: the stream ends in under %g s",
+                self.worker_name(w),
+                REJOIN_MARGIN_S,
+            )
+            return
+        twins = live_twins(self.plan, rids, self.down)
+        if twins is None:
+            return  # the job fails for it (_check_partitions)
+        self._rebuild(w, now_s, twins=twins)
+        log.info(
+            "rebuilding %s (%s) from live twins",
+            self.worker_name(w),
+            ", ".join(self.name(r) for r in rids),
+        )
+
+    def _rebuild(self, w: int, now_s: float, **how) -> _Rejoin:
+        """A new incarnation of worker ``w`` to rebuild it (``how``: the rejoin's fields)."""
+        inc = self._new_incarnation(w)
+        warm = self.host.replace(self.assignment(w, rejoin=True), inc)
+        rj = _Rejoin(
+            w, inc, how.pop("twins", {}), now_s, time.monotonic() + REJOIN_TIMEOUT_S, **how
+        )
+        rj.warm, rj.claimed = warm, self.host.starts_rebuilds
+        self.rejoins[w] = rj
+        return rj
+
+    # -- the passive configuration (Job(checkpoint_ms=...)) ------------------------------
+
+    def _checkpoint_step(self, now_s: float) -> None:
+        """Start the next checkpoint when due: pick a heartbeat epoch a little ahead of the
+        sources' clock, so the request reaches every worker before any replica forwards it,
+        and ask every live worker to cut its replicas (not the sinks) right after it."""
+        taking = self._taking
+        if taking is not None:
+            if time.monotonic() > taking.deadline:
+                self._abandon(f"not complete within {CHECKPOINT_TIMEOUT_S:g} s")
+            return
+        if now_s < self._checkpoint_at or self.rejoins or self.down:
+            return
+        hb_s = self.plan.heartbeat_ms / 1000
+        lead = max(3 * hb_s, CHECKPOINT_LEAD_S)
+        if now_s + lead >= self.end_s() - hb_s:
+            return  # the stream ends first
+        epoch = int((max(now_s, 0.0) + lead) / hb_s) + 1
+        if self._checkpoint_dir is None:
+            self._checkpoint_dir = tempfile.mkdtemp(prefix="tandem-checkpoints-")
+        folder = os.path.join(self._checkpoint_dir, str(epoch))
+        waiting: set[ReplicaId] = set()
+        for w in sorted(self.running):
+            rids = [r for r in self.placement[w] if self.plan.tasks[r[0]].kind != "sink"]
+            if not rids:
+                continue
+            waiting.update(rids)
+            self.host.send(w, self.current[w], CheckpointRequest(epoch, folder))
+        self._checkpoint_at = now_s + self.plan.checkpoint_ms / 1000
+        if waiting:
+            self._taking = _Checkpoint(
+                epoch, folder, waiting, time.monotonic() + CHECKPOINT_TIMEOUT_S, now_s
+            )
+
+    def _abandon(self, why: str) -> None:
+        """Give the checkpoint in flight up (the next one is tried when due)."""
+        taking, self._taking = self._taking, None
+        if taking is None:
+            return
+        self.checkpoint_stats["abandoned"] += 1
+        log.debug("checkpoint %d abandoned: %s", taking.epoch, why)
+        shutil.rmtree(taking.folder, ignore_errors=True)
+
+    def _on_checkpointed(
+        self, epoch: int, rid: ReplicaId, taken: Resume | None, now_s: float
+    ) -> None:
+        """A replica's cut for checkpoint ``epoch`` is on disk (None: it could not be
+        taken); the checkpoint is complete once every replica's is."""
+        taking = self._taking
+        if taking is None or taking.epoch != epoch:
+            # An abandoned checkpoint's late answer: its file goes.
+            current = self.checkpoint is not None and self.checkpoint.epoch == epoch
+            if not current and self._checkpoint_dir is not None:
+                shutil.rmtree(os.path.join(self._checkpoint_dir, str(epoch)), ignore_errors=True)
+            return
+        if taken is None:
+            self._abandon(f"{self.name(rid)} had forwarded heartbeat {epoch} already")
+            return
+        taking.cuts[rid] = taken
+        taking.waiting.discard(rid)
+        if taking.waiting:
+            return
+        previous, self.checkpoint, self._taking = self.checkpoint, taking, None
+        if previous is not None:
+            shutil.rmtree(previous.folder, ignore_errors=True)
+        stats = self.checkpoint_stats
+        stats["completed"] += 1
+        stats["last_epoch"] = epoch
+        stats["last_s"] = round(now_s, 3)
+        log.debug(
+            "checkpoint %d complete (%.0f ms after it started)",
+            epoch,
+            (now_s - taking.started_s) * 1000,
+        )
+
+    def _roll_back(self, w: int, now_s: float) -> None:
+        """Rebuild worker ``w``'s replicas from the latest complete checkpoint (none: from
+        the beginning of the stream): the exchange of a rebuild from twins, with the
+        checkpoint's cuts instead of the twins'."""
+        self._abandon(f"{self.worker_name(w)} was lost")
+        ck = self.checkpoint
+        cuts = {} if ck is None else {r: ck.cuts[r] for r in self.placement[w] if r in ck.cuts}
+        epoch = 0 if ck is None else ck.epoch
+        missing = [self.name(r) for r in self.placement[w] if ck is not None and r not in cuts]
+        if missing:
+            raise TandemError(
+                f"{self.worker_name(w)} was lost, but checkpoint {epoch} holds no cut of "
+                f"{', '.join(missing)}; the job cannot continue"
+            )
+        rj = self._rebuild(w, now_s, checkpoint=epoch)
+        rj.cuts = cuts
+        self.checkpoint_stats["rollbacks"] += 1
+        log.info(
+            "rolling %s (%s) back to %s",
+            self.worker_name(w),
+            ", ".join(self.name(r) for r in self.placement[w]),
+            f"checkpoint {epoch}" if ck is not None else "the beginning of the stream",
+        )
+
+    def _restart_sinks(self, w: int, now_s: float) -> None:
+        """Restart worker ``w``'s sinks, each from the input position stored with its
+        last committed output (:meth:`tandem.sinks.Sink.recover`, which fences the lost
+        sink's writer first): the exchange of a rollback, with those positions as the
+        cuts; the live upstream replicas replay the rest from their replay windows."""
+        rids = self.placement[w]
+        fixed = [self.name(r) for r in rids if not self.plan.restarts_sink(r[0])]
+        if fixed:
+            raise TandemError(
+                f"{self.worker_name(w)}, which hosts the sinks, was lost: "
+                f"{', '.join(fixed)} cannot be restarted (only a sink that stores its input "
+                "position with its output, td.sinks.Kafka, can), so the job cannot continue"
+            )
+        # The new incarnation loads the job while the lost sinks are fenced and their
+        # positions read (each sink partition's at once).
+        rj = self._rebuild(w, now_s, sinks=True)
+        try:
+            with ThreadPoolExecutor(len(rids)) as pool:
+                found = list(
+                    pool.map(lambda r: self.plan.tasks[r[0]].sink.recover(r[1], self.t0_ns), rids)
+                )
+        except BaseException:
+            self.rejoins.pop(w, None)
+            self.host.kill(w, rj.incarnation, "aborted")
+            raise
+        rj.cuts = {
+            rid: Resume(cut, state)
+            for rid, (cut, state) in zip(rids, found, strict=True)
+            if cut is not None
+        }
+        log.info(
+            "restarting %s (%s) from %s",
+            self.worker_name(w),
+            ", ".join(self.name(r) for r in rids),
+            ", ".join(
+                f"heartbeat {rj.cuts[r].epoch}" if r in rj.cuts else "the beginning" for r in rids
+            ),
+        )
+
+    # -- the rebuild exchange -------------------------------------------------------------
+
+    def _ask_cuts(self, rj: _Rejoin) -> None:
+        """Ask the twins' workers for a cut of every replica ``rj`` rebuilds (a new round:
+        answers to an earlier one are dropped)."""
+        rj.state, rj.generation, rj.cuts = "cutting", rj.generation + 1, {}
+        rj.cut_rounds += 1
+        for rid, twin in rj.twins.items():
+            tw = self.worker_of[twin]
+            folder = self.host.state_folder(tw, rj.worker, rj.incarnation)
+            sent = tw in self.running and self.host.send(
+                tw,
+                self.current[tw],
+                CutRequest(twin, (rj.worker, rj.incarnation, rj.generation, rid), folder),
+            )
+            if not sent:
+                self._abort_rejoin(rj.worker, f"its twin {self.name(twin)} is gone")
+                return
+
+    def _rejoin_message(self, rj: _Rejoin, msg: Message, now_s: float) -> None:
+        """A message from a rebuilt worker's new incarnation before it runs:
+        ``Waiting`` (ask the twins for cuts), ``Ready`` (link its upstream replicas to it
+        and let it go) or ``StartFailed``."""
+        w = rj.worker
+        msg = expect(msg, Waiting, Ready, StartFailed, Alive, what=f"from rebuilt worker {w}")
+        if isinstance(msg, Alive):
+            return
+        if isinstance(msg, StartFailed):
+            self._abort_rejoin(w, msg.why)
+            return
+        if isinstance(msg, Waiting):
+            if rj.checkpoint is not None or rj.sinks:
+                # Rolled back, or sinks restarted: the cuts are at hand.
+                self._bind(rj)
+            else:
+                self._ask_cuts(rj)
+            return
+        self.addresses |= self._listening(w, rj.incarnation, msg.ports)
+        # No cut (rolled back with no checkpoint complete): from the very beginning.
+        links, here = rebuild_links(
+            self.plan, msg.ports, rj.cuts, self.down, lambda up: self.worker_of[up] == w
+        )
+        # Rolled back with it to the same checkpoint: fed by a local link.
+        rj.feeding.fed = {key: rj.checkpoint is not None and on for key, on in here.items()}
+        for up, rid, epoch in links:
+            uw = self.worker_of[up]
+            if uw not in self.running:
+                continue  # finished: its replay window went with it
+            if self.host.send(uw, self.current[uw], Link(up, rid, self.addresses[rid], epoch)):
+                rj.feeding.asked.add((up, rid))
+        rj.state = "linking"
+        inc = rj.incarnation
+        self.host.send(w, inc, Go(dict(self.addresses), self.t0_ns, self.duration, self.warmup))
+        if self.metrics is not None:
+            self.host.send(w, inc, MetricsEvery(self.metrics.every_s))
+        if self.duration is None:
+            self.host.send(w, inc, Until(self.until_ns, self.final))
+        self.current[w] = inc
+        self.killed_workers.discard(w)
+        self.running.add(w)
+        self.heard[w] = time.monotonic()
+
+    def _bind(self, rj: _Rejoin) -> None:
+        rj.state = "binding"
+        self.host.send(rj.worker, rj.incarnation, Restore(rj.cuts, self.t0_ns))
+
+    def _on_cut(self, twin: ReplicaId, taken: Resume | None, token, now_s: float) -> None:
+        w, inc, generation, rid = token
+        rj = self.rejoins.get(w)
+        if rj is None or rj.incarnation != inc or rj.generation != generation:
+            return
+        if rj.state != "cutting":
+            return
+        if taken is None:
+            # Finished or failed — or going by a moment ago: a later round finds out.
+            if rj.cut_rounds < REJOIN_ATTEMPTS:
+                log.info(
+                    "%s: its twin %s could not be cut; trying again",
+                    self.worker_name(w),
+                    self.name(twin),
+                )
+                self._ask_cuts(rj)
+            else:
+                self._abort_rejoin(
+                    w, f"its twin {self.name(twin)} could not be cut (it finished, or failed)"
+                )
+            return
+        rj.cuts[rid] = taken
+        if len(rj.cuts) == len(rj.twins):
+            self._bind(rj)
+
+    def _on_linked(self, up: ReplicaId, down: ReplicaId, error: str | None, now_s: float) -> None:
+        rj = self.rejoins.get(self.worker_of[down])
+        if rj is None or rj.state != "linking":
+            return
+        if error is not None and (up, down) in rj.feeding.asked:
+            log.warning(
+                "%s could not feed the rebuilt %s: %s", self.name(up), self.name(down), error
+            )
+        if rj.feeding.answered(up, down, error) and rj.started:
+            self._linked(rj.worker, now_s)
+
+    def _on_started(self, w: int, now_s: float) -> None:
+        rj = self.rejoins.get(w)
+        if rj is None or rj.state != "linking":
+            return
+        rj.started = True
+        if not rj.feeding.asked:
+            self._linked(w, now_s)
+
+    def _unanswered(self, w: int, now_s: float) -> None:
+        """Worker ``w`` finished: the link requests it had not answered before it said
+        ``Done`` never will be (its replicas finished first)."""
+        for rj in list(self.rejoins.values()):
+            for up, down in sorted(rj.feeding.asked):
+                if self.worker_of[up] == w:
+                    self._on_linked(up, down, "it finished first", now_s)
+
+    def _linked(self, w: int, now_s: float) -> None:
+        rj = self.rejoins[w]
+        unfed = [
+            f"{self.name(rid)} from {self.plan.tasks[t].name}[{p}]"
+            for rid, (t, p) in rj.feeding.unfed()
+        ]
+        if unfed and rj.sinks:
+            self._abort_rejoin(
+                w,
+                "no live upstream replica could replay its input: "
+                + ", ".join(unfed)
+                + (
+                    " (a replay window no longer reaches back to the position its last "
+                    "committed output stored: raise Job(replay_ms=...))"
+                    if rj.feeding.stale
+                    else " (its upstream replicas finished or were lost meanwhile)"
+                ),
+            )
+            return
+        if unfed and rj.checkpoint is not None:
+            causes = dict(self.lost)
+            gone = [
+                f"{self.name(r)} is lost too ({causes.get(r, 'lost')})"
+                for r in sorted(self.down)
+                if r not in rj.cuts and self.worker_of[r] != w
+            ]
+            self._abort_rejoin(
+                w,
+                "no live upstream replica could replay its input: "
+                + ", ".join(unfed)
+                + (f"; {', '.join(gone)}" if gone else "")
+                + (
+                    f" (a replay window no longer reaches back to checkpoint {rj.checkpoint}: "
+                    "raise Job(replay_ms=...) or lower checkpoint_ms)"
+                    if rj.feeding.stale
+                    else ""
+                ),
+            )
+            return
+        if unfed:
+            retry = rj.feeding.stale and self._attempts.get(w, 0) < REJOIN_ATTEMPTS
+            self._abort_rejoin(
+                w,
+                "no live upstream replica could replay its input: "
+                + ", ".join(unfed)
+                + ("; trying again from a later cut" if retry else ""),
+            )
+            if retry:
+                self._lost_worker(w, now_s)
+            return
+        del self.rejoins[w]
+        self._attempts.pop(w, None)
+        rolled = {} if rj.checkpoint is None else {"checkpoint": rj.checkpoint}
+        if rj.sinks:
+            rolled = {"sink": True}
+        for rid in self.placement[w]:
+            self.down.discard(rid)
+            self.restored.append(
+                restored_entry(
+                    self.plan,
+                    rid,
+                    rj.twins.get(rid),
+                    rj.cuts.get(rid),
+                    rj.lost_s,
+                    now_s,
+                    rj.warm,
+                    **rolled,
+                )
+            )
+        log.info(
+            "rebuilt %s at %.2f s (%.0f ms after its loss)",
+            self.worker_name(w),
+            now_s,
+            (now_s - rj.lost_s) * 1000,
+        )
+
+    def _stuck(self, rj: _Rejoin) -> str:
+        """What a rebuild that timed out was waiting for, in words."""
+        if rj.state == "starting":
+            if not rj.claimed:
+                return f"no new {self.host.name} worker came to run it"
+            return "its new process never said it was ready for its cuts"
+        if rj.state == "cutting":
+            missing = [self.name(rj.twins[r]) for r in sorted(rj.twins) if r not in rj.cuts]
+            return "no cut came from " + ", ".join(missing)
+        if rj.state == "binding":
+            return "its new process did not take its cuts"
+        if not rj.started:
+            return "its replicas did not start (dialling their downstream replicas)"
+        unanswered = sorted(rj.feeding.asked)
+        return "no answer to the links asked of " + ", ".join(
+            f"{self.name(up)} (to {self.name(down)})" for up, down in unanswered
+        )
+
+    def _abort_rejoin(self, w: int, why: str) -> None:
+        rj = self.rejoins.pop(w, None)
+        if rj is None:
+            return
+        self.host.kill(w, rj.incarnation, "aborted")
+        if rj.sinks:
+            raise TandemError(
+                f"{self.worker_name(w)}, which hosts the sinks, could not be restarted: "
+                f"{why}. A sink has no twin, so the job cannot continue"
+            )
+        if rj.checkpoint is not None:
+            raise TandemError(
+                f"{self.worker_name(w)} could not be rolled back to checkpoint "
+                f"{rj.checkpoint}: {why}. At replication=1 nothing else holds its "
+                "partitions, so the job cannot continue"
+            )
+        log.warning(
+            "%s is not rebuilt: %s; its partitions go on with fewer replicas",
+            self.worker_name(w),
+            why,
+        )
+        if self.current[w] == rj.incarnation:  # it was already running
+            self.running.discard(w)
+            self.killed_workers.add(w)
+
+    def give_up(self, w: int, why: str) -> None:
+        """Give the rebuild of worker ``w`` up, saying ``why`` (a host found it cannot be
+        run); call on the coordinator's thread."""
+        self._abort_rejoin(w, why)
+
+    def pending_rebuild(self, w: int) -> _Rejoin | None:
+        """The rebuild of worker ``w`` waiting for its new incarnation to come (a Spark
+        retry), if any; call on the coordinator's thread."""
+        rj = self.rejoins.get(w)
+        return rj if rj is not None and not rj.claimed else None
+
+    # -- faults ---------------------------------------------------------------------------
+
+    def _alive(self, rid: ReplicaId) -> bool:
+        w = self.worker_of[rid]
+        return rid not in self.down and w in self.running
+
+    def _resolve(self, task: int, partition: int, role: str) -> int:
+        """The replica index holding ``role`` in a KaZoo partition right now."""
+        alive = [
+            r for r in range(self.plan.tasks[task].replication) if self._alive((task, partition, r))
+        ]
+        return kazoo.resolve_role(self.zoo, task, partition, role, alive)
+
+    def _chaos_step(self, now_s: float) -> None:
+        """Kill a random worker of replicated tasks once the chaos schedule says so and
+        every partition is back at full replication (see :class:`tandem.faults.Chaos`)."""
+        chaos = self.chaos
+        if chaos.until is not None and now_s >= chaos.until:
+            self.chaos = None
+            return
+        if now_s < self._chaos_at or self.rejoins or self.down:
+            return
+        if now_s > self.end_s() - REJOIN_MARGIN_S - chaos.every_s[0]:
+            return
+        victims = sorted(w for w in self.running if not self.hosts_sinks(w))
+        if not victims:
+            return
+        w = self._chaos_rng.choice(victims)
+        self.injected.append(
+            {
+                "kind": "chaos",
+                "worker": w,
+                "replicas": self._replica_names(w),
+                "injected_at": round(now_s, 3),
+            }
+        )
+        log.info("chaos: SIGKILL %s at %.2f s", self.worker_name(w), now_s)
+        self._kill_worker(w, now_s, "killed")
+        self._chaos_at = now_s + self._chaos_rng.uniform(*chaos.every_s)
+
+    def _replica_names(self, w: int) -> list[dict]:
+        return [
+            {"task": self.plan.tasks[t].name, "partition": p, "replica": r}
+            for t, p, r in self.placement[w]
+        ]
+
+    def _inject(self, fault, now_s: float) -> None:
+        """Inject ``fault`` on the worker hosting its replica (or the worker it names); a
+        Pause also schedules its thaw; Chaos starts its schedule. With
+        ``Job(restore=True)`` a kill waits while it would take the last live replica of a
+        partition whose other replicas are being rebuilt."""
+        pending = self.pending
+        deferred = isinstance(fault, _Deferred)
+        due = fault.due if deferred else fault.at
+        if deferred:
+            fault = fault.fault
+        if isinstance(fault, Chaos):
+            self.chaos, self._chaos_at = fault, now_s
+            self._chaos_rng = random.Random(fault.seed)
+            return
+        if isinstance(fault, _Thaw):
+            w = fault.worker
+            if self.current[w] != fault.incarnation or w not in self.running:
+                return  # declared lost and fenced meanwhile
+            self.host.thaw(fault.worker, fault.incarnation)
+            log.info("fault: SIGCONT %s at %.2f s", self.worker_name(fault.worker), now_s)
+            return
+        if isinstance(fault, KillHeartbeats):
+            pid = self.generators.kill(fault.generator) if self.generators else None
+            self.injected.append({**fault.to_dict(), "pid": pid, "injected_at": round(now_s, 3)})
+            log.info("fault: SIGKILL heartbeat generator %d at %.2f s", fault.generator, now_s)
+            return
+        if isinstance(fault, KillWorker):
+            w, replica = fault.worker, None
+            rid = self.placement[w][0]
+        else:
+            task = self.plan.task(fault.task)
+            replica = fault.replica
+            if isinstance(replica, str):
+                try:
+                    replica = self._resolve(task.id, fault.partition, replica)
+                except TandemError as exc:
+                    log.warning("fault %r: %s", fault, exc)
+                    return
+            rid = (task.id, fault.partition, replica)
+            w = self.worker_of[rid]
+        if not isinstance(fault, Pause) and self._twins_rebuilding(w):
+            # The twins are still being rebuilt: this kill would take the last live replica
+            # of a partition. It comes once they are back (restore_ms varies with the
+            # machine's load; the job is not to fail because a rebuild was slow).
+            if not deferred:
+                log.info(
+                    "fault: %s waits for the rebuild of its twins (at %.2f s)",
+                    self.worker_name(w),
+                    now_s,
+                )
+            pending.append(_Deferred(fault, now_s + DEFER_STEP_S, due))
+            pending.sort(key=lambda f: f.at)
+            return
+        record = {
+            **fault.to_dict(),
+            "victim": replica,
+            "worker": w,
+            "replicas": self._replica_names(w),
+            "injected_at": round(now_s, 3),
+        }
+        if deferred:
+            record["waited_for_rebuild_s"] = round(now_s - due, 3)
+        self.injected.append(record)
+        if w not in self.running:
+            log.warning("fault %r: %s had already finished or died", fault, self.worker_name(w))
+            return
+        inc = self.current[w]
+        if isinstance(fault, Pause):
+            if self.host.pause(w, inc):
+                pending.append(_Thaw(w, inc, fault.at + fault.for_s))
+                pending.sort(key=lambda f: f.at)
+            log.info(
+                "fault: SIGSTOP %s (hosting %s) at %.2f s for %g s",
+                self.worker_name(w),
+                self.name(rid),
+                now_s,
+                fault.for_s,
+            )
+            return
+        log.info(
+            "fault: SIGKILL %s (hosting %s) at %.2f s", self.worker_name(w), self.name(rid), now_s
+        )
+        self._kill_worker(w, now_s, "killed")
+
+    def _twins_rebuilding(self, w: int) -> bool:
+        """Whether worker ``w`` hosts the last live replica of a partition whose other
+        replicas are being rebuilt."""
+        for t, p, r in self.placement[w]:
+            twins = [(t, p, o) for o in range(self.plan.tasks[t].replication) if o != r]
+            if (
+                (t, p, r) not in self.down
+                and twins
+                and all(o in self.down and self.worker_of[o] in self.rejoins for o in twins)
+            ):
+                return True
+        return False
+
+    # -- the end --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop whatever still runs (also on errors and Ctrl-C) and remove the run's
+        checkpoints."""
+        try:
+            self.host.close()
+        finally:
+            if self._checkpoint_dir is not None:
+                shutil.rmtree(self._checkpoint_dir, ignore_errors=True)
+
+    def _draw(self, elapsed: float, done: bool = False) -> None:
+        """The progress bar (tqdm, on stderr): source time run so far, and the workers
+        killed, when."""
+        if not self.progress:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            bounded = self.duration is not None
+            self._bar = tqdm(
+                total=self.duration,
+                file=sys.stderr,
+                bar_format="{desc} |{bar:30}| {n:5.1f}/{total:g}s{postfix}"
+                if bounded
+                else "{desc} {n:5.1f}s, until stopped{postfix}",
+                desc=self.plan.job,
+                leave=True,
+            )
+        killed: dict[int, float] = {}
+        for rid, t in self.killed.items():
+            killed.setdefault(self.worker_of[rid], t)
+        note = ", ".join(f"killed {self.worker_name(w)} at {t:.1f}s" for w, t in killed.items())
+        rebuilt = sorted({(r["lost_s"], r["restored_s"]) for r in self.restored})
+        if rebuilt:
+            note += f"; r restored {len(rebuilt)}x (last at {rebuilt[-1][1]:.1f}s)"
+        if self.duration is None and self.final:
+            note = f"stopping at {self.end_s():.1f}s" + (f"; {note}" if note else "")
+        self._bar.n = min(max(elapsed, 0.0), self.end_s())
+        self._bar.set_postfix_str(note, refresh=False)
+        self._bar.refresh()
+        if done:
+            self._bar.close()
+            self._bar = None
+
+    def result(self, check: bool, reports: dict[ReplicaId, ReplicaReport] | None = None) -> Result:
+        """The run's :class:`Result` from the replicas' reports (``reports``: where they
+        came another way than :class:`~tandem.engines.protocol.Done`)."""
+        result = assemble_result(
+            self.plan,
+            self.end_s(),
+            self.reports if reports is None else reports,
+            t0_ns=self.t0_ns,
+            warmup=self.warmup,
+            check=check,
+            faults=self.injected,
+            lost_replicas=self.lost,
+            rss_mb=getattr(self.host, "rss_mb", {}),
+            kazoo=self.zoo,
+        )
+        result.restored_replicas = list(self.restored)
+        if self.checkpointing:
+            result.checkpoints = dict(self.checkpoint_stats)
+        return result
+
+
+__all__ = ["Call", "Coordinator", "Event", "Exited", "Received", "WorkerHost"]
