@@ -147,10 +147,10 @@ def counting_job() -> td.Job:
 @pytest.mark.parametrize("engine", ["local", pytest.param("spark", marks=pytest.mark.spark)])
 def test_the_same_rebuild_through_both_hosts(engine):
     """One scenario, one coordinator, two hosts: a worker of count[0] replica 0 killed at
-    1.5 s is rebuilt from its twins (on Spark by the task Spark retries), then its twin
+    1 s is rebuilt from its twins (on Spark by the task Spark retries), then its twin
     is killed and masked by the rebuilt replica."""
-    faults = [td.Kill("count", 0, 0, at=1.5), td.Kill("count", 0, 1, at=4.5)]
-    res = counting_job().run(duration=7, faults=faults, engine=engine)
+    faults = [td.Kill("count", 0, 0, at=1.0), td.Kill("count", 0, 1, at=5.0)]
+    res = counting_job().run(duration=8, faults=faults, engine=engine)
     assert res.lost == 0 and res.duplicates == 0
     assert res.digests_match, res.determinism_errors
     rebuilt = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}

@@ -45,6 +45,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
@@ -307,11 +308,17 @@ class Registry:
             if isinstance(msg, Done):
                 return
 
-    def _ask(self, fn):
-        """Run ``fn`` on the coordinator's thread and return its result."""
+    def _ask(self, fn, otherwise=None):
+        """Run ``fn`` on the coordinator's thread and return its result (``otherwise``
+        once the coordinator is done: nothing answers any more)."""
         call = Call(fn)
         self._events.put(call)
-        return call.future.result()
+        while True:
+            with contextlib.suppress(FutureTimeout):
+                return call.future.result(timeout=0.5)
+            coord = self.coordinator
+            if self._closing or coord is None or coord.finished:
+                return otherwise
 
     def _claim(self, attempt: Attempt) -> int | None:
         """A retried task: the incarnation it runs of its placement row's worker — the

@@ -314,6 +314,8 @@ class Coordinator:
         self.running: set[int] = set()
         self.started = False
         """Every worker has had its go."""
+        self.finished = False
+        """The run is over (or failed): no event is looked at any more."""
         self.reports: dict[ReplicaId, ReplicaReport] = {}
         self.killed: dict[ReplicaId, float] = {}
         self.killed_workers: set[int] = set()
@@ -524,6 +526,7 @@ class Coordinator:
                     f"the run did not finish within {timeout:.0f} s of its start; still running: "
                     f"{stuck}. Raise timeout= if the job is expected to take longer.{logs_hint}"
                 )
+        self.finished = True
         for w in list(self.rejoins):
             self._abort_rejoin(w, "the job ended first")
         if self.metrics is not None:
@@ -1249,6 +1252,7 @@ class Coordinator:
     def close(self) -> None:
         """Stop whatever still runs (also on errors and Ctrl-C) and remove the run's
         checkpoints."""
+        self.finished = True
         try:
             self.host.close()
         finally:
