@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import threading
 
+import psutil
+
 
 def may_raise_priority() -> bool:
     """Whether this process may give a thread back a priority it lowered (``nice``):
@@ -33,6 +35,17 @@ def thread_nice(more: int) -> int | None:
     return before
 
 
+def thread_ids() -> list[int] | None:
+    """The native ids of this process's threads, or None where they cannot be listed (or
+    are no ids that ``os.setpriority`` takes: outside Linux)."""
+    if not psutil.LINUX:
+        return None
+    try:
+        return [t.id for t in psutil.Process().threads()]
+    except (psutil.Error, OSError):
+        return None
+
+
 def renice_threads(nice: int) -> None:
     """Give the calling thread niceness ``nice`` again, and every thread of this process
     at the niceness it had (the threads it started meanwhile inherited it: the socket
@@ -40,8 +53,10 @@ def renice_threads(nice: int) -> None:
     me = threading.get_native_id()
     try:
         was = os.getpriority(os.PRIO_PROCESS, me)
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
     except (AttributeError, OSError):
+        was = None
+    tids = thread_ids() if was is not None else None
+    if tids is None:
         tids, was = [me], None
     for tid in tids:
         try:
