@@ -1,14 +1,15 @@
 """OS priorities of a worker's threads (Linux keeps a niceness per thread): a rebuilt
 worker loads its states and catches up at a lower one (:data:`~tandem.runtime.CATCH_UP_NICE`),
-and gives every thread the normal priority back once it caught up, where the process may
-raise it (:func:`may_raise_priority`)."""
+a spare loads its modules at the lowest (:mod:`tandem.engines.spare`), and both give every
+thread the normal priority back where the process may raise it (:func:`may_raise_priority`).
+
+This module imports only the standard library at its top: a spare loads it from its file,
+before the tandem package (:mod:`tandem.engines.spare`)."""
 
 from __future__ import annotations
 
 import os
 import threading
-
-import psutil
 
 
 def may_raise_priority() -> bool:
@@ -38,6 +39,10 @@ def thread_nice(more: int) -> int | None:
 def thread_ids() -> list[int] | None:
     """The native ids of this process's threads, or None where they cannot be listed (or
     are no ids that ``os.setpriority`` takes: outside Linux)."""
+    # Imported here, not at the top: a spare imports this module before it lowers its
+    # priority, and lists its threads only once its modules loaded.
+    import psutil
+
     if not psutil.LINUX:
         return None
     try:
@@ -64,3 +69,18 @@ def renice_threads(nice: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:  # ended meanwhile, or not permitted
             pass
+
+
+def lowest_priority(tid: int, nice: int) -> None:
+    """Run thread ``tid`` at niceness ``nice`` and, where there is one, the idle scheduling
+    class (``SCHED_IDLE``: it runs only when a core has nothing else to run)."""
+    os.setpriority(os.PRIO_PROCESS, tid, nice)
+    if hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+
+
+def normal_priority(tid: int, nice: int) -> None:
+    """Give thread ``tid`` the normal scheduling class back, at niceness ``nice``."""
+    if hasattr(os, "SCHED_OTHER"):
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    os.setpriority(os.PRIO_PROCESS, tid, nice)
