@@ -138,7 +138,9 @@ def _sink_report(monkeypatch, rate: int, duration: float) -> tuple[runtime.Repli
     t0 = 10**18
     clock = {"now": t0}
     monkeypatch.setattr(
-        runtime, "time", types.SimpleNamespace(time_ns=lambda: clock["now"], monotonic=None)
+        runtime.replica,
+        "time",
+        types.SimpleNamespace(time_ns=lambda: clock["now"], monotonic=None),
     )
     rep = runtime.Replica(plan, sink, 0, 0, b"k" * 32, _core.Worker())
     rep.bind()

@@ -281,6 +281,107 @@ def test_a_spare_loads_at_the_lowest_priority_and_then_runs_every_thread_at_norm
         proc.join(10)
 
 
+def _await_loaded(pid: int, nice: int) -> dict[int, tuple[str, int]]:
+    """Wait until the spare ``pid`` has loaded (a thread was seen at niceness ``nice``, none
+    is left at it, and the main thread sleeps: it waits for its payload); its threads."""
+    seen_niced, deadline = False, time.monotonic() + 30
+    while True:
+        threads = _threads(pid)
+        niced = {t for t, (_, n) in threads.items() if n == nice}
+        seen_niced |= bool(niced)
+        if seen_niced and not niced and threads[pid][0] == "S":
+            return threads
+        assert time.monotonic() < deadline, (
+            f"after 30 s the spare still loads, or a thread kept the loader's niceness "
+            f"(thread: (state, nice)): {threads}"
+        )
+        time.sleep(0.01)
+
+
+def test_the_spare_module_loads_at_the_lowest_priority_then_becomes_a_worker():
+    """``tandem.engines.spare`` started as the local engine starts a spare (its file, a
+    socket pair's end, the parent's pid, the lowest niceness): every thread it has once
+    loaded runs at normal priority, and it is a worker process waiting for its payload
+    (which exits when the link closes before one came)."""
+    import socket
+
+    from tandem.engines import spare
+
+    mine, theirs = socket.socketpair()
+    args = [str(theirs.fileno()), str(os.getpid()), "spare", str(local.SPARE_NICE)]
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, spare.PATH, *args], pass_fds=(theirs.fileno(),), env=child_env()
+        )
+    finally:
+        theirs.close()
+    try:
+        _await_loaded(proc.pid, local.SPARE_NICE)
+        assert proc.poll() is None
+        assert {nice for _, nice in _threads(proc.pid).values()} == {0}
+        mine.close()  # no payload will come: the worker's recv ends
+        assert proc.wait(30) == 1
+    finally:
+        mine.close()
+        proc.kill()
+        proc.wait(10)
+
+
+def test_the_spare_imports_only_the_standard_library_before_its_priority_drops():
+    """Run by its file, the spare has loaded nothing but what the interpreter starts with
+    and the standard library when it lowers its priority: tandem loads after (and numpy
+    and pyarrow, but where the process could not raise the priority back: they load
+    first, at normal priority). ``python -m tandem.engines.spare`` would import the
+    tandem package first."""
+    import json
+
+    from tandem.engines import spare
+    from tandem.runtime import may_raise_priority
+
+    code = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("spare_under_test", sys.argv[1])
+spare = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(spare)
+seen, load = [], spare._priority
+
+def priority():
+    module = load()
+    lowest = module.lowest_priority
+
+    def record(tid, nice):
+        seen.append(sorted(sys.modules))
+        lowest(tid, nice)
+
+    module.lowest_priority = record
+    return module
+
+spare._priority = priority
+spare.boot(19)
+print(json.dumps(seen))
+"""
+
+    def modules(*argv: str) -> list:
+        done = subprocess.run(
+            [sys.executable, *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+            env=child_env(),
+        )
+        return json.loads(done.stdout.splitlines()[-1])
+
+    startup = set(modules("-c", "import json, sys; print(json.dumps(sorted(sys.modules)))"))
+    drops = modules("-c", code, spare.PATH)
+    assert drops, "the spare never lowered its priority"
+    loaded = {m.split(".")[0] for m in drops[0]} - startup - {"spare_under_test"}
+    assert "tandem" not in loaded
+    if may_raise_priority():
+        extra = sorted(m for m in loaded if m not in sys.stdlib_module_names)
+        assert not extra, f"loaded before the priority drop: {extra}"
+
+
 def test_a_rebuilt_workers_threads_get_their_priority_back_once_it_caught_up():
     """The rebuilt worker's thread loads and catches up at a lower priority; the threads
     it starts meanwhile inherit it, and all of them get the normal one back."""

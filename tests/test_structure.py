@@ -151,6 +151,29 @@ def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
     assert not failed, failed
 
 
+def test_the_spare_and_the_priorities_import_only_the_standard_library_at_their_top():
+    """A spare runs ``tandem/engines/spare.py`` by its file and loads
+    ``tandem/runtime/priority.py`` from its file before it lowers its priority: neither
+    may import anything but the standard library before it does (inside a function, once
+    the priority dropped, is for the spare to say)."""
+    found = {}
+    for path in (
+        PACKAGES["tandem"] / "engines" / "spare.py",
+        PACKAGES["tandem"] / "runtime" / "priority.py",
+    ):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            bad = [n for n in names if n.split(".")[0] not in sys.stdlib_module_names]
+            if bad:
+                found[f"{path.name}:{node.lineno}"] = bad
+    assert not found, found
+
+
 def test_tandem_never_names_the_spark_package():
     """tandem finds the Spark engine through its entry point; not one line of tandem,
     code or docstring, names ``tandem_spark``."""

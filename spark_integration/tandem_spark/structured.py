@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyspark
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
@@ -413,29 +414,26 @@ def _delivered(query: Any, end: int) -> bool:
 # --------------------------------------------------------------------------------------
 
 
-_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-
-
 def _processes() -> dict[int, tuple[int, int, float]]:
     """pid -> (ppid, pgid, CPU-seconds so far: user + system) of every live (not zombie)
-    process, from /proc."""
+    process."""
     procs = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for proc in psutil.process_iter(["ppid", "status", "cpu_times"]):
+        info = proc.info
+        if None in info.values() or info["status"] == psutil.STATUS_ZOMBIE:
+            continue  # unreadable, or a zombie
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            pgid = os.getpgid(proc.pid)
         except OSError:  # exited while we looked
             continue
-        if fields[0] != "Z":
-            cpu_s = (int(fields[11]) + int(fields[12])) * _TICK_S  # utime + stime
-            procs[int(entry)] = (int(fields[1]), int(fields[2]), cpu_s)
+        times = info["cpu_times"]
+        procs[proc.pid] = (info["ppid"], pgid, times.user + times.system)
     return procs
 
 
 def _peak_rss_mb(pid: int) -> float | None:
     """The peak resident memory (VmHWM) of a live process, in MiB; None if it is gone."""
+    # From /proc: psutil has the resident set now (memory_info().rss), not its peak.
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:

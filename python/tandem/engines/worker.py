@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 def warm_up() -> None:
     """Import what a worker runs and pay pyarrow's lazy imports before the payload comes:
     a spare waits for a loss after this, and its rebuild then waits for none of it (a
-    spare runs this on a low-priority thread first: ``engines.local._SPARE_BOOT``)."""
+    spare runs this on a low-priority thread first: :mod:`tandem.engines.spare`)."""
     from tandem import runtime
     from tandem.engines import exchange, process  # noqa: F401
 
