@@ -35,6 +35,7 @@ from typing import Any
 import cloudpickle
 import psutil
 
+from tandem.engines import spare
 from tandem.engines.common import STARTUP_S, Stop, check_options
 from tandem.engines.coordinator import STOP_LEAD_S, Coordinator, Event, Exited, Received
 from tandem.engines.exchange import state_folder
@@ -55,84 +56,15 @@ ON_READY = None
 
 
 SPARE_NICE = 19
-"""The niceness of the thread a spare process loads its modules on (``0``: none)."""
-
-_SPARE_BOOT = """
-import os, resource, sys, threading
-
-def may_raise(base):
-    # Whether this process may give a thread back its normal priority after the lowest
-    # (CAP_SYS_NICE, or an RLIMIT_NICE that allows it): tandem.runtime.may_raise_priority,
-    # which cannot be imported before the modules load.
-    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
-    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or 20 - soft <= base
-
-def lowest(tid):
-    os.setpriority(os.PRIO_PROCESS, tid, int(sys.argv[4]))
-    if hasattr(os, "SCHED_IDLE"):  # runs only when a core has nothing else to run
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-
-def threads():
-    try:
-        return set(map(int, os.listdir("/proc/self/task")))
-    except OSError:
-        return {threading.get_native_id()}
-
-base = os.getpriority(os.PRIO_PROCESS, 0)
-if may_raise(base):
-    # Everything at the lowest priority, then every thread (the modules' own: numpy's
-    # BLAS threads, pyarrow's jemalloc purger) back to the normal one.
-    try:
-        lowest(threading.get_native_id())
-    except (AttributeError, OSError):
-        pass
-    from tandem.engines import worker
-    worker.warm_up()
-    for tid in threads():
-        try:
-            if hasattr(os, "SCHED_OTHER"):
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, tid, base)
-        except OSError:
-            pass
-else:
-    # numpy and pyarrow start threads, which get their creator's priority and could not
-    # be given the normal one back: they load first, at normal priority, and the rest on
-    # a thread of the lowest (Linux keeps a priority per thread).
-    import numpy, pyarrow
-
-    def load():
-        try:
-            lowest(threading.get_native_id())
-        except (AttributeError, OSError):
-            pass
-        from tandem.engines import worker
-        worker.warm_up()
-
-    loader = threading.Thread(target=load, name="tandem-spare-load")
-    loader.start()
-    loader.join()
-from tandem.engines.worker import main
-sys.exit(main(sys.argv[1:4]))
-"""
-"""How a spare starts (``python -c``): a spare is started right after a rebuild, beside
-the survivors and the rebuilt worker catching up, and its start is about half a
-CPU-second of imports. It loads them at the lowest priority — niceness ``SPARE_NICE`` and
-``SCHED_IDLE``, so that the survivors get a core the moment they need one — where ``python
--m tandem.engines.worker`` would import ``tandem`` at normal priority before any of our
-code runs. Then every thread it has (numpy's BLAS threads and pyarrow's jemalloc purger
-among them, which inherit the priority of the thread that loads those modules) goes back
-to the normal priority: where the process may raise a thread's priority (root, or an
-``RLIMIT_NICE`` that allows it). Elsewhere numpy and pyarrow load first, at normal
-priority, and the rest on a thread of the lowest. The spare waits for a loss anyway;
-every thread it has once loaded runs at normal priority (``tests/test_restore.py``
-checks), and so does the work a rebuild does once the payload comes."""
+"""The niceness of the thread a spare process loads its modules on (``0``: none): it runs
+:mod:`tandem.engines.spare` by its file, which loads the worker's modules at this niceness
+and ``SCHED_IDLE``, then gives every thread the normal priority back (see there why)."""
 
 
 class _Process:
     """A worker process (``python -m tandem.engines.worker``) and its end of the link;
     a spare (``payload`` None: its :class:`Assign` comes later) starts as
-    :data:`_SPARE_BOOT` says. ``relay``: its stderr comes through a pipe and is written
+    :mod:`tandem.engines.spare` says. ``relay``: its stderr comes through a pipe and is written
     line by line above the progress bar (:func:`_relay`) instead of across it."""
 
     def __init__(
@@ -141,7 +73,7 @@ class _Process:
         mine, theirs = socket.socketpair()
         args = [str(theirs.fileno()), str(os.getpid()), str(worker)]
         if payload is None and SPARE_NICE:
-            command = [sys.executable, "-c", _SPARE_BOOT, *args, str(SPARE_NICE)]
+            command = [sys.executable, spare.PATH, *args, str(SPARE_NICE)]
         else:
             command = [sys.executable, "-m", "tandem.engines.worker", *args]
         try:
