@@ -481,3 +481,66 @@ def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
         for inbox in inboxes:
             inbox.close()
         kazoo.cleanup(run)
+
+
+def test_a_dead_leaders_partitions_are_led_at_once_not_after_its_session_timeout(
+    zookeeper, kafka, order_readings
+):
+    """The engine knows a killed leader's worker is dead (it reaped the process), so it
+    deletes that worker's election nodes: the followers lead within milliseconds, not
+    after the dead session's 5 s timeout — and nothing is lost or repeated."""
+    job = kazoo_job(kafka, name="kz-dead", session_timeout_s=5.0)
+    faults = [td.Kill("count", partition=0, replica="leader", at=1.5)]
+    res = job.run(duration=5.0, faults=faults, progress=False)
+    assert_masked(res, order_readings)
+    (kill,) = res.faults
+    successor = [t for t in res.leaders["count[0]"] if t["from_s"] >= kill["injected_at"]]
+    assert successor and successor[0]["replica"] != kill["victim"], res.leaders["count[0]"]
+    took = successor[0]["from_s"] - kill["injected_at"]
+    assert took < 1.0, f"the follower led {took:.3f} s after the kill (session timeout 5 s)"
+    assert res.max_gap_ms < 1500, res.max_gap_ms
+
+
+def test_the_releaser_deletes_only_the_dead_processes_election_node(zookeeper, kafka):
+    """`Releaser.release` names the dead process: the election node of the same replica
+    held by another process (a rebuilt one) stays, and the one it deletes lets the next
+    contender lead at once."""
+    job = kazoo_job(kafka, name="kz-release", session_timeout_s=5.0)
+    plan = job.plan()
+    (task, partition), *_ = plan.ordered_partitions()
+    run = kazoo.prepare(plan)
+    upstreams = [(c.task, c.partition) for c in plan.input_channels(task, partition)]
+    workers = [_core.Worker() for _ in range(2)]
+    inboxes = [_core.Inbox("kz", b"s", upstreams, ordering="kazoo", worker=w) for w in workers]
+    sessions = [kazoo.KazooSession(run, w, name=f"worker{r}") for r, w in enumerate(workers)]
+    orderers = [
+        kazoo.Orderer(session, task, partition, r, inbox.order_feed())
+        for r, (session, inbox) in enumerate(zip(sessions, inboxes, strict=True))
+    ]
+    releaser = kazoo.Releaser(run)
+    try:
+        for s, o in zip(sessions, orderers, strict=True):
+            s.start()
+            o.start()
+        deadline = time.monotonic() + 10
+        while not any(o.led for o in orderers) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        (leader,) = [o for o in orderers if o.led]
+        (twin,) = [o for o in orderers if o is not leader]
+        other_pid = releaser.release([(task, partition, leader.replica)], pid=1).result(10)
+        assert other_pid == [] and not twin.led  # not that process's node: kept
+        released = time.monotonic()
+        done = releaser.release([(task, partition, leader.replica)], pid=leader.ident_pid)
+        assert done.result(10) == [(task, partition, leader.replica)]
+        while not twin.led and time.monotonic() < released + 10:
+            time.sleep(0.001)
+        handover = time.monotonic() - released
+        assert twin.led and twin.led[0]["epoch"] > leader.led[0]["epoch"]
+        assert handover < 1.0, f"handover took {handover:.3f} s (session timeout 5 s)"
+    finally:
+        releaser.close()
+        for s in sessions:
+            s.stop()
+        for inbox in inboxes:
+            inbox.close()
+        kazoo.cleanup(run)

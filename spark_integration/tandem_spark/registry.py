@@ -525,6 +525,25 @@ class Registry:
         attempt = self._running.get((worker, incarnation))
         return None if attempt is None or not self.local else attempt.pid
 
+    def dead(self, worker: int, incarnation: int) -> bool:
+        """On a master on this machine: the task's Python process is gone (a zombie
+        counts as gone), looked at for up to half a second (a SIGKILL just sent)."""
+        attempt = self._running.get((worker, incarnation))
+        if attempt is None or not self.local:
+            return False
+        deadline = time.monotonic() + 0.5
+        while True:
+            try:
+                if psutil.Process(attempt.pid).status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                return True
+            except psutil.Error:
+                return False
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
     def state_folder(self, twin_worker: int, worker: int, incarnation: int) -> str | None:
         """A folder this driver made, when the master runs on this machine and the twin's
         worker and the rebuilt one run on one node — the file then never travels through

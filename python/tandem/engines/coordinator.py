@@ -183,6 +183,10 @@ class WorkerHost(Protocol):
     def pid(self, worker: int, incarnation: int) -> int | None:
         """Its process id, where this machine can see it."""
 
+    def dead(self, worker: int, incarnation: int) -> bool:
+        """Whether that incarnation's process is known to be gone (reaped, or SIGKILLed
+        and no longer there) — not merely silent or cut off."""
+
     def state_folder(self, twin_worker: int, worker: int, incarnation: int) -> str | None:
         """Where ``twin_worker`` may leave a large state for that incarnation of
         ``worker`` (None: it travels inline)."""
@@ -350,6 +354,8 @@ class Coordinator:
         self.addresses: dict[ReplicaId, tuple[str, int]] = {}
         self.heard: dict[int, float] = {}  # worker -> when it last spoke (monotonic)
         self.t0_ns = 0
+        self.releaser = kazoo.Releaser(zoo) if zoo is not None and zoo.partitions else None
+        """Hands the election of a dead worker's KaZoo leaders over at once."""
         self.sampler = None
         """Called with the time since t0 on every turn of the watch loop (the local
         engine's cost and memory readings)."""
@@ -626,6 +632,7 @@ class Coordinator:
         replica left."""
         others = self.host.kill(w, self.current[w], cause)
         for v in [w, *(v for v in others if v in self.running and v != w)]:
+            self._release(v)
             self.running.discard(v)
             self.killed_workers.add(v)
             for r in self.placement[v]:
@@ -640,8 +647,17 @@ class Coordinator:
             self._attempts.pop(v, None)  # a new loss
             self._lost_worker(v, now_s)
 
+    def _release(self, w: int) -> None:
+        """KaZoo: worker ``w`` is known dead — its leaderships go to the followers now,
+        not after its ZooKeeper session's timeout (:class:`tandem.ordering.kazoo.Releaser`)."""
+        inc = self.current[w]
+        pid = self.host.pid(w, inc)
+        if self.releaser is not None and pid is not None and self.host.dead(w, inc):
+            self.releaser.release(self.placement[w], pid)
+
     def _crashed(self, w: int, code: int | None, now_s: float) -> None:
         log.warning("%s died unexpectedly (exit code %s)", self.worker_name(w), code)
+        self._release(w)
         lost = [r for r in self.placement[w] if r not in self.reports and r not in self.down]
         self.crashed.extend(lost)
         self.lost += [(r, "crashed") for r in lost]
@@ -1256,6 +1272,8 @@ class Coordinator:
         try:
             self.host.close()
         finally:
+            if self.releaser is not None:
+                self.releaser.close()
             if self._checkpoint_dir is not None:
                 shutil.rmtree(self._checkpoint_dir, ignore_errors=True)
 

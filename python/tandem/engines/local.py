@@ -476,6 +476,10 @@ class LocalHost:
         proc = self.procs.get((worker, incarnation))
         return None if proc is None else proc.pid
 
+    def dead(self, worker: int, incarnation: int) -> bool:
+        proc = self.procs.get((worker, incarnation))
+        return proc is not None and proc.exitcode is not None
+
     def state_folder(self, twin_worker: int, worker: int, incarnation: int) -> str:
         """The folder twins write large states to for their rebuilt replicas (memory-backed
         where Linux offers it), made on first use and removed with the run."""

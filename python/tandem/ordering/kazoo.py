@@ -293,6 +293,66 @@ def current_leader(run: KazooRun, task: int, partition: int, timeout: float = 5.
     return int(contenders[0].split(":")[2]) if contenders else None
 
 
+class Releaser:
+    """Hands a dead leader's partitions over at once: deletes the election nodes of
+    replicas whose worker the engine *knows* is dead (its process reaped, or SIGKILLed
+    and gone), so that the follower waiting behind them in the lock queue leads now
+    instead of after the dead session's timeout (any ZooKeeper client may delete an
+    ephemeral node). Safety does not change: a new leader still reads the order log to
+    its end before it orders, and its epoch is above the dead leader's. A worker merely
+    silent or cut off is not released here — its session may still be alive, and it
+    stops leading itself once that session is in doubt. The deletions run on a thread
+    of their own, so a slow ZooKeeper never holds the coordinator up."""
+
+    def __init__(self, run: KazooRun) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.run = run
+        self._zk = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-kazoo-release")
+        self.released: list[tuple[int, int, int]] = []
+
+    def release(self, replicas, pid: int):
+        """Release the election nodes of ``replicas`` held by the dead process ``pid``
+        (a future of the replicas released)."""
+        ordered = [rid for rid in replicas if tuple(rid[:2]) in self.run.partitions]
+        return self._pool.submit(self._release, ordered, pid)
+
+    def _release(self, replicas, pid: int) -> list[tuple[int, int, int]]:
+        from kazoo.client import KazooClient
+        from kazoo.exceptions import NoNodeError
+
+        if not replicas:
+            return []
+        if self._zk is None:
+            cfg = self.run.config
+            self._zk = KazooClient(hosts=cfg.zk_hosts, timeout=max(cfg.session_timeout_s, 2.0))
+            self._zk.start(timeout=10)
+        zk, done = self._zk, []
+        for t, p, r in replicas:
+            path = self.run.zk_path(t, p)
+            try:
+                children = zk.get_children(path)
+            except NoNodeError:
+                continue
+            for child in children:
+                with contextlib.suppress(NoNodeError):
+                    data, _ = zk.get(f"{path}/{child}")
+                    if data.decode(errors="replace") == f"{t}:{p}:{r}:{pid}":
+                        zk.delete(f"{path}/{child}")
+                        done.append((t, p, r))
+                        log.info("kazoo: released the election node of dead %s:%s:%s", t, p, r)
+        self.released += done
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._zk is not None:
+            with contextlib.suppress(Exception):
+                self._zk.stop()
+                self._zk.close()
+
+
 def resolve_role(run: KazooRun, task: int, partition: int, role: str, alive: list[int]) -> int:
     """The replica index holding ``role`` (``"leader"`` or ``"follower"``) of an ordered
     partition right now, among the ``alive`` replicas — waiting up to one session timeout
@@ -594,7 +654,8 @@ class Orderer:
         self.channels = len(feed.arrived())
         self.slot = self.run.slot(task, partition)
         self.path = self.run.zk_path(task, partition)
-        self.ident = f"{task}:{partition}:{replica}:{os.getpid()}"
+        self.ident_pid = os.getpid()
+        self.ident = f"{task}:{partition}:{replica}:{self.ident_pid}"
         self._stop = threading.Event()
         # Set while this replica may publish: it holds the lock and its session is sound.
         self._sound = threading.Event()
@@ -817,6 +878,7 @@ __all__ = [
     "KazooRun",
     "KazooSession",
     "Orderer",
+    "Releaser",
     "cleanup",
     "current_leader",
     "prepare",
