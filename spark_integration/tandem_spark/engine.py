@@ -11,23 +11,25 @@ and one worker for the sinks). The driver (this module, where
    and the worker's index) and ``replicas`` (the ``task``/``partition``/``replica`` of
    each replica it hosts) — in exactly as many Spark partitions as rows (``spark.range``
    with one slice per row puts row ``i`` alone in partition ``i``);
-3. starts the :class:`~tandem_spark.registry.Registry` and runs
-   ``placement.mapInArrow(worker_main, schema)`` as one non-barrier job.
+3. starts the :class:`~tandem_spark.registry.Registry`, runs
+   ``placement.mapInArrow(worker_main, schema)`` as one non-barrier job on a thread, and
+   the run's :class:`~tandem.engines.coordinator.Coordinator` — the local engine's — on
+   the caller's, with the registry as its host of workers.
 
 On an executor, :func:`worker_main` — the Arrow-backed UDF — reads its placement row,
 checks in with the registry (which confirms the row's worker, or on a cluster swaps
 workers between tasks so that twins run on different executors), then serves the worker
-as a local engine's worker process does (:func:`tandem.engines.exchange.serve`, with the
-registry as coordinator): binds the inboxes of every replica the worker hosts, waits for
-every peer's address and ``t0``, runs a :class:`tandem.runtime.Worker` hosting them (the
-Rust event loop behind a Python operator loop) and yields Arrow batches back to Spark:
-the rows of the job's first ``td.sinks.Collect`` sink (so the output is a Spark DataFrame)
-and one report row per hosted replica, carrying the pickled
-:class:`~tandem.runtime.ReplicaReport`.
+as a local engine's worker process does (:func:`tandem.engines.exchange.serve`): binds the
+inboxes of every replica the worker hosts, waits for every peer's address and ``t0``,
+runs a :class:`tandem.runtime.Worker` hosting them (the Rust event loop behind a Python
+operator loop) and sends its replicas' :class:`~tandem.runtime.ReplicaReport` s to the
+driver in its ``Done``, the rows of a ``td.sinks.Collect`` sink with them.
 
-The driver collects that output with ``toArrow()``, hands the reports to
-:func:`tandem.engines.common.assemble_result` — exactly what the local engine does — and
-keeps the sink rows for :meth:`SparkEngine.output_df`.
+The coordinator hands the reports to :func:`tandem.engines.common.assemble_result` —
+exactly what the local engine does — and the Collect sink's rows are
+:meth:`SparkEngine.output_df`. The run ends once every report is in, whatever the Spark
+job still runs: a task of a worker cut off from the driver (fenced, and rebuilt
+elsewhere) is cancelled, not waited for until Spark declares its executor lost.
 
 A killed worker's task fails; ``local[N,F]`` (``F >= 2``) and clusters retry only that
 task. The retry checks in with the registry with its placement row. Under
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import secrets
 import sys
 import threading
@@ -50,10 +51,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from tandem import logs
-from tandem.engines.common import check_options
+from tandem.engines.common import Stop, check_options
 from tandem.engines.coordinator import Coordinator
 from tandem.engines.exchange import REJOIN_TIMEOUT_S, serve
 from tandem.engines.process import child_env
@@ -64,11 +64,10 @@ from tandem.heartbeat import Generators
 from tandem.ordering import kazoo
 from tandem.plan import Plan, Task
 from tandem.result import Result
-from tandem.runtime import ReplicaId, ReplicaReport
+from tandem.runtime import ReplicaId
 from tandem.sinks import Collect
 from tandem_spark import registry as reg
 from tandem_spark.session import (
-    LOCAL_CLUSTER_MASTER,
     LOCAL_MASTER,
     check_cluster,
     is_local,
@@ -79,10 +78,13 @@ log = logging.getLogger("tandem")
 
 SLOT = "slot"
 """The placement DataFrame's row index: the Spark partition, and the worker it runs."""
-KEY, REPORT = "tandem_replica", "tandem_report"
-"""The envelope columns of ``worker_main``'s output, before the sink's own columns: the
-replica a row belongs to (its index in :meth:`tandem.plan.Plan.replicas`) and its pickled
-report (null on the sink's rows)."""
+OUTPUT = pa.schema([pa.field(SLOT, pa.int64())])
+"""The schema of ``worker_main``'s output, which has no rows: the reports come through
+the registry."""
+
+END_GRACE_S = 5.0
+"""How long the Spark job may go on once the coordinator has every report (a task of a
+worker cut off from the driver: Spark waits for it until it declares the executor lost)."""
 
 KILL_UNITS = ("worker", "executor")
 
@@ -190,21 +192,17 @@ class SparkEngine:
             check_master = getattr(task.source or task.sink, "check_master", None)
             if check_master is not None:
                 check_master(sc.master)
-        if faults and not is_local(sc.master):
+        if faults and self.kill == "executor" and LOCAL_MASTER.match(sc.master):
             raise ConfigError(
-                f"td.Kill needs the executors' processes on this machine (a local or "
-                f"local-cluster master), but the master is {sc.master!r}"
-            )
-        if faults and self.kill == "executor" and not LOCAL_CLUSTER_MASTER.match(sc.master):
-            raise ConfigError(
-                f"kill='executor' needs separate executor JVMs (master local-cluster[W,C,MB]); "
-                f"with {sc.master!r} the executor is the driver itself"
+                f"kill='executor' needs separate executor JVMs (a cluster, or master "
+                f"local-cluster[W,C,MB]); with {sc.master!r} the executor is the driver itself"
             )
         from pyspark import cloudpickle
 
         plan.check_picklable(cloudpickle.dumps)
         collect = _collect_sink(plan)
-        schema = _output_schema(collect)
+        if collect is not None:  # output_df() will need it as a Spark DataFrame
+            _spark_schema(collect.schema)
         local = is_local(sc.master)
         host = self.host or ("127.0.0.1" if local else None)
         secret = secrets.token_bytes(32)
@@ -220,6 +218,7 @@ class SparkEngine:
             local=local,
             relaunch=rebuilds,
         )
+        job = _SparkJob(sc, tag)
         coordinator = Coordinator(
             plan,
             registry,
@@ -229,46 +228,44 @@ class SparkEngine:
             zoo=zoo,
             warmup=warmup,
             startup_timeout=reg.REGISTER_TIMEOUT_S,
+            stop=job.stop,
         )
         registry.coordinator = coordinator
-        udf = _worker_main(
-            plan, secret, registry.address, host, schema, collect, zoo, logs.driver_level()
-        )
-        spark_schema = _spark_schema(schema)
+        udf = _worker_main(plan, secret, registry.address, host, zoo, logs.driver_level())
+        spark_schema = _spark_schema(OUTPUT)
         rebuilds.job = lambda slot, executor: self._placement(
             plan, placement, (slot, executor)
         ).mapInArrow(udf, spark_schema)
         with registry, _driver_path_on_workers(sc, local):
-            coordinating = _Coordinating(coordinator, registry, timeout or duration + 60.0)
-            df = self._placement(plan, placement).mapInArrow(udf, spark_schema)
-            sc.addJobTag(tag)
-            sc.setJobDescription(
+            job.start(
+                self._placement(plan, placement).mapInArrow(udf, spark_schema),
                 f"tandem {plan.job}: {len(placement)} workers hosting "
-                f"{len(plan.replicas())} replicas for {duration} s"
+                f"{len(plan.replicas())} replicas for {duration} s",
             )
-            table = None
             try:
-                table = df.toArrow()
-            except Exception as exc:
-                if registry.log.failure is not None:
-                    raise registry.log.failure from None
-                raise TandemError(f"the Spark job of {plan.job!r} failed: {exc}") from exc
+                coordinator.start()
+                coordinator.watch(timeout or duration + 60.0)
+            except TandemError as exc:
+                failure = registry.log.failure or job.failure(plan.job)
+                registry.fail(failure or exc)
+                raise (failure or exc) from None
             finally:
-                sc.removeJobTag(tag)
-                sc.setJobDescription(None)
-                rebuilds.close(cancel=table is None)
-                coordinating.finish(abandon=table is None)
-            table = pa.concat_tables([table, *rebuilds.tables])
+                coordinator.close()
+                job.end(cancel=registry.log.failure is not None)
+                rebuilds.close(cancel=True)
         registry.log.t0_ns = coordinator.t0_ns
+        registry.log.killed = {
+            rid: coordinator.killed[rid] for rid, cause in coordinator.lost if cause == "killed"
+        }
         self.last_run = registry.log
         if registry.log.failure is not None:
             raise registry.log.failure
-        reports = _unpack(table, collect)
+        reports = coordinator.reports
         lost = coordinator.lost
         missing = sorted(set(plan.replicas()) - set(reports) - {rid for rid, _ in lost})
         if missing:
             raise TandemError(f"replicas {missing} of {plan.job!r} never reported; see the log")
-        result = coordinator.result(check, reports)
+        result = coordinator.result(check)
         self._output = None if collect is None else result.outputs[collect.name]
         return result
 
@@ -351,30 +348,58 @@ class SparkEngine:
         return df.withColumn("replicas", F.array(*rows)[F.col(SLOT)])
 
 
-class _Coordinating:
-    """The run's coordinator on a thread of the driver, while the Spark job runs on the
-    caller's: a failure it raises stops the Spark job (the registry's ``on_failure``)."""
+class _SparkJob:
+    """The Spark job of a run, on a thread of its own (``toArrow`` blocks) while the
+    coordinator runs on the caller's. Every report comes through the registry (each
+    worker's ``Done``), so the run need not wait for the job: once the coordinator has
+    them all, a task still running — a worker cut off from the driver, fenced and
+    rebuilt elsewhere, which Spark would otherwise wait for until it declared its
+    executor lost — is cancelled with the job after ``END_GRACE_S``. A job that fails
+    first stops the coordinator (``stop``)."""
 
-    def __init__(self, coordinator: Coordinator, registry: reg.Registry, timeout: float):
-        self.coordinator, self.registry, self.timeout = coordinator, registry, timeout
-        self.thread = threading.Thread(target=self._run, name="tandem-coordinator", daemon=True)
+    def __init__(self, sc, tag: str) -> None:
+        self.sc, self.tag = sc, tag
+        self.stop = Stop()
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self, df, description: str) -> None:
+        def run() -> None:
+            self.sc.addJobTag(self.tag)  # tags and descriptions are per thread
+            self.sc.setJobDescription(description)
+            try:
+                df.toArrow()
+            except BaseException as exc:
+                self.error = exc
+                self.stop.kill()
+            finally:
+                self.sc.removeJobTag(self.tag)
+                self.sc.setJobDescription(None)
+
+        self.thread = threading.Thread(target=run, name="tandem-spark-job", daemon=True)
         self.thread.start()
 
-    def _run(self) -> None:
-        try:
-            self.coordinator.start()
-            self.coordinator.watch(self.timeout)
-        except BaseException as exc:
-            if not self.coordinator.stop_token.killed:
-                self.registry.fail(exc)
+    def failure(self, job: str) -> TandemError | None:
+        """Why the Spark job failed, if it did."""
+        if self.error is None:
+            return None
+        return TandemError(f"the Spark job of {job!r} failed: {self.error}")
 
-    def finish(self, abandon: bool) -> None:
-        """Wait for the coordinator to have every worker's ``Done`` (``abandon``: the
-        Spark job failed, stop it instead)."""
-        if abandon:
-            self.coordinator.stop_token.kill()
-        self.thread.join(timeout=30)
-        self.coordinator.close()
+    def end(self, cancel: bool) -> None:
+        """Wait for the job to end (``cancel``: cancel it first); cancel it anyway if a
+        task still runs ``END_GRACE_S`` after the last report."""
+        if self.thread is None:
+            return
+        if not cancel:
+            self.thread.join(END_GRACE_S)
+        if self.thread.is_alive():
+            if not cancel:
+                log.info(
+                    "every report is in, but the Spark job still runs a task (a worker lost "
+                    "and fenced, cut off from the driver): cancelled"
+                )
+            self.sc.cancelJobsWithTag(self.tag)
+            self.thread.join()
 
 
 class _Rebuilds:
@@ -446,13 +471,6 @@ def _collect_sink(plan: Plan) -> Task | None:
     return next((t for t in plan.sinks() if isinstance(t.sink, Collect)), None)
 
 
-def _output_schema(collect: Task | None) -> pa.Schema:
-    fields = [pa.field(KEY, pa.int64(), nullable=False), pa.field(REPORT, pa.binary())]
-    if collect is not None:
-        fields += [f.with_nullable(True) for f in collect.schema]
-    return pa.schema(fields)
-
-
 def _spark_schema(schema: pa.Schema):
     from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -466,12 +484,12 @@ def _spark_schema(schema: pa.Schema):
         ) from exc
 
 
-def _worker_main(plan, secret, registry_address, host, schema, collect, zoo, log_level):
+def _worker_main(plan, secret, registry_address, host, zoo, log_level):
     """The Arrow-backed UDF for ``mapInArrow``; everything it needs travels in its closure
     (cloudpickle), the job secret included. The worker logs to its executor's stderr (the
     driver's console on a local master) at the driver's ``log_level``, as ``tandem[worker
-    N] LEVEL logger: message``."""
-    index = {rid: i for i, rid in enumerate(plan.replicas())}
+    N] LEVEL logger: message``. Its reports go to the driver through the registry (in
+    its ``Done``); the task returns no rows."""
 
     def worker_main(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -489,7 +507,7 @@ def _worker_main(plan, secret, registry_address, host, schema, collect, zoo, log
             if isinstance(answer, Retire):
                 return
             logs.configure_worker(answer.worker, log_level)
-            reports = serve(
+            serve(
                 plan,
                 [tuple(rid) for rid in answer.replicas],
                 secret,
@@ -498,56 +516,11 @@ def _worker_main(plan, secret, registry_address, host, schema, collect, zoo, log
                 answer.rejoin,
                 host=bind_host,
                 receive=lambda what: reg.receive(conn, what),
-                send_reports=False,
                 sigterm=False,
             )
-        if reports is None:  # a rebuild the registry gave up before it ran
-            return
-        for rid, report in reports.items():
-            key = index[rid]
-            if collect is not None and rid[0] == collect.id:
-                yield from _rows(key, report.sink_part, schema)
-                report.sink_part = None  # travels as the rows above
-            yield _envelope(key, 1, schema, pa.array([pickle.dumps(report)], pa.binary()))
+        yield from ()
 
     return worker_main
-
-
-def _envelope(key: int, n: int, schema: pa.Schema, report: pa.Array, columns=None):
-    """A batch of ``schema``: ``n`` rows of replica ``key``, the report column, then
-    ``columns`` (or nulls)."""
-    body = columns or [pa.nulls(n, f.type) for f in list(schema)[2:]]
-    return pa.RecordBatch.from_arrays(
-        [pa.repeat(pa.scalar(key, pa.int64()), n), report, *body], schema=schema
-    )
-
-
-def _rows(key: int, table: pa.Table, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-    """The sink rows of replica ``key`` as envelope batches (report column null)."""
-    names = schema.names[2:]
-    for batch in table.select(names).to_batches():
-        cols = [c.cast(f.type) for c, f in zip(batch.columns, list(schema)[2:], strict=True)]
-        yield _envelope(key, batch.num_rows, schema, pa.nulls(batch.num_rows, pa.binary()), cols)
-
-
-def _unpack(table: pa.Table, collect: Task | None) -> dict[ReplicaId, ReplicaReport]:
-    """The replica reports by replica id, from the job's output; the Collect sink's
-    reports (one per partition) get their rows back as their ``sink_part``: the rows that
-    carry their replica's key."""
-    has_report = pc.is_valid(table.column(REPORT))
-    report_rows = table.filter(has_report)
-    rows = table.filter(pc.invert(has_report))
-    names = collect.schema.names if collect is not None else []
-    reports = {}
-    for key, blob in zip(
-        report_rows.column(KEY).to_pylist(), report_rows.column(REPORT).to_pylist(), strict=True
-    ):
-        r = pickle.loads(blob)
-        if collect is not None and r.task == collect.id:
-            mine = rows.filter(pc.equal(rows.column(KEY), key))
-            r.sink_part = mine.select(names).cast(collect.schema)
-        reports[(r.task, r.partition, r.replica)] = r
-    return reports
 
 
 def _own_address() -> str:

@@ -56,8 +56,10 @@ from tandem.engines.coordinator import Call, Coordinator, Event, Exited, Receive
 from tandem.engines.exchange import REJOIN_ATTEMPTS, state_folder
 from tandem.engines.protocol import (
     Assign,
+    Crash,
     Done,
     Exit,
+    Freeze,
     Hello,
     Message,
     Retire,
@@ -112,6 +114,8 @@ class RunLog:
     """What the registry saw during one run (kept by the engine as ``last_run``)."""
 
     attempts: list[Attempt] = field(default_factory=list)
+    killed: dict[ReplicaId, float] = field(default_factory=dict)
+    """Replica → seconds after t0 when a fault last SIGKILLed its worker."""
     t0_ns: int = 0
     failure: TandemError | None = None
     """Why the run was stopped: a replica's operator failed (TaskFailed), a whole
@@ -473,6 +477,12 @@ class Registry:
                 ]
                 for _, a in others:
                     a.cause = "killed"
+        if cause == "killed" and not self.local:
+            # The executors are elsewhere: the worker kills itself (and its executor).
+            if peer is not None:
+                peer.send(Crash(self.kill_unit))
+            log.info("fault: %s of worker %d told to crash", self.kill_unit, worker)
+            return [w for w, _ in others]
         if cause == "killed":
             pids = [victim.pid, *(a.pid for _, a in others)]
             if self.kill_unit == "executor" and victim.executor_pid is not None:
@@ -494,9 +504,14 @@ class Registry:
                 os.kill(victim.pid, signal.SIGKILL)
         return []
 
-    def pause(self, worker: int, incarnation: int) -> bool:
+    def pause(self, worker: int, incarnation: int, for_s: float) -> bool:
+        """SIGSTOP on a master on this machine (thawed by the coordinator); elsewhere the
+        worker freezes itself and thaws by itself."""
         victim = self._running.get((worker, incarnation))
-        if victim is None or not self.local:
+        if victim is None:
+            return False
+        if not self.local:
+            self.send(worker, incarnation, Freeze(for_s))
             return False
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim.pid, signal.SIGSTOP)

@@ -168,8 +168,9 @@ class WorkerHost(Protocol):
         ``silent``, ``evicted``, ``unfed``, ``aborted``. Returns every other worker taken
         down with it (a whole executor killed)."""
 
-    def pause(self, worker: int, incarnation: int) -> bool:
-        """Freeze it (SIGSTOP); False if it could not be."""
+    def pause(self, worker: int, incarnation: int, for_s: float) -> bool:
+        """Freeze it (SIGSTOP) for ``for_s`` seconds: True if the coordinator is to thaw
+        it then (:meth:`thaw`), False if it thaws by itself or could not be frozen."""
 
     def thaw(self, worker: int, incarnation: int) -> None:
         """Let a frozen incarnation go on (SIGCONT)."""
@@ -1234,7 +1235,7 @@ class Coordinator:
             return
         inc = self.current[w]
         if isinstance(fault, Pause):
-            if self.host.pause(w, inc):
+            if self.host.pause(w, inc, fault.for_s):
                 pending.append(_Thaw(w, inc, fault.at + fault.for_s))
                 pending.sort(key=lambda f: f.at)
             log.info(

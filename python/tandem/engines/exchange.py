@@ -29,11 +29,13 @@ from tandem.engines.protocol import (
     Alive,
     Checkpointed,
     CheckpointRequest,
+    Crash,
     CutRequest,
     CutTaken,
     Done,
     Evicted,
     Exit,
+    Freeze,
     Go,
     Link,
     Linked,
@@ -275,6 +277,10 @@ def _requests(
             for old in sorted(checkpoints)[:-4]:  # answered long ago
                 del checkpoints[old]
             worker.request_checkpoint(msg.epoch)
+        elif isinstance(msg, Crash):
+            crash(msg.unit)
+        elif isinstance(msg, Freeze):
+            freeze(msg.for_s)
         elif isinstance(msg, Exit):
             # Fenced: the coordinator gave up on this worker (its replicas are rebuilt
             # elsewhere, or again); it must never send another row.
@@ -283,9 +289,42 @@ def _requests(
             os._exit(EXIT_FENCED)
         else:
             try:
-                expect(msg, CutRequest, Link, Until, MetricsEvery, CheckpointRequest, Exit)
+                expect(msg, CutRequest, Link, Until, MetricsEvery, CheckpointRequest, Exit, Crash)
             except ProtocolError as exc:  # a coordinator of another make: say so, go on
                 log.error("from the coordinator: %s", exc)
+
+
+def crash(unit: str) -> None:
+    """A fault told to this worker (:class:`~tandem.engines.protocol.Crash`): SIGKILL this
+    process — with ``unit="executor"`` the Spark executor JVM above it first (a node's
+    crash, as far as Spark can tell)."""
+    log.warning("fault: SIGKILL of this %s, as the coordinator asked", unit)
+    logs.flush(0.2)
+    if unit == "executor":
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            for parent in psutil.Process().parents()[:4]:
+                if parent.name() == "java":
+                    parent.kill()
+                    break
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def freeze(for_s: float) -> None:
+    """A ``td.Pause`` told to this worker (:class:`~tandem.engines.protocol.Freeze`):
+    SIGSTOP this process for ``for_s`` seconds; a child left behind (its own session,
+    so nothing waits for it) sends the SIGCONT."""
+    import subprocess
+
+    subprocess.Popen(
+        ["sh", "-c", f"sleep {float(for_s):.3f}; kill -CONT {os.getpid()}"],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 # -- the coordinator's side of rebuilding a lost worker -----------------------------------

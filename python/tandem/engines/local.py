@@ -440,7 +440,7 @@ class LocalHost:
             proc.join(timeout=5)
         return []
 
-    def pause(self, worker: int, incarnation: int) -> bool:
+    def pause(self, worker: int, incarnation: int, for_s: float) -> bool:
         proc = self.procs[(worker, incarnation)]
         if not proc.is_alive():
             return False

@@ -20,7 +20,8 @@ The exchange, in order:
 - worker → coordinator: :class:`Waiting` (a rebuilt worker, for its cuts), :class:`Ready`
   (the port of every hosted replica's inbox) or :class:`StartFailed`;
 - during the run, coordinator → worker: :class:`CutRequest`, :class:`Link`,
-  :class:`Until`, :class:`MetricsEvery`, :class:`CheckpointRequest`; worker →
+  :class:`Until`, :class:`MetricsEvery`, :class:`CheckpointRequest`, and the faults
+  :class:`Crash` and :class:`Freeze` (where the worker cannot be signalled); worker →
   coordinator: :class:`CutTaken`, :class:`Linked`, :class:`Started`, :class:`Evicted`,
   :class:`Metrics`, :class:`Checkpointed`, :class:`Alive` (a keepalive);
 - last, worker → coordinator: :class:`Done`.
@@ -188,6 +189,23 @@ class CheckpointRequest(Message):
 
     epoch: int
     folder: str
+
+
+@dataclass(frozen=True, slots=True)
+class Crash(Message):
+    """A fault injected where the coordinator cannot signal the worker's process (a
+    cluster's executors): SIGKILL yourself — ``unit="executor"``: the executor JVM above
+    you first, every worker on it with it."""
+
+    unit: str = "worker"
+
+
+@dataclass(frozen=True, slots=True)
+class Freeze(Message):
+    """A ``td.Pause`` where the coordinator cannot signal the worker: SIGSTOP yourself for
+    ``for_s`` seconds (a child process you leave behind sends the SIGCONT)."""
+
+    for_s: float
 
 
 # -- during the run: worker -> coordinator ------------------------------------------------
