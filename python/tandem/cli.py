@@ -336,6 +336,17 @@ def print_summary(r: tandem.Result) -> None:
         print("\n  " + ("fault masked." if masked else "fault NOT masked."))
 
 
+class _Experiment(argparse.ArgumentParser):
+    """The parser of one ``tandem bench`` experiment: a flag it does not take is an error
+    with its own usage (argparse would give ``tandem``'s)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=tandem.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tandem {tandem.__version__}")
@@ -419,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Experiments on this machine, each a subcommand with its own flags "
         "(`tandem bench EXPERIMENT --help`).",
     )
-    experiments.add_commands(bench.add_subparsers(dest="experiment", required=True))
+    experiments.add_commands(
+        bench.add_subparsers(dest="experiment", required=True, parser_class=_Experiment)
+    )
 
     args = parser.parse_args(argv)
     configure_logging(args.verbose, args.log_level)

@@ -1151,7 +1151,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     common.add_rate(p, None, "every run's rate (default 5000)")
     common.add_seconds(
-        p, "--duration", None, "each run's length (default 12); fault and sss runs twice it (20)"
+        p,
+        "--duration",
+        None,
+        "each run's length (default 12); fault and sss runs: twice the length given (default 20)",
     )
     common.add_seconds(p, "--warmup", None, "left out of latency (default 5, sss 10)")
     p.add_argument(
