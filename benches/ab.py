@@ -14,9 +14,10 @@ included, the coordinator's reference check excluded by running with ``check=Fal
         --candidate .venv/bin/python --rate 5000 --duration 12 --warmup 4 --repeat 3 \\
         --json out/ab.json
 
-Only the public API both builds share is used (``tandem.demo.build``,
-``tandem.bench.mib1_job``, ``Job.run``), so any two builds since the Spark engine landed
-can be compared.
+Only the public API both builds share is used (the demo job's ``build`` and MiB1's
+``mib1_job``, in ``tandem.experiments`` or, in a build from before it, ``tandem.demo`` and
+``tandem.bench``; ``Job.run``), so any two builds since the Spark engine landed can be
+compared.
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ import time
 
 RUN = r"""
 import json, sys, tandem as td
-from tandem.bench import mib1_job
-from tandem.demo import build
+try:
+    from tandem.experiments.demo import build
+    from tandem.experiments.workloads import mib1_job
+except ImportError:  # a build from before tandem.experiments
+    from tandem.bench import mib1_job
+    from tandem.demo import build
 workload, r, rate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 duration, warmup = float(sys.argv[4]), float(sys.argv[5])
 if workload == "demo":

@@ -71,9 +71,9 @@ def record() -> None:
 
 
 def run(rate: int, duration: float) -> None:
-    from tandem import bench
+    from tandem.experiments import workloads
 
-    job = bench.mib1_job(1, 2, "liverobin", rate, sink=CountRows(), keyed=False)
+    job = workloads.mib1_job(1, 2, "liverobin", rate, sink=CountRows(), keyed=False)
     res = job.run(duration=duration, warmup=1.0, progress=False, check=False)
     workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     coordinator = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -104,9 +104,9 @@ def test_checkpoints_are_taken_without_faults_and_the_knobs_are_checked():
 def test_bench_failover_runs_the_passive_baseline_beside_the_others():
     import io
 
-    from tandem import bench
+    from tandem.experiments import failover
 
-    (row,) = bench.failover(
+    (row,) = failover.failover(
         rate=500, duration=4.0, kill_at=2.0, cases=("passive",), log=io.StringIO()
     )
     assert (row.case, row.lost, row.duplicates, row.digests_match) == ("passive", 0, 0, True)

@@ -152,9 +152,9 @@ def test_restore_is_a_checked_knob():
 
 
 def test_bench_recovery_rebuilds_a_stateful_replica_and_reports_its_cost():
-    from tandem import bench
+    from tandem.experiments import recovery
 
-    (row,) = bench.recovery(sizes=(4,), rate=1000, duration=7, kill_at=2.5)
+    (row,) = recovery.restore(sizes=(4,), rate=1000, duration=7, kill_at=2.5)
     assert row.lost == 0 and row.duplicates == 0 and row.digests_match
     # The killed worker hosted replica 0 of both source and both state partitions.
     assert row.rebuilt == 4
@@ -163,12 +163,12 @@ def test_bench_recovery_rebuilds_a_stateful_replica_and_reports_its_cost():
 
 
 def test_a_large_state_goes_from_twin_to_newcomer_as_a_file_removed_after_the_run():
-    from tandem import bench
     from tandem.engines import exchange
+    from tandem.experiments import recovery
 
     before = set(glob.glob("/dev/shm/tandem-state-*")) | set(glob.glob("/tmp/tandem-state-*"))
     mb = 2 * exchange.SPILL_BYTES / 2**20
-    res = bench.recovery_job(mb, 1000).run(
+    res = recovery.recovery_job(mb, 1000).run(
         duration=6, faults=[td.Kill("state", 0, 0, at=2.0)], progress=False
     )
     assert res.lost == 0 and res.duplicates == 0
@@ -192,13 +192,13 @@ def test_a_spilled_resume_reads_back_the_same_state(tmp_path):
 
 
 def test_ballast_state_survives_a_snapshot_and_restore():
-    from tandem import bench
+    from tandem.experiments import recovery
 
-    a = bench.Ballast(0.01)
+    a = recovery.Ballast(0.01)
     rows = pa.RecordBatch.from_pydict({"key": [1, 2, 3]})
     for _ in range(5):
         a.on_batch(rows)
-    b = bench.Ballast(0.01)
+    b = recovery.Ballast(0.01)
     b.restore(a.snapshot())
     assert b.state["batches"] == 5
     assert b.state["bytes"].tobytes() == a.state["bytes"].tobytes()
@@ -441,9 +441,9 @@ def test_state_size_is_known_only_where_it_is_cheap_and_sure():
 def test_one_fork_writes_every_large_state_a_rebuild_cuts_in_a_worker():
     """A worker hosting the twins of two large states cut for one rebuild forks once: the
     slot cut first is held until the other is cut too, and one child writes both."""
-    from tandem import bench
+    from tandem.experiments import recovery
 
-    job = bench.recovery_job(3, 2000)
+    job = recovery.recovery_job(3, 2000)
     job.workers = 1  # both partitions of each replica group in one worker
     res = job.run(duration=5, faults=[td.Kill("state", 0, 0, at=2.0)], progress=False)
     assert res.lost == 0 and res.duplicates == 0
@@ -459,14 +459,15 @@ def test_a_rebuilds_cut_forks_only_for_a_state_that_may_be_large(tmp_path):
     """The twin's side of a rebuild: a state known to be small (``state_size``) is
     snapshotted in place — no fork of the worker — and one that may be large in a forked
     child (``Resume.writer``); both give the same state back."""
-    from tandem import _core, bench
+    from tandem import _core
+    from tandem.experiments import recovery
     from tandem.operators import empty_batch
     from tandem.runtime import INLINE_CUT_BYTES, Replica
 
     cut = (7, [7], None, [])
 
     def cut_of(mb: float) -> tuple:
-        plan = bench.recovery_job(mb, 1000).plan()
+        plan = recovery.recovery_job(mb, 1000).plan()
         task = next(t for t in plan.tasks if t.name == "state")
         source = next(t for t in plan.tasks if t.name != "state" and t.kind == "source")
         rep = Replica(plan, task.id, 0, 0, b"s" * 32, _core.Worker())

@@ -17,9 +17,9 @@ import pytest
 import tandem as td
 import tandem_spark
 from tandem import engines
-from tandem.bench import mib1_job
 from tandem.cli import main
 from tandem.engines.common import multiset_diff
+from tandem.experiments.workloads import mib1_job
 from tandem.reference import canonical
 from tandem.testing import (
     bucket,
@@ -257,15 +257,15 @@ def test_a_large_state_goes_to_the_retried_task_as_a_file_never_through_the_regi
     """On a master on this machine, a twin's worker and the retried task share the node:
     a state of SPILL_BYTES or more goes from one to the other as a file in a folder the
     driver made (as on the local engine), and the folder goes with the run."""
-    from tandem import bench
     from tandem.engines import exchange
+    from tandem.experiments import recovery
 
     def folders() -> set[str]:
         return set(glob.glob("/dev/shm/tandem-state-*")) | set(glob.glob("/tmp/tandem-state-*"))
 
     before = folders()
     mb = 2 * exchange.SPILL_BYTES / 2**20
-    res = bench.recovery_job(mb, RATE).run(
+    res = recovery.recovery_job(mb, RATE).run(
         duration=6,
         faults=[td.Kill("state", 0, 0, at=1.0)],
         engine=tandem_spark.SparkEngine(spark),

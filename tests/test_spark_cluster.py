@@ -11,7 +11,7 @@ import pytest
 
 import tandem as td
 import tandem_spark
-from tandem.bench import mib1_job
+from tandem.experiments.workloads import mib1_job
 from tandem.testing import killed_replicas, lost_replicas
 
 pytestmark = pytest.mark.spark

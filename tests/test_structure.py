@@ -1,6 +1,7 @@
 """The shape of the code: no import cycles, every module importable on its own, engines
-found through entry points, tandem never naming the Spark integration, which uses
-tandem's public names only, and service supervision out of the public surface."""
+found through entry points, the library importing nothing from its experiments, tandem
+never naming the Spark integration, which uses tandem's public names only, and service
+supervision out of the public surface."""
 
 from __future__ import annotations
 
@@ -59,8 +60,16 @@ def imports(path: Path, known) -> set[str]:
     return found
 
 
-LOADED_BY = {engines.ENGINE_GROUP: "tandem.engines", engines.BENCHMARK_GROUP: "tandem.cli"}
-"""Which module loads the entry points of each group (``engines.get``; ``tandem bench``)."""
+LOADED_BY = {
+    engines.ENGINE_GROUP: "tandem.engines",
+    engines.BENCHMARK_GROUP: "tandem.experiments",
+}
+"""Which module loads the entry points of each group (``engines.get``; ``tandem bench``,
+through ``tandem.experiments.add_commands``)."""
+EXPERIMENTS = "tandem.experiments"
+OFFERS_EXPERIMENTS = {"tandem.cli"}
+"""The modules of tandem outside the experiments that may import them: the command line,
+which offers them as ``tandem bench`` and ``tandem demo``."""
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -113,6 +122,44 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _experiment(name: str) -> bool:
+    return name == EXPERIMENTS or name.startswith(EXPERIMENTS + ".")
+
+
+def reaching(graph: dict[str, set[str]], start: str, avoid) -> dict[str, list[str]]:
+    """Every module ``start`` imports, directly or through others, by the shortest chain
+    of imports from ``start`` (the module last); the modules in ``avoid`` are not walked
+    through."""
+    chains = {start: [start]}
+    queue = [start]
+    while queue:
+        v = queue.pop(0)
+        for w in sorted(graph[v]):
+            if w not in chains and w not in avoid:
+                chains[w] = [*chains[v], w]
+                queue.append(w)
+    del chains[start]
+    return chains
+
+
+def library_imports_of_experiments(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Each module of the library (tandem but its experiments and the command line) that
+    imports an experiment module, directly or through other modules (the Spark package's
+    included), with one chain of imports that gets there."""
+    library = [
+        m
+        for m in sorted(graph)
+        if m.split(".")[0] == "tandem" and not _experiment(m) and m not in OFFERS_EXPERIMENTS
+    ]
+    found = {}
+    for m in library:
+        chains = reaching(graph, m, avoid=OFFERS_EXPERIMENTS)
+        hits = [chain for name, chain in chains.items() if _experiment(name)]
+        if hits:
+            found[m] = min(hits, key=len)
+    return found
+
+
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
@@ -125,6 +172,34 @@ def test_no_import_cycles():
     found = cycles(graph)
     detail = [{m: sorted(graph[m] & set(c)) for m in c} for c in found]
     assert not found, f"import cycles (module -> the members it imports): {detail}"
+
+
+def test_the_experiment_import_finder_follows_chains_of_imports():
+    graph = {
+        "tandem.api": {"tandem.plan"},
+        "tandem.plan": {"tandem.experiments.workloads"},
+        "tandem.cli": {"tandem.experiments"},
+        "tandem.logs": {"tandem.cli"},
+        "tandem.experiments": set(),
+        "tandem.experiments.workloads": {"tandem.api"},
+    }
+    assert library_imports_of_experiments(graph) == {
+        "tandem.api": ["tandem.api", "tandem.plan", "tandem.experiments.workloads"],
+        "tandem.plan": ["tandem.plan", "tandem.experiments.workloads"],
+    }
+
+
+def test_the_library_imports_nothing_from_the_experiments():
+    """``tandem.experiments`` sits beside the library: no module of tandem but the
+    experiments and the command line imports one of them, directly or through other
+    modules (those of the Spark package, which tandem loads as the ``spark`` engine,
+    included)."""
+    graph = import_graph()
+    assert "tandem.experiments.workloads" in graph, "the experiments are where they are meant"
+    assert "tandem.experiments" in graph["tandem.cli"], "the command line offers them"
+    found = library_imports_of_experiments(graph)
+    detail = {m: " -> ".join(chain) for m, chain in found.items()}
+    assert not found, f"the library imports the experiments: {detail}"
 
 
 def test_every_module_imports_on_its_own_in_a_fresh_interpreter():

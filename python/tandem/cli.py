@@ -1,12 +1,11 @@
 """The ``tandem`` command line: ``tandem demo``, ``tandem run path/to/job.py`` (each on the
-local or the Spark engine), ``tandem bench`` (the paper's experiments, and ``cost``: what
-replication costs the machine) and ``tandem heartbeats`` (a heartbeat generator for jobs
-reading Kafka)."""
+local or the Spark engine), ``tandem bench EXPERIMENT`` (the experiments of
+:mod:`tandem.experiments`, each a subcommand with its own flags) and ``tandem heartbeats``
+(a heartbeat generator for jobs reading Kafka)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import re
@@ -14,7 +13,7 @@ import sys
 from pathlib import Path
 
 import tandem
-from tandem import engines, heartbeat
+from tandem import engines, experiments, heartbeat
 
 KILL_RE = re.compile(
     r"^(?P<task>[^:@]+):(?P<partition>\d+):(?P<replica>\d+|leader|follower)"
@@ -106,37 +105,10 @@ def _faults(args, default: list) -> list:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from tandem import demo
+    from tandem.experiments import common, demo
 
-    with _kazoo_services(args.ordering == "kazoo", args.session_timeout) as kazoo:
+    with common.kazoo_services(args.ordering == "kazoo", args.session_timeout) as kazoo:
         return _demo_job(args, demo, kazoo)
-
-
-@contextlib.contextmanager
-def _kazoo_services(needed: bool, session_timeout: float):
-    """The KazooConfig of the local ZooKeeper and Kafka (None if not ``needed``), started
-    for the command if they are not running, and stopped again afterwards if so."""
-    if not needed:
-        yield None
-        return
-    from tandem._services import ensure_running
-
-    print("KaZoo needs ZooKeeper and Kafka: starting what is not running ...", flush=True)
-    services = ensure_running()
-    try:
-        yield tandem.KazooConfig(
-            zk_hosts=services.zk_hosts,
-            kafka_bootstrap=services.kafka_bootstrap,
-            session_timeout_s=session_timeout,
-        )
-    finally:
-        if services.started:
-            started = services.started  # stop() empties it
-            services.stop()
-            print(
-                f"stopped {', '.join(started)} (started for this command; "
-                "`make services` keeps them running between runs)"
-            )
 
 
 def _demo_job(args: argparse.Namespace, demo, kazoo) -> int:
@@ -297,7 +269,7 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
     if args.json:
         _write_result(args.json, result)
     if plot_path and result.per_second_p99_ms:
-        from tandem import demo
+        from tandem.experiments import demo
 
         Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -364,424 +336,15 @@ def print_summary(r: tandem.Result) -> None:
         print("\n  " + ("fault masked." if masked else "fault NOT masked."))
 
 
-COST_ONLY_FLAGS = ("quick", "idle_rate", "idle_duration", "workloads", "busy_neighbour")
+class _Experiment(argparse.ArgumentParser):
+    """The parser of one ``tandem bench`` experiment: a flag it does not take is an error
+    with its own usage (argparse would give ``tandem``'s)."""
 
-COST_DEFAULTS = {
-    "rate": 5_000,
-    "duration": 15.0,
-    "warmup": 5.0,
-    "idle_rate": 10,
-    "idle_duration": 10.0,
-}
-COST_QUICK = {"rate": 1_000, "duration": 3.0, "warmup": 1.0, "idle_rate": 10, "idle_duration": 3.0}
-"""``tandem bench cost`` and ``tandem bench cost --quick`` (short runs, for CI: 16 runs of
-3 s, about 3 minutes on 2 cores, mostly process start-up); flags given explicitly win over
-both."""
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from tandem import bench
-
-    if args.experiment == "kafka":
-        return _bench_kafka(args)
-    if args.rounds is not None:
-        raise tandem.ConfigError(
-            f"--rounds: for `tandem bench kafka` only, not `tandem bench {args.experiment}`"
-        )
-    if args.experiment == "paper":
-        return _bench_paper(args)
-    if args.experiment == "recovery":
-        return _bench_recovery(args)
-    given = [f"--{f}" for f in PAPER_ONLY_FLAGS if getattr(args, f) is not None]
-    if given:
-        where = "paper` or `tandem bench recovery" if given == ["--experiments"] else "paper"
-        raise tandem.ConfigError(
-            f"{', '.join(given)}: for `tandem bench {where}` only, not `tandem bench "
-            f"{args.experiment}`"
-        )
-    if args.experiment == "cost":
-        return _bench_cost(args, bench)
-    given = [
-        f"--{f.replace('_', '-')}" for f in COST_ONLY_FLAGS if getattr(args, f) not in (None, False)
-    ]
-    if given:
-        where = (
-            "cost`, `tandem bench paper` or `tandem bench recovery"
-            if given == ["--quick"]
-            else "cost"
-        )
-        raise tandem.ConfigError(
-            f"{', '.join(given)}: for `tandem bench {where}` only, not `tandem bench "
-            f"{args.experiment}`"
-        )
-    args.rate = 5_000 if args.rate is None else args.rate
-    args.warmup = 30.0 if args.warmup is None else args.warmup
-    args.measure = 30.0 if args.measure is None else args.measure
-    if args.experiment == "spark":
-        # An engine package's own benchmark, found through its entry point.
-        spark_bench = engines.load(engines.BENCHMARK_GROUP, "spark", "benchmark")
-        out = spark_bench.run(
-            rate=args.rate, warmup=args.warmup, measure=args.measure, master=args.master
-        )
-        print(spark_bench.table(out))
-        _write_json(args.json, out)
-        return 0
-    configs = tuple(args.configs.split(",")) if args.configs else tuple(bench.CONFIGS)
-    unknown = sorted(set(configs) - set(bench.CONFIGS))
-    if unknown:
-        raise tandem.ConfigError(
-            f"--configs: unknown {unknown}; choose from {', '.join(bench.CONFIGS)}"
-        )
-    needed = args.experiment == "failover" or (args.experiment == "mib1" and "kazoo" in configs)
-    with _kazoo_services(needed, args.session_timeout) as kazoo:
-        return _bench_run(args, bench, configs, kazoo)
-
-
-def _bench_run(args: argparse.Namespace, bench, configs: tuple, kazoo) -> int:
-
-    if args.experiment == "mib1":
-        lengths = [int(x) for x in args.lengths.split(",")]
-        rows = bench.mib1(
-            lengths=lengths,
-            configs=configs,
-            rate=args.rate,
-            warmup=args.warmup,
-            measure=args.measure,
-            kazoo=kazoo,
-        )
-        out = {
-            "experiment": "mib1",
-            "rows": [vars(r) for r in rows],
-            "paper_liverobin_ms": bench.PAPER_LIVEROBIN,
-        }
-    elif args.experiment == "failover":
-        duration = args.duration or 100.0
-        kill_at = duration / 2
-        rows = bench.failover(rate=args.rate, duration=duration, kill_at=kill_at, kazoo=kazoo)
-        out = {
-            "experiment": "failover",
-            "rate": args.rate,
-            "duration_s": duration,
-            "kill_at_s": kill_at,
-            "session_timeout_s": args.session_timeout,
-            "rows": [vars(r) for r in rows],
-            "paper_kazoo_leader_peak_ms": bench.PAPER_KAZOO_LEADER_PEAK_MS,
-        }
-        plot = Path(args.plot or "out/failover_p99.png")
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            bench.plot_failover(rows, kill_at, str(plot))
-            print(f"wrote {plot}")
-        except ImportError:
-            print("(no plot: matplotlib is not installed; pip install 'tandem-stream[plot]')")
-        rows = [{k: v for k, v in vars(r).items() if k != "per_second_p99_ms"} for r in rows]
-    else:
-        best, rows = bench.throughput(duration=args.measure)
-        out = {
-            "experiment": "throughput",
-            "max_sustained_ev_per_s": best,
-            "rows": [vars(r) for r in rows],
-        }
-        print(f"highest sustained rate (r=2, liverobin, length 1): {best} ev/s")
-    print(bench.table(rows))
-    _write_json(args.json, out)
-    return 0
-
-
-def _bench_cost(args: argparse.Namespace, bench) -> int:
-    defaults = COST_QUICK if args.quick else COST_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    configs = tuple(args.configs.split(",")) if args.configs else tuple(bench.COST_CONFIGS)
-    workloads = tuple(args.workloads.split(",")) if args.workloads else bench.COST_WORKLOADS
-    # Every option checked before the services start or anything runs.
-    bench.check_cost_options(
-        configs,
-        workloads,
-        args.rate,
-        args.duration,
-        args.warmup,
-        args.idle_rate,
-        args.idle_duration,
-    )
-    print(
-        f"tandem {tandem.__version__} ({tandem.build_profile} build) bench cost: "
-        f"{', '.join(workloads)} x {', '.join(configs)}; {args.rate} ev/s for "
-        f"{args.duration:g} s (warm-up {args.warmup:g} s), then {args.idle_rate} ev/s for "
-        f"{args.idle_duration:g} s"
-        + (", beside a process spinning on one core" if args.busy_neighbour else ""),
-        flush=True,
-    )
-    if tandem.build_profile != "release":
-        print("warning: a debug build: its costs say nothing about a release build", flush=True)
-    with _kazoo_services("r2-kazoo" in configs, args.session_timeout) as kazoo:
-        rows = bench.cost(
-            configs=configs,
-            workloads=workloads,
-            rate=args.rate,
-            duration=args.duration,
-            warmup=args.warmup,
-            idle_rate=args.idle_rate,
-            idle_duration=args.idle_duration,
-            kazoo=kazoo,
-            busy_neighbour=args.busy_neighbour,
-        )
-    print()
-    print(bench.cost_markdown(rows))
-    out = {
-        "experiment": "cost",
-        "tandem": tandem.__version__,
-        "build": tandem.build_profile,
-        "cpus": os.cpu_count(),
-        "settings": {
-            "rate": args.rate,
-            "duration_s": args.duration,
-            "warmup_s": args.warmup,
-            "idle_rate": args.idle_rate,
-            "idle_duration_s": args.idle_duration,
-            "session_timeout_s": args.session_timeout,
-            "busy_neighbour": args.busy_neighbour,
-        },
-        "targets": bench.COST_TARGETS,
-        "rows": [vars(r) for r in rows],
-        "checks": bench.cost_targets(rows),
-    }
-    _write_json(args.json, out)
-    if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        try:
-            bench.plot_cost(rows, args.plot)
-            print(f"wrote {args.plot}")
-        except ImportError:
-            print("(no plot: matplotlib is not installed; pip install 'tandem-stream[plot]')")
-    return 0
-
-
-PAPER_ONLY_FLAGS = ("out", "experiments")
-
-
-def _bench_paper(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from tandem import bench_paper
-
-    _reject(
-        args,
-        ("json", "plot", "master"),
-        "not for `tandem bench paper` (it writes JSON, Markdown and figures into --out DIR)",
-    )
-    settings = bench_paper.QUICK if args.quick else bench_paper.FULL
-    if args.rate is not None:
-        settings = replace(settings, rate=args.rate)
-    if args.duration is not None:
-        settings = replace(settings, duration_s=args.duration, fault_duration_s=2 * args.duration)
-    if args.warmup is not None:
-        settings = replace(
-            settings, warmup_s=args.warmup, fault_warmup_s=args.warmup, spark_warmup_s=args.warmup
-        )
-    settings = replace(settings, session_timeout_s=args.session_timeout)
-    experiments = _csv(args.experiments) or bench_paper.EXPERIMENTS
-    configs = _csv(args.configs) or bench_paper.ALL_CONFIGS
-    bench_paper.check_selection(experiments, configs)
-    if not args.configs and "spark" not in engines.entry_points(engines.BENCHMARK_GROUP):
-        # All by default: Spark Structured Streaming only where its package is installed.
-        print(
-            f"({bench_paper.SSS}: Spark Structured Streaming is not installed; left out. "
-            "`pip install ./spark_integration` from a tandem checkout brings it)"
-        )
-        configs = tuple(c for c in configs if c != bench_paper.SSS)
-    cases = bench_paper.cases(settings, experiments, configs)
-    if not args.experiments:  # all by default: leave out those the configurations cannot run
-        idle = [e for e in experiments if not any(c.experiment == e for c in cases)]
-        if idle:
-            print(f"({', '.join(idle)}: nothing to run with --configs {args.configs}; left out)")
-            experiments = tuple(e for e in experiments if e not in idle)
-    out_dir = args.out or "out/paper"
-    command = _command(args, "paper", "quick", "experiments", "configs", "rate", "duration")
-    command += _command(args, "", "warmup", "out")
-    expected = sum(bench_paper.estimate_s(c) for c in cases)
-    print(
-        f"tandem {tandem.__version__} ({tandem.build_profile} build) bench paper"
-        f"{' --quick' if args.quick else ''}: {', '.join(experiments)} x "
-        f"{', '.join(configs)}; {len(cases)} runs, about {expected / 60:.0f} min; "
-        f"writing to {out_dir}/",
-        flush=True,
-    )
-    if tandem.build_profile != "release":
-        print("warning: a debug build: its timings say nothing about a release build", flush=True)
-    needed = "kazoo" in configs and any(c.config == "kazoo" for c in cases)
-    with _kazoo_services(needed, args.session_timeout) as kazoo:
-        doc = bench_paper.paper(
-            settings, experiments, configs, out_dir=out_dir, kazoo=kazoo, command=command
-        )
-    print()
-    print(Path(out_dir, "paper.md").read_text())
-    print(f"wrote {out_dir}/paper.json, {out_dir}/paper.md", flush=True)
-    return _report_written(doc)
-
-
-def _reject(args: argparse.Namespace, flags: tuple[str, ...], why: str) -> None:
-    """Raise ConfigError naming every flag given that this bench does not take: ``flags``
-    and those of `tandem bench cost` only (``why`` says why)."""
-    not_here = [
-        f for f in COST_ONLY_FLAGS if f != "quick" and getattr(args, f) not in (None, False)
-    ]
-    not_here += [f for f in flags if getattr(args, f) is not None]
-    if args.lengths != "1,2,3,4":
-        not_here.append("lengths")
-    if not_here:
-        given = ", ".join(f"--{f.replace('_', '-')}" for f in not_here)
-        raise tandem.ConfigError(f"{given}: {why}")
-
-
-def _command(args: argparse.Namespace, experiment: str, *flags: str) -> str:
-    """``tandem bench EXPERIMENT`` (nothing if empty) and the ``flags`` given, as typed."""
-    out = f"tandem bench {experiment}" if experiment else ""
-    for flag in flags:
-        value = getattr(args, flag)
-        if value is not None and value is not False:
-            out += f" --{flag}" + ("" if value is True else f" {value}")
-    return out
-
-
-def _report_written(doc: dict) -> int:
-    """Print the figures written and what failed; 1 if anything did, else 0."""
-    for f in doc["figures"]:
-        print(f"wrote {f}")
-    if doc["failures"]:
-        print("\nFAILED:", file=sys.stderr)
-        for f in doc["failures"]:
-            print(f"  {f}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _bench_recovery(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from tandem import bench_recovery as br
-
-    _reject(
-        args,
-        ("out", "master"),
-        "not for `tandem bench recovery` (its options: --experiments, --sizes, --configs, "
-        "--rate, --duration, --warmup, --session-timeout, --quick, --json, --plot)",
-    )
-    settings = (br.QUICK if args.quick else br.FULL).with_flags(
-        args.rate, args.duration, args.warmup, args.session_timeout
-    )
-    if args.sizes:
-        try:
-            sizes = tuple(float(x) for x in _csv(args.sizes))
-        except ValueError:
-            sizes = ()
-        if not sizes or min(sizes) <= 0:
-            raise tandem.ConfigError(
-                f"--sizes {args.sizes!r}: MiB of state per partition, positive numbers "
-                "separated by commas (e.g. 1,10,100)"
-            )
-        settings = replace(settings, sizes=sizes)
-    experiments = _csv(args.experiments) or br.EXPERIMENTS
-    configs = _csv(args.configs) or br.FAULT_CONFIGS
-    br.check_selection(experiments, configs)
-    json_path = args.json or "out/recovery.json"
-    plot_path = args.plot or "out/recovery_fault_p99.png"
-    command = _command(args, "recovery", "quick", "experiments", "sizes", "configs", "rate")
-    command += _command(args, "", "duration", "warmup", "json", "plot")
-    parts = []
-    if "restore" in experiments:
-        parts.append(f"restore r with {', '.join(f'{mb:g}' for mb in settings.sizes)} MiB")
-    if "fault" in experiments:
-        parts.append(f"the fault experiment in {', '.join(configs)}")
-    expected = br.estimate_s(settings, experiments, configs)
-    about = f"{expected / 60:.0f} min" if expected >= 90 else f"{expected:.0f} s"
-    print(
-        f"tandem {tandem.__version__} ({tandem.build_profile} build) bench recovery: "
-        f"{'; '.join(parts)}; about {about}",
-        flush=True,
-    )
-    if tandem.build_profile != "release":
-        print("warning: a debug build: its timings say nothing about a release build", flush=True)
-    needed = "fault" in experiments and "kazoo" in configs
-    with _kazoo_services(needed, args.session_timeout) as kazoo:
-        doc = br.recovery(
-            settings,
-            experiments,
-            configs,
-            kazoo=kazoo,
-            json_path=json_path,
-            plot_path=plot_path,
-            command=command,
-        )
-    print()
-    print(doc["markdown"])
-    print(f"wrote {json_path}", flush=True)
-    return _report_written(doc)
-
-
-def _bench_kafka(args: argparse.Namespace) -> int:
-    from tandem import bench, bench_kafka
-
-    _reject(
-        args,
-        ("out", "master", "configs", "experiments", "sizes", "duration", "plot"),
-        "not for `tandem bench kafka` (its options: --rate, --warmup, --measure, --rounds, --json)",
-    )
-    if args.quick:
-        raise tandem.ConfigError("--quick: not for `tandem bench kafka` (give --measure)")
-    rate = bench_kafka.RATE if args.rate is None else args.rate
-    warmup = 3.0 if args.warmup is None else args.warmup
-    measure = 10.0 if args.measure is None else args.measure
-    rounds = 1 if args.rounds is None else args.rounds
-    bench_kafka.check_options(rate, warmup, measure, rounds)
-    print(
-        f"tandem {tandem.__version__} ({tandem.build_profile} build) bench kafka: filter -> "
-        f"keyed count -> Kafka sink, r = 2 LiveRobin, {rate} ev/s, warm-up {warmup:g} s, "
-        f"measured {measure:g} s; a synthetic source, Kafka's delivery alone, then a Kafka "
-        "source" + (f", {rounds} rounds" if rounds > 1 else ""),
-        flush=True,
-    )
-    if tandem.build_profile != "release":
-        print("warning: a debug build: its timings say nothing about a release build", flush=True)
-    from tandem._services import ensure_running
-
-    services = ensure_running(zookeeper=False, kafka=True)
-    try:
-        rows = bench_kafka.kafka(services.kafka_bootstrap, rate, warmup, measure, rounds=rounds)
-    finally:
-        if services.started:
-            services.stop()
-            print("stopped kafka (started for this command)")
-    print(bench.table(bench_kafka.summary(rows)))
-    print(bench_kafka.verdict(rows))
-    _write_json(
-        args.json,
-        {
-            "experiment": "kafka",
-            "tandem": tandem.__version__,
-            "build": tandem.build_profile,
-            "cpus": os.cpu_count(),
-            "target_p99_ratio": bench_kafka.TARGET_P99_RATIO,
-            "median_p99_ratio": bench_kafka.median_ratio(rows),
-            "delivery_median_p99_ratio": bench_kafka.median_ratio(rows, "delivery"),
-            "rows": bench_kafka.rows_json(rows),
-        },
-    )
-    return 0 if all(r.lost == 0 and r.duplicates == 0 and r.digests_match for r in rows) else 1
-
-
-def _csv(value: str | None) -> tuple[str, ...]:
-    return tuple(v.strip() for v in value.split(",") if v.strip()) if value else ()
-
-
-def _write_json(path: str | None, out: dict) -> None:
-    import json
-
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(out, indent=2))
-        print(f"wrote {path}")
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -861,110 +424,15 @@ def main(argv: list[str] | None = None) -> int:
     heartbeat.add_arguments(beats)
     beats.set_defaults(func=heartbeat.run_from_args)
 
-    bench = sub.add_parser("bench", help="end-to-end experiments of the paper (§VII)")
-    bench.add_argument(
-        "experiment",
-        choices=["mib1", "throughput", "failover", "recovery", "spark", "cost", "paper", "kafka"],
-        help="failover: the paper's fault experiment (passive with checkpoints, LiveRobin, KaZoo "
-        "leader and follower kills: downtime, lost, duplicates, peak p99); spark: MiB1 "
-        "length 3 on the local engine, the Spark engine (with a replica kill) and Spark "
-        "Structured Streaming (with a driver kill); cost: CPU, memory and "
-        "time to first output of the demo and MiB1 length 3 at r = 1, 2 (LiveRobin, KaZoo) "
-        "and 3, under load and idle; recovery: time to restore r against state size, and "
-        "the fault experiment (passive, LiveRobin, KaZoo) in the same run: a Markdown table, "
-        "JSON (--json) and a PNG (--plot); paper: the paper's whole evaluation (MiB1-3, the "
-        "heartbeat sweep, the fault run, the BetterCloud-like application) in every "
-        "configuration side by side, into --out DIR (JSON, Markdown, PNG figures); kafka: "
-        "filter -> keyed count -> Kafka sink (r = 2 LiveRobin) on a synthetic source, then "
-        "on a Kafka source fed at the same rate by a producer: p50/p99 of both, the p99 "
-        "ratio, CPU",
+    bench = sub.add_parser(
+        "bench",
+        help="experiments: the paper's (§VII), what replication costs, recovery, Kafka, Spark",
+        description="Experiments on this machine, each a subcommand with its own flags "
+        "(`tandem bench EXPERIMENT --help`).",
     )
-    bench.add_argument(
-        "--configs",
-        help="mib1 or cost configurations, comma-separated (default: all; cost: r1,r2,r2-kazoo,r3; "
-        "paper: r1,passive,none,liverobin,kazoo,sss (sss: Spark Structured Streaming, in mib1 "
-        "and fault); recovery, its fault runs: r1,passive,liverobin,kazoo)",
+    experiments.add_commands(
+        bench.add_subparsers(dest="experiment", required=True, parser_class=_Experiment)
     )
-    bench.add_argument(
-        "--experiments",
-        help="paper: comma-separated, from mib1,mib2,mib3,heartbeat,fault,bettercloud "
-        "(default: all); recovery: from restore,fault (default: both)",
-    )
-    bench.add_argument("--out", metavar="DIR", help="paper: output folder (default out/paper)")
-    bench.add_argument(
-        "--duration",
-        type=float,
-        metavar="S",
-        help="failover run length (default 100; kill at half); cost: the loaded runs' "
-        "length (default 15); paper: each run's (default 15, fault and sss runs twice that); "
-        "recovery: every run's (default 12 for the state sizes, kill at 4 s or a third; 30 "
-        "for the fault runs, kill at half)",
-    )
-    bench.add_argument(
-        "--session-timeout",
-        type=float,
-        default=0.5,
-        metavar="S",
-        help="KaZoo ZooKeeper session timeout for the benchmarks (default 0.5)",
-    )
-    bench.add_argument(
-        "--plot",
-        metavar="PATH",
-        help="failover, cost, recovery: PNG path (recovery: default out/recovery_fault_p99.png)",
-    )
-    bench.add_argument("--lengths", default="1,2,3,4", help="mib1 pipeline lengths")
-    bench.add_argument(
-        "--rounds",
-        type=int,
-        metavar="N",
-        help="kafka: N pairs of runs, synthetic then Kafka, alternating (default 1); the "
-        "ratio reported is the median of the pairs'",
-    )
-    bench.add_argument(
-        "--sizes", help="recovery: MiB of state per partition, comma-separated (default 1,10,100)"
-    )
-    bench.add_argument("--rate", type=int, metavar="EV_PER_S", help="default 5000")
-    bench.add_argument(
-        "--warmup",
-        type=float,
-        metavar="S",
-        help="default 30; cost: 5; paper: 5, sss 10 (left out of latency); recovery: the "
-        "fault runs' (5); kafka: 3",
-    )
-    bench.add_argument(
-        "--idle-rate", type=int, metavar="EV_PER_S", help="cost: the idle runs' rate (10)"
-    )
-    bench.add_argument(
-        "--idle-duration", type=float, metavar="S", help="cost: the idle runs' length (10)"
-    )
-    bench.add_argument("--workloads", help="cost: comma-separated, from demo,mib1 (default: both)")
-    bench.add_argument(
-        "--busy-neighbour",
-        action="store_true",
-        help="cost: run a process spinning on one core beside every run",
-    )
-    bench.add_argument(
-        "--quick",
-        action="store_true",
-        help="cost: 1000 ev/s for 3 s (warm-up 1 s), idle 3 s: short runs for CI (about "
-        "3 min on 2 cores, mostly process start-up); paper: every experiment briefly, one "
-        "point each, 1.5 s runs (3 s with a fault), Spark Structured Streaming in mib1 "
-        "only: for CI, a few minutes; recovery: 1 MiB (6 s) and the fault runs of paper "
-        "--quick",
-    )
-    bench.add_argument(
-        "--measure",
-        type=float,
-        metavar="S",
-        help="seconds measured after the warm-up (default 30; kafka: 10)",
-    )
-    bench.add_argument("--master", metavar="URL", help="Spark master for the spark experiment")
-    bench.add_argument(
-        "--json",
-        metavar="PATH",
-        help="write the rows as JSON (recovery: default out/recovery.json)",
-    )
-    bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
     configure_logging(args.verbose, args.log_level)

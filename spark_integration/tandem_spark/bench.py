@@ -19,12 +19,18 @@ is sink receive time minus source release time on one clock, after ``warmup`` se
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
 import tandem as td
-from tandem.bench import mib1_job
+from tandem.experiments import common
+from tandem.experiments.workloads import mib1_job
 
+HELP = (
+    "MiB1 length 3 on the local engine, the Spark engine (with a replica kill) and Spark "
+    "Structured Streaming (with a driver kill)"
+)
 LENGTH = 3
 KILLED = ("map2", 0, 0)
 SS_FIELDS = ("p50_ms", "p99_ms", "max_gap_ms", "events_out", "lost", "duplicates")
@@ -127,3 +133,23 @@ def table(out: dict[str, Any]) -> str:
     ratio = out["spark_over_local"]
     lines.append(f"Spark engine / local engine: p50 {ratio['p50']}x, p99 {ratio['p99']}x")
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_rate(p, 5_000, "the source's events per second (default 5000)")
+    common.add_seconds(p, "--warmup", 30.0, "left out of latency at every run's start (default 30)")
+    common.add_seconds(
+        p, "--measure", 30.0, "measured after the warm-up; the kills at half of it (default 30)"
+    )
+    p.add_argument(
+        "--master", metavar="URL", help="Spark master (default: local[N,3], N = workers + spares)"
+    )
+    common.add_json(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``tandem bench spark``: :func:`run` with the flags, its :func:`table` printed."""
+    out = run(rate=args.rate, warmup=args.warmup, measure=args.measure, master=args.master)
+    print(table(out))
+    common.write_json(args.json, out)
+    return 0

@@ -56,6 +56,7 @@ import pyarrow.compute as pc
 
 import tandem as td
 from tandem import testing
+from tandem.experiments import common
 
 RATE = 5_000
 KEYS = 1_000
@@ -165,7 +166,7 @@ def produce(
 
 
 def _producer_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem.bench_kafka")
+    p = argparse.ArgumentParser(prog="python -m tandem.experiments.kafka")
     p.add_argument("--bootstrap", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--rate", type=int, required=True)
@@ -220,10 +221,9 @@ def _delete_topics(bootstrap: str, topics: list[str]) -> None:
 
 
 def _broker_cpu(bootstrap: str) -> float | None:
-    from tandem.bench import _port, listener_pid
     from tandem.engines.local import process_cpu_s
 
-    pid = listener_pid(_port(bootstrap))
+    pid = common.listener_pid(common.port_of(bootstrap))
     return None if pid is None else process_cpu_s(pid)
 
 
@@ -296,7 +296,7 @@ class _Feed:
         self.cmd = [
             sys.executable,
             "-m",
-            "tandem.bench_kafka",
+            "tandem.experiments.kafka",
             "--bootstrap",
             bootstrap,
             "--topic",
@@ -542,6 +542,64 @@ def verdict(rows: list[KafkaRow]) -> str:
 
 def rows_json(rows: list[KafkaRow]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+# -- the command ---------------------------------------------------------------------------
+
+HELP = (
+    "filter -> keyed count -> Kafka sink (r = 2 LiveRobin) on a synthetic source, Kafka's "
+    "delivery alone, then a Kafka source fed at the same rate: p50/p99, the p99 ratio, CPU"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_rate(p, RATE, f"the source's events per second (default {RATE})")
+    common.add_seconds(p, "--warmup", 3.0, "left out of latency at every run's start (default 3)")
+    common.add_seconds(p, "--measure", 10.0, "measured after the warm-up (default 10)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N rounds of runs, synthetic, delivery, then Kafka, alternating (default 1); "
+        "the ratio reported is the median of the rounds'",
+    )
+    common.add_json(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    rate, warmup, measure, rounds = args.rate, args.warmup, args.measure, args.rounds
+    check_options(rate, warmup, measure, rounds)
+    common.headline(
+        f"bench kafka: filter -> keyed count -> Kafka sink, r = 2 LiveRobin, {rate} ev/s, "
+        f"warm-up {warmup:g} s, measured {measure:g} s; a synthetic source, Kafka's delivery "
+        "alone, then a Kafka source" + (f", {rounds} rounds" if rounds > 1 else "")
+    )
+    from tandem._services import ensure_running
+
+    services = ensure_running(zookeeper=False, kafka=True)
+    try:
+        rows = kafka(services.kafka_bootstrap, rate, warmup, measure, rounds=rounds)
+    finally:
+        if services.started:
+            services.stop()
+            print("stopped kafka (started for this command)")
+    print(common.table(summary(rows)))
+    print(verdict(rows))
+    common.write_json(
+        args.json,
+        {
+            "experiment": "kafka",
+            "tandem": td.__version__,
+            "build": td.build_profile,
+            "cpus": os.cpu_count(),
+            "target_p99_ratio": TARGET_P99_RATIO,
+            "median_p99_ratio": median_ratio(rows),
+            "delivery_median_p99_ratio": median_ratio(rows, "delivery"),
+            "rows": rows_json(rows),
+        },
+    )
+    return 0 if all(r.lost == 0 and r.duplicates == 0 and r.digests_match for r in rows) else 1
 
 
 if __name__ == "__main__":

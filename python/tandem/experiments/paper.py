@@ -4,7 +4,7 @@ configuration side by side in one run, on the local engine.
 Experiments, each a grid of points, every point run in every configuration:
 
 * ``mib1`` — MiB1: a pipeline of 1 to 4 identity map tasks, 2 partitions each, keyed between
-  tasks (:func:`tandem.bench.mib1_job`), 5,000 ev/s.
+  tasks (:func:`tandem.experiments.workloads.mib1_job`), 5,000 ev/s.
 * ``mib2`` — MiB2: one identity map task of 1 to 4 partitions behind a source of as many
   partitions, keyed: with one partition the task has a single input and nothing to order.
 * ``mib3`` — MiB3: one task of one partition merging two sources, one at 5 ev/s and the
@@ -16,8 +16,9 @@ Experiments, each a grid of points, every point run in every configuration:
   KaZoo with the partition's leader killed, KaZoo with a follower killed; r1 runs without
   the fault (it would lose the job). Downtime is the longest gap
   between two outputs; beside it the per-second p99 before the kill and its peak after.
-* ``bettercloud`` — the application of the paper's Fig. 15 (:func:`bettercloud_job`) at
-  1,000 and 5,000 ev/s, one replica of ``flat_map[0]`` killed at half time as in ``fault``.
+* ``bettercloud`` — the application of the paper's Fig. 15
+  (:func:`~tandem.experiments.workloads.bettercloud_job`) at 1,000 and 5,000 ev/s, one
+  replica of ``flat_map[0]`` killed at half time as in ``fault``.
 
 Configurations: ``r1`` (one replica per task partition: the paper's unreplicated
 baseline), ``none`` (two replicas, unordered: incorrect by design, the paper's measure of
@@ -27,8 +28,9 @@ executor's row for row, also where the order of two inputs decides the output (a
 consuming them as they arrive instead, as the paper's plain Flink does, is ``none`` at one
 replica.
 ``passive`` is the paper's passive baseline, ours: one replica per task partition with
-aligned checkpoints every :data:`PASSIVE_CHECKPOINT_MS` to local disk, a lost worker rolled
-back to the latest and replayed from there (``Job(replication=1, checkpoint_ms=...)``).
+aligned checkpoints every :data:`~tandem.experiments.workloads.PASSIVE_CHECKPOINT_MS` to
+local disk, a lost worker rolled back to the latest and replayed from there
+(``Job(replication=1, checkpoint_ms=...)``).
 The paper's fault experiments leave ``none`` out, and so do these.
 ``sss`` is Spark Structured Streaming (the Spark package's ``structured`` module,
 through the ``spark`` benchmark entry point ``tandem bench spark`` uses;
@@ -43,14 +45,15 @@ JVM's Python workers). MiB2, MiB3 and BetterCloud need more source partitions or
 source than that query has, and the heartbeat period is LiveRobin's.
 
 Every row is checked. Where every source row must reach the sink exactly once (MiB1, MiB2,
-the sweep) a :class:`tandem.bench.SequenceSink` counts what is missing and what repeats;
-elsewhere (MiB3, fault, BetterCloud) the output is compared row by row with the reference
-executor's. ``sss`` counts every released event's copies at its sink (by ``source_seq``).
-``r1``, ``passive``, ``liverobin`` and ``kazoo`` must lose and repeat nothing (else the run
-fails, see :func:`failures`); ``none`` may, and its rows say how much. ``sss`` must lose
-nothing, and repeat nothing without a fault; across its driver kill it keeps what Spark
-promises a ``foreachBatch`` sink: at least once, the repeats all one whole micro-batch
-re-run with the same events, none left for a sink idempotent by batch id.
+the sweep) a :class:`tandem.experiments.workloads.SequenceSink` counts what is missing and
+what repeats; elsewhere (MiB3, fault, BetterCloud) the output is compared row by row with
+the reference executor's. ``sss`` counts every released event's copies at its sink (by
+``source_seq``). ``r1``, ``passive``, ``liverobin`` and ``kazoo`` must lose and repeat
+nothing (else the run fails, see :func:`failures`); ``none`` may, and its rows say how
+much. ``sss`` must lose nothing, and repeat nothing without a fault; across its driver
+kill it keeps what Spark promises a ``foreachBatch`` sink: at least once, the repeats all
+one whole micro-batch re-run with the same events, none left for a sink idempotent by
+batch id.
 
 CPU is the CPU-seconds (user + system) of the job's processes in the steady state (after the
 warm-up, start-up and shutdown left out) per million events released meanwhile; for KaZoo
@@ -62,39 +65,36 @@ compare p99 and CPU with the ``r1`` row of the same experiment and point in the 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 import tandem as td
-from tandem import bench
+from tandem.experiments import common, workloads
+from tandem.experiments.workloads import (
+    PAPER_KAZOO_LEADER_PEAK_MS,
+    PAPER_KAZOO_MIB1,
+    PAPER_LIVEROBIN,
+    PASSIVE,
+    SSS,
+    bettercloud_job,
+    mib2_job,
+    mib3_job,
+    named,
+)
 
-PASSIVE = "passive"
-SSS = "sss"
-PASSIVE_CHECKPOINT_MS = 1000
-"""How often the passive configuration checkpoints."""
-
-CONFIGS = {
-    "r1": {"replication": 1, "ordering": "liverobin"},
-    PASSIVE: {"replication": 1, "ordering": "liverobin", "checkpoint_ms": PASSIVE_CHECKPOINT_MS},
-    "none": {"replication": 2, "ordering": "none"},
-    "liverobin": {"replication": 2, "ordering": "liverobin"},
-    "kazoo": {"replication": 2, "ordering": "kazoo"},
-    SSS: {"replication": 1, "ordering": None, "engine": "Spark Structured Streaming"},
-}
-"""What each configuration runs: replicas per task partition, the ordering, for ``passive``
-how often it checkpoints, and for ``sss`` that it is not tandem."""
+CONFIGS = named({c: c for c in ("r1", PASSIVE, "none", "liverobin", "kazoo", SSS)})
+"""The configurations of the paper's evaluation (see the module documentation)."""
 
 ALL_CONFIGS = tuple(CONFIGS)
 SPARK_EXPERIMENTS = ("mib1", "fault")
@@ -114,10 +114,6 @@ TITLES = {
     "bettercloud": "BetterCloud-like application, one replica of flat_map[0] SIGKILLed",
 }
 
-PAPER_KAZOO_MIB1 = {1: (7.9, 39.1), 2: (11.5, 54.9), 3: (15.2, 64.4), 4: (18.8, 82.4)}
-"""The paper's MiB1 KaZoo median/p99 in ms by pipeline length (Fig. 10, 37 servers), as
-:data:`tandem.bench.PAPER_LIVEROBIN` is LiveRobin's."""
-
 PAPER_NOTES = {
     "mib1": "Fig. 10 (37 servers, 5 x 120 s after 30 s): latency grows with the length; "
     "no ordering has the lowest medians; KaZoo a lower median than LiveRobin but more "
@@ -132,7 +128,7 @@ PAPER_NOTES = {
     "heartbeat period; 10 ms is the default chosen.",
     "fault": "Fig. 14 (5,000 ev/s, kill at 50 s): passive replication shows latencies of more "
     "than 60 s after the kill; a KaZoo leader kill, outliers up to about a second "
-    f"({bench.PAPER_KAZOO_LEADER_PEAK_MS[0]}-{bench.PAPER_KAZOO_LEADER_PEAK_MS[1]} ms); "
+    f"({PAPER_KAZOO_LEADER_PEAK_MS[0]}-{PAPER_KAZOO_LEADER_PEAK_MS[1]} ms); "
     "LiveRobin and a KaZoo follower kill, no visible effect.",
     "bettercloud": "Fig. 16: passive replication inactive for more than a minute; LiveRobin "
     "and a KaZoo follower kill, little impact, under the 2 s objective; a KaZoo leader kill, "
@@ -143,14 +139,14 @@ PAPER_NOTES = {
 def paper_figure(experiment: str, group_x: float, config: str, variant: str) -> str | None:
     """What the paper reports for this row's cell, as text (None: nothing comparable)."""
     if experiment == "mib1":
-        table = {"liverobin": bench.PAPER_LIVEROBIN, "kazoo": PAPER_KAZOO_MIB1}.get(config, {})
+        table = {"liverobin": PAPER_LIVEROBIN, "kazoo": PAPER_KAZOO_MIB1}.get(config, {})
         p = table.get(int(group_x))
         return None if p is None else f"{p[0]:g} / {p[1]:g}"
     if experiment in FAULT_EXPERIMENTS:
         if config == PASSIVE:
             return "> 60 s after the kill"
         if variant == "kill leader":
-            lo, hi = bench.PAPER_KAZOO_LEADER_PEAK_MS
+            lo, hi = PAPER_KAZOO_LEADER_PEAK_MS
             return f"peak {lo}-{hi}" if experiment == "fault" else "peak < 2,000"
         if variant in ("kill replica 0", "kill follower"):
             return "no visible effect" if experiment == "fault" else "little effect, < 2,000"
@@ -202,124 +198,6 @@ QUICK = Settings(
 """Every experiment briefly, one point each (two for the sweep), for CI: 29 runs, ``sss``
 in MiB1 only (a Spark run costs half a minute or more of start-up, a driver kill as much
 again)."""
-
-
-# -- the jobs ----------------------------------------------------------------------------
-
-
-def _job(name: str, config: str, kazoo, heartbeat_ms: float = 10) -> td.Job:
-    opts = CONFIGS[config]
-    return td.Job(
-        name,
-        replication=opts["replication"],
-        ordering=opts["ordering"],
-        heartbeat_ms=heartbeat_ms,
-        buffer_timeout_ms=5,
-        kazoo=kazoo if opts["ordering"] == "kazoo" else None,
-        # The unordered baseline diverges by design: measure it rather than stop it.
-        on_divergence="log" if opts["ordering"] == "none" else "fail",
-        checkpoint_ms=opts.get("checkpoint_ms"),
-    )
-
-
-def mib1_job(length: int, config: str, rate: int, kazoo, sink, heartbeat_ms: float = 10):
-    opts = CONFIGS[config]
-    zoo = kazoo if opts["ordering"] == "kazoo" else None
-    return bench.mib1_job(
-        length,
-        opts["replication"],
-        opts["ordering"],
-        rate,
-        zoo,
-        sink,
-        heartbeat_ms=heartbeat_ms,
-        checkpoint_ms=opts.get("checkpoint_ms"),
-    )
-
-
-def mib2_job(partitions: int, config: str, rate: int, kazoo, sink) -> td.Job:
-    """A source of ``partitions`` partitions, keyed into one identity map task of as many."""
-    job = _job(f"mib2-{partitions}", config, kazoo)
-    stream = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=1), parallelism=partitions)
-    stream = stream.key_by("key").map(bench.identity, parallelism=partitions, name="map1")
-    stream.sink(sink, parallelism=1)
-    return job
-
-
-def mib3_job(slow: int, fast: int, config: str, kazoo, sink) -> td.Job:
-    """Two sources (``slow`` and ``fast`` ev/s) merged by one identity map task of one
-    partition."""
-    job = _job(f"mib3-{fast}", config, kazoo)
-    a = job.source(td.sources.Synthetic(rate=slow, keys=1_000, seed=1), name="slow")
-    b = job.source(td.sources.Synthetic(rate=fast, keys=1_000, seed=2), name="fast")
-    a.union(b).map(bench.identity, parallelism=1, name="map1").sink(sink, parallelism=1)
-    return job
-
-
-BETTERCLOUD_KEYS = 200
-BETTERCLOUD_RULE_RATE = 20
-
-
-def even_key(batch: pa.RecordBatch) -> pa.Array:
-    """BetterCloud: customer events of the first kind (say, logins)."""
-    return pc.equal(pc.bit_wise_and(batch.column("key"), 1), 0)
-
-
-def odd_key(batch: pa.RecordBatch) -> pa.Array:
-    """BetterCloud: customer events of the second kind (say, messages)."""
-    return pc.equal(pc.bit_wise_and(batch.column("key"), 1), 1)
-
-
-def active_rule(batch: pa.RecordBatch) -> pa.Array:
-    """BetterCloud: rule updates that set a limit (the others are dropped)."""
-    return pc.less(batch.column("value"), 0.8)
-
-
-def as_limit(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """BetterCloud: a rule row's ``value`` is the limit it sets for its key."""
-    names = ["limit" if n == "value" else n for n in batch.schema.names]
-    return batch.rename_columns(names)
-
-
-def violations(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """BetterCloud's flatMap: an alert per event above its key's limit (or with no rule
-    yet), and a second row (an escalation) for events above 0.99."""
-    value = np.asarray(batch.column("value"))
-    limit = batch.column("limit")
-    no_rule = np.asarray(limit.is_null())
-    above = value > np.asarray(limit.fill_null(1.0))
-    alert = np.flatnonzero(no_rule | above)
-    escalate = np.flatnonzero(value > 0.99)
-    rows = np.sort(np.concatenate([alert, escalate]))
-    action = np.ones(len(rows), np.int64)
-    action[1:][np.diff(rows) == 0] = 2  # the second row of an event: its escalation
-    out = batch.take(pa.array(rows, pa.int64()))
-    return out.append_column("action", pa.array(action, pa.int64()))
-
-
-def bettercloud_job(rate: int, config: str, kazoo, sink) -> td.Job:
-    """The paper's Fig. 15, on tandem's operators: customer events (``rate`` ev/s) split by
-    two filters into two kinds, each joined (``how="left"``, on ``key``) with the rule
-    updates (20 ev/s, filtered, their ``value`` renamed ``limit``), both joins' outputs
-    merged into a 2-partition flat_map (keyed) that emits alerts, then a sink. Every task
-    has one partition but the flat_map, as in the paper."""
-    job = _job(f"bettercloud-{rate}", config, kazoo)
-    events = job.source(
-        td.sources.Synthetic(rate=rate, keys=BETTERCLOUD_KEYS, seed=11), name="customer_events"
-    )
-    rules = job.source(
-        td.sources.Synthetic(rate=BETTERCLOUD_RULE_RATE, keys=BETTERCLOUD_KEYS, seed=12),
-        name="rule_updates",
-    )
-    rules = rules.filter(active_rule, parallelism=1, name="filter_rules")
-    rules = rules.map(as_limit, parallelism=1, name="rules")
-    logins = events.filter(even_key, parallelism=1, name="filter_logins")
-    messages = events.filter(odd_key, parallelism=1, name="filter_messages")
-    joined_a = logins.join(rules, on="key", how="left", parallelism=1, name="join_logins")
-    joined_b = messages.join(rules, on="key", how="left", parallelism=1, name="join_messages")
-    alerts = joined_a.union(joined_b).key_by("key")
-    alerts.flat_map(violations, parallelism=2, name="flat_map").sink(sink, parallelism=1)
-    return job
 
 
 # -- cases and rows ----------------------------------------------------------------------
@@ -470,7 +348,7 @@ def cases(settings: Settings, experiments, configs) -> list[Case]:
         if experiment == "mib1":
             for n in s.lengths:
                 for c in run:
-                    build = partial(_with_sink, mib1_job, n, c, s.rate)
+                    build = _mib1(n, c, s.rate)
                     steady("mib1", f"length {n}", n, "", c, build, s.rate, "sequence")
                 spark("mib1", f"length {n}", n, "", n, s.fault_duration_s)
         elif experiment == "mib2":
@@ -488,11 +366,11 @@ def cases(settings: Settings, experiments, configs) -> list[Case]:
         elif experiment == "heartbeat":
             n, group = s.heartbeat_length, f"length {s.heartbeat_length}"
             if "r1" in run:
-                build = partial(_with_sink, mib1_job, n, "r1", s.rate)
+                build = _mib1(n, "r1", s.rate)
                 steady("heartbeat", group, n, "", "r1", build, s.rate, "sequence")
             if "liverobin" in run:
                 for hb in s.heartbeats_ms:
-                    build = partial(_with_sink, mib1_job, n, "liverobin", s.rate, heartbeat_ms=hb)
+                    build = _mib1(n, "liverobin", s.rate, heartbeat_ms=hb)
                     variant = f"heartbeat {hb:g} ms"
                     steady(
                         "heartbeat", group, n, variant, "liverobin", build, s.rate, "sequence", hb
@@ -508,7 +386,7 @@ def cases(settings: Settings, experiments, configs) -> list[Case]:
             for group, x, rate in points:
                 for c in run:
                     if experiment == "fault":
-                        build = partial(_with_sink, mib1_job, s.fault_length, c, rate)
+                        build = _mib1(s.fault_length, c, rate)
                     else:
                         build = partial(_with_sink, bettercloud_job, rate, c)
                     for variant, victim in FAULT_VARIANTS.get(c, []):
@@ -540,8 +418,15 @@ def cases(settings: Settings, experiments, configs) -> list[Case]:
 
 
 def _with_sink(builder, *args, kazoo=None, sink=None, **kwargs):
-    """``builder(*args, kazoo, sink, **kwargs)``: how a :class:`Case` builds its job."""
-    return builder(*args, kazoo, sink, **kwargs)
+    """``builder(*args, kazoo=kazoo, sink=sink, **kwargs)``: how a :class:`Case` builds
+    its job."""
+    return builder(*args, kazoo=kazoo, sink=sink, **kwargs)
+
+
+def _mib1(length: int, config: str, rate: int, **kwargs) -> partial:
+    """How a :class:`Case` builds MiB1 of ``length`` in ``config``."""
+    opts = workloads.options(config)
+    return partial(_with_sink, workloads.mib1_job, length, rate=rate, **opts, **kwargs)
 
 
 def run_case(case: Case, kazoo: td.KazooConfig | None, log=None) -> Row:
@@ -584,7 +469,7 @@ def run_case(case: Case, kazoo: td.KazooConfig | None, log=None) -> Row:
 def _run_tandem(row: Row, case: Case, kazoo: td.KazooConfig | None, log) -> None:
     from tandem.engines.local import process_cpu_s
 
-    sink = bench.SequenceSink() if case.check == "sequence" else td.sinks.Collect()
+    sink = workloads.SequenceSink() if case.check == "sequence" else td.sinks.Collect()
     job = case.build(kazoo=kazoo, sink=sink)
     plan = job.plan()
     row.steady_events = sum(
@@ -594,7 +479,7 @@ def _run_tandem(row: Row, case: Case, kazoo: td.KazooConfig | None, log) -> None
     )
     pids = {}
     if row.ordering == "kazoo" and kazoo is not None:
-        pids = bench.service_pids(kazoo, log)
+        pids = common.service_pids(kazoo, log)
     before = {name: process_cpu_s(pid) for name, pid in pids.items()}
     res = job.run(
         duration=case.duration_s,
@@ -607,7 +492,7 @@ def _run_tandem(row: Row, case: Case, kazoo: td.KazooConfig | None, log) -> None
     if pids and None not in used and None not in before.values():
         row.services_cpu_s = round(sum(used) - sum(before.values()), 3)
     if case.check == "sequence":
-        row.lost, row.duplicates = bench.sequence_check(res)
+        row.lost, row.duplicates = workloads.sequence_check(res)
     else:
         row.lost, row.duplicates = res.lost, res.duplicates
     _require_checked(row)
@@ -991,7 +876,7 @@ def _rates(experiment: str, rows: list[Row]) -> str:
     if experiment == "mib3":
         return "a 5 ev/s source and one at the rate of the point"
     if experiment == "bettercloud":
-        rules = BETTERCLOUD_RULE_RATE
+        rules = workloads.BETTERCLOUD_RULE_RATE
         return f"customer events at the rate of the point, rule updates at {rules} ev/s"
     return f"{r.rate:,} ev/s"
 
@@ -1245,3 +1130,90 @@ def check_selection(
                 f"{command}: --{what}: unknown {unknown or '(none given)'}; choose from "
                 f"{','.join(choices)}"
             )
+
+
+# -- the command ---------------------------------------------------------------------------
+
+HELP = (
+    "the paper's whole evaluation (MiB1-3, the heartbeat sweep, the fault run, the "
+    "BetterCloud-like application) in every configuration side by side: JSON, Markdown, PNGs"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_names(p, "--experiments", EXPERIMENTS)
+    common.add_names(
+        p,
+        "--configs",
+        ALL_CONFIGS,
+        default=f"all; {SSS}, Spark Structured Streaming, in mib1 and fault where the "
+        "Spark package is installed",
+    )
+    common.add_rate(p, None, "every run's rate (default 5000)")
+    common.add_seconds(
+        p,
+        "--duration",
+        None,
+        "each run's length (default 12); fault and sss runs: twice the length given (default 20)",
+    )
+    common.add_seconds(p, "--warmup", None, "left out of latency (default 5, sss 10)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="every experiment briefly, one point each, 1.5 s runs (3 s with a fault), "
+        "Spark Structured Streaming in mib1 only: for CI, a few minutes",
+    )
+    common.add_session_timeout(p)
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where paper.json, paper.md and the figures go (default out/paper)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from tandem import engines
+
+    settings = QUICK if args.quick else FULL
+    if args.rate is not None:
+        settings = replace(settings, rate=args.rate)
+    if args.duration is not None:
+        settings = replace(settings, duration_s=args.duration, fault_duration_s=2 * args.duration)
+    if args.warmup is not None:
+        settings = replace(
+            settings, warmup_s=args.warmup, fault_warmup_s=args.warmup, spark_warmup_s=args.warmup
+        )
+    settings = replace(settings, session_timeout_s=args.session_timeout)
+    experiments = common.csv(args.experiments) or EXPERIMENTS
+    configs = common.csv(args.configs) or ALL_CONFIGS
+    check_selection(experiments, configs)
+    if not args.configs and "spark" not in engines.entry_points(engines.BENCHMARK_GROUP):
+        # All by default: Spark Structured Streaming only where its package is installed.
+        print(
+            f"({SSS}: Spark Structured Streaming is not installed; left out. "
+            "`pip install ./spark_integration` from a tandem checkout brings it)"
+        )
+        configs = tuple(c for c in configs if c != SSS)
+    all_cases = cases(settings, experiments, configs)
+    if not args.experiments:  # all by default: leave out those the configurations cannot run
+        idle = [e for e in experiments if not any(c.experiment == e for c in all_cases)]
+        if idle:
+            print(f"({', '.join(idle)}: nothing to run with --configs {args.configs}; left out)")
+            experiments = tuple(e for e in experiments if e not in idle)
+    out_dir = args.out or "out/paper"
+    command = common.command(
+        args, "paper", "quick", "experiments", "configs", "rate", "duration"
+    ) + common.command(args, "", "warmup", "out")
+    expected = sum(estimate_s(c) for c in all_cases)
+    common.headline(
+        f"bench paper{' --quick' if args.quick else ''}: {', '.join(experiments)} x "
+        f"{', '.join(configs)}; {len(all_cases)} runs, about {expected / 60:.0f} min; "
+        f"writing to {out_dir}/"
+    )
+    needed = "kazoo" in configs and any(c.config == "kazoo" for c in all_cases)
+    with common.kazoo_services(needed, args.session_timeout) as kazoo:
+        doc = paper(settings, experiments, configs, out_dir=out_dir, kazoo=kazoo, command=command)
+    print()
+    print(Path(out_dir, "paper.md").read_text())
+    print(f"wrote {out_dir}/paper.json, {out_dir}/paper.md", flush=True)
+    return common.report_written(doc)

@@ -1,0 +1,422 @@
+"""``tandem bench recovery``: what a lost replica costs, in one invocation, on the local
+engine.
+
+* ``restore`` — restoring r (``Job(restore=True)``) against state size: a keyed task
+  carrying 1, 10 and 100 MiB per partition (:func:`restore`), the replica
+  group holding ``state[0]`` replica 0 SIGKILLed and rebuilt from its twins; per size the
+  time to restore r, the per-second p99 before the kill and during the rebuild, lost and
+  duplicates.
+* ``fault`` — the paper's fault experiment as ``tandem bench paper`` runs it (its cases,
+  runner and figure, :mod:`tandem.experiments.paper`): MiB1 of length 3, one replica of
+  ``map2[0]`` SIGKILLed at half time, in ``passive`` (ours: one replica, checkpoints,
+  rollback), ``liverobin`` and ``kazoo`` (leader, then follower killed), with ``r1``
+  beside them without the fault; per row the downtime (the longest gap between two
+  outputs), lost, duplicates and the peak per-second p99 after the kill.
+
+Every row is checked against the reference executor; a row that lost or repeated a row,
+whose replicas' digests differed, that did not run, or (``restore``) in which no replica
+was rebuilt fails the run (:func:`failures`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+import pyarrow as pa
+
+import tandem as td
+from tandem.experiments import common, paper
+
+EXPERIMENTS = ("restore", "fault")
+FAULT_CONFIGS = tuple(paper.FAULT_VARIANTS)
+"""The configurations the fault experiment runs: r1 (no fault), passive, liverobin, kazoo."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The state sizes and run lengths of one invocation (:data:`FULL` or :data:`QUICK`);
+    ``fault`` holds the fault experiment's (``tandem bench paper``'s settings)."""
+
+    sizes: tuple[float, ...] = (1, 10, 100)
+    rate: int = 5_000
+    duration_s: float = 12.0
+    kill_at_s: float = 4.0
+    fault: paper.Settings = paper.FULL
+
+    def with_flags(
+        self,
+        rate: int | None = None,
+        duration_s: float | None = None,
+        warmup_s: float | None = None,
+        session_timeout_s: float | None = None,
+    ) -> Settings:
+        """These settings with what the command line gave: ``rate`` for every run,
+        ``duration_s`` for every run (the restore kill at a third of it, at 4 s at the
+        latest; the fault kill at half), ``warmup_s`` for the fault runs."""
+        s, fault = self, self.fault
+        if rate is not None:
+            s, fault = replace(s, rate=rate), replace(fault, rate=rate)
+        if duration_s is not None:
+            s = replace(s, duration_s=duration_s, kill_at_s=min(4.0, duration_s / 3))
+            fault = replace(fault, fault_duration_s=duration_s)
+        if warmup_s is not None:
+            fault = replace(fault, fault_warmup_s=warmup_s)
+        if session_timeout_s is not None:
+            fault = replace(fault, session_timeout_s=session_timeout_s)
+        return replace(s, fault=fault)
+
+
+FULL = Settings()
+"""1, 10 and 100 MiB (12 s runs, kill at 4 s); the fault runs of ``tandem bench paper``
+(30 s, kill at 15 s): about 5 minutes on 2 cores."""
+QUICK = Settings(sizes=(1,), duration_s=6.0, kill_at_s=2.0, fault=paper.QUICK)
+"""1 MiB only (6 s, kill at 2 s) and the fault runs of ``tandem bench paper --quick``
+(3 s, kill at 1.5 s): for CI."""
+
+
+# -- restore: restoring r (Job(restore=True)) against state size ------------------------
+
+
+class Ballast(td.KeyedProcess):
+    """Passes its rows on and carries ``mb`` MiB of state per partition (a byte array it
+    touches once per batch): what a replica rebuilt from its twin must receive."""
+
+    def __init__(self, mb: float) -> None:
+        self.mb = mb
+
+    def process(self, batch: pa.RecordBatch, state: dict) -> pa.RecordBatch:
+        if "bytes" not in state:
+            state["bytes"], state["batches"] = np.zeros(max(1, round(self.mb * 2**20)), np.uint8), 0
+        ballast = state["bytes"]
+        ballast[state["batches"] % len(ballast)] ^= 1
+        state["batches"] += 1
+        return batch
+
+    def snapshot(self) -> bytes:
+        st = self.state
+        if "bytes" not in st:
+            return b""
+        return b"".join((st["batches"].to_bytes(8, "little"), st["bytes"].data))  # one copy
+
+    def state_size(self) -> int:
+        return 8 + self.state["bytes"].nbytes if "bytes" in self.state else 0
+
+    def restore(self, data: bytes) -> None:
+        self.state.clear()
+        if data:
+            self.state["batches"] = int.from_bytes(data[:8], "little")
+            self.state["bytes"] = np.frombuffer(data, np.uint8, offset=8).copy()  # one copy
+
+
+@dataclass
+class RecoveryRow:
+    """One run of :func:`restore`: a replica group holding ``state_mb`` MiB per stateful
+    partition is killed at ``kill_at_s`` and rebuilt from its twins. ``restore_ms``: from
+    the kill to the rebuilt replicas receiving their input (process start, cuts, state
+    transfer, replay); ``p99_before_ms``: median per-second p99 before the kill;
+    ``p99_during_ms``: the worst per-second p99 from the kill's second until 2 s after the
+    rebuild, and ``during_vs_before`` their ratio; ``rebuilt``: replicas restored."""
+
+    state_mb: float
+    rate: int
+    kill_at_s: float
+    restore_ms: float | None
+    rebuilt: int
+    p99_before_ms: float
+    p99_during_ms: float
+    during_vs_before: float
+    max_gap_ms: float | None
+    lost: int
+    duplicates: int
+    digests_match: bool
+    per_second_p99_ms: list
+
+
+def recovery_job(state_mb: float, rate: int) -> td.Job:
+    job = td.Job("recovery", replication=2, restore=True)
+    events = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=5), parallelism=2)
+    (
+        events.key_by("key")
+        .process(Ballast(state_mb), parallelism=2, name="state")
+        .sink(td.sinks.Collect())
+    )
+    return job
+
+
+def restore(
+    sizes=(1, 10, 100),
+    rate: int = 5_000,
+    duration: float = 12.0,
+    kill_at: float = 4.0,
+    log=sys.stderr,
+) -> list[RecoveryRow]:
+    """Kill the replica group holding ``state[0]`` replica 0 at ``kill_at`` and rebuild it
+    from its twins (``Job(restore=True)``), once per state size; every run is checked
+    against the reference executor."""
+    rows = []
+    for mb in sizes:
+        print(f"recovery: {mb:g} MiB of state per partition ...", file=log, flush=True)
+        res = recovery_job(mb, rate).run(
+            duration=duration, faults=[td.Kill("state", 0, 0, at=kill_at)], progress=False
+        )
+        series = res.per_second_p99_ms
+        restored = [r for r in res.restored_replicas if r["lost_s"] >= kill_at - 0.5]
+        back = max((r["restored_s"] for r in restored), default=kill_at)
+        before = [v for v in series[1 : int(kill_at)] if v is not None]
+        during = [v for v in series[int(kill_at) : int(back) + 3] if v is not None]
+        calm = float(np.median(before)) if before else float("nan")
+        worst = max(during) if during else float("nan")
+        rows.append(
+            RecoveryRow(
+                mb,
+                rate,
+                kill_at,
+                max((r["restore_ms"] for r in restored), default=None),
+                len(restored),
+                round(calm, 1),
+                round(worst, 1),
+                round(worst / calm, 2) if calm > 0 else float("nan"),
+                res.max_gap_ms,
+                res.lost,
+                res.duplicates,
+                res.digests_match,
+                [None if v is None else round(v, 1) for v in series],
+            )
+        )
+    return rows
+
+
+# -- the invocation ----------------------------------------------------------------------
+
+
+def check_selection(experiments, configs) -> None:
+    """Raise ConfigError for an unknown or empty selection, before anything runs."""
+    known = (EXPERIMENTS, FAULT_CONFIGS)
+    paper.check_selection(experiments, configs, known, "bench recovery")
+
+
+def fault_cases(settings: Settings, configs) -> list[paper.Case]:
+    """The fault experiment's runs in ``configs``, as ``tandem bench paper`` has them."""
+    return paper.cases(settings.fault, ["fault"], configs)
+
+
+def estimate_s(settings: Settings, experiments, configs) -> float:
+    """A guess of the invocation's wall time on 2 cores."""
+    total = 0.0
+    if "restore" in experiments:
+        total += len(settings.sizes) * (settings.duration_s + paper.OVERHEAD_S + 2)
+    if "fault" in experiments:
+        total += sum(paper.estimate_s(c) for c in fault_cases(settings, configs))
+    return total
+
+
+def failures(restore_rows: list[RecoveryRow], fault_rows: list[paper.Row]) -> list[str]:
+    """What makes the run fail: a restore row that lost or repeated rows, whose digests
+    differed or in which nothing was rebuilt; a fault row that failed as
+    :func:`tandem.paper.failures` says. Never timings."""
+    out = []
+    for r in restore_rows:
+        where = f"restore {r.state_mb:g} MiB"
+        if r.lost or r.duplicates:
+            out.append(f"{where}: lost {r.lost}, duplicates {r.duplicates}")
+        if not r.digests_match:
+            out.append(f"{where}: the replicas' output digests differed")
+        if not r.rebuilt:
+            out.append(f"{where}: no replica was rebuilt after the kill")
+    if fault_rows:
+        out += paper.failures(fault_rows, ["fault"])
+    return out
+
+
+def restore_table(rows: list[RecoveryRow]) -> list[str]:
+    """The restore rows as the lines of a Markdown section."""
+    r0 = rows[0]
+    out = [
+        "### Restoring r against state size",
+        "",
+        f"{r0.rate:,} ev/s, r = 2, a keyed task of 2 partitions; the replica group holding "
+        f"`state[0]` replica 0 SIGKILLed at {r0.kill_at_s:g} s and rebuilt from its twins. "
+        "restore: from the kill to the rebuilt replicas receiving their input. p99 before: "
+        "median per-second p99 before the kill; during: the worst second from the kill "
+        "until 2 s after the rebuild.",
+        "",
+        "| state per partition | restore ms | rebuilt | p99 before | p99 during | ratio "
+        "| longest gap | lost | dup | digests |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    cell = paper._cell
+    for r in rows:
+        cells = [
+            f"{r.state_mb:g} MiB",
+            cell(r.restore_ms, 0),
+            cell(r.rebuilt),
+            cell(r.p99_before_ms),
+            cell(r.p99_during_ms),
+            cell(r.during_vs_before, 2, "x"),
+            cell(r.max_gap_ms, 0),
+            cell(r.lost),
+            cell(r.duplicates),
+            "match" if r.digests_match else "DIFFER",
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def markdown(restore_rows: list[RecoveryRow], fault_rows: list[paper.Row], meta: dict) -> str:
+    """The report: the restore table, then the fault experiment's (``tandem bench
+    paper``'s table for it)."""
+    out = [paper.headline(meta)]
+    if restore_rows:
+        out += ["", *restore_table(restore_rows)]
+    if fault_rows:
+        out += ["", paper.LEGEND, "Downtime: the longest gap between two outputs."]
+        out += ["", *paper.experiment_table(fault_rows, "fault")]
+    return "\n".join(out)
+
+
+def recovery(
+    settings: Settings,
+    experiments=EXPERIMENTS,
+    configs=FAULT_CONFIGS,
+    kazoo: td.KazooConfig | None = None,
+    json_path: str | os.PathLike | None = "out/recovery.json",
+    plot_path: str | os.PathLike | None = "out/recovery_fault_p99.png",
+    command: str = "tandem bench recovery",
+    log=None,
+) -> dict:
+    """Run ``experiments`` (``fault`` in ``configs``), write the JSON document to
+    ``json_path`` and the fault rows' per-second p99 over time (the kill marked) to
+    ``plot_path``, and return the document: ``restore_rows``, ``fault_rows``, the report
+    as ``markdown``, ``figures`` written and ``failures`` (see :func:`failures`)."""
+    log = log or sys.stderr
+    experiments, configs = tuple(experiments), tuple(configs)
+    check_selection(experiments, configs)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    t = time.monotonic()
+    restore_rows: list[RecoveryRow] = []
+    if "restore" in experiments:
+        restore_rows = restore(
+            sizes=settings.sizes,
+            rate=settings.rate,
+            duration=settings.duration_s,
+            kill_at=settings.kill_at_s,
+            log=log,
+        )
+    fault_rows: list[paper.Row] = []
+    if "fault" in experiments:
+        fault_rows = paper.run_all(fault_cases(settings, configs), kazoo, log)
+        paper.add_ratios(fault_rows)
+    meta = paper.run_meta(started, command, time.monotonic() - t)
+    doc = {
+        "experiment": "recovery",
+        **meta,
+        "settings": asdict(settings),
+        "experiments": list(experiments),
+        "configs": list(configs) if "fault" in experiments else [],
+        "restore_rows": [asdict(r) for r in restore_rows],
+        "fault_rows": [asdict(r) for r in fault_rows],
+        "failures": failures(restore_rows, fault_rows),
+        "figures": [],
+    }
+    if plot_path and any(r.status == "ok" for r in fault_rows) and paper.can_plot(log):
+        os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
+        paper.plot_over_time(fault_rows, "fault", str(plot_path))
+        doc["figures"].append(str(plot_path))
+    doc["markdown"] = markdown(restore_rows, fault_rows, meta)
+    if json_path:
+        import json
+
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=2)
+    return doc
+
+
+HELP = (
+    "time to restore r against state size, and the fault experiment (passive, LiveRobin, "
+    "KaZoo) in the same run: a Markdown table, JSON and a PNG"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    common.add_names(p, "--experiments", EXPERIMENTS, default="both")
+    p.add_argument(
+        "--sizes",
+        metavar="MIB,...",
+        help="restore: MiB of state per partition, comma-separated (default 1,10,100)",
+    )
+    common.add_names(p, "--configs", FAULT_CONFIGS)
+    common.add_rate(p, None, "every run's rate (default 5000)")
+    common.add_seconds(
+        p,
+        "--duration",
+        None,
+        "every run's length (default 12 for the state sizes, kill at 4 s or a third; 30 "
+        "for the fault runs, kill at half)",
+    )
+    common.add_seconds(p, "--warmup", None, "the fault runs' warm-up, left out of latency (5)")
+    common.add_session_timeout(p)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 MiB (6 s) and the fault runs of `tandem bench paper --quick`: for CI",
+    )
+    common.add_json(p, "where the JSON goes (default out/recovery.json)")
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="the fault rows' per-second p99 as a PNG (default out/recovery_fault_p99.png)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = (QUICK if args.quick else FULL).with_flags(
+        args.rate, args.duration, args.warmup, args.session_timeout
+    )
+    if args.sizes:
+        try:
+            sizes = tuple(float(x) for x in common.csv(args.sizes))
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) <= 0:
+            raise td.ConfigError(
+                f"--sizes {args.sizes!r}: MiB of state per partition, positive numbers "
+                "separated by commas (e.g. 1,10,100)"
+            )
+        settings = replace(settings, sizes=sizes)
+    experiments = common.csv(args.experiments) or EXPERIMENTS
+    configs = common.csv(args.configs) or FAULT_CONFIGS
+    check_selection(experiments, configs)
+    json_path = args.json or "out/recovery.json"
+    plot_path = args.plot or "out/recovery_fault_p99.png"
+    command = common.command(
+        args, "recovery", "quick", "experiments", "sizes", "configs", "rate"
+    ) + common.command(args, "", "duration", "warmup", "json", "plot")
+    parts = []
+    if "restore" in experiments:
+        parts.append(f"restore r with {', '.join(f'{mb:g}' for mb in settings.sizes)} MiB")
+    if "fault" in experiments:
+        parts.append(f"the fault experiment in {', '.join(configs)}")
+    expected = estimate_s(settings, experiments, configs)
+    about = f"{expected / 60:.0f} min" if expected >= 90 else f"{expected:.0f} s"
+    common.headline(f"bench recovery: {'; '.join(parts)}; about {about}")
+    needed = "fault" in experiments and "kazoo" in configs
+    with common.kazoo_services(needed, args.session_timeout) as kazoo:
+        doc = recovery(
+            settings,
+            experiments,
+            configs,
+            kazoo=kazoo,
+            json_path=json_path,
+            plot_path=plot_path,
+            command=command,
+        )
+    print()
+    print(doc["markdown"])
+    print(f"wrote {json_path}", flush=True)
+    return common.report_written(doc)
