@@ -740,6 +740,8 @@ def fault_plan_job() -> td.Job:
 
 
 class RecordingEngine:
+    name = "recording"  # tandem.engines.Engine: a name and run()
+
     def __init__(self):
         self.calls = []
 
@@ -804,7 +806,7 @@ def test_engines_are_looked_up_by_name(monkeypatch):
 def test_run_rejects_bad_duration_and_engine():
     with pytest.raises(td.ConfigError, match="duration must be > 0 seconds, got 0"):
         fault_plan_job().run(duration=0, engine=RecordingEngine())
-    with pytest.raises(td.ConfigError, match="an object with a run"):
+    with pytest.raises(td.ConfigError, match=r"an engine object \(a name and a run\(\) method"):
         fault_plan_job().run(duration=1, engine=42)
 
 

@@ -112,6 +112,21 @@ def test_both_engines_host_workers_behind_one_protocol():
             assert callable(getattr(host, name)), (host, name)
 
 
+def test_both_engines_are_checked_against_the_engine_protocol():
+    import tandem_spark
+    from tandem import engines
+    from tandem.engines.local import LocalEngine
+
+    assert isinstance(LocalEngine(), engines.StoppableEngine)
+    assert engines.stoppable(LocalEngine())
+    spark = tandem_spark.SparkEngine(master="local[2,2]")
+    assert isinstance(spark, engines.Engine) and not engines.stoppable(spark)
+    job = td.Job("not-an-engine")
+    job.source(td.sources.Synthetic(rate=10)).sink(td.sinks.Collect())
+    with pytest.raises(td.ConfigError, match=r"an engine object \(a name and a run\(\) method"):
+        job.run(duration=1, engine=object())
+
+
 def test_the_rebuild_state_machine_and_fault_injection_are_written_once():
     """Only the coordinator defines the rejoin state machine and injects faults; the
     engines' modules host workers."""

@@ -398,15 +398,15 @@ class Job:
         return plan
 
     def _engine(self, engine: str | Any) -> Any:
-        if isinstance(engine, str):
-            from tandem import engines
+        from tandem import engines
 
+        if isinstance(engine, str):
             return engines.get(engine)
-        if callable(getattr(engine, "run", None)):
+        if isinstance(engine, engines.Engine):
             return engine
         raise ConfigError(
-            f"engine must be a name like 'local' or an object with a run() method, got "
-            f"{type(engine).__name__}"
+            f"engine must be a name like 'local' or an engine object (a name and a run() "
+            f"method: tandem.engines.Engine), got {type(engine).__name__}"
         )
 
     def _prepare(
@@ -420,11 +420,13 @@ class Job:
             )
         plan = self.plan()
         runner = self._engine(engine)
-        if duration is None and not getattr(runner, "until_stopped", False):
+        from tandem import engines
+
+        if duration is None and not engines.stoppable(runner):
             natural = plan.natural_end_ns()
             if natural is None:
                 raise ConfigError(
-                    f"job {self.name!r}: the {getattr(runner, 'name', 'given')} engine runs a "
+                    f"job {self.name!r}: the {runner.name} engine runs a "
                     "job for a fixed time, and a source of this job never ends; pass "
                     "duration= (seconds), or run it on the local engine"
                 )
@@ -518,14 +520,15 @@ class Job:
         their last row. Arguments as for :meth:`run` (checked here, before it starts);
         the engine must be able to stop a run (the local engine can)."""
         plan, runner, faults, _ = self._prepare(duration, faults, engine)
-        if not getattr(runner, "until_stopped", False):
+        from tandem import engines
+
+        if not engines.stoppable(runner):
             raise ConfigError(
-                f"job {self.name!r}: the {getattr(runner, 'name', 'given')} engine cannot "
+                f"job {self.name!r}: the {runner.name} engine cannot "
                 "stop a run it started; call job.run(duration=...) instead of job.start()"
             )
-        check = getattr(runner, "check", None)
-        if callable(check):  # the engine's options, here rather than in its thread
-            check(plan, duration, faults, **options)
+        # The engine's options, here rather than in its thread.
+        runner.check(plan, duration, faults, **options)
         handle = RunningJob(self.name)
         handle._start(runner, plan, duration, faults, options)
         return handle

@@ -19,17 +19,60 @@ tandem never imports an engine package: engines depend on tandem — on its publ
 An engine that can run a job until it is stopped says so with ``until_stopped = True`` and
 takes ``run(plan, duration=None, stop=Stop())`` (:class:`tandem.engines.common.Stop`; the
 local engine can).
+The contract is :class:`Engine` (and :class:`StoppableEngine` for one that runs until
+stopped), ``typing.Protocol`` s that both engines are checked against
+(``tests/test_coordinator.py``); ``Job.run`` refuses an object that is not an ``Engine``.
 Benchmarks that an engine package brings are found the same way, in the
-``tandem.benchmarks`` group: a module with ``run(**options)`` and ``table(out)``, loaded by
-the command line (``tandem bench <name>``), not by the library.
+``tandem.benchmarks`` group: a module with ``HELP``, ``add_arguments(parser)`` and
+``main(args)``, loaded by ``tandem.experiments`` (``tandem bench <name>``), not by the
+library.
 """
 
 from __future__ import annotations
 
 from importlib import metadata
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from tandem.exceptions import ConfigError
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What ``Job.run(engine=...)`` needs of an engine."""
+
+    name: str
+
+    def run(
+        self,
+        plan: Any,
+        duration: float,
+        faults: list[Any] = ...,
+        *,
+        progress: bool | None = None,
+        warmup: float = 0.0,
+        check: bool = True,
+        timeout: float | None = None,
+    ) -> Any:
+        """Run ``plan`` for ``duration`` seconds of source time with ``faults``; the
+        :class:`tandem.Result`."""
+
+
+@runtime_checkable
+class StoppableEngine(Engine, Protocol):
+    """An engine that runs a job until it is stopped (``Job.start``, ``run(duration=None)``):
+    ``until_stopped`` is true, ``run`` takes ``stop=`` (:class:`tandem.engines.common.Stop`)
+    and ``check(plan, duration, faults, **options)`` refuses bad options before a start."""
+
+    until_stopped: ClassVar[bool]
+
+    def check(self, plan: Any, duration: float | None, faults: list[Any] = ..., **options) -> None:
+        """Raise ConfigError for options ``run`` cannot honour."""
+
+
+def stoppable(engine: object) -> bool:
+    """Whether ``engine`` runs a job until it is stopped."""
+    return isinstance(engine, StoppableEngine) and bool(engine.until_stopped)
+
 
 ENGINE_GROUP = "tandem.engines"
 BENCHMARK_GROUP = "tandem.benchmarks"
@@ -97,8 +140,11 @@ __all__ = [
     "BENCHMARK_GROUP",
     "DEFAULT",
     "ENGINE_GROUP",
+    "Engine",
+    "StoppableEngine",
     "available",
     "entry_points",
     "get",
     "load",
+    "stoppable",
 ]

@@ -3,7 +3,7 @@ faults, decides losses, rebuilds lost workers, takes checkpoints and restarts si
 
 An engine only *hosts* workers — the local engine as processes on this machine
 (:mod:`tandem.engines.local`), the Spark engine as long-running tasks that check in with a
-registry on the driver (``tandem_spark.registry``) — behind the small
+registry on the driver (the Spark integration's) — behind the small
 :class:`WorkerHost` protocol: start them, send one a message, kill, freeze or thaw one,
 start a new *incarnation* of one to rebuild it, and hand over what they say as
 :class:`Received` and :class:`Exited` events. Everything else is decided here, once, in

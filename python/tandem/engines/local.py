@@ -159,7 +159,7 @@ class _CostMeter:
     :class:`~tandem.result.Result`).
 
     The replica processes are children of the coordinator, and it reaps every one of them
-    before the run returns (:meth:`_Run.stop`), so the CPU they used — start-up, run,
+    before the run returns (:meth:`LocalHost.close`), so the CPU they used — start-up, run,
     shutdown — is exactly the growth of ``getrusage(RUSAGE_CHILDREN)`` across the run.
     The steady state is bracketed by two readings of the CPU used so far (reaped children
     from rusage, live ones by :func:`process_cpu_s`): when the warm-up ends and when the
