@@ -405,13 +405,13 @@ class _SparkJob:
 class _Rebuilds:
     """Worker tasks started again in a Spark job of their own, each on an executor
     running none of its replicas' twins — the registry's ``relaunch``, for a worker lost
-    with its executor whose task Spark retried beside the twins. ``job(slot,
-    executor)``: the DataFrame of that one task; their output joins the main job's."""
+    with its executor whose task Spark retried beside the twins, or fenced where it could
+    not be killed (cut off from the driver: no retry comes). ``job(slot,
+    executor)``: the DataFrame of that one task."""
 
     def __init__(self, spark, tag: str) -> None:
         self.spark, self.tag = spark, tag
         self.job = None
-        self.tables: list[pa.Table] = []
         self._threads: list[threading.Thread] = []
         self._closed = threading.Event()
 
@@ -439,7 +439,7 @@ class _Rebuilds:
         sc.addJobTag(self.tag)  # cancelled with the run
         sc.setJobDescription(f"tandem: placement row {slot} again, on executor {free[0][0]}")
         try:
-            self.tables.append(self.job(slot, free[0]).toArrow())
+            self.job(slot, free[0]).toArrow()  # no rows: its reports reach the registry
         except Exception as exc:  # its replicas stay lost; the registry logged why
             log.warning("the Spark job running placement row %d again failed: %s", slot, exc)
         finally:

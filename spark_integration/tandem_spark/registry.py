@@ -193,6 +193,8 @@ class Registry:
         """Worker -> the attempt that runs it now (or last did)."""
         self._relaunched: dict[int, int] = {}
         """Placement row → its tasks started by ``relaunch`` for its latest loss."""
+        self._unkillable: dict[int, Attempt] = {}
+        """Worker → its attempt fenced where it could not be killed (a cluster)."""
         self._closing = False
         # Every worker task checks in at about the same time: a backlog of one (the
         # default) would drop connections whose clients then wait for ever.
@@ -446,8 +448,21 @@ class Registry:
             self._lock.notify_all()
 
     def replace(self, assign: Assign, incarnation: int) -> bool:
-        """Spark retries the lost worker's task by itself; the retry claims the rebuild."""
-        self._relaunched.pop(assign.worker, None)  # a new loss
+        """Spark retries the lost worker's task by itself, and the retry claims the
+        rebuild — unless the lost task could not be killed (a cluster's executor, cut off
+        or frozen): its placement row is then started again at once in a Spark job of
+        its own, on another executor (``relaunch``)."""
+        lost = self._unkillable.pop(assign.worker, None)
+        if lost is not None:
+            self._relaunched.pop(lost.slot, None)  # a new loss
+            if self.relaunch is not None:
+                log.info(
+                    "worker %d was fenced but cannot be killed on executor %s: its placement "
+                    "row is started again elsewhere",
+                    assign.worker,
+                    lost.executor_id,
+                )
+                self.relaunch(lost.slot, {lost.executor_id} - {None})
         return False
 
     def send(self, worker: int, incarnation: int, message: Message) -> bool:
@@ -502,6 +517,10 @@ class Registry:
         if self.local:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim.pid, signal.SIGKILL)
+        else:
+            # Cut off, frozen or wedged where it cannot be signalled: its task may not
+            # fail until Spark declares the executor lost, so no retry comes by itself.
+            self._unkillable[worker] = victim
         return []
 
     def pause(self, worker: int, incarnation: int, for_s: float) -> bool:
