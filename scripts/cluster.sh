@@ -288,8 +288,11 @@ up() { # N [--services]
 # ZooKeeper and Kafka: the project's own scripts/services.sh, run on the services host and
 # bound to its address, with its state under the cluster's folder (emptied by `up`, kept
 # by `restart`, as a machine's disk survives its crash).
+# A crashed Kafka starts again only once its previous broker session (30 s) has expired:
+# about a minute in all, so the start-up timeout is the cluster's.
 services_env() {
-  printf '%s\n' "TANDEM_SERVICES_HOST=$NET.2" "TANDEM_SERVICES_DIR=$STATE/services"
+  printf '%s\n' "TANDEM_SERVICES_HOST=$NET.2" "TANDEM_SERVICES_DIR=$STATE/services" \
+    "TANDEM_SERVICES_START_TIMEOUT=$START_TIMEOUT"
 }
 
 start_services() {
@@ -344,6 +347,7 @@ down() {
     while read -r pid; do [[ -n "$pid" ]] && pids+=("$pid"); done < <(netns_pids "$host")
   done
   if ((${#pids[@]})); then
+    mapfile -t pids < <(printf '%s\n' "${pids[@]}" | sort -un)
     kill -TERM "${pids[@]}" 2>/dev/null || true
     local deadline=$((SECONDS + STOP_GRACE)) left
     while :; do
