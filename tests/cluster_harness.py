@@ -104,9 +104,10 @@ class Cluster:
         return self
 
     def down(self) -> str:
-        """Stop every process the cluster runs and remove its hosts, links and bridge."""
+        """Stop every process the cluster runs and remove its hosts, links and bridge (a
+        no-op once done)."""
         out = self._script("down")
-        self._hosts = {}
+        self._hosts, self.master_url = {}, ""
         return out
 
     def status(self) -> str:

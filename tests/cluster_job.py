@@ -101,7 +101,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    job = build(args.input, args.rate, args.tag, args.restore)
+    # The executors open the file by this path, from their own working directories: it
+    # must be absolute (and, on a real cluster, on storage every node mounts there).
+    job = build(str(Path(args.input).resolve()), args.rate, args.tag, args.restore)
     started = time.monotonic()
     spark = tandem_spark.local_session(
         job,

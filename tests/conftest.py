@@ -15,10 +15,11 @@ fixtures stop exactly the servers they started, also when tests failed.
 tests/cluster_harness.py): a head running a real Spark standalone master and
 `TANDEM_TEST_CLUSTER_WORKERS` (default 3) worker hosts each running a real Worker, every
 host a network namespace. A test that takes it is marked `cluster`. It is brought up at the
-first request, once per session, and taken down at the end of the session, also when tests
-failed; after each test that used it every host is healed (links up, throttles gone) and a
-crashed host is booted again. It needs root: without it the test errors with the script's
-message saying what is missing — it is never skipped.
+first request, once per session, and taken down after the last test that uses it (or at
+the end of the session, also when tests failed); after each test that used it every host
+is healed (links up, throttles gone) and a crashed host is booted again. It needs root:
+without it the test errors with the script's message saying what is missing — it is never
+skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cluster_harness import Cluster
 from tandem._services import SERVICE_NAMES, Services
 
 _NEEDED = pytest.StashKey[frozenset]()
+_LAST_ON_CLUSTER = pytest.StashKey[str]()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -56,6 +58,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if name in getattr(item, "fixturenames", ())
     }
     session.config.stash[_NEEDED] = frozenset(needed)
+    on_cluster = [
+        item.nodeid for item in session.items if "cluster" in getattr(item, "fixturenames", ())
+    ]
+    session.config.stash[_LAST_ON_CLUSTER] = on_cluster[-1] if on_cluster else ""
 
 
 class _ServicePool:
@@ -111,7 +117,8 @@ def kafka(_service_pool: _ServicePool) -> Services:
 @pytest.fixture(scope="session")
 def cluster():
     """The cluster (`.master_url`, `.head`, `.hosts`, `.crash/.partition/.heal/.slow`,
-    `.run_on(host, argv)`), brought up once for the session, taken down at its end."""
+    `.run_on(host, argv)`), brought up once for the session, taken down after the last
+    test that uses it (its JVMs would idle beside the rest of the suite) or at the end."""
     hosts = int(os.environ.get("TANDEM_TEST_CLUSTER_WORKERS", "3"))
     harness = Cluster(hosts)
     try:
@@ -127,10 +134,15 @@ def cluster():
 
 @pytest.fixture(autouse=True)
 def _restore_cluster(request: pytest.FixtureRequest):
-    """After a test that used the cluster: every host healed and running its daemons."""
+    """After a test that used the cluster: every host healed and running its daemons; after
+    the last one, the cluster taken down."""
     harness = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
     yield
-    if harness is not None:
+    if harness is None:
+        return
+    if request.node.nodeid == request.config.stash.get(_LAST_ON_CLUSTER, ""):
+        harness.down()
+    else:
         harness.restore()
 
 
