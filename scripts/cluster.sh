@@ -373,7 +373,6 @@ down() {
   done
   for name in "${namespaces[@]}"; do
     if [[ -e "/run/netns/$name" ]]; then ip netns del "$name" 2>/dev/null || true; fi
-    rm -rf "/etc/netns/$name"
   done
   for name in "${bridges[@]}"; do
     if ip link show "$name" >/dev/null 2>&1; then ip link del "$name" 2>/dev/null || true; fi
