@@ -121,12 +121,11 @@ def cluster():
     test that uses it (its JVMs would idle beside the rest of the suite) or at the end."""
     hosts = int(os.environ.get("TANDEM_TEST_CLUSTER_WORKERS", "3"))
     harness = Cluster(hosts)
+    harness.up()  # raises the script's message; a failed `up` has taken itself down
+    print(
+        f"\ncluster: {harness.master_url}, {hosts} worker hosts, up in {harness.up_seconds:.1f} s"
+    )
     try:
-        harness.up()
-        print(
-            f"\ncluster: {harness.master_url}, {hosts} worker hosts, up in "
-            f"{harness.up_seconds:.1f} s"
-        )
         yield harness
     finally:
         harness.down()
