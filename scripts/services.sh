@@ -7,7 +7,8 @@
 #   scripts/services.sh restart [zookeeper|kafka|all]
 #   scripts/services.sh jars    [zookeeper|kafka|all]   (resolve/cache jars only; print folders)
 #
-# Both servers bind 127.0.0.1 only and keep everything under one project-local folder:
+# Both servers bind 127.0.0.1 only ($TANDEM_SERVICES_HOST: another address of this host, e.g. a
+# cluster host's, see scripts/cluster.sh) and keep everything under one project-local folder:
 #   .services/lib/<server>-<version>/  jars from Maven Central (scripts/services/pom.xml), kept
 #   $TANDEM_SERVICES_DIR (default .services/): data/, conf/, logs/, run/<server>.pid
 # `start` is idempotent: a server this script already runs is left alone; `--fresh` wipes the
@@ -17,10 +18,10 @@
 # process is still the server it started (PIDs get reused): SIGTERM, then SIGKILL after
 # $TANDEM_SERVICES_STOP_GRACE seconds.
 #
-# Environment (defaults in brackets): TANDEM_ZK_PORT [21810], TANDEM_KAFKA_PORT [19092],
-# TANDEM_KAFKA_CONTROLLER_PORT [Kafka's port + 1], TANDEM_SERVICES_DIR [.services],
-# TANDEM_SERVICES_START_TIMEOUT [60 s], TANDEM_SERVICES_STOP_GRACE [15 s],
-# TANDEM_JAVA [$JAVA_HOME/bin/java, else java on PATH].
+# Environment (defaults in brackets): TANDEM_SERVICES_HOST [127.0.0.1], TANDEM_ZK_PORT [21810],
+# TANDEM_KAFKA_PORT [19092], TANDEM_KAFKA_CONTROLLER_PORT [Kafka's port + 1],
+# TANDEM_SERVICES_DIR [.services], TANDEM_SERVICES_START_TIMEOUT [60 s],
+# TANDEM_SERVICES_STOP_GRACE [15 s], TANDEM_JAVA [$JAVA_HOME/bin/java, else java on PATH].
 #
 # Exit codes: 0 ok; 1 a server failed (the message says which and why); 2 usage;
 # 3 `status`: a requested server is not running.
@@ -35,7 +36,7 @@ KAFKA_PORT="${TANDEM_KAFKA_PORT:-19092}"
 CONTROLLER_PORT="${TANDEM_KAFKA_CONTROLLER_PORT:-}"
 START_TIMEOUT="${TANDEM_SERVICES_START_TIMEOUT:-60}"
 STOP_GRACE="${TANDEM_SERVICES_STOP_GRACE:-15}"
-HOST=127.0.0.1
+HOST="${TANDEM_SERVICES_HOST:-127.0.0.1}"
 
 say() { printf 'services: %s\n' "$*"; }
 die() {
@@ -435,6 +436,8 @@ main() {
     esac
     shift
   done
+  [[ "$HOST" =~ ^[0-9]{1,3}(\.[0-9]{1,3}){3}$ ]] ||
+    die "TANDEM_SERVICES_HOST=$HOST is not an IPv4 address: give the address the servers bind (default 127.0.0.1)"
   check_port_number TANDEM_ZK_PORT "$ZK_PORT"
   check_port_number TANDEM_KAFKA_PORT "$KAFKA_PORT"
   # The controller listens next to the broker unless told otherwise, so moving Kafka with

@@ -1,4 +1,4 @@
-"""Session fixtures for the real services: `zookeeper` and `kafka`.
+"""Session fixtures for the real services: `zookeeper` and `kafka`; and `cluster`.
 
 A test that takes either fixture is marked `zookeeper` / `kafka` automatically (so
 `-m "not kafka"` deselects it) and gets the `tandem._services.Services` object, with
@@ -10,18 +10,31 @@ Every server the session needs is started at the first request, all at once (Zoo
 Kafka boot in parallel), with fresh data; servers already running (a developer's
 `make services`) are used as they are and left running. At the end of the session the
 fixtures stop exactly the servers they started, also when tests failed.
+
+`cluster` is a multi-host cluster on this machine (`scripts/cluster.sh`, driven through
+tests/cluster_harness.py): a head running a real Spark standalone master and
+`TANDEM_TEST_CLUSTER_WORKERS` (default 3) worker hosts each running a real Worker, every
+host a network namespace. A test that takes it is marked `cluster`. It is brought up at the
+first request, once per session, and taken down after the last test that uses it (or at
+the end of the session, also when tests failed); after each test that used it every host
+is healed (links up, throttles gone) and a crashed host is booted again. It needs root:
+without it the test errors with the script's message saying what is missing — it is never
+skipped.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
 import pytest
 
+from cluster_harness import Cluster
 from tandem._services import SERVICE_NAMES, Services
 
 _NEEDED = pytest.StashKey[frozenset]()
+_LAST_ON_CLUSTER = pytest.StashKey[str]()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -32,6 +45,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for name in SERVICE_NAMES:
             if name in fixtures:
                 item.add_marker(getattr(pytest.mark, name))
+        if "cluster" in fixtures:
+            item.add_marker(pytest.mark.cluster)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -43,6 +58,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if name in getattr(item, "fixturenames", ())
     }
     session.config.stash[_NEEDED] = frozenset(needed)
+    on_cluster = [
+        item.nodeid for item in session.items if "cluster" in getattr(item, "fixturenames", ())
+    ]
+    session.config.stash[_LAST_ON_CLUSTER] = on_cluster[-1] if on_cluster else ""
 
 
 class _ServicePool:
@@ -93,6 +112,37 @@ def zookeeper(_service_pool: _ServicePool) -> Services:
 def kafka(_service_pool: _ServicePool) -> Services:
     """The real Kafka broker (`.kafka_bootstrap`), started for the session if needed."""
     return _service_pool.get("kafka")
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The cluster (`.master_url`, `.head`, `.hosts`, `.crash/.partition/.heal/.slow`,
+    `.run_on(host, argv)`), brought up once for the session, taken down after the last
+    test that uses it (its JVMs would idle beside the rest of the suite) or at the end."""
+    hosts = int(os.environ.get("TANDEM_TEST_CLUSTER_WORKERS", "3"))
+    harness = Cluster(hosts)
+    harness.up()  # raises the script's message; a failed `up` has taken itself down
+    print(
+        f"\ncluster: {harness.master_url}, {hosts} worker hosts, up in {harness.up_seconds:.1f} s"
+    )
+    try:
+        yield harness
+    finally:
+        harness.down()
+
+
+@pytest.fixture(autouse=True)
+def _restore_cluster(request: pytest.FixtureRequest):
+    """After a test that used the cluster: every host healed and running its daemons; after
+    the last one, the cluster taken down."""
+    harness = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
+    yield
+    if harness is None:
+        return
+    if request.node.nodeid == request.config.stash.get(_LAST_ON_CLUSTER, ""):
+        harness.down()
+    else:
+        harness.restore()
 
 
 def worker_processes() -> dict[int, str]:

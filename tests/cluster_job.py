@@ -1,0 +1,160 @@
+"""The tandem job of the cluster tests, run as a user runs a driver on a cluster's head node:
+
+    scripts/cluster.sh exec head .venv/bin/python tests/cluster_job.py \\
+        --input rows.parquet --out out/run1 --tag run1 --rate 1000 --duration 6 --restore
+
+A keyed count at r = 2 over a Parquet file of ``(id, key)`` rows — the file's rows released
+at ``--rate`` rows per second, 2 partitions, ``key_by("key")``, a running count per key in
+2 partitions, a ``Collect`` sink — on ``tandem_spark.SparkEngine`` at the standalone master
+``$TANDEM_CLUSTER_MASTER`` (``scripts/cluster.sh exec`` sets it, and
+``TANDEM_CLUSTER_ADDRESS``, the head's address the driver binds). One worker per replica
+group, one for the sinks: three worker tasks.
+
+Each replica of ``count`` and each sink partition prints one line to its executor's stderr
+when it opens — ``tandem-cluster TAG: count[P]/R on ADDRESS pid PID`` or ``sink[P] on ...``
+— so a test can read from the executor logs of each host which host runs which replica
+while the job runs (see ``cluster_harness.placed``).
+
+It writes ``OUT/result.json`` (the Result's counts, latencies, lost and restored replicas,
+where the registry saw every replica) and ``OUT/output.parquet`` (the sink's rows); the
+exit status is 0 when the run completed (checked or not), 1 when it raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+import tandem as td
+import tandem_spark
+
+
+def announce(tag: str, what: str) -> None:
+    address = os.environ.get("SPARK_LOCAL_IP", "?")
+    print(
+        f"tandem-cluster {tag}: {what} on {address} pid {os.getpid()}", file=sys.stderr, flush=True
+    )
+
+
+class PlacedCount(td.CountPerKey):
+    """A running count per key that says where each replica runs when it opens."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def open(self, ctx) -> None:
+        super().open(ctx)
+        announce(self.tag, f"count[{ctx.partition}]/{ctx.replica}")
+
+
+class PlacedCollect(td.sinks.Collect):
+    """The Collect sink, saying where each partition runs when it opens."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def open(self, partition, parallelism=1, schema=None) -> None:
+        super().open(partition, parallelism, schema)
+        announce(self.tag, f"sink[{partition}]")
+
+
+def build(path: str, rate: int, tag: str, restore: bool) -> td.Job:
+    job = td.Job(f"cluster-{tag}", replication=2, restore=restore, workers=1)
+    rows = job.source(td.sources.Parquet(path, rate=rate), parallelism=2)
+    counted = rows.key_by("key").process(PlacedCount(tag), parallelism=2, name="count")
+    counted.sink(PlacedCollect(tag))
+    return job
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tag", required=True)
+    ap.add_argument("--rate", type=int, default=1000)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--restore", action="store_true")
+    ap.add_argument("--master", default=os.environ.get("TANDEM_CLUSTER_MASTER"))
+    args = ap.parse_args()
+    address = os.environ.get("TANDEM_CLUSTER_ADDRESS")
+    if not args.master or not address:
+        print(
+            "cluster_job: run it on a cluster host (scripts/cluster.sh exec head ...), which sets "
+            "TANDEM_CLUSTER_MASTER and TANDEM_CLUSTER_ADDRESS, or give --master",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("tandem").setLevel(logging.INFO)  # the registry's decisions, on the driver
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # The executors open the file by this path, from their own working directories: it
+    # must be absolute (and, on a real cluster, on storage every node mounts there).
+    job = build(str(Path(args.input).resolve()), args.rate, args.tag, args.restore)
+    started = time.monotonic()
+    spark = tandem_spark.local_session(
+        job,
+        master=args.master,
+        **{
+            "spark.driver.host": address,
+            "spark.driver.bindAddress": address,
+            "spark.executor.memory": "512m",
+            "spark.app.name": f"tandem-cluster-{args.tag}",
+        },
+    )
+    # The workers log at WARNING; INFO on the driver is for the registry only.
+    os.environ.setdefault("TANDEM_LOG_LEVEL", "WARNING")
+    try:
+        engine = tandem_spark.SparkEngine(spark)
+        ready = time.monotonic()
+        res = job.run(duration=args.duration, engine=engine)
+        ran = time.monotonic()
+        plan = job.plan()
+        hosts = {
+            f"{plan.tasks[t].name}[{p}]/{r}": attempt.node
+            for (t, p, r), attempt in engine.last_run.hosts().items()
+        }
+        result = {
+            "rows": res.output.num_rows,
+            "events_in": res.events_in,
+            "events_out": res.events_out,
+            "lost": res.lost,
+            "duplicates": res.duplicates,
+            "digests_match": res.digests_match,
+            "determinism_errors": res.determinism_errors,
+            "p50_ms": res.p50_ms,
+            "p99_ms": res.p99_ms,
+            "max_gap_ms": res.max_gap_ms,
+            "lost_replicas": res.lost_replicas,
+            "restored_replicas": res.restored_replicas,
+            "hosts": hosts,
+            "session_s": ready - started,
+            "run_s": ran - ready,
+        }
+        pq.write_table(res.output, out / "output.parquet")
+        (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+        print(json.dumps({k: result[k] for k in ("rows", "lost", "duplicates", "run_s")}))
+        return 0
+    except Exception:
+        traceback.print_exc()
+        (out / "error.txt").write_text(traceback.format_exc())
+        return 1
+    finally:
+        spark.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

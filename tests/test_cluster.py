@@ -1,0 +1,367 @@
+"""The multi-host harness (scripts/cluster.sh) and tandem on the real Spark standalone cluster
+it runs: hosts are network namespaces on one bridge with no route out, the head runs the
+master and the driver, each worker host a Worker. Real components only; every test takes
+the session's `cluster` fixture (tests/conftest.py), so it is marked `cluster` and needs
+root."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cluster_harness import SCRIPT, Cluster, ClusterError, placed
+
+JOB = Path(__file__).with_name("cluster_job.py")
+WEB_UI = 8081  # every Worker's web UI: a listening port on each worker host
+
+PROBE = """
+import errno, socket, sys, time
+host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+t0 = time.monotonic()
+try:
+    socket.create_connection((host, port), timeout=timeout).close()
+    outcome = "ok"
+except ConnectionRefusedError:
+    outcome = "refused"
+except TimeoutError:
+    outcome = "timeout"
+except OSError as exc:
+    outcome = "error:" + errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+print(outcome, round(time.monotonic() - t0, 3))
+"""
+
+
+def probe(cluster: Cluster, host: str, address: str, port: int, timeout: float = 2.0):
+    """Connect from ``host`` to ``address:port``: ("ok" | "refused" | "timeout" |
+    "error:ERRNO", seconds it took)."""
+    done = cluster.run_on(
+        host, [cluster.python, "-c", PROBE, address, str(port), str(timeout)], timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    outcome, seconds = done.stdout.split()
+    return outcome, float(seconds)
+
+
+def test_hosts_reach_each_other_and_nothing_outside(cluster):
+    head, w1, w2 = cluster.head, cluster.hosts[0], cluster.hosts[1]
+    assert cluster.master_url == f"spark://{cluster.address(head)}:7077"
+    for host in (cluster.head, *cluster.hosts):
+        assert cluster.address(host).startswith("198.18.")
+    assert probe(cluster, w1, cluster.address(head), 7077)[0] == "ok"  # the master
+    assert probe(cluster, w1, cluster.address(w2), WEB_UI)[0] == "ok"
+    assert probe(cluster, head, cluster.address(w1), WEB_UI)[0] == "ok"
+
+    # No default route on a host: only its own /24 on the bridge.
+    routes = cluster.run_on(w1, ["ip", "-4", "route"]).stdout
+    assert "default" not in routes and routes.strip().startswith("198.18.0.0/24"), routes
+
+    # A service of the machine's own (root) namespace on loopback is not reachable from
+    # a host: its 127.0.0.1 is its own.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert probe(cluster, w1, "127.0.0.1", port)[0] == "refused"
+    # Nor is anything beyond the bridge: the machine's outside address has no route.
+    outside = subprocess.run(
+        ["ip", "-4", "-o", "route", "get", "192.0.2.1"], capture_output=True, text=True
+    ).stdout
+    src = outside.split(" src ")[1].split()[0] if " src " in outside else "192.0.2.1"
+    outcome, _ = probe(cluster, w1, src, 22, timeout=2.0)
+    assert outcome == "error:ENETUNREACH", outcome
+
+
+def test_a_partitioned_host_drops_packets_without_reset_and_heal_restores_it(cluster):
+    w1, w2 = cluster.hosts[0], cluster.hosts[1]
+    target = cluster.address(w2)
+    assert probe(cluster, w1, target, WEB_UI)[0] == "ok"  # also leaves w2 in w1's ARP cache
+
+    cluster.partition(w2)
+    assert "down" in next(line for line in cluster.status().splitlines() if line.startswith(w2))
+    outcome, seconds = probe(cluster, w1, target, WEB_UI, timeout=1.5)
+    # Packets vanish: no RST, so the connect hangs until its timeout — not "refused".
+    assert outcome == "timeout", outcome
+    assert seconds >= 1.4
+    # The partitioned host cannot reach out either.
+    assert probe(cluster, w2, cluster.address(w1), WEB_UI, timeout=1.5)[0] != "ok"
+
+    cluster.heal(w2)
+    deadline = time.monotonic() + 10
+    while (outcome := probe(cluster, w1, target, WEB_UI)[0]) != "ok":
+        assert time.monotonic() < deadline, f"{w2} still unreachable after heal: {outcome}"
+        time.sleep(0.2)
+
+
+# One TCP connection from host A to host B: A sends SIZE bytes, B reads them all and sends
+# SIZE bytes back; each side reports the seconds its receive took.
+SERVER = """
+import socket, sys, time
+sock = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("listening", flush=True)
+conn, _ = sock.accept()
+size, got, t0 = int(sys.argv[3]), 0, None
+while got < size:
+    chunk = conn.recv(1 << 16)
+    if not chunk:
+        break
+    t0 = t0 or time.monotonic()
+    got += len(chunk)
+print("received", got, round(time.monotonic() - t0, 3), flush=True)
+conn.sendall(b"x" * size)
+conn.close()
+"""
+CLIENT = """
+import socket, sys, time
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+size = int(sys.argv[3])
+conn.sendall(b"x" * size)
+got, t0 = 0, None
+while got < size:
+    chunk = conn.recv(1 << 16)
+    if not chunk:
+        break
+    t0 = t0 or time.monotonic()
+    got += len(chunk)
+print("received", got, round(time.monotonic() - t0, 3), flush=True)
+"""
+
+
+def throughput(cluster: Cluster, src: str, dst: str, size: int) -> tuple[float, float]:
+    """Bytes per second src → dst and dst → src over one TCP connection."""
+    port = 9999
+    server = cluster.popen_on(
+        dst,
+        [cluster.python, "-c", SERVER, cluster.address(dst), str(port), str(size)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        client = cluster.run_on(
+            src,
+            [cluster.python, "-c", CLIENT, cluster.address(dst), str(port), str(size)],
+            timeout=120,
+        )
+        assert client.returncode == 0, client.stderr
+        out, _ = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    _, got_there, there_s = out.split()
+    _, got_back, back_s = client.stdout.split()
+    assert int(got_there) == int(got_back) == size
+    return size / max(float(there_s), 1e-3), size / max(float(back_s), 1e-3)
+
+
+def test_a_slow_link_limits_throughput_both_ways(cluster):
+    w1, w2 = cluster.hosts[0], cluster.hosts[1]
+    fast_there, fast_back = throughput(cluster, w1, w2, 4_000_000)
+    cluster.slow(w2, "8mbit")  # 1 MB/s
+    assert "8Mbit" in next(line for line in cluster.status().splitlines() if line.startswith(w2))
+    slow_there, slow_back = throughput(cluster, w1, w2, 1_500_000)
+    # tbf lets a burst through at once (10 ms of the rate here), then holds the rate.
+    assert slow_there < 1.3e6 and slow_back < 1.3e6, (slow_there, slow_back)
+    assert fast_there > 5 * slow_there and fast_back > 5 * slow_back, (fast_there, fast_back)
+    cluster.heal(w2)
+    healed_there, _ = throughput(cluster, w1, w2, 4_000_000)
+    assert healed_there > 5 * slow_there
+
+
+def test_without_root_the_script_fails_saying_so(tmp_path):
+    env = {**os.environ, "TANDEM_CLUSTER_DIR": str(tmp_path / "state")}
+    # As root (CI), drop to nobody for this one command.
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    done = subprocess.run(
+        [*(nobody if os.geteuid() == 0 else []), "bash", str(SCRIPT), "up", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "needs root" in done.stderr and "sudo" in done.stderr, done.stderr
+    assert not (tmp_path / "state").exists()  # it started nothing, recorded nothing
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a dead daemon's parent, init here, reaps it when it can)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.cluster
+def test_a_second_cluster_cleans_up_after_a_crashed_run_and_runs_kafka(tmp_path, monkeypatch):
+    """Another prefix and state folder: a cluster beside the session's. `up` over the
+    records of a run that never called `down` (a crashed test session) takes that one
+    down first; `--services` runs ZooKeeper and Kafka on a host of their own, which the
+    worker hosts reach; `down` leaves no process, namespace or link behind."""
+    monkeypatch.setenv("TANDEM_CLUSTER_PREFIX", "tx")
+    first = Cluster(1, state_dir=tmp_path / "state").up()
+    pids = [int(line.split()[2]) for line in (tmp_path / "state/run/pids").read_text().splitlines()]
+    second = Cluster(1, state_dir=tmp_path / "state", services=True)
+    try:
+        second.up()  # no `first.down()`: as if the session that started it had died
+        assert not [pid for pid in pids if running(pid)], "the stale run survived"
+        assert second.services_host == "txsvc" and first.hosts == second.hosts == ["txw1"]
+        svc = second.address("txsvc")
+        code = (
+            "from confluent_kafka.admin import AdminClient; "
+            f"print(len(AdminClient({{'bootstrap.servers': '{svc}:19092'}})"
+            ".list_topics(timeout=30).brokers))"
+        )
+        done = second.python_on("txw1", code)
+        assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+        assert probe(second, "txw1", svc, 21810)[0] == "ok"  # ZooKeeper
+        pids = [
+            int(line.split()[2]) for line in (tmp_path / "state/run/pids").read_text().splitlines()
+        ]
+    finally:
+        second.down()
+    assert not [pid for pid in pids if running(pid)]
+    left = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not [line for line in left.splitlines() if ": tx" in line], left
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [n for n in namespaces.split() if n.startswith("tx")], namespaces
+    with pytest.raises(ClusterError, match="no cluster is up"):
+        second._script("crash", "txw1")
+
+
+# -- tandem on the cluster ------------------------------------------------------------------
+
+RATE, KEYS = 1_000, 50
+
+
+def input_file(tmp_path: Path, duration: float) -> Path:
+    """RATE x duration rows ``(id, key)``, keys drawn at random: the job's input."""
+    n = int(RATE * duration)
+    keys = np.random.default_rng(7).integers(0, KEYS, size=n)
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"id": np.arange(n, dtype=np.int64), "key": keys}), path)
+    return path
+
+
+def check_output(result: dict, output: pa.Table, rows: pa.Table) -> None:
+    """The sink's rows against what the input alone implies: every input row exactly
+    once, and per key the running counts 1..n where n is how often the key occurs."""
+    assert result["rows"] == output.num_rows == rows.num_rows
+    ids = output.column("id").to_pylist()
+    assert sorted(ids) == rows.column("id").to_pylist()  # each row once: none lost, none twice
+    expected = collections.Counter(rows.column("key").to_pylist())
+    counts = collections.defaultdict(list)
+    keys, running = output.column("key").to_pylist(), output.column("count").to_pylist()
+    for key, count in zip(keys, running, strict=True):
+        counts[key].append(count)
+    assert {k: sorted(v) for k, v in counts.items()} == {
+        k: list(range(1, n + 1)) for k, n in expected.items()
+    }
+
+
+def start_job(cluster: Cluster, tmp_path: Path, tag: str, duration: float, restore: bool):
+    """The driver on the head host, as a user runs it there: a subprocess in its namespace."""
+    path = input_file(tmp_path, duration)
+    out = tmp_path / tag
+    argv = [cluster.python, str(JOB), "--input", str(path), "--out", str(out), "--tag", tag]
+    argv += ["--rate", str(RATE), "--duration", str(duration)]
+    if restore:
+        argv.append("--restore")
+    log = open(tmp_path / f"{tag}.driver.log", "w")  # noqa: SIM115 (closed by finish_job)
+    proc = cluster.popen_on(cluster.head, argv, stdout=log, stderr=subprocess.STDOUT)
+    return proc, log, path, out
+
+
+def finish_job(proc, log, path: Path, out: Path, timeout: float) -> tuple[dict, pa.Table]:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(
+            f"the driver did not finish within {timeout:.0f} s; log: {log.name}"
+        ) from None
+    finally:
+        log.close()
+    driver_log = Path(log.name).read_text()
+    assert proc.returncode == 0, f"the driver failed:\n{driver_log[-6000:]}"
+    result = json.loads((out / "result.json").read_text())
+    print(f"driver: {json.dumps(result)}", file=sys.stderr)
+    return result, pq.read_table(out / "output.parquet")
+
+
+def spread(result: dict, cluster: Cluster) -> dict[str, str]:
+    """Replica → host as the registry saw it; the twins of every partition on two hosts."""
+    hosts = {rid: cluster.host_of(node) for rid, node in result["hosts"].items()}
+    assert set(hosts.values()) <= set(cluster.hosts), hosts  # executors run on worker hosts only
+    for name in ("count[0]", "count[1]"):
+        assert hosts[f"{name}/0"] != hosts[f"{name}/1"], f"the twins of {name} share a host"
+    return hosts
+
+
+def test_a_keyed_count_on_the_standalone_cluster(cluster, tmp_path):
+    duration = 4.0
+    proc, log, path, out = start_job(cluster, tmp_path, "nofault", duration, restore=True)
+    result, output = finish_job(proc, log, path, out, timeout=240)
+
+    assert result["lost"] == 0 and result["duplicates"] == 0
+    assert result["digests_match"], result["determinism_errors"]
+    assert result["lost_replicas"] == []
+    check_output(result, output, pq.read_table(path))
+    hosts = spread(result, cluster)
+    # What the replicas printed to their executors' logs agrees with the registry.
+    seen = placed(cluster, "nofault")
+    assert {k: v for k, v in seen.items() if k.startswith("count")} == {
+        k: v for k, v in hosts.items() if k.startswith("count")
+    }
+
+
+def test_a_crashed_replica_host_is_masked(cluster, tmp_path):
+    """Every process of a host running one replica group (not the sinks' worker) SIGKILLed
+    mid-run: its twins carry the partitions — nothing lost, nothing twice — and the job
+    ends with its result."""
+    duration = 8.0
+    proc, log, path, out = start_job(cluster, tmp_path, "crash", duration, restore=True)
+    wanted = {"count[0]/0", "count[0]/1", "count[1]/0", "count[1]/1", "sink[0]"}
+    deadline = time.monotonic() + 180
+    while not wanted <= set(where := placed(cluster, "crash")):
+        assert proc.poll() is None, (
+            f"the driver exited early:\n{Path(log.name).read_text()[-4000:]}"
+        )
+        assert time.monotonic() < deadline, f"replicas not placed after 180 s: {where}"
+        time.sleep(0.2)
+    victim = next(
+        where[f"count[0]/{r}"] for r in (0, 1) if where[f"count[0]/{r}"] != where["sink[0]"]
+    )
+    time.sleep(3.0)  # the replicas open about a second before t0: crash mid-run
+    crashed_at = time.monotonic()
+    cluster.crash(victim)
+    result, output = finish_job(proc, log, path, out, timeout=duration + 120)
+    ended_after = time.monotonic() - crashed_at
+
+    assert result["lost"] == 0 and result["duplicates"] == 0
+    assert result["digests_match"], result["determinism_errors"]
+    check_output(result, output, pq.read_table(path))
+    # Lost: exactly the replicas the registry had on the victim, as crashed, and nothing
+    # else; their twins on other hosts carried every partition.
+    hosts = spread(result, cluster)
+    gone = {f"{r['task']}[{r['partition']}]/{r['replica']}" for r in result["lost_replicas"]}
+    assert gone == {rid for rid, host in hosts.items() if host == victim}, result["lost_replicas"]
+    assert {r["cause"] for r in result["lost_replicas"]} == {"crashed"}
+    assert "sink[0]/0" not in gone
+    assert ended_after < duration + 60, f"the job ended {ended_after:.0f} s after the crash"
+    print(
+        f"crash of {victim} ({sorted(gone)}): job ended {ended_after:.1f} s later, "
+        f"longest gap {result['max_gap_ms']} ms, restored {len(result['restored_replicas'])}",
+        file=sys.stderr,
+    )
