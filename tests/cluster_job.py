@@ -121,11 +121,18 @@ def main() -> int:
         engine = tandem_spark.SparkEngine(spark)
         ready = time.monotonic()
         res = job.run(duration=args.duration, engine=engine)
-        ran = time.monotonic()
+        ran, returned_at = time.monotonic(), time.time()
         plan = job.plan()
         hosts = {
             f"{plan.tasks[t].name}[{p}]/{r}": attempt.node
             for (t, p, r), attempt in engine.last_run.hosts().items()
+        }
+        first = {a.worker: a for a in engine.last_run.attempts if a.incarnation == 0}
+        first_hosts = {  # where each replica ran before any fault
+            f"{plan.tasks[t].name}[{p}]/{r}": first[w].node
+            for w, rids in enumerate(plan.placement())
+            for t, p, r in rids
+            if w in first
         }
         result = {
             "rows": res.output.num_rows,
@@ -141,8 +148,10 @@ def main() -> int:
             "lost_replicas": res.lost_replicas,
             "restored_replicas": res.restored_replicas,
             "hosts": hosts,
+            "first_hosts": first_hosts,
             "session_s": ready - started,
             "run_s": ran - ready,
+            "returned_at": returned_at,
         }
         pq.write_table(res.output, out / "output.parquet")
         (out / "result.json").write_text(json.dumps(result, indent=1, default=str))

@@ -326,15 +326,15 @@ def test_a_keyed_count_on_the_standalone_cluster(cluster, tmp_path):
     }
 
 
-def test_a_crashed_replica_host_is_masked(cluster, tmp_path):
-    """Every process of a host running one replica group (not the sinks' worker) SIGKILLed
-    mid-run: its twins carry the partitions — nothing lost, nothing twice — and the job
-    ends with its result."""
-    duration = 8.0
-    proc, log, path, out = start_job(cluster, tmp_path, "crash", duration, restore=True)
+def _fault_a_replica_host(cluster, tmp_path, tag: str, fault, duration: float = 8.0):
+    """Run the keyed count, and once its replicas run, ``fault`` (a harness method) the
+    host of one replica group that does not host the sinks' worker: the result, how long
+    after the fault ``job.run`` returned, the victim, the replicas lost and those that
+    ran on the victim."""
+    proc, log, path, out = start_job(cluster, tmp_path, tag, duration, restore=True)
     wanted = {"count[0]/0", "count[0]/1", "count[1]/0", "count[1]/1", "sink[0]"}
     deadline = time.monotonic() + 180
-    while not wanted <= set(where := placed(cluster, "crash")):
+    while not wanted <= set(where := placed(cluster, tag)):
         assert proc.poll() is None, (
             f"the driver exited early:\n{Path(log.name).read_text()[-4000:]}"
         )
@@ -343,25 +343,61 @@ def test_a_crashed_replica_host_is_masked(cluster, tmp_path):
     victim = next(
         where[f"count[0]/{r}"] for r in (0, 1) if where[f"count[0]/{r}"] != where["sink[0]"]
     )
-    time.sleep(3.0)  # the replicas open about a second before t0: crash mid-run
-    crashed_at = time.monotonic()
-    cluster.crash(victim)
+    time.sleep(3.0)  # the replicas open about a second before t0: the fault comes mid-run
+    faulted_at = time.time()  # the hosts share this machine's clock
+    fault(victim)
     result, output = finish_job(proc, log, path, out, timeout=duration + 120)
-    ended_after = time.monotonic() - crashed_at
-
+    ended_after = result["returned_at"] - faulted_at  # job.run returned, before spark.stop()
     assert result["lost"] == 0 and result["duplicates"] == 0
     assert result["digests_match"], result["determinism_errors"]
     check_output(result, output, pq.read_table(path))
-    # Lost: exactly the replicas the registry had on the victim, as crashed, and nothing
-    # else; their twins on other hosts carried every partition.
     hosts = spread(result, cluster)
+    # Lost: exactly the replicas the registry had on the victim, and nothing else; their
+    # twins on other hosts carried every partition.
     gone = {f"{r['task']}[{r['partition']}]/{r['replica']}" for r in result["lost_replicas"]}
-    assert gone == {rid for rid, host in hosts.items() if host == victim}, result["lost_replicas"]
-    assert {r["cause"] for r in result["lost_replicas"]} == {"crashed"}
-    assert "sink[0]/0" not in gone
-    assert ended_after < duration + 60, f"the job ended {ended_after:.0f} s after the crash"
+    first = {rid: cluster.host_of(node) for rid, node in result["first_hosts"].items()}
+    on_victim = {rid for rid, host in first.items() if host == victim}
     print(
-        f"crash of {victim} ({sorted(gone)}): job ended {ended_after:.1f} s later, "
+        f"{tag} of {victim} ({sorted(gone)}): job ended {ended_after:.1f} s later, "
         f"longest gap {result['max_gap_ms']} ms, restored {len(result['restored_replicas'])}",
         file=sys.stderr,
     )
+    restored = {
+        f"{r['task']}[{r['partition']}]/{r['replica']}" for r in result["restored_replicas"]
+    }
+    assert not any(hosts[rid] == victim for rid in restored), hosts  # rebuilt elsewhere
+    return result, ended_after, restored, gone, on_victim
+
+
+def test_a_crashed_replica_host_is_masked(cluster, tmp_path):
+    """Every process of a host running one replica group (not the sinks' worker) SIGKILLed
+    mid-run: its twins carry the partitions — nothing lost, nothing twice — its replicas
+    are rebuilt on another host (r restored), and the job ends with its result."""
+    duration = 12.0  # room for the rebuild: a Spark job started on another host
+    result, ended_after, restored, gone, on_victim = _fault_a_replica_host(
+        cluster, tmp_path, "crash", cluster.crash, duration
+    )
+    assert gone == on_victim, result["lost_replicas"]
+    assert {r["cause"] for r in result["lost_replicas"]} == {"crashed"}
+    assert "sink[0]/0" not in gone
+    assert restored == on_victim, result["restored_replicas"]  # r restored on another host
+    assert ended_after < duration + 10, f"the job ended {ended_after:.1f} s after the crash"
+
+
+def test_a_replica_host_cut_off_is_declared_lost_and_the_job_ends(cluster, tmp_path):
+    """The link of a host running one replica group taken down mid-run (no reset: its
+    packets vanish) and never healed during the run: the job, not Spark, decides it is
+    lost — its keepalives stop, or its upstream replicas drop it as a straggler — fences
+    it, rebuilds its replicas on another host (a Spark job of its own: no retry comes for
+    a task Spark still thinks runs), and ends with its result within its duration and
+    10 s, never waiting for Spark's executor timeout; nothing lost or repeated."""
+    duration = 14.0  # room for the rebuild: a Spark job started on another host
+    result, ended_after, restored, gone, on_victim = _fault_a_replica_host(
+        cluster, tmp_path, "partition", cluster.partition, duration
+    )
+    assert gone == on_victim, result["lost_replicas"]
+    assert restored == on_victim, result["restored_replicas"]  # r restored on another host
+    assert {r["cause"] for r in result["lost_replicas"]} <= {"silent", "evicted"}
+    # Its rows came from the twins: the longest gap is about failure_timeout_ms at most.
+    assert result["max_gap_ms"] < 2000 + 1000, result["max_gap_ms"]
+    assert ended_after < duration + 10, f"the job ended {ended_after:.1f} s after the cut"

@@ -82,7 +82,9 @@ OUTPUT = pa.schema([pa.field(SLOT, pa.int64())])
 """The schema of ``worker_main``'s output, which has no rows: the reports come through
 the registry."""
 
-END_GRACE_S = 5.0
+END_GRACE_S = 1.0
+END_WAIT_S = 3.0
+"""How long a cancelled Spark job may take to end before the run returns without it."""
 """How long the Spark job may go on once the coordinator has every report (a task of a
 worker cut off from the driver: Spark waits for it until it declares the executor lost)."""
 
@@ -399,7 +401,13 @@ class _SparkJob:
                     "and fenced, cut off from the driver): cancelled"
                 )
             self.sc.cancelJobsWithTag(self.tag)
-            self.thread.join()
+            self.thread.join(END_WAIT_S)
+            if self.thread.is_alive():  # its task is on an executor the driver cannot reach
+                log.warning(
+                    "the cancelled Spark job has not ended %g s later (a task on an executor "
+                    "cut off from the driver); the run's result does not wait for it",
+                    END_WAIT_S,
+                )
 
 
 class _Rebuilds:
@@ -425,7 +433,7 @@ class _Rebuilds:
     def _run(self, slot: int, avoid: set[str]) -> None:
         # The lost executor's replacement registers seconds after the crash.
         deadline = time.monotonic() + REJOIN_TIMEOUT_S
-        while not (free := [e for e in _executors(self.spark) if e[0] not in avoid]):
+        while not (free := _free_first(self.spark, avoid)):
             if time.monotonic() > deadline or self._closed.wait(0.2):
                 log.warning(
                     "placement row %d is not started again: no executor without twins of "
@@ -453,6 +461,20 @@ class _Rebuilds:
             self.spark.sparkContext.cancelJobsWithTag(self.tag)
         for t in self._threads:
             t.join()
+
+
+def _free_first(spark, avoid: set[str]) -> list[tuple[str, str]]:
+    """The live executors whose id is not in ``avoid``, those with a free task slot first
+    (a task placed on a full executor waits there for ``spark.locality.wait``)."""
+    store = spark.sparkContext._jsc.sc().statusStore()
+    found = store.executorList(True)
+    busy = {}
+    for i in range(found.size()):
+        e = found.apply(i)
+        busy[str(e.id())] = e.activeTasks() >= e.totalCores()
+    return sorted(
+        (e for e in _executors(spark) if e[0] not in avoid), key=lambda e: busy.get(e[0], True)
+    )
 
 
 def _executors(spark) -> list[tuple[str, str]]:

@@ -449,20 +449,30 @@ class Registry:
 
     def replace(self, assign: Assign, incarnation: int) -> bool:
         """Spark retries the lost worker's task by itself, and the retry claims the
-        rebuild — unless the lost task could not be killed (a cluster's executor, cut off
-        or frozen): its placement row is then started again at once in a Spark job of
-        its own, on another executor (``relaunch``)."""
-        lost = self._unkillable.pop(assign.worker, None)
-        if lost is not None:
-            self._relaunched.pop(lost.slot, None)  # a new loss
-            if self.relaunch is not None:
-                log.info(
-                    "worker %d was fenced but cannot be killed on executor %s: its placement "
-                    "row is started again elsewhere",
-                    assign.worker,
-                    lost.executor_id,
-                )
-                self.relaunch(lost.slot, {lost.executor_id} - {None})
+        rebuild. On a cluster (executors elsewhere) the placement row is also started
+        again at once in a Spark job of its own on another executor (``relaunch``),
+        whichever comes first claiming it: Spark retries a task only once it has noticed
+        the loss — seconds after a host's crash, and not before it declares the executor
+        lost when the task was cut off or frozen (it could not be killed)."""
+        lost = self._unkillable.pop(assign.worker, None) or self._latest.get(assign.worker)
+        if lost is None or self.local or self.relaunch is None:
+            return False
+        self._relaunched.pop(lost.slot, None)  # a new loss
+        # Nor beside a twin: one executor's loss must not take two replicas of a partition.
+        parts = {rid[:2] for rid in self.placement[assign.worker]}
+        with self._lock:
+            twins = {
+                a.executor_id
+                for v, a in self._latest.items()
+                if v != assign.worker and any(rid[:2] in parts for rid in self.placement[v])
+            }
+        avoid = ({lost.executor_id} | twins) - {None}
+        log.info(
+            "worker %d is started again at once on an executor other than %s",
+            assign.worker,
+            sorted(avoid),
+        )
+        self.relaunch(lost.slot, avoid)
         return False
 
     def send(self, worker: int, incarnation: int, message: Message) -> bool:
