@@ -1,5 +1,5 @@
 //! `tandem._core.Inbox`, `Outbox` and `Delivery`: the TCP transport of
-//! [`tandem_core::transport`] and the [`tandem_core::outbox`] over pyarrow record batches.
+//! [`tandem_core::inbox`] and the [`tandem_core::outbox`] over pyarrow record batches.
 //!
 //! Every blocking call runs with the GIL released: `Inbox.next` through [`gil::wait`]
 //! (it still honours Ctrl-C), `Outbox.emit` and friends through `py.detach` (they block
@@ -14,14 +14,16 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3_arrow::PyRecordBatch;
 use tandem_core::digest::to_hex;
+use tandem_core::divergence::OnDivergence;
+use tandem_core::inbox::{Inbox as CoreInbox, InboxConfig};
+use tandem_core::link::{LinkConfig, TcpLink};
 use tandem_core::logs::{ReplicaTag, OUTBOX};
 use tandem_core::merge::OrderingMode;
+use tandem_core::orderfeed::{
+    OrderFeed as CoreOrderFeed, OrderPublisher as CoreOrderPublisher, PublishStep,
+};
 use tandem_core::outbox::{
     Eviction, Link, Outbox as CoreOutbox, OutboxConfig, Partitioner, ReplayWindow,
-};
-use tandem_core::transport::{
-    Inbox as CoreInbox, InboxConfig, LinkConfig, OnDivergence, OrderFeed as CoreOrderFeed,
-    OrderPublisher as CoreOrderPublisher, PublishStep, TcpLink,
 };
 use tandem_core::wire::{Identity, DEFAULT_MAX_FRAME_BYTES};
 use tandem_core::worker::Handle;
