@@ -31,18 +31,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The output of one task partition replica: partitions emitted rows over the downstream
-/// partitions (channels), numbers every row and marker, sends each emitted batch's part of
-/// a channel at once (frames of at most `batch_rows` rows cut at fixed offsets of that part)
-/// to every replica of the channel's downstream partition, and keeps each channel's cycle
-/// digest, which its heartbeats carry.
-///
-/// `me` is `(task, partition, replica)`; `downstream[c]` lists the replicas of downstream
-/// partition `c`: each a `(host, port)` to dial, or the `Inbox` itself when the replica
-/// lives in this process (the batches then go straight into its dedup, never encoded).
-/// Construction dials the others (in parallel, retrying until `connect_timeout`); an
-/// unreachable replica is logged and skipped, a channel with no reachable replica is an
-/// error.
 /// A connection to a downstream replica, dialled and authenticated by [`Outbox::dial`],
 /// waiting to be attached to a channel of that outbox ([`Outbox::attach`]). Dropped
 /// unattached, it closes.
@@ -64,6 +52,18 @@ impl DialedLink {
     }
 }
 
+/// The output of one task partition replica: partitions emitted rows over the downstream
+/// partitions (channels), numbers every row and marker, sends each emitted batch's part of
+/// a channel at once (frames of at most `batch_rows` rows cut at fixed offsets of that part)
+/// to every replica of the channel's downstream partition, and keeps each channel's cycle
+/// digest, which its heartbeats carry.
+///
+/// `me` is `(task, partition, replica)`; `downstream[c]` lists the replicas of downstream
+/// partition `c`: each a `(host, port)` to dial, or the `Inbox` itself when the replica
+/// lives in this process (the batches then go straight into its dedup, never encoded).
+/// Construction dials the others (in parallel, retrying until `connect_timeout`); an
+/// unreachable replica is logged and skipped, a channel with no reachable replica is an
+/// error.
 #[pyclass(frozen, module = "tandem._core")]
 pub struct Outbox {
     pub(crate) inner: Handle<CoreOutbox>,
