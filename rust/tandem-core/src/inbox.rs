@@ -1,9 +1,10 @@
 //! The receiving side of one task partition replica, the [`Inbox`]: its listener, the
 //! handshakes, its connections read by a [`Reactor`] (each one's reading state machine),
 //! dedup and merge. What feeds it is in [`crate::link`] (a [`TcpLink`] from another
-//! process, a [`LocalLink`] from this one), the KaZoo orderer's handle on it in
-//! [`crate::orderfeed`], the comparison of its upstream replicas' digests in
-//! [`crate::divergence`].
+//! process, a [`LocalLink`] from this one, made by [`Inbox::local_link`]), the KaZoo
+//! orderer's handle on it in [`crate::orderfeed`] ([`Inbox::order_feed`]), the comparison
+//! of its upstream replicas' digests in [`crate::divergence`]. Those modules build on this
+//! one, not the other way round: each method is defined beside what it returns.
 //!
 //! Receive path, per connection (DESIGN §2 invariants 2 and 5):
 //!
@@ -52,8 +53,6 @@ use parking_lot::Mutex;
 use crate::dedup::{self, DedupReceiver, DedupSender, Offer};
 use crate::digest::Digest;
 use crate::divergence::{Divergence, DivergenceCheck, OnDivergence};
-#[cfg(doc)]
-use crate::link::{LocalLink, TcpLink};
 use crate::logs::{log_replica, ReplicaTag, INBOX};
 use crate::merge::{self, Merge, MergeCut, OrderingMode};
 use crate::orderlog::{OrderLog, OrderLogCut};
@@ -61,6 +60,12 @@ use crate::reactor::{Reactor, Source, Turn};
 use crate::socket::{self, Listener, Stream};
 use crate::sync::{Doorbell, Wake};
 use crate::wire::{self, Frame, FrameReader, Identity, Next};
+#[cfg(doc)]
+use crate::{
+    divergence::DIVERGENCES_KEPT,
+    link::{LocalLink, TcpLink},
+    orderfeed::OrderPublisher,
+};
 use crate::{Chunk, Delivery, Error, Item, Result};
 
 /// How long a blocked accept thread or writer goes without re-checking for shutdown.
