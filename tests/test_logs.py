@@ -70,7 +70,7 @@ def test_a_rejected_connection_is_a_warning_naming_the_replica(caplog, peer):
     assert "handshake failed" in msg, msg
     assert (rec.task, rec.partition, rec.replica) == (3, 1, 0)
     assert rec.threadName.startswith("tandem-handshake-"), rec.threadName
-    assert rec.pathname.endswith("transport.rs") and rec.lineno > 0
+    assert rec.pathname.endswith("inbox.rs") and rec.lineno > 0
 
 
 def test_a_downstream_that_finished_and_closed_is_not_a_warning(caplog):

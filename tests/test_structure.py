@@ -1,11 +1,13 @@
-"""The shape of the code: no import cycles, every module importable on its own, engines
-found through entry points, the library importing nothing from its experiments, tandem
-never naming the Spark integration, which uses tandem's public names only, and service
+"""The shape of the code: no import cycles (Python modules, and the Rust crates' modules),
+every module importable on its own, engines found through entry points, the library
+importing nothing from its experiments, tandem never naming the Spark integration, which
+uses tandem's public names only, and service
 supervision out of the public surface."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -200,6 +202,87 @@ def test_the_library_imports_nothing_from_the_experiments():
     found = library_imports_of_experiments(graph)
     detail = {m: " -> ".join(chain) for m, chain in found.items()}
     assert not found, f"the library imports the experiments: {detail}"
+RUST = ROOT / "rust"
+
+
+def _rust_code(path: Path) -> str:
+    """The code of a Rust file without its comments (docs included) and without the items
+    under ``#[cfg(test)]`` or ``#[cfg(doc)]``: a test module, or an import for a doc link,
+    is no dependency."""
+    code = "\n".join(line.split("//", 1)[0] for line in path.read_text().splitlines())
+    attr = re.compile(r"#\[cfg\((?:test|doc)\)\]")
+    while m := attr.search(code):
+        semi, brace = code.find(";", m.end()), code.find("{", m.end())
+        if brace < 0 or 0 <= semi < brace:
+            end = semi + 1
+        else:
+            depth, end = 0, brace
+            while True:
+                depth += {"{": 1, "}": -1}.get(code[end], 0)
+                end += 1
+                if depth == 0:
+                    break
+        code = code[: m.start()] + code[end:]
+    return code
+
+
+def rust_graph(src: Path) -> dict[str, set[str]]:
+    """A crate's top-level module → the modules of the crate it names (``crate::x``,
+    ``use crate::{x, y::z}``, or a name the crate root re-exports from a module); test-only
+    modules are left out."""
+    lib = _rust_code(src / "lib.rs")
+    test_only = set(re.findall(r"#\[cfg\(test\)\]\s*mod (\w+);", (src / "lib.rs").read_text()))
+    mods = {p.stem for p in src.glob("*.rs")} | {p.parent.name for p in src.glob("*/mod.rs")}
+    mods -= {"lib"} | test_only
+    reexported = {
+        name.strip(): module
+        for module, names in re.findall(r"pub use (\w+)::\{([^}]*)\}", lib)
+        for name in names.split(",")
+    }
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for path in sorted(src.rglob("*.rs")):
+        top = path.relative_to(src).parts[0].removesuffix(".rs")
+        if top not in mods:
+            continue
+        for group in re.findall(r"\bcrate::(\{[^}]*\}|\w+)", _rust_code(path)):
+            names = re.findall(r"[{,]\s*(\w+)", group) if group[0] == "{" else [group]
+            for name in names:
+                target = name if name in mods else reexported.get(name)
+                if target and target != top:
+                    graph[top].add(target)
+    return graph
+
+
+def test_the_rust_graph_sees_uses_and_leaves_tests_and_doc_links_out(tmp_path):
+    (tmp_path / "lib.rs").write_text(
+        "pub mod a;\npub mod b;\n#[cfg(test)]\nmod t;\npub use b::{Thing, Other};\n"
+    )
+    (tmp_path / "a.rs").write_text(
+        "//! See [`crate::t`].\nuse crate::{Thing, b::x};\n#[cfg(doc)]\nuse crate::t::Y;\n"
+        "#[cfg(test)]\nmod tests {\n    use crate::t::*;\n    fn f() { let _ = {1}; }\n}\n"
+    )
+    (tmp_path / "b.rs").write_text("fn g() -> crate::a::A { todo!() }\n")
+    (tmp_path / "t.rs").write_text("use crate::a::A;\n")
+    assert rust_graph(tmp_path) == {"a": {"b"}, "b": {"a"}}
+
+
+def test_no_module_cycles_in_the_rust_core():
+    graph = rust_graph(RUST / "tandem-core" / "src")
+    assert {"inbox", "link", "divergence", "orderfeed"} <= graph.keys()
+    assert graph["divergence"].isdisjoint({"inbox", "link", "orderfeed"})
+    found = cycles(graph)
+    detail = [{m: sorted(graph[m] & set(c)) for m in c} for c in found]
+    assert not found, f"module cycles in tandem-core (module -> the members it names): {detail}"
+
+
+def test_the_bindings_cycle_only_through_the_worker():
+    """A ``Worker`` is built from inboxes and outboxes, which take their worker as an
+    argument (``Inbox(worker=)``, ``OrderPublisher(worker)``): that is the one cycle of
+    tandem-py's files; without ``worker`` there is none."""
+    graph = rust_graph(RUST / "tandem-py" / "src")
+    assert {"inbox", "outbox", "orderfeed", "worker"} <= graph.keys()
+    rest = {m: deps - {"worker"} for m, deps in graph.items() if m != "worker"}
+    assert cycles(rest) == [], rest
 
 
 def test_every_module_imports_on_its_own_in_a_fresh_interpreter():

@@ -191,7 +191,7 @@ class Positional(_MergeBase):
     def position(self, channel: int) -> int:
         """First seq of ``channel`` not yet delivered."""
 
-# --- transport (rust/tandem-py/src/transport.rs) ---------------------------------------
+# --- transport (rust/tandem-py/src/{inbox,orderlog,orderfeed,outbox}.rs) ---------------
 
 class Delivery:
     """One step of an Inbox's consumption order (immutable).

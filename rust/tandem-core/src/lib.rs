@@ -18,7 +18,13 @@
 //! * [`outbox`] — partitioners, per-output-channel sequence numbers, frames cut once per
 //!   emitted batch.
 //! * [`digest`] — the per-channel cycle digest replicas compare to check determinism.
-//! * [`transport`] — TCP listener/dialers on I/O threads, bounded queues, blocking `next()`.
+//! * [`inbox`] — the receiving side of a replica: listener, handshakes, its connections'
+//!   reading state machine, dedup and merge behind a blocking `next()`.
+//! * [`link`] — the sending side: a TCP link to a downstream replica (one writer thread,
+//!   bounded queue), or a local link into an inbox of this process.
+//! * [`divergence`] — the online determinism check: replicas' heartbeat digests compared.
+//! * [`orderfeed`] — KaZoo's side of an inbox: the order log fed to it, the orders of a
+//!   worker's led partitions published.
 //! * [`reactor`] — one thread per worker reading every incoming connection (epoll).
 //! * [`worker`] — one thread serving many task replicas: watermarks, heartbeat forwarding
 //!   and source clocks without waking the host language.
@@ -31,17 +37,22 @@
 pub mod consume;
 pub mod dedup;
 pub mod digest;
+pub mod divergence;
 pub mod error;
+pub mod inbox;
 pub mod item;
+pub mod link;
 pub mod liverobin;
 pub mod logs;
 pub mod merge;
+pub mod orderfeed;
 pub mod orderlog;
 pub mod outbox;
 pub mod reactor;
 pub mod socket;
 pub mod sync;
-pub mod transport;
+#[cfg(test)]
+mod test_support;
 pub mod wire;
 pub mod worker;
 

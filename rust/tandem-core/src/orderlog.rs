@@ -297,7 +297,7 @@ pub fn split_message(message: &[u8]) -> Result<Vec<OrderPart>> {
 /// The publishing side of one leadership (one epoch) of a task partition; see the module
 /// documentation. [`Leader::next`] is a pure step — what arrived, what the log says, the
 /// clock — so the decision is testable without a log or a thread
-/// ([`crate::transport::OrderFeed::next_order`] drives it from a replica's inbox).
+/// ([`crate::orderfeed::OrderFeed::next_order`] drives it from a replica's inbox).
 #[derive(Debug, Clone)]
 pub struct Leader {
     epoch: u64,

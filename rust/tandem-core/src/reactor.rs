@@ -14,7 +14,7 @@
 //! ```
 //!
 //! A [`Source`] is a non-blocking socket with its own decoding state (the inbox's
-//! connections, see [`crate::transport`]). The reactor knows nothing about frames: it
+//! connections, see [`crate::inbox`]). The reactor knows nothing about frames: it
 //! decides only when a source gets a turn. Sockets are registered edge-triggered, so a
 //! source that stopped before its socket would block (its round share spent, or blocked
 //! by back-pressure) is kept in the reactor's own lists rather than waiting for an edge
@@ -28,7 +28,7 @@
 //! stall the others.
 //!
 //! One reactor serves every inbox of a worker ([`crate::worker::Worker::reactor`]); an
-//! inbox made without one ([`crate::transport::InboxConfig::reactor`] None) has its own.
+//! inbox made without one ([`crate::inbox::InboxConfig::reactor`] None) has its own.
 //! The thread starts with the first registered source and stops when the last handle on
 //! the reactor goes.
 

@@ -196,6 +196,18 @@ pub fn poke_local(addr: SocketAddr) -> bool {
     connect_local(addr).is_some()
 }
 
+/// The I/O errors of a connection whose peer closed or reset it.
+pub(crate) fn peer_gone(kind: io::ErrorKind) -> bool {
+    matches!(
+        kind,
+        io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::UnexpectedEof
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -40,10 +40,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use arrow_array::RecordBatch;
 use parking_lot::Mutex;
 
+use crate::inbox::{Inbox, InboxCut};
 use crate::outbox::{Outbox, OutboxCut};
 use crate::reactor::Reactor;
 use crate::sync::Doorbell;
-use crate::transport::{Inbox, InboxCut};
 use crate::{Delivery, Error, Result};
 
 /// An inbox or outbox shared between the worker and its host-language wrapper; `None`
@@ -156,7 +156,7 @@ struct Slot {
 
 impl Slot {
     /// Move what the links to replicas of this worker hold along (see
-    /// [`crate::transport::LocalLink`]); the largest backlog left over every link.
+    /// [`crate::link::LocalLink`]); the largest backlog left over every link.
     fn flush(&self) -> usize {
         let mut most = 0;
         for o in &self.cfg.outboxes {
@@ -366,13 +366,13 @@ impl Worker {
     }
 
     /// The doorbell every inbox of this worker must ring
-    /// ([`crate::transport::InboxConfig::bell`]).
+    /// ([`crate::inbox::InboxConfig::bell`]).
     pub fn bell(&self) -> Arc<Doorbell> {
         Arc::clone(&self.bell)
     }
 
     /// The reactor every inbox of this worker should be read by
-    /// ([`crate::transport::InboxConfig::reactor`]): one thread for all their connections.
+    /// ([`crate::inbox::InboxConfig::reactor`]): one thread for all their connections.
     pub fn reactor(&self) -> Arc<Reactor> {
         Arc::clone(&self.reactor)
     }

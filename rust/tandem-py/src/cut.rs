@@ -9,10 +9,10 @@
 //! lists `(seqs, rows_emitted)` per output edge. The runtime reads only `through` (where a
 //! rebuilt KaZoo replica's reader may start).
 
+use tandem_core::inbox::InboxCut;
 use tandem_core::merge::MergeCut;
 use tandem_core::orderlog::OrderLogCut;
 use tandem_core::outbox::OutboxCut;
-use tandem_core::transport::InboxCut;
 use tandem_core::worker::SlotCut;
 
 /// An order log's cut: `(epoch, version, ordered, through)`.

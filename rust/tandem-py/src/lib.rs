@@ -8,15 +8,18 @@
 
 use pyo3::prelude::*;
 
+mod args;
 mod batch;
 mod cut;
 mod dedup;
 mod errors;
 mod gil;
+mod inbox;
 mod logs;
 mod merge;
+mod orderfeed;
 mod orderlog;
-mod transport;
+mod outbox;
 mod wire;
 mod worker;
 
@@ -37,7 +40,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     dedup::register(m)?;
     merge::register(m)?;
     orderlog::register(m)?;
-    transport::register(m)?;
+    inbox::register(m)?;
+    outbox::register(m)?;
+    orderfeed::register(m)?;
     worker::register(m)?;
     Ok(())
 }

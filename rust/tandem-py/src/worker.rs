@@ -18,7 +18,8 @@ use tandem_core::worker::{SlotConfig, SourceClock, Waker, Work, Worker as CoreWo
 use crate::batch::SchemaCache;
 use crate::errors::{ConfigError, IntoPyResult};
 use crate::gil;
-use crate::transport::{Inbox, Outbox};
+use crate::inbox::Inbox;
+use crate::outbox::Outbox;
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Worker>()?;
