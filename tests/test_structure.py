@@ -202,6 +202,8 @@ def test_the_library_imports_nothing_from_the_experiments():
     found = library_imports_of_experiments(graph)
     detail = {m: " -> ".join(chain) for m, chain in found.items()}
     assert not found, f"the library imports the experiments: {detail}"
+
+
 RUST = ROOT / "rust"
 
 
