@@ -84,6 +84,13 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=1000)
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--restore", action="store_true")
+    ap.add_argument(
+        "--fault",
+        choices=("kill", "pause"),
+        help="td.Kill (or td.Pause for --pause-s) count[0] replica 1 at --fault-at seconds",
+    )
+    ap.add_argument("--fault-at", type=float, default=2.0)
+    ap.add_argument("--pause-s", type=float, default=30.0)
     ap.add_argument("--master", default=os.environ.get("TANDEM_CLUSTER_MASTER"))
     args = ap.parse_args()
     address = os.environ.get("TANDEM_CLUSTER_ADDRESS")
@@ -120,7 +127,12 @@ def main() -> int:
     try:
         engine = tandem_spark.SparkEngine(spark)
         ready = time.monotonic()
-        res = job.run(duration=args.duration, engine=engine)
+        faults = []
+        if args.fault == "kill":
+            faults = [td.Kill("count", 0, 1, at=args.fault_at)]
+        elif args.fault == "pause":
+            faults = [td.Pause("count", 0, 1, at=args.fault_at, for_s=args.pause_s)]
+        res = job.run(duration=args.duration, engine=engine, faults=faults)
         ran, returned_at = time.monotonic(), time.time()
         plan = job.plan()
         hosts = {
@@ -147,11 +159,13 @@ def main() -> int:
             "max_gap_ms": res.max_gap_ms,
             "lost_replicas": res.lost_replicas,
             "restored_replicas": res.restored_replicas,
+            "faults": res.faults,
             "hosts": hosts,
             "first_hosts": first_hosts,
             "session_s": ready - started,
             "run_s": ran - ready,
             "returned_at": returned_at,
+            "t0": res.t0_ns / 1e9,
         }
         pq.write_table(res.output, out / "output.parquet")
         (out / "result.json").write_text(json.dumps(result, indent=1, default=str))

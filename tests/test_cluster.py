@@ -269,12 +269,15 @@ def check_output(result: dict, output: pa.Table, rows: pa.Table) -> None:
     }
 
 
-def start_job(cluster: Cluster, tmp_path: Path, tag: str, duration: float, restore: bool):
-    """The driver on the head host, as a user runs it there: a subprocess in its namespace."""
+def start_job(
+    cluster: Cluster, tmp_path: Path, tag: str, duration: float, restore: bool, *extra: str
+):
+    """The driver on the head host, as a user runs it there: a subprocess in its namespace
+    (``extra``: more of ``cluster_job.py``'s arguments)."""
     path = input_file(tmp_path, duration)
     out = tmp_path / tag
     argv = [cluster.python, str(JOB), "--input", str(path), "--out", str(out), "--tag", tag]
-    argv += ["--rate", str(RATE), "--duration", str(duration)]
+    argv += ["--rate", str(RATE), "--duration", str(duration), *extra]
     if restore:
         argv.append("--restore")
     log = open(tmp_path / f"{tag}.driver.log", "w")  # noqa: SIM115 (closed by finish_job)
@@ -401,3 +404,39 @@ def test_a_replica_host_cut_off_is_declared_lost_and_the_job_ends(cluster, tmp_p
     # Its rows came from the twins: the longest gap is about failure_timeout_ms at most.
     assert result["max_gap_ms"] < 2000 + 1000, result["max_gap_ms"]
     assert ended_after < duration + 10, f"the job ended {ended_after:.1f} s after the cut"
+    after = result["returned_at"] - result["t0"] - duration
+    assert after < 10, f"job.run returned {after:.1f} s after the stream's end"
+
+
+@pytest.mark.parametrize("fault", ["kill", "pause"])
+def test_faults_reach_workers_on_a_cluster_whose_executors_the_driver_cannot_signal(
+    cluster, tmp_path, fault
+):
+    """``td.Kill`` and ``td.Pause`` through the engine on the standalone cluster, whose
+    executors run in other namespaces: the driver cannot signal them, so the worker is
+    told to SIGKILL itself, or to freeze itself for 30 s — then it is declared lost
+    (silent, or dropped as a straggler), fenced without being killed, and rebuilt on
+    another host; when it thaws it reads its Exit and leaves. Masked either way, r
+    restored, and the run does not wait for the frozen task."""
+    duration = 12.0
+    proc, log, path, out = start_job(
+        cluster, tmp_path, fault, duration, True, "--fault", fault, "--fault-at", "2.0"
+    )
+    result, output = finish_job(proc, log, path, out, timeout=duration + 120)
+    assert result["lost"] == 0 and result["duplicates"] == 0
+    assert result["digests_match"], result["determinism_errors"]
+    check_output(result, output, pq.read_table(path))
+    (record,) = result["faults"]
+    assert record["kind"] == fault and record["replica"] == 1, record
+    lost = {(r["task"], r["partition"], r["replica"]) for r in result["lost_replicas"]}
+    restored = {(r["task"], r["partition"], r["replica"]) for r in result["restored_replicas"]}
+    assert ("count", 0, 1) in lost and restored == lost, (lost, restored)
+    causes = {r["cause"] for r in result["lost_replicas"]}
+    assert causes == {"killed"} if fault == "kill" else causes <= {"silent", "evicted"}
+    # The run ends within its duration and 10 s of t0, not after the frozen task's 30 s.
+    after = result["returned_at"] - result["t0"] - duration
+    assert after < 10, f"job.run returned {after:.1f} s after the stream's end"
+    print(
+        f"{fault}: gap {result['max_gap_ms']} ms, ended {after:.1f} s after the stream",
+        file=sys.stderr,
+    )
