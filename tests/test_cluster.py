@@ -440,3 +440,22 @@ def test_faults_reach_workers_on_a_cluster_whose_executors_the_driver_cannot_sig
         f"{fault}: gap {result['max_gap_ms']} ms, ended {after:.1f} s after the stream",
         file=sys.stderr,
     )
+
+
+def test_a_throttled_replica_host_is_hedged_by_its_twins(cluster, tmp_path):
+    """One replica host's link throttled to 2 mbit/s both ways mid-run (`tc tbf`): its
+    twins' output keeps the job's latency. Its upstream replicas drop links that lag, but
+    a replica is declared lost only once every live upstream replica has dropped it, so
+    the slow host's senders never take a healthy receiver down (they did: a slow sender
+    dropped the healthy replicas it fed, the job fenced those, and its latency went to
+    seconds). Nothing lost or repeated."""
+    duration = 12.0
+    result, _, restored, gone, on_victim = _fault_a_replica_host(
+        cluster, tmp_path, "slow", lambda host: cluster.slow(host, "2mbit"), duration
+    )
+    assert gone <= on_victim, result["lost_replicas"]  # never a healthy host's replica
+    assert restored <= gone, result["restored_replicas"]
+    assert {r["cause"] for r in result["lost_replicas"]} <= {"silent", "evicted", "late"}
+    assert result["p99_ms"] < 200, result["p99_ms"]  # not the seconds of a run waiting on it
+    assert result["max_gap_ms"] < 1000, result["max_gap_ms"]
+    print(f"slow: p50/p99 {result['p50_ms']}/{result['p99_ms']} ms", file=sys.stderr)

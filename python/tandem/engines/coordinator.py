@@ -103,6 +103,12 @@ heartbeat periods): the request must reach every worker before its replicas forw
 CHECKPOINT_TIMEOUT_S = 10.0
 """A checkpoint not complete this long after it started is abandoned."""
 
+DRAIN_GRACE_S = 5.0
+"""Once every sink has finished, how long the other workers may take to finish too: one
+still running then is a straggler (its host's link throttled, say) whose output the sinks
+no longer need; it is declared lost (``late``), so a slow host never holds the end of a
+run back."""
+
 DEFER_STEP_S = 0.05
 """How often a kill waiting for a rebuild (:class:`_Deferred`) looks again."""
 
@@ -348,6 +354,9 @@ class Coordinator:
         }
         self.rejoins: dict[int, _Rejoin] = {}
         self.restored: list[dict] = []
+        self.evictions: dict[tuple[ReplicaId, int], set[ReplicaId]] = {}
+        self._sinks_done_at: float | None = None
+        """(replica, its worker's incarnation) -> the upstream replicas that dropped it."""
         self._attempts: dict[int, int] = {}  # worker -> rebuild attempts for its last loss
         self.chaos: Chaos | None = None
         self._chaos_rng = random.Random(0)
@@ -520,6 +529,7 @@ class Coordinator:
                 self._silent(now_s)
                 if not self.rejoins and now_s < self.end_s() - REJOIN_MARGIN_S:
                     self.host.idle()  # after a rebuild, not beside it
+            self._late(now_s)
             if self.running and time.monotonic() > deadline:
                 stuck = sorted(self.worker_name(w) for w in self.running)
                 logs_hint = ""
@@ -613,11 +623,48 @@ class Coordinator:
             )
             self._kill_worker(w, now_s, "silent")
 
+    def _late(self, now_s: float) -> None:
+        """Declare lost the workers still running :data:`DRAIN_GRACE_S` after every sink
+        finished (stragglers: the sinks have all of the output without them)."""
+        sink_workers = [w for w in range(len(self.placement)) if self.hosts_sinks(w)]
+        if not self.running or not sink_workers or any(w in self.running for w in sink_workers):
+            return
+        if any(
+            rid not in self.reports for w in sink_workers for rid in self.placement[w]
+        ):  # a sink lost, not finished
+            return
+        if self._sinks_done_at is None:
+            self._sinks_done_at = time.monotonic()
+        if time.monotonic() - self._sinks_done_at < DRAIN_GRACE_S:
+            return
+        for w in sorted(self.running):
+            log.warning(
+                "%s had not finished %g s after the sinks (a straggler): declared lost",
+                self.worker_name(w),
+                DRAIN_GRACE_S,
+            )
+            self._kill_worker(w, now_s, "late")
+
     def _on_evicted(self, up: ReplicaId, down: ReplicaId, now_s: float) -> None:
-        """``up`` dropped ``down`` as a straggler: its input is incomplete from then on, so
-        its worker is declared lost — fenced and rebuilt from the twins."""
+        """``up`` dropped ``down`` as a straggler: its link to ``down`` lagged. That says
+        one of the two is slow — ``down``, or ``up`` itself (its own host's link
+        throttled: it lags towards every replica). So ``down``'s worker is declared lost
+        (fenced and rebuilt from the twins) only once every live replica of ``up``'s
+        task partition has dropped it; while ``up``'s twins still feed it, it is not the
+        slow one, and a slow sender never takes a healthy receiver down."""
         w = self.worker_of[down]
         if w not in self.running or down in self.down or self.hosts_sinks(w):
+            return
+        t, p, _ = up
+        voters = self.evictions.setdefault((down, self.current[w]), set())
+        voters.add(up)
+        live = {(t, p, q) for q in range(self.plan.tasks[t].replication)} - self.down
+        if not live <= voters:
+            log.info(
+                "%s dropped %s as a straggler; its other upstream replicas still feed it",
+                self.name(up),
+                self.name(down),
+            )
             return
         log.warning(
             "%s dropped %s as a straggler: %s declared lost",
