@@ -16,6 +16,7 @@ having fenced off must be one the independent reading calls stale.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -442,10 +443,12 @@ def test_the_python_order_decoder_refuses_what_is_not_one_order():
         testing.ReferenceOrderLog(1).offer(frame)
 
 
-def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
-    """What a worker does on SIGTERM (`KazooSession.stop`): close its session, so its
-    twin leads in milliseconds instead of after a session timeout."""
-    job = kazoo_job(kafka, name="kz-handover", session_timeout_s=5.0)
+@contextlib.contextmanager
+def two_contenders(kafka, name: str):
+    """Two replicas of one ordered partition, each with a session of its own (as two
+    workers), contending in a real election with a 5 s session timeout: yields
+    ``(run, task, partition, leader, twin)`` once one leads; everything stops after."""
+    job = kazoo_job(kafka, name=name, session_timeout_s=5.0)
     plan = job.plan()
     (task, partition), *_ = plan.ordered_partitions()
     run = kazoo.prepare(plan)
@@ -466,6 +469,19 @@ def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
             time.sleep(0.005)
         (leader,) = [o for o in orderers if o.led]
         (twin,) = [o for o in orderers if o is not leader]
+        yield run, task, partition, leader, twin
+    finally:
+        for s in sessions:
+            s.stop()
+        for inbox in inboxes:
+            inbox.close()
+        kazoo.cleanup(run)
+
+
+def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
+    """What a worker does on SIGTERM (`KazooSession.stop`): close its session, so its
+    twin leads in milliseconds instead of after a session timeout."""
+    with two_contenders(kafka, "kz-handover") as (_, _, _, leader, twin):
         stopped = time.monotonic()
         leader.session.stop()
         while not twin.led and time.monotonic() < stopped + 10:
@@ -475,12 +491,6 @@ def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
         assert twin.led[0]["epoch"] > leader.led[0]["epoch"]
         # A crash would take the 5 s session timeout; a graceful stop is at once.
         assert handover < 1.0, f"handover took {handover:.3f} s"
-    finally:
-        for s in sessions:
-            s.stop()
-        for inbox in inboxes:
-            inbox.close()
-        kazoo.cleanup(run)
 
 
 def test_a_dead_leaders_partitions_are_led_at_once_not_after_its_session_timeout(
@@ -505,42 +515,18 @@ def test_the_releaser_deletes_only_the_dead_processes_election_node(zookeeper, k
     """`Releaser.release` names the dead process: the election node of the same replica
     held by another process (a rebuilt one) stays, and the one it deletes lets the next
     contender lead at once."""
-    job = kazoo_job(kafka, name="kz-release", session_timeout_s=5.0)
-    plan = job.plan()
-    (task, partition), *_ = plan.ordered_partitions()
-    run = kazoo.prepare(plan)
-    upstreams = [(c.task, c.partition) for c in plan.input_channels(task, partition)]
-    workers = [_core.Worker() for _ in range(2)]
-    inboxes = [_core.Inbox("kz", b"s", upstreams, ordering="kazoo", worker=w) for w in workers]
-    sessions = [kazoo.KazooSession(run, w, name=f"worker{r}") for r, w in enumerate(workers)]
-    orderers = [
-        kazoo.Orderer(session, task, partition, r, inbox.order_feed())
-        for r, (session, inbox) in enumerate(zip(sessions, inboxes, strict=True))
-    ]
-    releaser = kazoo.Releaser(run)
-    try:
-        for s, o in zip(sessions, orderers, strict=True):
-            s.start()
-            o.start()
-        deadline = time.monotonic() + 10
-        while not any(o.led for o in orderers) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        (leader,) = [o for o in orderers if o.led]
-        (twin,) = [o for o in orderers if o is not leader]
-        other_pid = releaser.release([(task, partition, leader.replica)], pid=1).result(10)
-        assert other_pid == [] and not twin.led  # not that process's node: kept
-        released = time.monotonic()
-        done = releaser.release([(task, partition, leader.replica)], pid=leader.ident_pid)
-        assert done.result(10) == [(task, partition, leader.replica)]
-        while not twin.led and time.monotonic() < released + 10:
-            time.sleep(0.001)
-        handover = time.monotonic() - released
-        assert twin.led and twin.led[0]["epoch"] > leader.led[0]["epoch"]
-        assert handover < 1.0, f"handover took {handover:.3f} s (session timeout 5 s)"
-    finally:
-        releaser.close()
-        for s in sessions:
-            s.stop()
-        for inbox in inboxes:
-            inbox.close()
-        kazoo.cleanup(run)
+    with two_contenders(kafka, "kz-release") as (run, task, partition, leader, twin):
+        releaser = kazoo.Releaser(run)
+        try:
+            rid = (task, partition, leader.replica)
+            assert releaser.release([rid], pid=1).result(10) == []  # not that process's
+            assert not twin.led
+            released = time.monotonic()
+            assert releaser.release([rid], pid=leader.ident_pid).result(10) == [rid]
+            while not twin.led and time.monotonic() < released + 10:
+                time.sleep(0.001)
+            handover = time.monotonic() - released
+            assert twin.led and twin.led[0]["epoch"] > leader.led[0]["epoch"]
+            assert handover < 1.0, f"handover took {handover:.3f} s (session timeout 5 s)"
+        finally:
+            releaser.close()
