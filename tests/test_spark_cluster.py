@@ -32,17 +32,17 @@ def mib1() -> td.Job:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def local_cluster():
     session = tandem_spark.local_session(mib1(), master=MASTER, spare_slots=1)
     yield session
     session.stop()
 
 
-def test_executor_crash_is_masked_and_twins_run_on_different_executors(cluster):
+def test_executor_crash_is_masked_and_twins_run_on_different_executors(local_cluster):
     job = mib1()
     plan = job.plan()
     assert len(plan.placement()) == 3
-    engine = tandem_spark.SparkEngine(cluster, kill="executor")
+    engine = tandem_spark.SparkEngine(local_cluster, kill="executor")
     # The workers of replica group 1 run on the second executor; the sink's worker (the
     # sink is unreplicated) runs with replica group 0, on the first.
     fault = td.Kill("map1", partition=0, replica=1, at=2.0)
@@ -72,7 +72,7 @@ def test_executor_crash_is_masked_and_twins_run_on_different_executors(cluster):
     assert run.retried_slots() == sorted(victims)
 
 
-def test_retried_tasks_rejoin_on_their_executors_and_r_is_restored(cluster):
+def test_retried_tasks_rejoin_on_their_executors_and_r_is_restored(local_cluster):
     """restore=True, the Python worker of a replica killed: Spark retries its task on the
     same executor, the retry rebuilds the worker's replicas from cuts of their twins on
     the other executor, and the later kill of those twins' worker is masked too — every
@@ -80,7 +80,7 @@ def test_retried_tasks_rejoin_on_their_executors_and_r_is_restored(cluster):
     job = mib1()
     job.restore = True
     plan = job.plan()
-    engine = tandem_spark.SparkEngine(cluster)
+    engine = tandem_spark.SparkEngine(local_cluster)
     first, second = 1.0, 5.0
     faults = [td.Kill("map1", 0, 1, at=first), td.Kill("map1", 0, 0, at=second)]
     res = job.run(duration=REJOIN_RUN, faults=faults, engine=engine)
@@ -108,7 +108,7 @@ def test_retried_tasks_rejoin_on_their_executors_and_r_is_restored(cluster):
     assert all(run.workers()[f["worker"]].rejoined for f in res.faults)
 
 
-def test_an_executor_crash_is_rebuilt_on_another_executor_and_r_is_restored(cluster):
+def test_an_executor_crash_is_rebuilt_on_another_executor_and_r_is_restored(local_cluster):
     """restore=True, an executor JVM killed: Spark retries its worker task at once on the
     surviving executor, beside the twins, so that attempt retires and the driver starts
     the worker again in a job of its own on the lost executor's replacement (the
@@ -117,7 +117,7 @@ def test_an_executor_crash_is_rebuilt_on_another_executor_and_r_is_restored(clus
     job = mib1()
     job.restore = True
     plan = job.plan()
-    engine = tandem_spark.SparkEngine(cluster, kill="executor")
+    engine = tandem_spark.SparkEngine(local_cluster, kill="executor")
     fault = td.Kill("map1", partition=0, replica=1, at=1.0)
     res = job.run(duration=EXECUTOR_REJOIN_RUN, faults=[fault], engine=engine)
 

@@ -219,7 +219,9 @@ class Registry:
         with contextlib.suppress(OSError), Client(self.address, authkey=self.secret):
             pass
         for t in self._threads:
-            t.join(timeout=5)
+            # A connection thread of a worker cut off from the driver waits for ever on
+            # a connection that never drops: the run does not wait for it (a daemon).
+            t.join(timeout=5 if t.name == "tandem-registry" else 0.1)
         self._listener.close()
         if self._state_dir is not None:
             shutil.rmtree(self._state_dir, ignore_errors=True)

@@ -72,10 +72,11 @@ def failover(
     kill_at: float = 50.0,
     cases=tuple(FAILOVER_CASES),
     kazoo: td.KazooConfig | None = None,
-    log=sys.stderr,
+    log=None,
 ) -> list[FailoverRow]:
     """The paper's fault experiment (see the module documentation), each case in turn;
     each ordering also runs once without the fault, for the ratio of the peaks."""
+    log = log or sys.stderr  # at call time: sys.stderr may have been replaced
     rows = []
     fault_free: dict[str, list] = {}
     for case in cases:

@@ -448,11 +448,12 @@ def kafka(
     measure: float = 10.0,
     linger_ms: float = LINGER_MS,
     rounds: int = 1,
-    log=sys.stderr,
+    log=None,
 ) -> list[KafkaRow]:
     """``rounds`` pairs of runs, each a synthetic run then a Kafka run (alternating, so
     that a machine whose load changes weighs on both alike); each Kafka row's
     ``p99_ratio`` is its p99 over that of the synthetic run just before it."""
+    log = log or sys.stderr  # at call time: sys.stderr may have been replaced
     from tandem.kafka import default_bootstrap
 
     bootstrap = bootstrap or default_bootstrap()

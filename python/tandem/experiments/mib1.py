@@ -38,9 +38,10 @@ def mib1(
     rate: int = 5_000,
     warmup: float = 30.0,
     measure: float = 30.0,
-    log=sys.stderr,
+    log=None,
     kazoo: td.KazooConfig | None = None,
 ) -> list[Row]:
+    log = log or sys.stderr  # at call time: sys.stderr may have been replaced
     rows = []
     for length in lengths:
         for config in configs:

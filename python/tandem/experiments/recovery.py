@@ -153,11 +153,12 @@ def restore(
     rate: int = 5_000,
     duration: float = 12.0,
     kill_at: float = 4.0,
-    log=sys.stderr,
+    log=None,
 ) -> list[RecoveryRow]:
     """Kill the replica group holding ``state[0]`` replica 0 at ``kill_at`` and rebuild it
     from its twins (``Job(restore=True)``), once per state size; every run is checked
     against the reference executor."""
+    log = log or sys.stderr  # at call time: sys.stderr may have been replaced
     rows = []
     for mb in sizes:
         print(f"recovery: {mb:g} MiB of state per partition ...", file=log, flush=True)
@@ -293,6 +294,7 @@ def recovery(
     ``json_path`` and the fault rows' per-second p99 over time (the kill marked) to
     ``plot_path``, and return the document: ``restore_rows``, ``fault_rows``, the report
     as ``markdown``, ``figures`` written and ``failures`` (see :func:`failures`)."""
+    log = log or sys.stderr  # at call time: sys.stderr may have been replaced
     log = log or sys.stderr
     experiments, configs = tuple(experiments), tuple(configs)
     check_selection(experiments, configs)
