@@ -83,7 +83,7 @@ bench-check: install
 		--benchmark-max-time=0.2 --benchmark-min-rounds=3
 	$(PY) benches/report.py out/bench-check.json --min-ratio $(BENCH_MIN_RATIO) \
 		$(foreach g,$(BENCH_KNOWN_SHORT),--known-short $(g))
-# The paper's evaluation in one command (README "Reproducing the paper"): JSON, Markdown and
+# The paper's evaluation in one command (docs/paper.md): JSON, Markdown and
 # figures in out/paper. `make test` runs the --quick set as a test (tests/test_bench_paper.py).
 paper: install
 	$(VENV)/bin/tandem bench paper --out out/paper

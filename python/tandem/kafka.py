@@ -562,7 +562,7 @@ class TransactionalWriter:
     ``read_committed`` consumers see them, and each transaction carries more of them: the
     broker handles a handful of requests per transaction (adding partitions, producing,
     ending it and writing its markers): one transaction after another took about 40 % of
-    its CPU in ``tandem bench kafka`` (README, "Kafka in and out"). Queued records past
+    its CPU in ``tandem bench kafka`` (docs/kafka.md). Queued records past
     ``limit`` and :meth:`close` do not wait."""
 
     def __init__(
