@@ -492,7 +492,21 @@ class Job:
         most about a second of source time ahead), what is in flight drains to the sinks,
         and the result is that of a run of exactly that length (``Result.duration_s``);
         a second signal kills the workers at once (KeyboardInterrupt). Signals reach the
-        main thread only: from another thread, use :meth:`start`."""
+        main thread only: from another thread, use :meth:`start`.
+
+        ``faults``: faults to inject (``td.Kill``, ``td.KillWorker``, ``td.Pause``,
+        ``td.KillHeartbeats``, ``td.Chaos``), checked against the plan first: one naming
+        what the job does not have, or due at or after the end of the run (``duration``,
+        or the end of the bounded sources), is a :class:`ConfigError` before anything
+        starts.
+
+        ``options`` go to the engine; the local engine takes ``progress`` (a progress bar
+        on stderr; default: when stderr is a terminal), ``warmup`` (seconds of output left
+        out of the latency figures), ``check`` (compare the output with the reference
+        executor; default True), ``timeout`` (bounds the run; default duration + 60 s),
+        ``host`` (the workers' address, default 127.0.0.1) and ``metrics_port``
+        (Prometheus metrics on 127.0.0.1 while it runs). An option the engine does not
+        take is a :class:`ConfigError` naming the ones it does."""
         result = self._run(duration, faults, engine, options)
         for observe in list(RUN_OBSERVERS):
             observe(self, result)
