@@ -4,7 +4,8 @@ stays a front page.
 
 A block the test must not run carries ``<!-- skip: why -->`` on the line before its
 fence. Blocks that start Spark carry the ``spark`` mark, those that read or write Kafka
-the ``kafka`` mark (and get the broker)."""
+the ``kafka`` mark (and get the broker), KaZoo-ordered ones both ``zookeeper`` and
+``kafka`` (and get both)."""
 
 import re
 from pathlib import Path
@@ -34,7 +35,9 @@ def blocks(path: Path) -> list[tuple[int, str, bool]]:
 
 def _example(path: Path, line: int, code: str, skip: bool):
     marks = [pytest.mark.spark] if "tandem_spark" in code else []
-    if "td.sources.Kafka" in code or "td.sinks.Kafka" in code:
+    if 'ordering="kazoo"' in code:
+        marks += [pytest.mark.zookeeper, pytest.mark.kafka]
+    elif "td.sources.Kafka" in code or "td.sinks.Kafka" in code:
         marks.append(pytest.mark.kafka)
     if skip:
         marks.append(pytest.mark.skip(reason="marked <!-- skip --> in the page"))
@@ -55,8 +58,9 @@ def test_the_pages_show_python_examples():
 
 @pytest.mark.parametrize(("path", "code"), EXAMPLES)
 def test_python_example_runs(path, code, request):
-    if request.node.get_closest_marker("kafka"):
-        request.getfixturevalue("kafka")  # `scripts/services.sh start kafka`, as the page says
+    for service in ("zookeeper", "kafka"):  # `scripts/services.sh start`, as the page says
+        if request.node.get_closest_marker(service):
+            request.getfixturevalue(service)
     exec(compile(code, str(path), "exec"), {"__name__": "__main__"})
 
 
