@@ -31,6 +31,7 @@ from typing import Any
 
 from tandem import endpoints
 from tandem.exceptions import ConfigError, ServiceUnavailable
+from tandem.logs import librdkafka_logger
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def client_config(bootstrap: str, extra: Mapping[str, Any] | None = None) -> dic
     ``logging``."""
     conf: dict[str, Any] = {
         "bootstrap.servers": bootstrap,
-        "logger": logging.getLogger("tandem.kafka.librdkafka"),
+        "logger": librdkafka_logger("tandem.kafka.librdkafka"),
     }
     conf.update(extra or {})
     return conf
