@@ -7,11 +7,12 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help venv install java demo test test-rust test-python lint fuzz bench bench-check paper paper-quick clean
+.PHONY: help venv install java demo test test-rust test-python lint fuzz docs bench bench-check paper paper-quick clean
 
 help:
 	@echo "make demo    set up, then run the demo on the embedded engine"
 	@echo "make test    set up, then run every check CI runs (lint, Rust, fuzz, Python)"
+	@echo "make docs    build the documentation site into site/ (mkdocs, warnings are errors)"
 	@echo "make bench   release-build microbenchmarks: Rust core vs Python reference"
 	@echo "make bench-check     the same, short (make test runs it): fails unless Rust >= 10x Python"
 	@echo "make paper   the paper's evaluation, every configuration (~25 min; paper-quick: 3-4 min)"
@@ -55,7 +56,13 @@ fuzz:
 test-python: install java
 	$(VENV)/bin/pytest
 
-test: lint test-rust fuzz test-python bench-check
+# The documentation site (docs/, mkdocs.yml) into site/, warnings as errors: a broken link,
+# a page left out of the nav or a docstring mkdocstrings cannot render fails the build.
+# tests/test_docs.py runs every Python example of its pages and of the README.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+test: lint test-rust fuzz docs test-python bench-check
 
 bench: install
 	@mkdir -p out
@@ -76,7 +83,7 @@ bench-check: install
 		--benchmark-max-time=0.2 --benchmark-min-rounds=3
 	$(PY) benches/report.py out/bench-check.json --min-ratio $(BENCH_MIN_RATIO) \
 		$(foreach g,$(BENCH_KNOWN_SHORT),--known-short $(g))
-# The paper's evaluation in one command (README "Reproducing the paper"): JSON, Markdown and
+# The paper's evaluation in one command (docs/paper.md): JSON, Markdown and
 # figures in out/paper. `make test` runs the --quick set as a test (tests/test_bench_paper.py).
 paper: install
 	$(VENV)/bin/tandem bench paper --out out/paper
@@ -98,4 +105,4 @@ services-status:
 	bash scripts/services.sh status all
 
 clean:
-	rm -rf $(VENV) target out .pytest_cache .benchmarks .hypothesis
+	rm -rf $(VENV) target out site .pytest_cache .benchmarks .hypothesis

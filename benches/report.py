@@ -1,7 +1,7 @@
 """Summarise a pytest-benchmark JSON file: rows/s per benchmark and Rust/Python per group.
 
 Usage: ``python benches/report.py [--min-ratio X [--known-short GROUP]...] out/bench.json``
-— prints a Markdown table (the one in the README). Every benchmark must set
+— prints a Markdown table (the one in docs/performance.md). Every benchmark must set
 ``benchmark.extra_info["rows"]`` (rows per call); a group's ratio is the ``*_rust``
 benchmark's rows/s over the ``*_python`` one's (mean times).
 

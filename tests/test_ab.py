@@ -1,4 +1,4 @@
-"""benches/ab.py, the side-by-side comparison of two builds, runs as the README shows."""
+"""benches/ab.py, the side-by-side comparison of two builds, runs as docs/performance.md shows."""
 
 import json
 import subprocess

@@ -775,6 +775,55 @@ def test_faults_are_validated_against_the_plan(kill, message):
         fault_plan_job().run(duration=1, faults=[kill], engine=RecordingEngine())
 
 
+def bounded_job() -> td.Job:
+    """Every source bounded: 500 rows at 1,000 rows/s, so a run with no duration ends
+    about 0.5 s in."""
+    job = td.Job("bounded", replication=2)
+    rows = job.source(td.sources.Synthetic(rate=1_000, keys=10, limit=500), name="ev")
+    rows.key_by("key").process(td.CountPerKey(), name="count").sink(td.sinks.Collect())
+    return job
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        td.Kill("count", partition=0, replica=1, at=1.5),
+        td.Pause("count", 0, 1, at=0.5),
+        td.KillWorker(0, at=2),
+        td.Chaos(at=2.0),
+    ],
+)
+def test_a_fault_after_the_bounded_sources_end_is_refused_before_anything_starts(fault):
+    """With no duration the run ends after the bounded sources' last row: a fault at or
+    after it would never fire, and a fault-tolerance test would pass without it."""
+    job = td.Job("bounded", replication=2, restore=isinstance(fault, td.Chaos))
+    rows = job.source(td.sources.Synthetic(rate=1_000, keys=10, limit=500), name="ev")
+    rows.key_by("key").process(td.CountPerKey(), name="count").sink(td.sinks.Collect())
+    message = r"is not before the end of the run: with no duration, job 'bounded' ends .* 0.5 s"
+    with pytest.raises(td.ConfigError, match=message):
+        job.run(faults=[fault])
+    with pytest.raises(td.ConfigError, match=message):
+        job.start(faults=[fault])
+    # an engine that runs for a fixed time gets the sources' end as its duration
+    with pytest.raises(td.ConfigError, match=message):
+        job.run(faults=[fault], engine=RecordingEngine())
+
+
+def test_a_fault_before_the_bounded_sources_end_passes():
+    engine = RecordingEngine()
+    kill = td.Kill("count", partition=0, replica=1, at=0.25)
+    bounded_job().run(faults=[kill], engine=engine)
+    _, kw = engine.calls[0]
+    assert kw["faults"] == [kill] and kw["duration"] == pytest.approx(0.5, abs=0.011)
+
+
+def test_an_option_the_engine_does_not_take_is_a_config_error():
+    with pytest.raises(td.ConfigError, match=r"'progres': not an option of the local engine"):
+        bounded_job().run(progres=False)
+    with pytest.raises(td.ConfigError, match=r"it takes duration, faults, engine and progress"):
+        bounded_job().start(warmpu=1)
+
+
 def test_kill_spec_validation_and_duplicates():
     with pytest.raises(td.ConfigError, match="replica must be an index or one of"):
         td.Kill("a", 0, "primary", 1)

@@ -157,7 +157,7 @@ def test_quick_and_full_grids():
     full = bp.cases(bp.FULL, bp.EXPERIMENTS, bp.ALL_CONFIGS)
     assert len(full) == 20 * 3 + 6 + 5 + 10 + 4 + 1
     # The budget for the full set on 2 cores (the guesses run high: 28.5 min guessed
-    # for the run the README shows).
+    # for the run docs/paper.md shows).
     assert sum(bp.estimate_s(c) for c in full) < 30 * 60
     fault = [c for c in full if c.experiment == "fault"]
     assert [(c.config, c.fault and c.fault.replica) for c in fault] == [

@@ -1,5 +1,6 @@
 """The command line as a user runs it: `tandem demo`, `tandem run job.py`, bad flags."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tandem.cli import main, parse_kill
+from tandem.cli import build_parser, main, parse_kill
 
 FIELDS = {
     "events_in",
@@ -132,3 +133,94 @@ def test_a_job_file_without_a_job_is_explained(tmp_path, capsys):
     bad.write_text("x = 1\n")
     assert main(["run", str(bad), "--no-progress"]) == 2
     assert "must define a module-level `job = td.Job(...)`" in capsys.readouterr().err
+
+
+def _subcommand(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command", ["demo", "run"])
+def test_help_describes_every_option_with_its_default(command, capsys):
+    parser = _subcommand(command)
+    for action in parser._actions:
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help and len(action.help) > 10, f"tandem {command} {name}: no help text"
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert parser.description and "exit codes: 0 a clean run" in text and "2 a usage error" in text
+    if command == "demo":
+        for default in ("(default: 5000)", "(default: 20.0)", "(default: liverobin)"):
+            assert default in text
+        assert "--no-progress no progress bar" in text
+
+
+def test_a_bad_duration_is_reported_before_the_default_kill_is_built(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--duration", "-1", "--kill", "none"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "tandem demo: error: argument --duration: must be seconds > 0, got -1" in err
+    assert "Kill" not in err
+
+
+def test_a_bad_kill_is_reported_by_its_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--kill", "bogus"])
+    assert exc.value.code == 2
+    assert "tandem demo: error: argument --kill: " in capsys.readouterr().err
+
+
+def test_a_failed_job_exits_with_1_and_a_config_error_with_2(tmp_path, capsys):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import tandem as td
+
+            def broken(batch):
+                if batch.num_rows:
+                    raise ValueError("a bug in the job")
+                return batch
+
+            job = td.Job("fails", replication=2)
+            src = job.source(td.sources.Synthetic(rate=500, keys=10, limit=200))
+            src.map(broken, name="broken").sink(td.sinks.Collect())
+            """
+        )
+    )
+    assert main(["run", str(script), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "TaskFailed" in err
+    # The worker's traceback names the script's file and line, not <dynamic-code>.
+    assert f'File "{script}", line 6, in broken' in err, err
+    # A fault that could never fire: the source ends 0.4 s in.
+    assert main(["run", str(script), "--kill", "broken:0:0@5"]) == 2
+    assert "would never fire" in capsys.readouterr().err
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):
+    job = tmp_path / "quiet.py"
+    job.write_text(
+        textwrap.dedent(
+            """
+            import tandem as td
+
+            job = td.Job("quiet", replication=2)
+            job.source(td.sources.Synthetic(rate=1_000, keys=10, limit=1_000)).sink(
+                td.sinks.Collect()
+            )
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "run", str(job)],  # no --no-progress
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "\r" not in proc.stderr and "s/s" not in proc.stderr, proc.stderr

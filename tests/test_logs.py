@@ -209,3 +209,25 @@ def test_the_environment_sets_the_level_when_the_command_line_does_not(
     monkeypatch.setenv(tlogs.LEVEL_ENV, "debug")
     cli.main(["run", str(tmp_path / "missing.py")])
     assert tandem_level.level == logging.DEBUG
+
+
+def test_a_librdkafka_retry_is_info_and_other_warnings_stay_warnings(caplog):
+    """A fresh broker's 'Coordinator load in progress: retrying' resolves by itself: not a
+    warning on the console of a run that succeeds."""
+    logger = tlogs.librdkafka_logger("tandem.kafka.librdkafka")
+    assert tlogs.librdkafka_logger("tandem.kafka.librdkafka") is logger
+    assert len(logger.filters) == 1  # added once
+    retry = (
+        "GETPID [rdkafka#producer-1] [thrd:main]: Failed to acquire idempotence PID from "
+        "broker 127.0.0.1:19092/1: Broker: Coordinator load in progress: retrying"
+    )
+    with caplog.at_level(logging.WARNING, logger="tandem.kafka.librdkafka"):
+        logger.warning(retry)
+        logger.warning("FAIL [thrd:127.0.0.1:19092/1]: Connect to broker failed")
+    assert [r.getMessage() for r in caplog.records] == [
+        "FAIL [thrd:127.0.0.1:19092/1]: Connect to broker failed"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tandem.kafka.librdkafka"):
+        logger.warning(retry)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("INFO", retry)]

@@ -34,6 +34,7 @@ inputs (an unkeyed window: 1; a sink: 1).
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import signal
 import sys
@@ -86,6 +87,40 @@ def _number(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(f"{what} must be a finite number, got {value!r}")
     return value
+
+
+def _check_faults_fire(faults: list[Fault], end_s: float, job: str) -> None:
+    """A run with no duration whose sources are all bounded ends at ``end_s``: a fault at
+    or after it would never fire, and a fault-tolerance test would pass without it."""
+    for f in faults:
+        at = getattr(f, "at", None)
+        if at is not None and at >= end_s:
+            raise ConfigError(
+                f"{f!r}: at={at} s is not before the end of the run: with no duration, job "
+                f"{job!r} ends after its bounded sources' last row, {end_s:g} s of source "
+                "time in, so the fault would never fire; schedule it earlier, or pass a "
+                "duration= (seconds) longer than at"
+            )
+
+
+def _check_options(runner: Any, options: dict) -> None:
+    """An option the engine's run() does not take is a ConfigError naming the ones it
+    does (not a TypeError from deep inside the engine)."""
+    try:
+        params = inspect.signature(runner.run).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    internal = {"plan", "duration", "faults", "stop", "self"}
+    known = [n for n, p in params.items() if n not in internal and p.kind is not p.VAR_POSITIONAL]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{', '.join(map(repr, unknown))}: not an option of the "
+            f"{getattr(runner, 'name', type(runner).__name__)} engine's run; it takes "
+            f"duration, faults, engine and {', '.join(known)}"
+        )
 
 
 @dataclass(eq=False)
@@ -422,17 +457,22 @@ class Job:
         runner = self._engine(engine)
         from tandem import engines
 
-        if duration is None and not engines.stoppable(runner):
+        natural_s = None  # with no duration: when every source is bounded, their end
+        if duration is None:
             natural = plan.natural_end_ns()
-            if natural is None:
+            natural_s = None if natural is None else natural / 1e9
+            if natural_s is None and not engines.stoppable(runner):
                 raise ConfigError(
                     f"job {self.name!r}: the {runner.name} engine runs a "
                     "job for a fixed time, and a source of this job never ends; pass "
                     "duration= (seconds), or run it on the local engine"
                 )
-            duration = natural / 1e9  # every source is bounded: until their last row
         faults = list(faults)
         validate_faults(faults, plan, math.inf if duration is None else duration)
+        if natural_s is not None:
+            _check_faults_fire(faults, natural_s, self.name)
+            if not engines.stoppable(runner):
+                duration = natural_s  # every source is bounded: until their last row
         return plan, runner, faults, duration
 
     def run(
@@ -452,7 +492,21 @@ class Job:
         most about a second of source time ahead), what is in flight drains to the sinks,
         and the result is that of a run of exactly that length (``Result.duration_s``);
         a second signal kills the workers at once (KeyboardInterrupt). Signals reach the
-        main thread only: from another thread, use :meth:`start`."""
+        main thread only: from another thread, use :meth:`start`.
+
+        ``faults``: faults to inject (``td.Kill``, ``td.KillWorker``, ``td.Pause``,
+        ``td.KillHeartbeats``, ``td.Chaos``), checked against the plan first: one naming
+        what the job does not have, or due at or after the end of the run (``duration``,
+        or the end of the bounded sources), is a :class:`ConfigError` before anything
+        starts.
+
+        ``options`` go to the engine; the local engine takes ``progress`` (a progress bar
+        on stderr; default: when stderr is a terminal), ``warmup`` (seconds of output left
+        out of the latency figures), ``check`` (compare the output with the reference
+        executor; default True), ``timeout`` (bounds the run; default duration + 60 s),
+        ``host`` (the workers' address, default 127.0.0.1) and ``metrics_port``
+        (Prometheus metrics on 127.0.0.1 while it runs). An option the engine does not
+        take is a :class:`ConfigError` naming the ones it does."""
         result = self._run(duration, faults, engine, options)
         for observe in list(RUN_OBSERVERS):
             observe(self, result)
@@ -463,9 +517,11 @@ class Job:
     ) -> Result:
         if duration is not None:
             plan, runner, faults, duration = self._prepare(duration, faults, engine)
+            _check_options(runner, options)
             options = _local_defaults(runner, options)
             return runner.run(plan, duration=duration, faults=faults, **options)
         plan, runner, faults, duration = self._prepare(None, faults, engine)
+        _check_options(runner, options)
         options = _local_defaults(runner, options)
         if duration is not None:  # an engine that cannot stop: bounded sources, to their end
             return runner.run(plan, duration=duration, faults=faults, **options)
@@ -528,6 +584,7 @@ class Job:
                 "stop a run it started; call job.run(duration=...) instead of job.start()"
             )
         # The engine's options, here rather than in its thread.
+        _check_options(runner, options)
         runner.check(plan, duration, faults, **options)
         handle = RunningJob(self.name)
         handle._start(runner, plan, duration, faults, options)

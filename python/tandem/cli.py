@@ -1,7 +1,11 @@
 """The ``tandem`` command line: ``tandem demo``, ``tandem run path/to/job.py`` (each on the
 local or the Spark engine), ``tandem bench EXPERIMENT`` (the experiments of
 :mod:`tandem.experiments`, each a subcommand with its own flags) and ``tandem heartbeats``
-(a heartbeat generator for jobs reading Kafka)."""
+(a heartbeat generator for jobs reading Kafka).
+
+Exit codes: 0 a clean run (nothing lost or duplicated, the replicas agreed), 1 the job
+failed or its check did, 2 a usage error (a bad option, a ``ConfigError``), 130 a second
+Ctrl-C."""
 
 from __future__ import annotations
 
@@ -46,6 +50,54 @@ def configure_logging(verbose: int = 0, log_level: int | str | None = None) -> i
     return level
 
 
+EXIT_CODES = (
+    "exit codes: 0 a clean run (nothing lost or duplicated, the replicas agreed); 1 the job "
+    "failed or its check did; 2 a usage error (a bad option, a ConfigError); 130 a second "
+    "Ctrl-C"
+)
+
+
+def _seconds(value: str) -> float:
+    """``--duration``: seconds > 0 (argparse reports a bad one as its subcommand's)."""
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not (s > 0 and s != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be seconds > 0, got {value}")
+    return s
+
+
+def _seconds_or_zero(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not (s >= 0 and s != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0, got {value}")
+    return s
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _kill(spec: str) -> tandem.Kill | str:
+    """``--kill``: a spec, or ``none``; checked by the subcommand's parser."""
+    if spec == "none":
+        return spec
+    try:
+        return parse_kill(spec)
+    except tandem.ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_kill(spec: str) -> tandem.Kill:
     """``TASK:PARTITION:REPLICA@SECONDS`` → ``td.Kill``."""
     m = KILL_RE.match(spec)
@@ -68,40 +120,73 @@ def _add_run_flags(p: argparse.ArgumentParser, demo: bool) -> None:
         "--engine",
         default=engines.DEFAULT,
         metavar="NAME",
-        help=f"the engine to run on (installed: {', '.join(engines.available())}; "
-        f"default {engines.DEFAULT})",
+        help=f"the engine to run on (installed: {', '.join(engines.available())})",
     )
     p.add_argument(
         "--master",
         metavar="URL",
         help="Spark master for --engine spark (default: local[N,3], N = workers + spares)",
     )
-    p.add_argument("--duration", type=float, default=20.0 if demo else None, metavar="S")
+    p.add_argument(
+        "--duration",
+        type=_seconds,
+        default=20.0 if demo else None,
+        metavar="S",
+        help="seconds of source time to run"
+        + (
+            ""
+            if demo
+            else " (default: a module-level `duration` of the script, else until Ctrl-C or "
+            "SIGTERM; bounded sources end the run by themselves)"
+        ),
+    )
     p.add_argument(
         "--kill",
         action="append",
+        type=_kill,
         metavar="TASK:PARTITION:REPLICA@SECONDS",
-        help="SIGKILL a replica (repeatable); 'none' for a fault-free run",
+        help="SIGKILL the worker hosting a replica at SECONDS (repeatable; REPLICA an index, "
+        "or leader/follower under KaZoo); 'none' for a fault-free run (default: "
+        + (
+            "count:0:0@DURATION/2, the KaZoo leader's with --ordering kazoo"
+            if demo
+            else "a module-level `faults` of the script, else none"
+        )
+        + ")",
     )
-    p.add_argument("--warmup", type=float, default=0.0, metavar="S")
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write per-second p99 latency as a PNG")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--warmup",
+        type=_seconds_or_zero,
+        default=0.0,
+        metavar="S",
+        help="seconds of output left out of the latency figures",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON (default: none)")
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        default="out/demo_p99.png" if demo else None,
+        help="write per-second p99 latency as a PNG, faults marked (needs matplotlib)"
+        + ("" if demo else " (default: none)"),
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it is drawn only when stderr is a terminal anyway)",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",
         help="serve Prometheus metrics of every worker on 127.0.0.1:PORT while the job runs "
-        "(local engine; 0: a free port)",
+        "(local engine; 0: a free port; default: none)",
     )
 
 
 def _faults(args, default: list) -> list:
     if not args.kill:
         return default
-    if args.kill == ["none"]:
-        return []
-    return [parse_kill(k) for k in args.kill]
+    return [k for k in args.kill if k != "none"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -146,7 +231,7 @@ def _demo_job(args: argparse.Namespace, demo, kazoo) -> int:
             f"  KaZoo: ZooKeeper {kazoo.zk_hosts}, Kafka {kazoo.kafka_bootstrap}, session "
             f"timeout {kazoo.session_timeout_s:g} s"
         )
-    return _run_and_report(job, args, faults, plot_path=args.plot or "out/demo_p99.png")
+    return _run_and_report(job, args, faults, plot_path=args.plot)
 
 
 def _run_file(args: argparse.Namespace) -> int:
@@ -262,7 +347,7 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
         faults=faults,
         engine=engines.get(args.engine, **options),
         warmup=args.warmup,
-        progress=not args.no_progress,
+        progress=False if args.no_progress else None,  # None: when stderr is a terminal
         **run_options,
     )
     print_summary(result)
@@ -336,6 +421,24 @@ def print_summary(r: tandem.Result) -> None:
         print("\n  " + ("fault masked." if masked else "fault NOT masked."))
 
 
+class _Help(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless it has none (None, a flag off)
+    or says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Experiment(argparse.ArgumentParser):
     """The parser of one ``tandem bench`` experiment: a flag it does not take is an error
     with its own usage (argparse would give ``tandem``'s)."""
@@ -347,8 +450,11 @@ class _Experiment(argparse.ArgumentParser):
         return namespace, extras
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem", description=tandem.__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tandem`` command's parser, every subcommand in it."""
+    parser = argparse.ArgumentParser(
+        prog="tandem", description=tandem.__doc__.splitlines()[0], epilog=EXIT_CODES
+    )
     parser.add_argument("--version", action="version", version=f"tandem {tandem.__version__}")
     parser.add_argument(
         "-v",
@@ -367,17 +473,41 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run the replicated demo pipeline and kill a replica")
-    demo.add_argument("--ordering", choices=["liverobin", "kazoo", "none"], default="liverobin")
+    demo = sub.add_parser(
+        "demo",
+        help="run the replicated demo pipeline and kill a replica",
+        description="Run a replicated pipeline on worker processes of this machine — source "
+        "→ enrich → count (keyed, stateful) → alert → sink, 2 partitions per task — SIGKILL "
+        "the worker hosting one replica of `count` halfway through, and print a summary: "
+        "events in and out, rows lost and duplicated (checked against a single-process "
+        "reference run), latency, the longest gap between outputs, whether the replicas "
+        "agreed.",
+        epilog=EXIT_CODES,
+        formatter_class=_Help,
+    )
+    demo.add_argument(
+        "--ordering",
+        choices=["liverobin", "kazoo", "none"],
+        default="liverobin",
+        help="how replicas order their inputs: LiveRobin (leaderless), KaZoo (a leader, "
+        "over ZooKeeper and Kafka, started here when not running) or none (the unordered "
+        "baseline: replicas diverge)",
+    )
     demo.add_argument(
         "--session-timeout",
         type=float,
         default=0.5,
         metavar="S",
-        help="KaZoo: ZooKeeper session timeout (a crashed leader is replaced after about "
-        "this; default 0.5, as for the benchmarks)",
+        help="KaZoo: ZooKeeper session timeout; a crashed leader is replaced after about "
+        "this (default: %(default)s, as for the benchmarks)",
     )
-    demo.add_argument("--replication", type=int, default=2, metavar="N")
+    demo.add_argument(
+        "--replication",
+        type=_positive_int,
+        default=2,
+        metavar="N",
+        help="replicas per task partition (1: no replication, and no default kill)",
+    )
     demo.add_argument(
         "--restore",
         action="store_true",
@@ -390,11 +520,30 @@ def main(argv: list[str] | None = None) -> int:
         const=0,
         default=None,
         metavar="SEED",
-        help="kill a random worker every 5-10 s, each once r is restored (implies --restore)",
+        help="kill a random worker every 5-10 s, each once r is restored (implies "
+        "--restore; SEED defaults to 0)",
     )
-    demo.add_argument("--rate", type=int, default=5_000, metavar="EV_PER_S")
-    demo.add_argument("--heartbeat-ms", type=float, default=10.0)
-    demo.add_argument("--buffer-timeout-ms", type=float, default=5.0)
+    demo.add_argument(
+        "--rate",
+        type=_positive_int,
+        default=5_000,
+        metavar="EV_PER_S",
+        help="events per second from the source",
+    )
+    demo.add_argument(
+        "--heartbeat-ms",
+        type=float,
+        default=10.0,
+        metavar="MS",
+        help="heartbeat period: how long merges and windows wait at most",
+    )
+    demo.add_argument(
+        "--buffer-timeout-ms",
+        type=float,
+        default=5.0,
+        metavar="MS",
+        help="sources cut batches at windows of this much source time",
+    )
     _add_run_flags(demo, demo=True)
     demo.set_defaults(func=_demo)
 
@@ -402,8 +551,14 @@ def main(argv: list[str] | None = None) -> int:
         "run",
         help="run a job script: until Ctrl-C/SIGTERM unless --duration (it defines "
         "`job = td.Job(...)`, or runs its job itself)",
+        description="Run a job script as `python PATH` would, as __main__. A script that "
+        "calls job.run() itself has each run's summary printed; a script that only builds a "
+        "module-level `job = td.Job(...)` has it run here, for --duration seconds (or a "
+        "module-level `duration`), else until Ctrl-C or SIGTERM, which stop it gracefully.",
+        epilog=EXIT_CODES,
+        formatter_class=_Help,
     )
-    run.add_argument("path")
+    run.add_argument("path", help="the job script (a Python file)")
     _add_run_flags(run, demo=False)
     run.add_argument(
         "--no-check",
@@ -434,15 +589,23 @@ def main(argv: list[str] | None = None) -> int:
         bench.add_subparsers(dest="experiment", required=True, parser_class=_Experiment)
     )
 
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.verbose, args.log_level)
     try:
         return args.func(args)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
-    except tandem.TandemError as exc:
+    except tandem.ConfigError as exc:  # a usage error, found before anything ran
         print(f"\ntandem: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    except tandem.TandemError as exc:  # the job failed
+        print(f"\ntandem: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ntandem: interrupted; every replica process was stopped", file=sys.stderr)
         return 130

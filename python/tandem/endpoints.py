@@ -17,6 +17,7 @@ import os
 import time
 
 from tandem.exceptions import ConfigError, ServiceUnavailable
+from tandem.logs import librdkafka_logger
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def probe_kafka(bootstrap: str, timeout: float = 5.0) -> None:
         {
             "bootstrap.servers": bootstrap,
             "socket.connection.setup.timeout.ms": max(int(timeout * 1000), 1000),
-            "logger": logging.getLogger("tandem.kazoo.librdkafka"),
+            "logger": librdkafka_logger("tandem.kazoo.librdkafka"),
         }
     )
     try:

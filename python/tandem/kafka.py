@@ -31,6 +31,7 @@ from typing import Any
 
 from tandem import endpoints
 from tandem.exceptions import ConfigError, ServiceUnavailable
+from tandem.logs import librdkafka_logger
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def client_config(bootstrap: str, extra: Mapping[str, Any] | None = None) -> dic
     ``logging``."""
     conf: dict[str, Any] = {
         "bootstrap.servers": bootstrap,
-        "logger": logging.getLogger("tandem.kafka.librdkafka"),
+        "logger": librdkafka_logger("tandem.kafka.librdkafka"),
     }
     conf.update(extra or {})
     return conf
@@ -562,7 +563,7 @@ class TransactionalWriter:
     ``read_committed`` consumers see them, and each transaction carries more of them: the
     broker handles a handful of requests per transaction (adding partitions, producing,
     ending it and writing its markers): one transaction after another took about 40 % of
-    its CPU in ``tandem bench kafka`` (README, "Kafka in and out"). Queued records past
+    its CPU in ``tandem bench kafka`` (docs/kafka.md). Queued records past
     ``limit`` and :meth:`close` do not wait."""
 
     def __init__(

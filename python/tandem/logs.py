@@ -17,6 +17,10 @@ Worker processes configure themselves (:func:`configure_worker`): a handler on s
 writing ``tandem[worker N] LEVEL logger: message``, at the level in the environment
 variable ``TANDEM_LOG_LEVEL``, which the local engine sets from the coordinator's level
 (:func:`driver_level`). ``tandem -v``/``--log-level`` sets both.
+
+The Kafka clients (librdkafka) log through ``tandem.kafka.librdkafka`` and
+``tandem.kazoo.librdkafka`` (:func:`librdkafka_logger`); what they retry by themselves is
+logged at ``info``, not as a warning.
 """
 
 from __future__ import annotations
@@ -123,12 +127,39 @@ def flush(timeout: float = 5.0) -> bool:
 # The forwarding thread must stop before the interpreter finalizes.
 atexit.register(_core.shutdown_logs)
 
+
+class _Retried(logging.Filter):
+    """A librdkafka warning about a request it retries by itself — ``...: retrying``, as
+    a fresh broker's ``Coordinator load in progress`` — is ``info``: the retry resolves
+    it, and a service that stays unreachable fails the run with its own error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        if not record.getMessage().rstrip().endswith("retrying"):
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.INFO):
+            return False
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def librdkafka_logger(name: str) -> logging.Logger:
+    """The logger ``name`` for a Kafka client's ``"logger"`` setting, with librdkafka's
+    retries by itself (``...: retrying``) at ``info`` instead of ``warning``."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _Retried) for f in logger.filters):
+        logger.addFilter(_Retried())
+    return logger
+
+
 __all__ = [
     "LEVEL_ENV",
     "cli_level",
     "configure_worker",
     "driver_level",
     "flush",
+    "librdkafka_logger",
     "parse_level",
     "sync_level",
     "worker_level",

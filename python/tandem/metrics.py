@@ -13,7 +13,7 @@ and restored replicas) and renders them at each scrape, in a registry of its own
 ``prometheus_client``'s global one), served over HTTP on 127.0.0.1.
 
 Every metric is named ``tandem_*`` and labelled ``task``, ``partition``, ``replica``
-(see :data:`METRICS` and the README, "Metrics"). A replica rebuilt in a new process
+(see :data:`METRICS` and docs/operations.md, "Metrics"). A replica rebuilt in a new process
 (``Job(restore=True)``) continues its counters from where the lost one's last snapshot
 left them, so they never go back. Gauges are served only for replicas that run.
 

@@ -187,6 +187,12 @@ class Plan:
     """The passive configuration (replication 1): cut every replica at one heartbeat epoch
     this often, write the cuts to local disk, roll a lost worker back to the latest."""
 
+    def __reduce_ex__(self, protocol: int):
+        """Pickled (by cloudpickle, or pickle: the engines ship the plan to the workers)
+        as the bytes of :func:`dumps_keeping_files`, so that a user's function in a worker
+        keeps the file it was written in: its traceback names the user's file and line."""
+        return (_plan_from_bytes, (dumps_keeping_files(self),))
+
     # -- structure ----------------------------------------------------------------------
 
     @property
@@ -905,3 +911,37 @@ __all__ = [
     "hash_channels",
     "xxh3_64",
 ]
+
+
+def dumps_keeping_files(plan: Plan) -> bytes:
+    """``cloudpickle.dumps(plan)``, but each function shipped by value keeps its code's
+    file name: cloudpickle writes ``<dynamic-code>`` instead (for payloads that do not
+    depend on where a function was written), which leaves a traceback from a worker
+    without the user's file and line."""
+    import io
+
+    import cloudpickle
+
+    code_reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if obj is plan:  # the plan itself: by its fields, not through __reduce_ex__
+                return object.__reduce_ex__(obj, 4)
+            if code_reduce is not None and isinstance(obj, types.CodeType):
+                rebuild, args = code_reduce(obj)
+                return rebuild, tuple(
+                    obj.co_filename if isinstance(a, str) and a == "<dynamic-code>" else a
+                    for a in args
+                )
+            return super().reducer_override(obj)
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=5).dump(plan)
+    return buf.getvalue()
+
+
+def _plan_from_bytes(data: bytes) -> Plan:
+    import cloudpickle
+
+    return cloudpickle.loads(data)

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem import _core, endpoints
 from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError
+from tandem.logs import librdkafka_logger
 
 if TYPE_CHECKING:
     from tandem.plan import Plan
@@ -174,7 +175,7 @@ def _kafka(bootstrap: str, **settings) -> dict:
     # librdkafka prints every refused reconnect to stderr; route it to logging instead.
     return {
         "bootstrap.servers": bootstrap,
-        "logger": logging.getLogger("tandem.kazoo.librdkafka"),
+        "logger": librdkafka_logger("tandem.kazoo.librdkafka"),
         **settings,
     }
 
