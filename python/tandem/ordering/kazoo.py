@@ -327,7 +327,13 @@ class Releaser:
             return []
         if self._zk is None:
             cfg = self.run.config
-            self._zk = KazooClient(hosts=cfg.zk_hosts, timeout=max(cfg.session_timeout_s, 2.0))
+            # Its own logger, quiet below errors: this client only deletes nodes, and its
+            # connection's hiccups on a busy machine (a late ping) heal by themselves.
+            quiet = logging.getLogger("tandem.kazoo.releaser")
+            quiet.setLevel(logging.ERROR)
+            self._zk = KazooClient(
+                hosts=cfg.zk_hosts, timeout=max(cfg.session_timeout_s, 2.0), logger=quiet
+            )
             self._zk.start(timeout=10)
         zk, done = self._zk, []
         for t, p, r in replicas:
