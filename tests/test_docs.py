@@ -7,6 +7,7 @@ fence. Blocks that start Spark carry the ``spark`` mark, those that read or writ
 the ``kafka`` mark (and get the broker), KaZoo-ordered ones both ``zookeeper`` and
 ``kafka`` (and get both)."""
 
+import importlib
 import re
 from pathlib import Path
 
