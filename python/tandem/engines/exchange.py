@@ -377,12 +377,6 @@ class Feeding:
         return [key for key, ok in self.fed.items() if not ok]
 
 
-def listening(ports: dict[ReplicaId, int | None], host: str) -> dict[ReplicaId, tuple[str, int]]:
-    """The addresses of a worker's replicas from its ``ready`` ports (None: a replica with
-    no inbox, a source)."""
-    return {rid: (host, port) for rid, port in ports.items() if port is not None}
-
-
 def rebuild_links(
     plan: Plan,
     ports: dict[ReplicaId, int | None],
@@ -447,7 +441,6 @@ __all__ = [
     "REJOIN_TIMEOUT_S",
     "SPILL_BYTES",
     "Feeding",
-    "listening",
     "live_twins",
     "rebuild_links",
     "restored_entry",
