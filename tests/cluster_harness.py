@@ -38,28 +38,50 @@ class Host:
     address: str
 
 
+def free_prefix(base: str) -> str:
+    """``base``, or ``base1``, ``base2``...: the first name prefix no bridge or namespace on
+    this machine uses yet. Another checkout's cluster, or one a killed run left behind
+    (its records went with its clone), keeps its names; this session takes the next."""
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    bridges = {m.group(1) for m in re.finditer(r"^\d+: ([^:@]+)", links, re.M)}
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    spaces = {line.split()[0] for line in namespaces.splitlines() if line.strip()}
+    for k in range(100):
+        prefix = base if k == 0 else f"{base}{k}"
+        used = f"{prefix}br0" in bridges or any(
+            re.fullmatch(rf"{re.escape(prefix)}(head|svc|w\d+)", name) for name in spaces
+        )
+        if not used:
+            return prefix
+    raise ClusterError(f"prefixes {base}..{base}99 are all in use: scripts/cluster.sh down them")
+
+
 class Cluster:
     """``workers`` worker hosts and a head, brought up by :meth:`up`, taken down by
     :meth:`down` (everything the script started, nothing else). ``state_dir``: where the
     script records what it started and keeps logs (``TANDEM_CLUSTER_DIR``, default
-    ``.cluster/``); ``python``: the interpreter the Workers' executors run (by default
-    this one, so the tandem under test)."""
+    ``.cluster/``); ``prefix``: its hosts' and links' name prefix
+    (``TANDEM_CLUSTER_PREFIX``, default ``td``); ``python``: the interpreter the Workers'
+    executors run (by default this one, so the tandem under test)."""
 
     def __init__(
         self,
         workers: int = 3,
         *,
         state_dir: str | os.PathLike | None = None,
+        prefix: str | None = None,
         python: str = sys.executable,
         services: bool = False,
     ) -> None:
         self.workers, self.services = workers, services
+        self.prefix = prefix or os.environ.get("TANDEM_CLUSTER_PREFIX") or "td"
         self.state_dir = Path(
             state_dir or os.environ.get("TANDEM_CLUSTER_DIR") or ROOT / ".cluster"
         )
         self.env = {
             **os.environ,
             "TANDEM_CLUSTER_DIR": str(self.state_dir),
+            "TANDEM_CLUSTER_PREFIX": self.prefix,
             "TANDEM_CLUSTER_PYTHON": python,
         }
         self.python = python

@@ -30,7 +30,7 @@ import time
 import psutil
 import pytest
 
-from cluster_harness import Cluster
+from cluster_harness import Cluster, free_prefix
 from tandem._services import SERVICE_NAMES, Services
 
 _NEEDED = pytest.StashKey[frozenset]()
@@ -120,10 +120,13 @@ def cluster():
     `.run_on(host, argv)`), brought up once for the session, taken down after the last
     test that uses it (its JVMs would idle beside the rest of the suite) or at the end."""
     hosts = int(os.environ.get("TANDEM_TEST_CLUSTER_WORKERS", "3"))
-    harness = Cluster(hosts)
+    # Names no other cluster on this machine uses: a CI run must not trip over a cluster
+    # another checkout runs, or one a killed run left behind.
+    harness = Cluster(hosts, prefix=os.environ.get("TANDEM_CLUSTER_PREFIX") or free_prefix("td"))
     harness.up()  # raises the script's message; a failed `up` has taken itself down
     print(
-        f"\ncluster: {harness.master_url}, {hosts} worker hosts, up in {harness.up_seconds:.1f} s"
+        f"\ncluster {harness.prefix}: {harness.master_url}, {hosts} worker hosts, "
+        f"up in {harness.up_seconds:.1f} s"
     )
     try:
         yield harness

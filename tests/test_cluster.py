@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cluster_harness import SCRIPT, Cluster, ClusterError, placed
+from cluster_harness import SCRIPT, Cluster, ClusterError, free_prefix, placed
 
 JOB = Path(__file__).with_name("cluster_job.py")
 WEB_UI = 8081  # every Worker's web UI: a listening port on each worker host
@@ -203,28 +204,28 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.cluster
-def test_a_second_cluster_cleans_up_after_a_crashed_run_and_runs_kafka(tmp_path, monkeypatch):
+def test_a_second_cluster_cleans_up_after_a_crashed_run_and_runs_kafka(tmp_path):
     """Another prefix and state folder: a cluster beside the session's. `up` over the
     records of a run that never called `down` (a crashed test session) takes that one
     down first; `--services` runs ZooKeeper and Kafka on a host of their own, which the
     worker hosts reach; `down` leaves no process, namespace or link behind."""
-    monkeypatch.setenv("TANDEM_CLUSTER_PREFIX", "tx")
-    first = Cluster(1, state_dir=tmp_path / "state").up()
+    px = free_prefix("tx")
+    first = Cluster(1, state_dir=tmp_path / "state", prefix=px).up()
     pids = [int(line.split()[2]) for line in (tmp_path / "state/run/pids").read_text().splitlines()]
-    second = Cluster(1, state_dir=tmp_path / "state", services=True)
+    second = Cluster(1, state_dir=tmp_path / "state", prefix=px, services=True)
     try:
         second.up()  # no `first.down()`: as if the session that started it had died
         assert not [pid for pid in pids if running(pid)], "the stale run survived"
-        assert second.services_host == "txsvc" and first.hosts == second.hosts == ["txw1"]
-        svc = second.address("txsvc")
+        assert second.services_host == f"{px}svc" and first.hosts == second.hosts == [f"{px}w1"]
+        svc = second.address(f"{px}svc")
         code = (
             "from confluent_kafka.admin import AdminClient; "
             f"print(len(AdminClient({{'bootstrap.servers': '{svc}:19092'}})"
             ".list_topics(timeout=30).brokers))"
         )
-        done = second.python_on("txw1", code)
+        done = second.python_on(f"{px}w1", code)
         assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
-        assert probe(second, "txw1", svc, 21810)[0] == "ok"  # ZooKeeper
+        assert probe(second, f"{px}w1", svc, 21810)[0] == "ok"  # ZooKeeper
         pids = [
             int(line.split()[2]) for line in (tmp_path / "state/run/pids").read_text().splitlines()
         ]
@@ -232,11 +233,15 @@ def test_a_second_cluster_cleans_up_after_a_crashed_run_and_runs_kafka(tmp_path,
         second.down()
     assert not [pid for pid in pids if running(pid)]
     left = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert not [line for line in left.splitlines() if ": tx" in line], left
+    assert not [
+        line for line in left.splitlines() if f": {px}v-" in line or f": {px}br0" in line
+    ], left
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not [n for n in namespaces.split() if n.startswith("tx")], namespaces
+    assert not [n for n in namespaces.split() if re.fullmatch(rf"{px}(head|svc|w\d+)", n)], (
+        namespaces
+    )
     with pytest.raises(ClusterError, match="no cluster is up"):
-        second._script("crash", "txw1")
+        second._script("crash", f"{px}w1")
 
 
 # -- tandem on the cluster ------------------------------------------------------------------
