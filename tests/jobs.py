@@ -11,11 +11,18 @@ import tandem as td
 from tandem import testing
 
 
-def counting_job(name: str, rate: int, replication: int = 2, fn=testing.bucket, **job_options):
+def counting_job(
+    name: str,
+    rate: int,
+    replication: int = 2,
+    fn=testing.bucket,
+    sink_replication: int | None = None,
+    **job_options,
+):
     """The keyed, stateful job the engine tests share: ``Synthetic(rate, keys=50, seed=3)``
     in 2 partitions → ``map(fn)`` named ``enrich`` → ``key_by("key")`` →
-    ``CountPerKey`` named ``count`` → ``Collect``, 2 partitions each; ``job_options`` go to
-    ``td.Job``."""
+    ``CountPerKey`` named ``count`` → ``Collect`` (replicated as the job, or
+    ``sink_replication``), 2 partitions each; ``job_options`` go to ``td.Job``."""
     job = td.Job(name, replication=replication, **job_options)
     ev = job.source(td.sources.Synthetic(rate=rate, keys=50, seed=3), parallelism=2)
     counted = (
@@ -23,5 +30,5 @@ def counting_job(name: str, rate: int, replication: int = 2, fn=testing.bucket, 
         .key_by("key")
         .process(td.CountPerKey(), parallelism=2, name="count")
     )
-    counted.sink(td.sinks.Collect())
+    counted.sink(td.sinks.Collect(), replication=sink_replication)
     return job

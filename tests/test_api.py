@@ -305,7 +305,7 @@ def test_plan_tasks_edges_and_partitioners():
         (2, "m", "operator", 2, 3),
         (3, "r", "operator", 1, 3),
         (4, "j", "operator", 3, 3),
-        (5, "out", "sink", 1, 1),
+        (5, "out", "sink", 1, 3),  # a Collect sink: replicated as the job is
     ]
     assert plan.task("m").inputs == (td.plan.Edge(0, 0, "forward"),)
     assert plan.task("j").inputs == (
@@ -329,7 +329,7 @@ def test_plan_channels_are_ordered_by_input_index_task_partition():
     assert plan.output_edges(2, 0) == [Out(4, 0, "hash", "key", (0, 1, 2))]
     assert plan.output_edges(3, 0) == [Out(4, 1, "hash", "key", (0, 1, 2))]
     assert plan.output_edges(5, 0) == []
-    assert len(plan.replicas()) == 2 * 3 + 3 + 2 * 3 + 3 + 3 * 3 + 1
+    assert len(plan.replicas()) == 2 * 3 + 3 + 2 * 3 + 3 + 3 * 3 + 3
     with pytest.raises(td.ConfigError, match=r"partitions 0..1, got 2"):
         plan.input_channels(2, 2)
     with pytest.raises(td.ConfigError, match=r"no task 'nope'"):
@@ -356,7 +356,7 @@ def test_check_picklable_takes_lambdas_and_names_the_task_that_cannot_be_sent():
 def test_plan_describe_lists_tasks_and_edges():
     text = pipeline_plan().describe()
     assert "4: operator 'j' x3 partitions x3 replicas <- m[0]:hash(key), r[1]:hash(key)" in text
-    assert "5: sink 'out' x1 partitions x1 replicas <- j[0]:rebalance" in text
+    assert "5: sink 'out' x1 partitions x3 replicas <- j[0]:rebalance" in text
 
 
 def test_heartbeat_positions_follow_the_logical_clock():
@@ -707,9 +707,15 @@ def test_reference_check_compares_file_sink_rows_not_counts(tmp_path):
     assert (swapped.lost, swapped.duplicates) == (2, 2)
     # Files that cannot be read back: not measured, rather than a reassuring zero.
     reports = write(lambda t: t)
-    os.remove(reports[(plan.task("pq").id, 0, 0)].sink_part)
+    with open(reports[(plan.task("pq").id, 0, 0)].sink_part["staged"], "wb") as f:
+        f.write(b"not parquet")
     gone = check(reports)
     assert gone.lost is None and gone.duplicates is None
+    # A staged file gone before the commit: said, not published half.
+    reports = write(lambda t: t)
+    os.remove(reports[(plan.task("pq").id, 0, 0)].sink_part["staged"])
+    with pytest.raises(td.TandemError, match=r"staged file .* is missing"):
+        check(reports)
 
 
 def test_latency_sink_records_receive_time():
@@ -731,10 +737,10 @@ def test_latency_sink_records_receive_time():
 # -- faults and running -----------------------------------------------------------------
 
 
-def fault_plan_job() -> td.Job:
+def fault_plan_job(sink_replication: int | None = 1) -> td.Job:
     job = td.Job("f", replication=2)
     job.source(src(), name="ev").key_by("key").process(td.CountPerKey(), parallelism=2).sink(
-        td.sinks.Collect(), name="out"
+        td.sinks.Collect(), name="out", replication=sink_replication
     )
     return job
 
@@ -765,7 +771,7 @@ def test_run_dispatches_to_an_engine_object_with_validated_faults():
         (td.Kill("nope", 0, 0, 0.1), r"no task 'nope'; its tasks are \['ev', 'process', 'out'\]"),
         (td.Kill("process", 2, 0, 0.1), r"task 'process' has partitions 0..1"),
         (td.Kill("process", 0, 2, 0.1), r"task 'process' has replicas 0..1"),
-        (td.Kill("out", 0, 0, 0.1), r"'out' is a sink; sinks are unreplicated"),
+        (td.Kill("out", 0, 0, 0.1), r"'out' is an unreplicated sink, so killing it loses"),
         (td.Kill("ev", 0, "leader", 0.1), r"roles exist only with ordering='kazoo'"),
         (td.Kill("ev", 0, 0, 5), r"at=5 s is not before the end of the run"),
     ],
@@ -773,6 +779,28 @@ def test_run_dispatches_to_an_engine_object_with_validated_faults():
 def test_faults_are_validated_against_the_plan(kill, message):
     with pytest.raises(td.ConfigError, match=message):
         fault_plan_job().run(duration=1, faults=[kill], engine=RecordingEngine())
+
+
+def test_sinks_are_replicated_as_the_job_unless_they_cannot_be():
+    """A replicable sink runs the job's replication (or its own); a sink with an effect
+    outside as it writes runs once, and asking for more is refused, saying why. A replica
+    of a replicated sink may be killed; an unreplicated sink may not."""
+    plan = fault_plan_job(None).plan()
+    assert plan.task("out").replication == 2
+    # Replica r of every replicated sink on sink worker r, after the replica groups.
+    *_, w0, w1 = plan.placement()
+    assert (w0, w1) == ([(plan.task("out").id, 0, 0)], [(plan.task("out").id, 0, 1)])
+    kill = td.Kill("out", partition=0, replica=1, at=0.5)
+    fault_plan_job(None).run(duration=1, faults=[kill], engine=RecordingEngine())
+    assert fault_plan_job(1).plan().task("out").replication == 1
+    job = td.Job("k", replication=2)
+    stream = job.source(src(), name="ev")
+    stream.sink(td.sinks.Kafka("t", bootstrap="127.0.0.1:1"), name="kafka")
+    assert job.plan().task("kafka").replication == 1
+    with pytest.raises(td.ConfigError, match=r"cannot run replicated \(replication=2\)"):
+        stream.sink(td.sinks.Kafka("t", bootstrap="127.0.0.1:1"), name="k2", replication=2)
+    with pytest.raises(td.ConfigError, match=r"replication must be"):
+        stream.sink(td.sinks.Collect(), name="c", replication=0)
 
 
 def bounded_job() -> td.Job:

@@ -130,7 +130,7 @@ def test_killed_replica_is_masked(replication):
 def test_a_kill_may_name_the_worker():
     job = pipeline(2, workers=2)  # two workers per replica group, split by partition
     placement = job.plan().placement()
-    assert len(placement) == 2 * 2 + 1
+    assert len(placement) == 2 * 2 + 2  # and a worker per replica of the sink
     res = job.run(duration=DURATION, faults=[td.KillWorker(3, at=1.0)], progress=False)
     assert_same_as_reference(job, res)
     (fault,) = res.faults
@@ -138,8 +138,10 @@ def test_a_kill_may_name_the_worker():
     names = {t.id: t.name for t in job.plan().tasks}
     hosted = {(names[t], p, r) for t, p, r in placement[3]}
     assert testing.lost_replicas(res) == testing.killed_replicas(res) == hosted
+    lone = jobs.counting_job("pipe", RATE, 2, workers=2, sink_replication=1)
+    assert len(lone.plan().placement()) == 2 * 2 + 1
     with pytest.raises(td.ConfigError, match="unreplicated sinks"):
-        job.run(duration=DURATION, faults=[td.KillWorker(4, at=1.0)], progress=False)
+        lone.run(duration=DURATION, faults=[td.KillWorker(4, at=1.0)], progress=False)
     with pytest.raises(td.ConfigError, match="worker must be"):
         td.KillWorker(-1, at=1.0)
 
@@ -161,6 +163,45 @@ def test_file_and_latency_sinks_are_checked_row_by_row(tmp_path):
     assert n > 0 and res.events_out == 3 * n
     rows = pa.concat_tables([pq.read_table(f) for f in res.outputs["pq"]])
     assert sorted(rows["source_seq"].to_pylist()) == list(range(n))
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_a_killed_sink_worker_is_masked_by_its_twin(tmp_path, replica):
+    """Replicated sinks (r = 2, each replica of every sink partition on a sink worker of
+    its own): SIGKILL one sink worker halfway. Every sink's output is whole and once —
+    the Collect rows, the Parquet and CSV files read back — the output never stops for
+    long, and nothing a replica staged is left behind."""
+    job = td.Job("sinks", replication=2)
+    ev = job.source(td.sources.Synthetic(rate=RATE, keys=50, seed=3), parallelism=2)
+    out = ev.map(testing.bucket, parallelism=2, name="enrich").key_by("key")
+    out.sink(td.sinks.Collect(), name="collect")
+    out.sink(td.sinks.Parquet(tmp_path / "pq"), parallelism=2, name="pq")
+    out.sink(td.sinks.Csv(tmp_path / "out.csv"), name="csv")
+    plan = job.plan()
+    placement = plan.placement()
+    sink_workers = [
+        w
+        for w, rids in enumerate(placement)
+        if {plan.tasks[t].kind for t, _, _ in rids} == {"sink"}
+    ]
+    assert len(sink_workers) == 2
+    victim = sink_workers[replica]
+    res = job.run(duration=DURATION, faults=[td.KillWorker(victim, at=1.2)], progress=False)
+    assert (res.lost, res.duplicates) == (0, 0) and res.digests_match
+    assert testing.lost_replicas(res) == {
+        ("collect", 0, replica),
+        ("pq", 0, replica),
+        ("pq", 1, replica),
+        ("csv", 0, replica),
+    }
+    n = res.events_in
+    assert n > 0 and res.output.num_rows == n and res.events_out == 3 * n
+    assert sorted(res.output["source_seq"].to_pylist()) == sorted(
+        job.run_reference(duration=DURATION, t0_ns=res.t0_ns).output["source_seq"].to_pylist()
+    )
+    assert sorted(os.listdir(tmp_path / "pq")) == ["part-00000.parquet", "part-00001.parquet"]
+    assert sorted(os.listdir(tmp_path)) == ["out.csv", "pq"]  # no staged copy left
+    assert res.max_gap_ms < 100, res.max_gap_ms
 
 
 def with_nested(batch: pa.RecordBatch) -> pa.RecordBatch:

@@ -136,6 +136,8 @@ class _Node:
     operator: ops.Operator | None = None
     sink: Sink | None = None
     key: str | None = None
+    replication: int | None = None
+    """A sink's own replication (None: the job's if the sink is replicable, else 1)."""
 
 
 def _check_checkpoint(
@@ -324,6 +326,15 @@ class Job:
             )
         return name
 
+    def _replication_of(self, node: _Node) -> int:
+        """A task's replication: the job's; a sink's its own, or the job's if it can run
+        replicated, else 1."""
+        if node.kind != "sink":
+            return self.replication
+        if node.replication is not None:
+            return node.replication
+        return self.replication if node.sink.replicable else 1
+
     def _add(self, node: _Node) -> _Node:
         self._nodes.append(node)
         return node
@@ -402,7 +413,7 @@ class Job:
                     name=n.name,
                     kind=n.kind,
                     parallelism=n.parallelism,
-                    replication=1 if n.kind == "sink" else self.replication,
+                    replication=self._replication_of(n),
                     inputs=tuple(edges),
                     input_schemas=tuple(in_schemas),
                     schema=n.schema,
@@ -981,14 +992,37 @@ class Stream:
         keyed = Stream(self.job, self._heads, key, self.schema)
         return keyed._operator("window", ops.Window(size_ms, agg, key), parallelism, name)
 
-    def sink(self, sink: Sink, parallelism: int = 1, name: str | None = None) -> None:
-        """Deliver this stream to ``sink`` (each row exactly once)."""
+    def sink(
+        self,
+        sink: Sink,
+        parallelism: int = 1,
+        name: str | None = None,
+        replication: int | None = None,
+    ) -> None:
+        """Deliver this stream to ``sink`` (each row exactly once).
+
+        ``replication``: how many replicas of each sink partition run, on different
+        workers, so that losing one loses nothing (:mod:`tandem.sinks` says how one copy
+        is published). Default: the job's replication for a sink that can run replicated
+        (:attr:`tandem.sinks.Sink.replicable`: ``Collect``, ``Latency``, ``Parquet``,
+        ``Csv``, ``tandem_spark.sinks.Spark``), 1 for the others (``Kafka``, which restarts
+        from its last commit instead). ``replication=1`` keeps a single, unreplicated
+        sink."""
         if not isinstance(sink, Sink):
             raise ConfigError(
                 f"sink() needs a tandem sink (e.g. td.sinks.Collect()), got {type(sink).__name__}"
             )
         name = self.job._name(name, "sink")
         par = _positive_int(parallelism, f"sink {name!r}: parallelism")
+        if replication is not None:
+            replication = _positive_int(replication, f"sink {name!r}: replication")
+            if replication > 1 and not sink.replicable:
+                raise ConfigError(
+                    f"sink {name!r} ({sink.describe()}) cannot run replicated "
+                    f"(replication={replication}): it has an effect outside as it writes, "
+                    "so two replicas would write every row twice; leave replication out "
+                    "(a single sink) or use a replicable sink (Collect, Parquet, Csv)"
+                )
         if self.schema is not None:
             try:
                 sink.check(self.schema)
@@ -996,7 +1030,14 @@ class Stream:
                 raise ConfigError(f"sink {name!r} ({sink.describe()}): {exc}") from exc
         self.job._add(
             _Node(
-                name, "sink", par, self.schema, self._inputs(0, self.key), sink=sink, key=self.key
+                name,
+                "sink",
+                par,
+                self.schema,
+                self._inputs(0, self.key),
+                sink=sink,
+                key=self.key,
+                replication=replication,
             )
         )
 

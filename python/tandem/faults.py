@@ -89,11 +89,16 @@ class ReplicaFault(Fault):
             )
         task = plan.task(self.task)
         where = f"{kind}({self.task!r}, partition={self.partition}, replica={self.replica!r})"
-        if task.kind == "sink" and not (isinstance(self, Kill) and plan.restarts_sink(task.id)):
+        if (
+            task.kind == "sink"
+            and task.replication < 2
+            and not (isinstance(self, Kill) and plan.restarts_sink(task.id))
+        ):
             raise ConfigError(
-                f"{where}: {self.task!r} is a sink; sinks are unreplicated, so killing one "
-                "loses output by design — kill a source or operator replica (only a Kafka "
-                "sink with Job(restore=True) or checkpoint_ms restarts, from its last commit)"
+                f"{where}: {self.task!r} is an unreplicated sink, so killing it loses output "
+                "by design — kill a source or operator replica, or replicate the sink "
+                "(stream.sink(..., replication=2): Collect and file sinks can; a Kafka sink "
+                "with Job(restore=True) or checkpoint_ms restarts, from its last commit)"
             )
         if self.partition >= task.parallelism:
             raise ConfigError(
@@ -143,8 +148,8 @@ class Pause(ReplicaFault):
 class KillWorker(Fault):
     """Crash (SIGKILL) worker process ``worker`` — the fault domain, with every replica it
     hosts — ``at`` seconds after the start. Workers are numbered as in
-    :meth:`tandem.plan.Plan.placement`; the sinks' worker cannot be killed (sinks are
-    unreplicated)."""
+    :meth:`tandem.plan.Plan.placement`; a worker of unreplicated sinks cannot be killed
+    (they have no twin; replicated sinks' workers can)."""
 
     worker: int
     at: float
@@ -163,13 +168,13 @@ class KillWorker(Fault):
 
     def validate(self, plan: Plan, duration: float) -> None:
         placement = plan.placement()
-        sinks = {t.id for t in plan.sinks()}
-        killable = [i for i, w in enumerate(placement) if not any(t in sinks for t, _, _ in w)]
+        lone = {t.id for t in plan.sinks() if t.replication < 2}
+        killable = [i for i, w in enumerate(placement) if not any(t in lone for t, _, _ in w)]
         if self.worker not in killable:
             raise ConfigError(
                 f"KillWorker({self.worker}): job {plan.job!r} runs workers "
                 f"0..{len(placement) - 1} on this machine, of which {killable} host replicated "
-                "tasks (the others host the unreplicated sinks); see Plan.placement()"
+                "tasks (the others host unreplicated sinks); see Plan.placement()"
             )
         if self.at >= duration:
             raise ConfigError(

@@ -8,7 +8,8 @@ them:
 
 * :class:`Task` — ``id`` (its index in ``plan.tasks``, a topological order), ``name``,
   ``kind`` (``source`` | ``operator`` | ``sink``), ``parallelism``, ``replication``
-  (sinks: 1, they are unreplicated deduplicating consumers), the source / operator / sink
+  (a sink's may differ from the job's: 1 for a sink that cannot run replicated, see
+  :mod:`tandem.sinks`), the source / operator / sink
   prototype, its input :class:`Edge` s and schemas.
 * :class:`Edge` — ``upstream`` task id, ``input_index`` (0, or 1 for a join's rule side),
   ``partitioner``: ``forward`` (same parallelism, no key: partition p feeds partition p
@@ -263,9 +264,12 @@ class Plan:
         Replica group ``g`` — replica ``g`` of every source and operator partition — is
         split over ``workers`` processes (default: ``cores // replication``, at least 1),
         partition ``p`` going to worker ``p % workers`` of its group, so a pipeline of
-        forward edges stays in one process. The sinks, which are not replicated, share one
-        more worker of their own, so killing any replica group leaves them running. Two
-        replicas of one task partition are never in the same worker: losing a worker
+        forward edges stays in one process. The sinks run on workers of their own:
+        replica ``r`` of every replicated sink partition on sink worker ``r`` (as many as
+        the most replicated sink has replicas), then the unreplicated sinks together on
+        one more, last. Killing a replica group's worker leaves every sink running, and
+        killing a replicated sink's worker loses one replica of each partition it hosts.
+        Two replicas of one task partition are never in the same worker: losing a worker
         loses at most one replica of each partition, which its twins mask.
         """
         per_group = self.workers
@@ -274,22 +278,25 @@ class Plan:
         groups: list[list[list[tuple[int, int, int]]]] = [
             [[] for _ in range(per_group)] for _ in range(self.replication)
         ]
-        sinks: list[tuple[int, int, int]] = []
+        copies = max((t.replication for t in self.sinks() if t.replication > 1), default=0)
+        sinks: list[list[tuple[int, int, int]]] = [[] for _ in range(copies)]
+        lone: list[tuple[int, int, int]] = []
         for t, p, r in self.replicas():
-            if self.tasks[t].kind == "sink":
-                sinks.append((t, p, r))
-            else:
+            if self.tasks[t].kind != "sink":
                 groups[r][p % per_group].append((t, p, r))
-        workers = [w for g in groups for w in g if w]
-        if sinks:
-            workers.append(sinks)
-        return workers
+            elif self.tasks[t].replication > 1:
+                sinks[r].append((t, p, r))
+            else:
+                lone.append((t, p, r))
+        return [w for g in groups for w in g if w] + sinks + ([lone] if lone else [])
 
     def inbox_ordering(self, task_id: int, partition: int) -> str:
         """The consumption order a partition's inbox uses: the job's ordering where there
         is something to order — a replicated operator with two or more input channels —
-        and first come, first served elsewhere (one channel has one order; sinks are
-        unreplicated). LiveRobin takes its single-channel fast path by itself."""
+        and first come, first served elsewhere (one channel has one order; a sink's
+        replicas each keep a copy whose order within a partition does not matter, and
+        nothing downstream of a sink could diverge). LiveRobin takes its single-channel
+        fast path by itself."""
         task = self.task(task_id)
         if task.kind == "sink":
             return "none"
@@ -552,14 +559,15 @@ class Plan:
         self._check_partition(task, partition)
         return TaskInstance(task, partition, replica, t0_ns)
 
-    def open_sink(self, task_id: int, partition: int, run: int = 0) -> Sink:
-        """A fresh sink instance for one sink partition of ``run`` (the engine's t0), opened."""
+    def open_sink(self, task_id: int, partition: int, run: int = 0, replica: int = 0) -> Sink:
+        """A fresh sink instance for replica ``replica`` of one sink partition of ``run``
+        (the engine's t0), opened."""
         task = self.task(task_id)
         if task.kind != "sink" or task.sink is None:
             raise ConfigError(f"{task.describe()} is not a sink")
         self._check_partition(task, partition)
         sink = copy.deepcopy(task.sink)
-        sink.keep_positions, sink.run = self.restarts_sink(task.id), run
+        sink.keep_positions, sink.run, sink.replica = self.restarts_sink(task.id), run, replica
         sink.open(partition, task.parallelism, task.schema)
         return sink
 

@@ -1,4 +1,4 @@
-"""Sinks: the unreplicated consumers at the end of a job.
+"""Sinks: the consumers at the end of a job.
 
 A sink task partition deduplicates its input like any receiver (the engine's job) and then
 hands every row exactly once, in consumption order, to its sink instance::
@@ -13,11 +13,22 @@ copy, so a sink keeps per-partition state in ``self``. ``close()`` returns a pic
 partitions' values, in partition order, into what the Result exposes, and
 :meth:`Sink.rows` reads the rows back out of that value (from the files a file sink wrote),
 so that the engines can compare them with the reference executor's, row by row.
+
+A sink that is :attr:`Sink.replicable` runs, like every other task, as r replicas on
+different workers (``Stream.sink(..., replication=)``; by default the job's): each replica
+receives every row of its partition once (first come, first served across its input
+channels, so the replicas hold the same rows, maybe interleaved differently) and keeps a
+copy of its own that nothing outside sees yet. When the run ends, the engine takes one
+complete copy per partition — the first replica to finish — into :meth:`Sink.combine`,
+which publishes it (a file sink renames its staged file into place), and hands every other
+replica's copy to :meth:`Sink.discard`, a lost replica's included. Losing a sink replica
+then loses nothing while a twin of it lives.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import time
 from typing import Any
@@ -53,6 +64,13 @@ class Sink(abc.ABC):
     run: int = 0
     """Set by the engine before :meth:`open`: which run of the job this is (its t0),
     stored with the positions so that a restart never takes an earlier run's."""
+    replicable: bool = False
+    """Whether the job may run r replicas of this sink (the module documentation says
+    how): each replica keeps a copy of its partition's rows that nothing outside sees
+    before :meth:`combine` publishes one, and :meth:`discard` removes the others. A sink
+    with an effect outside as it writes (a database, a topic) is not."""
+    replica: int = 0
+    """Set by the engine before :meth:`open`: which replica of its partition this is."""
 
     def describe(self) -> str:
         return type(self).__name__
@@ -98,8 +116,19 @@ class Sink(abc.ABC):
         raise ConfigError(_not_restartable(self))
 
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> Any:
-        """Merge the partitions' ``close()`` values (in partition order); ``schema`` is the
-        sink's input schema. Runs wherever the Result is assembled."""
+        """Merge the partitions' ``close()`` values (in partition order; one replica's
+        per partition) and publish them; ``schema`` is the sink's input schema. Runs
+        wherever the Result is assembled."""
+        return None
+
+    def discard(
+        self, part: Any, *, partition: int, replica: int, parallelism: int, run: int
+    ) -> None:
+        """A replicable sink: remove the copy of replica ``replica`` of ``partition`` (of
+        ``parallelism``, in ``run``), which the job does not publish. ``part`` is its
+        ``close()`` value, or None when the replica was lost before it closed (its copy
+        may then be partial). Runs where the Result is assembled, after :meth:`combine`;
+        the default keeps nothing to remove."""
         return None
 
     def rows(self, value: Any, schema: pa.Schema | None = None) -> pa.Table | None:
@@ -121,7 +150,10 @@ def _concat(parts: list[pa.Table | None], schema: pa.Schema | None) -> pa.Table 
 
 class Collect(Sink):
     """Keeps every row in memory; the Result's ``output`` is the rows of all partitions
-    (partition 0 first, each in consumption order) as one ``pyarrow.Table``."""
+    (partition 0 first, each in consumption order) as one ``pyarrow.Table``. Replicable:
+    the driver takes one replica's rows per partition."""
+
+    replicable = True
 
     def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
         super().open(partition, parallelism, schema)
@@ -143,7 +175,11 @@ class Collect(Sink):
 
 
 class _FileSink(Sink):
-    suffix = ""
+    """A file per partition, written to a staged name beside it (a dot file, which
+    Spark's and Arrow's dataset readers skip) by each replica, and renamed into place by
+    :meth:`combine`: a file appears whole, once, when the run has ended."""
+
+    replicable = True
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
@@ -153,8 +189,46 @@ class _FileSink(Sink):
     def describe(self) -> str:
         return f"{type(self).__name__}({self.path!r})"
 
+    @abc.abstractmethod
+    def _final(self, partition: int, parallelism: int) -> str:
+        """Where partition ``partition``'s file goes."""
+
+    def _staged(self, partition: int, parallelism: int, replica: int) -> str:
+        folder, name = os.path.split(self._final(partition, parallelism))
+        return os.path.join(folder, f".{name}.r{replica}.staging")
+
+    def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
+        super().open(partition, parallelism, schema)
+        self.file = self._final(partition, parallelism)
+        self.staged = self._staged(partition, parallelism, self.replica)
+        parent = os.path.dirname(self.file)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self.writer = None
+
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> list[str]:
-        return [p for p in parts if p]
+        """Publish each partition's staged file under its name (an atomic rename)."""
+        files = []
+        for part in parts:
+            if not part:
+                continue
+            try:
+                os.replace(part["staged"], part["file"])
+            except FileNotFoundError as exc:
+                raise TandemError(
+                    f"{self.describe()}: the staged file {part['staged']!r} is missing, so "
+                    f"{part['file']!r} cannot be published; on a cluster the path must be "
+                    "on a file system every executor and the driver share"
+                ) from exc
+            files.append(part["file"])
+        return files
+
+    def discard(
+        self, part: Any, *, partition: int, replica: int, parallelism: int, run: int
+    ) -> None:
+        staged = part["staged"] if part else self._staged(partition, parallelism, replica)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(staged)
 
     def rows(self, value: Any, schema: pa.Schema | None = None) -> pa.Table:
         """Every row of the files ``value`` lists (in that order), read back with the
@@ -170,35 +244,32 @@ class _FileSink(Sink):
 
     @abc.abstractmethod
     def _writer(self, schema: pa.Schema):
-        """The open writer of ``self.file``, created on first use."""
+        """The open writer of ``self.staged``, created on first use."""
 
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows:
             self._writer(batch.schema).write_batch(batch)
 
-    def close(self) -> str:
+    def close(self) -> dict:
         if self.writer is None and self.schema is not None:
             self._writer(self.schema)
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        return self.file
+        return {"file": self.file, "staged": self.staged}
 
 
 class Parquet(_FileSink):
     """Writes partition ``p`` to ``<dir>/part-<p:05d>.parquet`` (directory created)."""
 
-    def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
-        super().open(partition, parallelism, schema)
-        os.makedirs(self.path, exist_ok=True)
-        self.file = os.path.join(self.path, f"part-{partition:05d}.parquet")
-        self.writer = None
+    def _final(self, partition: int, parallelism: int) -> str:
+        return os.path.join(self.path, f"part-{partition:05d}.parquet")
 
     def _writer(self, schema: pa.Schema):
         import pyarrow.parquet as pq
 
         if self.writer is None:
-            self.writer = pq.ParquetWriter(self.file, schema)
+            self.writer = pq.ParquetWriter(self.staged, schema)
         return self.writer
 
     def _read(self, file: str, schema: pa.Schema | None) -> pa.Table:
@@ -211,23 +282,17 @@ class Csv(_FileSink):
     """Writes CSV with a header: to ``path`` itself when the sink has one partition, else
     partition ``p`` to ``<stem>-<p:05d><suffix>`` next to it."""
 
-    def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
-        super().open(partition, parallelism, schema)
+    def _final(self, partition: int, parallelism: int) -> str:
         if parallelism == 1:
-            self.file = self.path
-        else:
-            stem, ext = os.path.splitext(self.path)
-            self.file = f"{stem}-{partition:05d}{ext}"
-        parent = os.path.dirname(self.file)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        self.writer = None
+            return self.path
+        stem, ext = os.path.splitext(self.path)
+        return f"{stem}-{partition:05d}{ext}"
 
     def _writer(self, schema: pa.Schema):
         import pyarrow.csv as pacsv
 
         if self.writer is None:
-            self.writer = pacsv.CSVWriter(self.file, schema)
+            self.writer = pacsv.CSVWriter(self.staged, schema)
         return self.writer
 
     def _read(self, file: str, schema: pa.Schema | None) -> pa.Table:
@@ -517,6 +582,8 @@ class Latency(Sink):
     """Records, per row, ``receive_ns`` (wall clock when the sink got it) next to its
     ``event_time_ns``; latency = ``receive_ns - event_time_ns`` on one clock (every process
     of the local engine reads the same system clock). ``clock`` is injectable for tests."""
+
+    replicable = True
 
     def __init__(self, clock=time.time_ns) -> None:
         self.clock = clock

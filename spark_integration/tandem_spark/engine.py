@@ -155,7 +155,8 @@ class SparkEngine:
                 "configuration: checkpoints and rollback); use the local engine"
             )
         for f in faults:
-            if isinstance(f, Kill) and plan.task(f.task).kind == "sink":
+            task = plan.task(f.task) if isinstance(f, Kill) else None
+            if task is not None and task.kind == "sink" and task.replication < 2:
                 raise ConfigError(
                     f"the spark engine does not restart a lost sink ({f}); the local engine "
                     "restarts a Kafka sink from its last commit"

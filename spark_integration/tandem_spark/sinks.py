@@ -5,13 +5,14 @@ stream to a Spark table or to files in any format Spark writes, with Spark's own
 ``DataFrameWriter`` (``format``, ``mode``, ``options``, ``partitionBy``, ``saveAsTable``
 or ``save``), and never through the driver's memory:
 
-1. each sink partition — an unreplicated, deduplicating consumer, so it gets every row of
-   the stream exactly once — writes the rows it receives to one Parquet file of its own in
-   a *staging* directory, on the executor (or worker process) that runs it;
+1. each replica of each sink partition — a deduplicating consumer, so it gets every row of
+   its partition exactly once — writes the rows it receives to one Parquet file of its own
+   in a *staging* directory, on the executor (or worker process) that runs it;
 2. when the run has ended, the driver commits the run in one Spark job:
    ``spark.read.parquet(<the staging files>).write.format(...).mode(...)`` and
-   ``.saveAsTable(table)`` or ``.save(path)``. Spark's executors read the staging files and
-   write the target; the driver only plans the job. Then the staging files are deleted.
+   ``.saveAsTable(table)`` or ``.save(path)``, reading one replica's file per partition
+   (the first replica to finish). Spark's executors read the staging files and write the
+   target; the driver only plans the job. Then every staging file is deleted.
 
 What you get: the rows appear in the target **at the end of the job, all in one Spark
 write job, each exactly once** (a killed replica upstream is masked by its twin, and the
@@ -29,11 +30,11 @@ the local engine, the active one (``SparkSession.builder.getOrCreate()``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,8 @@ class Written:
 
 class Spark(Sink):
     """Writes the stream with Spark's ``DataFrameWriter`` at the end of the job (see the
-    module documentation for how, and what consistency that gives).
+    module documentation for how, and what consistency that gives). Replicable: each
+    replica of a partition stages a file of its own; the commit reads one per partition.
 
     Exactly one of ``table`` (``saveAsTable``) and ``path`` (``save``). ``format``: a
     Spark data source (``"parquet"``, ``"orc"``, ``"json"``, ``"csv"``, ``"delta"``, ...;
@@ -84,6 +86,8 @@ class Spark(Sink):
     machine (fine on a local master; on a cluster give a directory the sink's executor
     can write and every executor can read: HDFS, S3, a shared file system).
     """
+
+    replicable = True
 
     def __init__(
         self,
@@ -196,10 +200,14 @@ class Spark(Sink):
         super().open(partition, parallelism, schema)
         fs, inner = _filesystem(self.staging)
         fs.create_dir(inner, recursive=True)
-        name = f"part-{partition:05d}-{uuid.uuid4().hex}.parquet"
-        self.file = f"{self.staging.rstrip('/')}/{name}"
+        self.file = self._staged(partition, self.run, self.replica)
         self.writer = None
         self.rows_written = 0
+
+    def _staged(self, partition: int, run: int, replica: int) -> str:
+        """The staging file of one replica of a partition in one run (the job's t0)."""
+        name = f"part-{partition:05d}-{run}-r{replica}.parquet"
+        return f"{self.staging.rstrip('/')}/{name}"
 
     def _writer(self, schema: pa.Schema):
         """The open writer of this partition's staging file, created on first use."""
@@ -276,6 +284,14 @@ class Spark(Sink):
         return Written(
             self.table, self.path, self.format, self.mode, rows, committed, exclusive, names
         )
+
+    def discard(
+        self, part: Any, *, partition: int, replica: int, parallelism: int, run: int
+    ) -> None:
+        """Delete the staging file of a replica whose copy was not committed."""
+        fs, inner = _filesystem(part["file"] if part else self._staged(partition, run, replica))
+        with contextlib.suppress(FileNotFoundError):
+            fs.delete_file(inner)
 
     def rows(self, value: Any, schema: pa.Schema | None = None) -> pa.Table | None:
         """The target's rows, read back through Spark (onto the driver: this is the

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from tandem import latency
-from tandem.exceptions import ConfigError
+from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Kill
 from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
@@ -104,6 +104,7 @@ def assemble_result(
     followed, read back from the topics.
     """
     res = Result(t0_ns=t0_ns, faults=faults, rss_mb=rss_mb or {}, duration_s=duration)
+    sink_tasks = {t.id for t in plan.sinks()}
     res.lost_replicas = [
         {"task": plan.tasks[t].name, "partition": p, "replica": r, "cause": cause}
         for (t, p, r), cause in lost_replicas
@@ -113,13 +114,32 @@ def assemble_result(
         for t in plan.sources()
         for p in range(t.parallelism)
     )
+    chosen = published_copies(plan, reports)
     for task in plan.sinks():
-        parts = [reports[(task.id, p, 0)].sink_part for p in range(task.parallelism)]
+        parts = [reports[chosen[(task.id, p)]].sink_part for p in range(task.parallelism)]
         res.outputs[task.name] = task.sink.combine(parts, task.schema)
-        res.events_out += sum(reports[(task.id, p, 0)].rows_in for p in range(task.parallelism))
+        res.events_out += sum(
+            reports[chosen[(task.id, p)]].rows_in for p in range(task.parallelism)
+        )
+        for p in range(task.parallelism):
+            for r in range(task.replication):
+                if (task.id, p, r) != chosen[(task.id, p)]:
+                    rep = reports.get((task.id, p, r))
+                    task.sink.discard(
+                        None if rep is None else rep.sink_part,
+                        partition=p,
+                        replica=r,
+                        parallelism=task.parallelism,
+                        run=t0_ns,
+                    )
     collects = [t.name for t in plan.sinks() if isinstance(res.outputs[t.name], pa.Table)]
     res.output = res.outputs[collects[0]] if collects else None
-    _latency(res, reports.values(), warmup)
+    sink_copies = set(chosen.values())
+    _latency(
+        res,
+        [rep for rid, rep in reports.items() if rid in sink_copies or rid[0] not in sink_tasks],
+        warmup,
+    )
     _digests(res, plan, reports)
     _leaders(res, plan, reports)
     if check:
@@ -127,6 +147,29 @@ def assemble_result(
     else:  # not measured: say so rather than report a reassuring zero
         res.lost = res.duplicates = None
     return res
+
+
+def published_copies(
+    plan: Plan, reports: Mapping[ReplicaId, ReplicaReport]
+) -> dict[tuple[int, int], ReplicaId]:
+    """Which replica's copy of each sink partition the job publishes: the first to finish
+    (``reports`` is in the order the reports came). Its rows are the output, its latency
+    record the run's latency; the other replicas' copies are discarded."""
+    chosen: dict[tuple[int, int], ReplicaId] = {}
+    for rid in reports:
+        if plan.tasks[rid[0]].kind == "sink":
+            chosen.setdefault(rid[:2], rid)
+    missing = [
+        f"{t.name}[{p}]"
+        for t in plan.sinks()
+        for p in range(t.parallelism)
+        if (t.id, p) not in chosen
+    ]
+    if missing:
+        raise TandemError(
+            f"no replica of sink partitions {missing} finished: the output is incomplete"
+        )
+    return chosen
 
 
 def _source_rows(plan: Plan, task: int, partition: int, duration: float, reports: Mapping) -> int:
@@ -221,13 +264,14 @@ def _check(
         orders = kazoo.read_orders(zoo, channels)
     # In memory: the reference must not write over the sinks' files before they are read.
     ref = reference.run(plan, duration, t0_ns=res.t0_ns, orders=orders, in_memory=True)
+    chosen = published_copies(plan, reports)
     lost = dups = 0
     for task in plan.sinks():
         want: pa.Table = ref.outputs[task.name]
-        n_got = sum(reports[(task.id, p, 0)].rows_in for p in range(task.parallelism))
+        n_got = sum(reports[chosen[(task.id, p)]].rows_in for p in range(task.parallelism))
         try:
             got = task.sink.rows(res.outputs.get(task.name), task.schema)
-        except OSError as exc:  # e.g. files on another machine's disk
+        except (OSError, pa.ArrowInvalid) as exc:  # another machine's disk, a file not whole
             log.warning(
                 "cannot read back the output of sink %r (%s): lost and duplicates not measured",
                 task.name,

@@ -383,6 +383,13 @@ class Coordinator:
     def hosts_sinks(self, w: int) -> bool:
         return any(self.plan.tasks[t].kind == "sink" for t, _, _ in self.placement[w])
 
+    def lone_sinks(self, w: int) -> bool:
+        """Worker ``w`` hosts unreplicated sinks: no twin takes over when it is lost."""
+        tasks = self.plan.tasks
+        return any(
+            tasks[t].kind == "sink" and tasks[t].replication < 2 for t, _, _ in self.placement[w]
+        )
+
     def now_s(self) -> float:
         return (time.time_ns() - self.t0_ns) / 1e9
 
@@ -613,8 +620,8 @@ class Coordinator:
         limit = self.plan.failure_timeout_ms / 1000
         now = time.monotonic()
         for w in sorted(self.running):
-            if now - self.heard.get(w, now) <= limit or self.hosts_sinks(w):
-                continue  # a sink has no twin to take over: killing it would lose the job
+            if now - self.heard.get(w, now) <= limit or self.lone_sinks(w):
+                continue  # a lone sink has no twin to take over: killing it loses the job
             log.warning(
                 "%s has been silent for %.0f ms (failure_timeout_ms=%g): declared lost",
                 self.worker_name(w),
@@ -624,14 +631,14 @@ class Coordinator:
             self._kill_worker(w, now_s, "silent")
 
     def _late(self, now_s: float) -> None:
-        """Declare lost the workers still running :data:`DRAIN_GRACE_S` after every sink
-        finished (stragglers: the sinks have all of the output without them)."""
-        sink_workers = [w for w in range(len(self.placement)) if self.hosts_sinks(w)]
-        if not self.running or not sink_workers or any(w in self.running for w in sink_workers):
+        """Declare lost the workers still running :data:`DRAIN_GRACE_S` after a replica of
+        every sink partition finished (stragglers: the output is complete without them;
+        a sink replica among them only had a copy the job does not need)."""
+        sinks = self.plan.sinks()
+        if not self.running or not sinks:
             return
-        if any(
-            rid not in self.reports for w in sink_workers for rid in self.placement[w]
-        ):  # a sink lost, not finished
+        finished = {rid[:2] for rid in self.reports}
+        if any((t.id, p) not in finished for t in sinks for p in range(t.parallelism)):
             return
         if self._sinks_done_at is None:
             self._sinks_done_at = time.monotonic()
@@ -653,7 +660,7 @@ class Coordinator:
         task partition has dropped it; while ``up``'s twins still feed it, it is not the
         slow one, and a slow sender never takes a healthy receiver down."""
         w = self.worker_of[down]
-        if w not in self.running or down in self.down or self.hosts_sinks(w):
+        if w not in self.running or down in self.down or self.lone_sinks(w):
             return
         t, p, _ = up
         voters = self.evictions.setdefault((down, self.current[w]), set())
@@ -746,8 +753,17 @@ class Coordinator:
             self._abort_rejoin(w, "its new process was lost too")
         if not self.restoring or w in self.rejoins:
             return
-        if self.hosts_sinks(w):
+        if self.lone_sinks(w):
             self._restart_sinks(w, now_s)
+            return
+        if self.hosts_sinks(w):
+            # Replicated sinks: their twins hold a copy each, and one copy is all the job
+            # publishes. (A sink replica is not rebuilt: a sink has no cut to rebuild from.)
+            log.info(
+                "%s hosted sink replicas (%s): their twins carry on, it is not rebuilt",
+                self.worker_name(w),
+                ", ".join(self.name(r) for r in self.placement[w]),
+            )
             return
         if self.checkpointing:
             self._roll_back(w, now_s)
@@ -1188,7 +1204,8 @@ class Coordinator:
         if chaos.until is not None and now_s >= chaos.until:
             self.chaos = None
             return
-        if now_s < self._chaos_at or self.rejoins or self.down:
+        # (A sink replica lost stays down: sinks are not rebuilt, and not chaos's victims.)
+        if now_s < self._chaos_at or self.rejoins or self._down_operators():
             return
         if now_s > self.end_s() - REJOIN_MARGIN_S - chaos.every_s[0]:
             return
@@ -1207,6 +1224,9 @@ class Coordinator:
         log.info("chaos: SIGKILL %s at %.2f s", self.worker_name(w), now_s)
         self._kill_worker(w, now_s, "killed")
         self._chaos_at = now_s + self._chaos_rng.uniform(*chaos.every_s)
+
+    def _down_operators(self) -> list[ReplicaId]:
+        return [r for r in self.down if self.plan.tasks[r[0]].kind != "sink"]
 
     def _replica_names(self, w: int) -> list[dict]:
         return [

@@ -242,7 +242,7 @@ class Replica:
                 self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
             watermarks = type(self._inst.op).on_watermark is not Operator.on_watermark
         else:
-            self._sink = self.plan.open_sink(t, p, run=t0_ns)
+            self._sink = self.plan.open_sink(t, p, run=t0_ns, replica=r)
             if self.resume is not None:  # restarted from what the lost sink committed
                 self.report.rows_in = self._sink.restore(self.resume.load())
             schema = self.task.schema
