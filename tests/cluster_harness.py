@@ -247,7 +247,7 @@ tests/cluster_job.py): ``tandem-cluster TAG: count[0]/1 on 198.18.0.12 pid 1234`
 
 def placed(cluster: Cluster, tag: str) -> dict[str, str]:
     """What runs where in run ``tag``, from the executor logs of every worker host:
-    ``count[P]/R`` (replica R of partition P, so replica group R) and ``sink[P]`` → host."""
+    ``count[P]/R`` (replica R of partition P, so replica group R) and ``sink[P]/R`` → host."""
     found: dict[str, str] = {}
     for host in cluster.hosts:
         for path in cluster.executor_logs(host):

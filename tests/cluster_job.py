@@ -10,8 +10,9 @@ at ``--rate`` rows per second, 2 partitions, ``key_by("key")``, a running count 
 ``TANDEM_CLUSTER_ADDRESS``, the head's address the driver binds). One worker per replica
 group, one for the sinks: three worker tasks.
 
-Each replica of ``count`` and each sink partition prints one line to its executor's stderr
-when it opens — ``tandem-cluster TAG: count[P]/R on ADDRESS pid PID`` or ``sink[P] on ...``
+Each replica of ``count`` and of the (replicated) sink prints one line to its executor's
+stderr when it opens — ``tandem-cluster TAG: count[P]/R on ADDRESS pid PID`` or
+``sink[P]/R on ...``
 — so a test can read from the executor logs of each host which host runs which replica
 while the job runs (see ``cluster_harness.placed``).
 
@@ -57,7 +58,7 @@ class PlacedCount(td.CountPerKey):
 
 
 class PlacedCollect(td.sinks.Collect):
-    """The Collect sink, saying where each partition runs when it opens."""
+    """The Collect sink, saying where each replica of each partition runs when it opens."""
 
     def __init__(self, tag: str) -> None:
         super().__init__()
@@ -65,7 +66,7 @@ class PlacedCollect(td.sinks.Collect):
 
     def open(self, partition, parallelism=1, schema=None) -> None:
         super().open(partition, parallelism, schema)
-        announce(self.tag, f"sink[{partition}]")
+        announce(self.tag, f"sink[{partition}]/{self.replica}")
 
 
 def build(path: str, rate: int, tag: str, restore: bool) -> td.Job:

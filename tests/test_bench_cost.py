@@ -56,9 +56,9 @@ def test_cost_bench_quick_r1_r2_reports_every_figure_from_one_run(tmp_path, caps
         assert set(r) == fields, where
         assert r["lost"] == 0 and r["duplicates"] == 0 and r["digests_match"], where
         assert r["events_in"] == r["events_out"] == r["rate"] * r["duration_s"], where
-        # Workers: cores // r per replica group (at least 1), and one for the sink.
+        # Workers: cores // r per replica group (at least 1), and one per sink replica.
         per_group = max(1, os.cpu_count() // r["replication"])
-        assert r["processes"] == per_group * r["replication"] + 1, where
+        assert r["processes"] == (per_group + 1) * r["replication"], where
         assert 0 < r["steady_cpu_s"] < r["cpu_s"], where
         assert r["coordinator_cpu_s"] > 0, where
         assert r["cpu_s_per_m_events"] == pytest.approx(
@@ -81,9 +81,9 @@ def test_cost_bench_quick_r1_r2_reports_every_figure_from_one_run(tmp_path, caps
         assert r2["cpu_ratio_vs_r1"] == round(r2["cpu_s"] / r1["cpu_s"], 2)
         assert r2["steady_cpu_ratio_vs_r1"] == round(r2["steady_cpu_s"] / r1["steady_cpu_s"], 2)
         assert r2["p99_ratio_vs_r1"] == round(r2["p99_ms"] / r1["p99_ms"], 2)
-        # No order between r1's and r2's CPU here: on two cores both run three processes
-        # (r1 two workers and a sink, r2 one per replica and a sink), and in 3 s their start
-        # outweighs the events; `tandem bench cost` at its full length measures the ratio.
+        # No order between r1's and r2's CPU asserted here: on two cores r1 runs three
+        # processes and r2 four, and in 3 s their start outweighs the events; `tandem bench
+        # cost` at its full length measures the ratio.
     targets = {(c["target"], c["config"]) for c in data["checks"]}
     assert ("CPU of r2 LiveRobin / r1", "r2") in targets
     assert ("idle replicated demo, share of a core (steady)", "r2") in targets

@@ -41,15 +41,15 @@ def local_cluster():
 def test_executor_crash_is_masked_and_twins_run_on_different_executors(local_cluster):
     job = mib1()
     plan = job.plan()
-    assert len(plan.placement()) == 3
+    assert len(plan.placement()) == 4
     engine = tandem_spark.SparkEngine(local_cluster, kill="executor")
-    # The workers of replica group 1 run on the second executor; the sink's worker (the
-    # sink is unreplicated) runs with replica group 0, on the first.
+    # The workers of replica group 1 run on the second executor, with the worker of the
+    # sink's replica 1; group 0 and the sink's replica 0 on the first.
     fault = td.Kill("map1", partition=0, replica=1, at=2.0)
     res = job.run(duration=DURATION, faults=[fault], engine=engine)
 
     run = engine.last_run
-    assert sorted(run.workers()) == [0, 1, 2]  # one task per worker
+    assert sorted(run.workers()) == [0, 1, 2, 3]  # one task per worker
     placed = {rid: a.executor for rid, a in run.hosts().items()}
     assert sorted(placed) == sorted(plan.replicas())
     assert len(set(placed.values())) == 2
@@ -60,8 +60,11 @@ def test_executor_crash_is_masked_and_twins_run_on_different_executors(local_clu
     victim = placed[(plan.task("map1").id, 0, 1)]
     on_victim = sorted(rid for rid, executor in placed.items() if executor == victim)
     assert sorted(run.killed) == on_victim  # the whole executor went down
-    assert lost_replicas(res) == killed_replicas(res)
-    assert len(on_victim) == 4  # replica group 1: both partitions of the source and the map
+    # The sink's replica 1 went with it (its own worker, on that executor); its twin had
+    # every row.
+    assert lost_replicas(res) == killed_replicas(res) | {("sink", 0, 1)}
+    # Replica group 1 (both partitions of the source and the map) and the sink's replica 1.
+    assert len(on_victim) == 5
 
     ref = job.run_reference(duration=DURATION, t0_ns=res.t0_ns)
     assert res.output.num_rows == ref.output.num_rows == RATE * DURATION
@@ -125,7 +128,10 @@ def test_an_executor_crash_is_rebuilt_on_another_executor_and_r_is_restored(loca
     assert res.lost == 0 and res.duplicates == 0
     assert res.digests_match, res.determinism_errors
     restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
-    assert restored == lost_replicas(res) == killed_replicas(res)
+    # The sink's replica 1, on the same executor, is lost and not rebuilt: its twin has
+    # every row, and one copy is all the job publishes.
+    assert lost_replicas(res) == killed_replicas(res) | {("sink", 0, 1)}
+    assert restored == killed_replicas(res)
     assert len(restored) == 4  # replica group 1: both partitions of the source and the map
     run = engine.last_run
     (record,) = res.faults

@@ -44,23 +44,24 @@ def test_placement_never_puts_two_replicas_of_a_partition_in_one_worker(
         assert hosted, "no empty worker"
         partitions = [(t, p) for t, p, _ in hosted]
         assert len(partitions) == len(set(partitions)), hosted
-    # Sinks (unreplicated) share one worker of their own: losing any replica group
-    # leaves them running.
+    # Sinks run on workers of their own, replica r of every sink partition on sink worker
+    # r: losing any replica group's worker leaves them running, and losing a sink worker
+    # loses one replica of each sink partition.
     sink_ids = {t.id for t in plan.sinks()}
-    (sink_worker,) = [w for w in placement if any(t in sink_ids for t, _, _ in w)]
-    assert all(t in sink_ids for t, _, _ in sink_worker)
+    sink_workers = [w for w in placement if any(t in sink_ids for t, _, _ in w)]
+    assert all(t in sink_ids for w in sink_workers for t, _, _ in w)
+    assert len(sink_workers) == max(t.replication for t in plan.sinks())
     # A worker hosts one replica group; a group spans `workers` processes at most.
     per_group = workers or max(1, cores // replication)
     for hosted in placement:
-        if hosted is not sink_worker:
-            assert len({r for _, _, r in hosted}) == 1, hosted
-    assert len(placement) - 1 <= replication * per_group
+        assert len({r for _, _, r in hosted}) == 1, hosted
+    assert len(placement) - len(sink_workers) <= replication * per_group
 
 
 def test_the_default_placement_fits_the_cores():
     plan = job_of([2, 2, 2], replication=2, workers=None).plan()
-    assert len(plan.placement(cores=2)) == 2 + 1  # one worker per group, and the sink's
-    assert len(plan.placement(cores=4)) == 4 + 1  # two per group, split by partition
+    assert len(plan.placement(cores=2)) == 2 + 2  # one worker per group, one per sink copy
+    assert len(plan.placement(cores=4)) == 4 + 2  # two per group, split by partition
     plan = job_of([2, 2, 2], replication=1, workers=None).plan()
     assert len(plan.placement(cores=2)) == 2 + 1
     with pytest.raises(td.ConfigError, match="workers"):

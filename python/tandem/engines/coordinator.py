@@ -620,8 +620,11 @@ class Coordinator:
         limit = self.plan.failure_timeout_ms / 1000
         now = time.monotonic()
         for w in sorted(self.running):
-            if now - self.heard.get(w, now) <= limit or self.lone_sinks(w):
-                continue  # a lone sink has no twin to take over: killing it loses the job
+            if now - self.heard.get(w, now) <= limit or self.hosts_sinks(w):
+                # Sinks are not rebuilt, so a suspicion would cost a copy for good (an
+                # unreplicated sink: the job). A sink copy is lost when its process is
+                # known dead; a silent one that never finishes is a straggler (_late).
+                continue
             log.warning(
                 "%s has been silent for %.0f ms (failure_timeout_ms=%g): declared lost",
                 self.worker_name(w),
@@ -660,8 +663,8 @@ class Coordinator:
         task partition has dropped it; while ``up``'s twins still feed it, it is not the
         slow one, and a slow sender never takes a healthy receiver down."""
         w = self.worker_of[down]
-        if w not in self.running or down in self.down or self.lone_sinks(w):
-            return
+        if w not in self.running or down in self.down or self.hosts_sinks(w):
+            return  # a sink copy dropped by its upstream never finishes: _late ends it
         t, p, _ = up
         voters = self.evictions.setdefault((down, self.current[w]), set())
         voters.add(up)

@@ -29,6 +29,8 @@ HELP = (
 )
 
 COST_CONFIGS = named({"r1": "r1", "r2": "liverobin", "r2-kazoo": "kazoo", "r3": "r3"})
+COST_CONFIGS["r2-single-sink"] = {**COST_CONFIGS["r2"], "sink_replication": 1}
+"""``r2-single-sink``: r2 with the sink unreplicated, what replicated sinks cost beside."""
 COST_WORKLOADS = ("demo", "mib1")
 
 COST_TARGETS = {
@@ -110,7 +112,15 @@ def cost_job(workload: str, config: str, rate: int, kazoo: td.KazooConfig | None
     zoo = kazoo if opts["ordering"] == "kazoo" else None
     if workload == "demo":
         return demo.build(rate=rate, **opts, kazoo=zoo)
-    return mib1_job(3, opts["replication"], opts["ordering"], rate, zoo, sink=td.sinks.Collect())
+    return mib1_job(
+        3,
+        opts["replication"],
+        opts["ordering"],
+        rate,
+        zoo,
+        sink=td.sinks.Collect(),
+        sink_replication=opts.get("sink_replication"),
+    )
 
 
 def check_cost_options(

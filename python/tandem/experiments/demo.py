@@ -34,6 +34,7 @@ def build(
     sink: td.sinks.Sink | None = None,
     kazoo: td.KazooConfig | None = None,
     restore: bool = False,
+    sink_replication: int | None = None,
 ) -> td.Job:
     """The demo job. Under ``ordering="none"`` (the unordered baseline, whose replicas are
     expected to diverge) divergence is logged and shown in the summary instead of stopping
@@ -54,7 +55,9 @@ def build(
         .key_by("key")
         .process(td.CountPerKey(), parallelism=2, name="count")
     )
-    counted.filter(keep_all, parallelism=2, name="alert").sink(sink or td.sinks.Collect())
+    counted.filter(keep_all, parallelism=2, name="alert").sink(
+        sink or td.sinks.Collect(), replication=sink_replication
+    )
     return job
 
 

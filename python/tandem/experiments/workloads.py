@@ -103,19 +103,20 @@ def mib1_job(
     keyed: bool = True,
     heartbeat_ms: float = 10,
     checkpoint_ms: float | None = None,
+    sink_replication: int | None = None,
 ) -> td.Job:
     """MiB1 of length ``length``: a source of 2 partitions at ``rate`` ev/s, then
     ``length`` identity map tasks of 2 partitions each; the sink records latency unless
     another is given (a ``td.sinks.Collect()`` makes the output comparable with the
     reference's). ``keyed``: each task reads every upstream partition (keyed by ``key``),
     else partition p feeds partition p only (forward edges: one input channel each,
-    nothing to order)."""
+    nothing to order). ``sink_replication``: the sink's (default: the job's)."""
     job = new_job(f"mib1-{length}", replication, ordering, kazoo, heartbeat_ms, checkpoint_ms)
     stream = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=1), parallelism=2)
     for i in range(length):
         stream = stream.key_by("key") if keyed else stream
         stream = stream.map(identity, parallelism=2, name=f"map{i + 1}")
-    stream.sink(sink or td.sinks.Latency(), parallelism=1)
+    stream.sink(sink or td.sinks.Latency(), parallelism=1, replication=sink_replication)
     return job
 
 
