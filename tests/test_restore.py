@@ -72,6 +72,24 @@ def test_a_lost_worker_is_rebuilt_from_twins_and_then_masks_the_loss_of_those_tw
     assert res.max_gap_ms is not None and res.max_gap_ms < 1000
 
 
+def test_a_worker_is_rebuilt_after_a_sink_copy_was_lost_for_good():
+    """The worker of the sink's replica 1 killed (sink copies are not rebuilt), then a
+    worker of replica group 0: the group is rebuilt — its new replicas do not wait
+    dialling the lost sink copy — and the sink's replica 0 has every row."""
+    job = counting_job(restore=True)
+    sink_worker = len(job.plan().placement()) - 1  # the sink's replica 1
+    faults = [td.KillWorker(sink_worker, at=1.0), td.Kill("count", 0, 0, at=2.0)]
+    res = job.run(duration=6, faults=faults)
+    assert res.lost == 0 and res.duplicates == 0 and res.digests_match
+    lost = {(r["task"], r["partition"], r["replica"]) for r in res.lost_replicas}
+    rebuilt = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
+    assert ("sink", 0, 1) in lost and ("count", 0, 0) in lost
+    assert rebuilt == lost - {("sink", 0, 1)}
+    for r in res.restored_replicas:
+        assert r["restored_s"] < r["lost_s"] + 5, r
+    assert res.max_gap_ms < 1000
+
+
 def test_a_kill_of_the_last_live_replica_waits_for_its_twins_rebuild():
     # Both due at once: the first loss cannot be rebuilt yet when the second kill is due,
     # however fast a rebuild is (a warm one takes about 40 ms).

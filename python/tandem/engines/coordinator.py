@@ -991,7 +991,10 @@ class Coordinator:
                 rj.feeding.asked.add((up, rid))
         rj.state = "linking"
         inc = rj.incarnation
-        self.host.send(w, inc, Go(dict(self.addresses), self.t0_ns, self.duration, self.warmup))
+        # Not the replicas that are down: dialling a dead address only delays the start (a
+        # sink copy lost for good is never back; another rebuilt later links itself).
+        live = {rid: a for rid, a in self.addresses.items() if rid not in self.down}
+        self.host.send(w, inc, Go(live, self.t0_ns, self.duration, self.warmup))
         if self.metrics is not None:
             self.host.send(w, inc, MetricsEvery(self.metrics.every_s))
         if self.duration is None:

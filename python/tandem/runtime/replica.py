@@ -92,10 +92,13 @@ class _Output:
         }
         """Where each remote downstream replica listens (``host:port``), to name the ones
         the outbox drops as stragglers."""
+        # A downstream replica with no address is down (lost, not rebuilt yet, or a sink
+        # copy lost for good): not dialled; a rebuild links it later (attach).
         targets = [
             [
                 local.get((down.id, p, r)) or addresses[(down.id, p, r)]
                 for r in range(down.replication)
+                if (down.id, p, r) in local or (down.id, p, r) in addresses
             ]
             for p in edge.partitions
         ]
