@@ -81,7 +81,15 @@ def main() -> None:
             for server, prop in SERVERS.items()
         },
     }
-    LOCK.write_text(json.dumps(lock, indent=1) + "\n")
+    # One jar a line: a version bump reads as a diff of whole jars.
+    servers = []
+    for name, server in lock["servers"].items():
+        jars = ",\n".join(f"    {json.dumps(jar)}" for jar in server["jars"])
+        servers.append(f'  "{name}": {{"version": "{server["version"]}", "jars": [\n{jars}\n  ]}}')
+    text = f'{{\n "comment": {json.dumps(lock["comment"])},\n "servers": {{\n'
+    text += ",\n".join(servers) + "\n }\n}\n"
+    assert json.loads(text) == lock
+    LOCK.write_text(text)
     print(f"wrote {LOCK.relative_to(ROOT)}")
 
 
