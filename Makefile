@@ -17,7 +17,7 @@ help:
 	@echo "make bench-check     the same, short (make test runs it): fails unless Rust >= 10x Python"
 	@echo "make paper   the paper's evaluation, every configuration (~25 min; paper-quick: 3-4 min)"
 	@echo "make services        start ZooKeeper + Kafka on 127.0.0.1 (tests start their own)"
-	@echo "make services-stop   stop the servers scripts/services.sh started"
+	@echo "make services-stop   stop the servers make services (tandem services) started"
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -92,8 +92,10 @@ paper-quick: install
 	$(VENV)/bin/tandem bench paper --quick --out out/paper-quick
 
 # Real ZooKeeper and Kafka (KRaft) for the KaZoo ordering, from Maven Central jars cached in
-# .services/lib. `make test` needs none of this: its pytest fixtures start the servers they
-# need and stop them afterwards, also when tests fail.
+# ~/.cache/tandem/jars: scripts/services.sh runs `tandem services` from this checkout's
+# sources (no build needed; an installed tandem has the same command). `make test` needs
+# none of this: its pytest fixtures start the servers they need and stop them afterwards,
+# also when tests fail.
 .PHONY: services services-stop services-status
 services:
 	bash scripts/services.sh start all

@@ -11,7 +11,7 @@ the output to a topic with the exactly-once sink instead and also measures, with
 outside ``read_committed`` consumer, when each row became visible there (that includes
 the transaction it waited for).
 
-    scripts/services.sh start kafka
+    tandem services start kafka
     python benches/kafka_latency.py --rate 5000 --duration 20 --warmup 5
 """
 

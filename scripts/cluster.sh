@@ -298,7 +298,7 @@ services_env() {
 start_services() {
   local -a envs
   mapfile -t envs < <(services_env)
-  # The jars come from Maven Central once, cached in .services/lib: from here, since the
+  # The jars come from Maven Central once, cached in ~/.cache/tandem/jars: from here, since the
   # services host has no route out.
   "$ROOT/scripts/services.sh" jars all >"$STATE/logs/${PREFIX}svc-jars.log" 2>&1 ||
     die "resolving the ZooKeeper and Kafka jars failed: $(tail -n 5 "$STATE/logs/${PREFIX}svc-jars.log")"

@@ -2,9 +2,9 @@
 
 A test that takes either fixture is marked `zookeeper` / `kafka` automatically (so
 `-m "not kafka"` deselects it) and gets the `tandem._services.Services` object, with
-`.zk_hosts` and `.kafka_bootstrap`. The servers are the real ones `scripts/services.sh` runs;
+`.zk_hosts` and `.kafka_bootstrap`. The servers are the real ones `tandem services` runs;
 nothing is mocked and nothing is skipped: when a server cannot be started the test errors
-with the script's own message (which port is taken, Java missing, ...).
+with the tool's own message (which port is taken, Java missing, ...).
 
 Every server the session needs is started at the first request, all at once (ZooKeeper and
 Kafka boot in parallel), with fresh data; servers already running (a developer's

@@ -57,7 +57,7 @@ def test_the_pages_show_python_examples():
 
 @pytest.mark.parametrize(("path", "code"), EXAMPLES)
 def test_python_example_runs(path, code, request):
-    for service in ("zookeeper", "kafka"):  # `scripts/services.sh start`, as the page says
+    for service in ("zookeeper", "kafka"):  # `tandem services start`, as the page says
         if request.node.get_closest_marker(service):
             request.getfixturevalue(service)
     exec(compile(code, str(path), "exec"), {"__name__": "__main__"})

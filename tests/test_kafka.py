@@ -1,6 +1,6 @@
 """Kafka in and out: the Kafka source, heartbeats in the log, the exactly-once Kafka sink.
 
-Everything runs against the real broker `scripts/services.sh` starts (the `kafka`
+Everything runs against the real broker `tandem services` starts (the `kafka`
 fixture); what a job wrote is read back by a plain confluent-kafka ``read_committed``
 consumer here, independently of the engine's own check.
 """

@@ -1,4 +1,4 @@
-"""KaZoo end to end, against the real ZooKeeper and Kafka `scripts/services.sh` runs.
+"""KaZoo end to end, against the real ZooKeeper and Kafka `tandem services` runs.
 
 Every run's output is checked against the reference executor following the orders the
 replicas followed (read back from the order log), so "identical to the reference" here

@@ -4,14 +4,17 @@ What KaZoo relies on, checked end to end: the servers come up bound to loopback;
 election hands leadership over in about one session timeout when the leader's process is
 SIGKILLed (and at once on a graceful close); an idempotent producer and an `assign()`
 consumer round-trip every message exactly once, in order; clients ride out a restart of
-either server; an unreachable address fails fast with `ServiceUnavailable`. The script's own
-failure messages (port taken, Java missing, foreign PID) are checked without starting a JVM.
+either server; an unreachable address fails fast with `ServiceUnavailable`. The tool's own
+failure messages (port taken, Java missing, foreign PID, a jar that cannot be fetched or
+does not match its pin) and `tandem services`' exit codes are checked without starting a
+JVM. (tests/test_newcomer.py runs the tool from an installed wheel, outside the checkout.)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,8 +30,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from kazoo.client import KazooClient, KazooState
 
-from tandem import ServiceUnavailable, testing
-from tandem._services import Services, ensure_running, find_script
+from tandem import ServiceUnavailable, cli, testing
+from tandem._services import Services, control, ensure_running
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "services.sh"
@@ -348,12 +351,13 @@ def test_unreachable_service_raises_service_unavailable_quickly(service):
     elapsed = time.monotonic() - began
     message = str(raised.value)
     assert f"127.0.0.1:{port}" in message
-    assert f"scripts/services.sh start {service}" in message
+    assert f"tandem services start {service}" in message
     assert elapsed <= 5.0, f"took {elapsed:.1f} s to report {service} unreachable"
 
 
-# ---------------------------------------------------------------- the script's own checks
-# These never start a JVM: each fails before it would, in a private state folder.
+# ---------------------------------------------------------------- the tool's own checks
+# These never start a JVM: each fails before it would, in a private state folder. They run
+# the checkout's scripts/services.sh, the wrapper around the packaged tool.
 
 
 def _script(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -366,10 +370,6 @@ def _script(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProce
         timeout=60,
         check=False,
     )
-
-
-def test_find_script_locates_the_checkout_script():
-    assert find_script().resolve() == SCRIPT.resolve()
 
 
 def test_script_names_the_port_and_process_when_the_port_is_taken(tmp_path):
@@ -427,16 +427,22 @@ def test_services_rejects_an_empty_selection_and_a_bad_port(monkeypatch):
 
 
 def test_cached_jars_need_neither_maven_nor_the_network(tmp_path):
-    # A second start must work offline: with the jars cached, Maven is never called (here it
-    # would fail loudly). The first call may resolve them (only on a fresh checkout).
-    assert _script(tmp_path, "jars", "all").returncode == 0
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    fake_mvn = fake_bin / "mvn"
-    fake_mvn.write_text("#!/bin/sh\necho 'mvn must not run once jars are cached' >&2\nexit 99\n")
-    fake_mvn.chmod(0o755)
-    done = _script(tmp_path, "jars", "all", PATH=f"{fake_bin}:{os.environ['PATH']}")
+    # A second start must work offline: with the jars cached, neither Maven Central nor a
+    # local Maven repository is read (here both would fail loudly). The first call may
+    # fetch them (only on a fresh machine).
+    first = _script(tmp_path, "jars", "all")
+    assert first.returncode == 0, first
+    cache = Path(first.stdout.splitlines()[-1].split(" ", 1)[1]).parent
+    done = _script(
+        tmp_path,
+        "jars",
+        "all",
+        HOME=str(tmp_path / "home"),
+        TANDEM_SERVICES_JARS=str(cache),
+        TANDEM_MAVEN_REPOSITORY=(tmp_path / "no-repository").as_uri(),
+    )
     assert done.returncode == 0, done
+    assert "fetching" not in done.stdout
     folders = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert set(folders) == {"zookeeper", "kafka"}
     for name, folder in folders.items():
@@ -509,12 +515,6 @@ def test_ensure_running_uses_running_services_without_starting_or_owning_them(zo
     assert time.monotonic() - began < 10
 
 
-def test_a_wrong_script_override_is_reported(monkeypatch, tmp_path):
-    monkeypatch.setenv("TANDEM_SERVICES_SCRIPT", str(tmp_path / "missing.sh"))
-    with pytest.raises(ServiceUnavailable, match=r"TANDEM_SERVICES_SCRIPT=.*missing\.sh"):
-        find_script()
-
-
 def test_start_failure_raises_service_unavailable_with_the_scripts_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_SERVICES_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("TANDEM_JAVA", str(tmp_path / "no-java"))
@@ -525,3 +525,95 @@ def test_start_failure_raises_service_unavailable_with_the_scripts_reason(monkey
     assert f"127.0.0.1:{port}" in str(raised.value)
     assert "Java not found" in str(raised.value)
     assert services.started == ()
+
+
+# ---------------------------------------------------------------- jars: pinned, checked
+
+
+def test_the_jar_lock_pins_the_versions_of_the_pom():
+    pom = (ROOT / "scripts" / "services" / "pom.xml").read_text()
+    servers = control.lock()["servers"]
+    assert set(servers) == {"zookeeper", "kafka"}
+    for name, server in servers.items():
+        assert f"<{name}.version>{server['version']}</{name}.version>" in pom
+        main = {"zookeeper": "zookeeper", "kafka": "kafka_2.13"}[name]
+        assert any(
+            j["artifact"] == main and j["version"] == server["version"] for j in server["jars"]
+        ), name
+        for jar in server["jars"]:
+            assert re.fullmatch(r"[0-9a-f]{64}", jar["sha256"]), jar
+
+
+def _fetch_env(tmp_path: Path, repository: Path) -> dict[str, str]:
+    # No cached jars, no local Maven repository: the jars must come from `repository`.
+    return {
+        "HOME": str(tmp_path / "home"),
+        "TANDEM_SERVICES_JARS": str(tmp_path / "jars"),
+        "TANDEM_MAVEN_REPOSITORY": repository.as_uri(),
+    }
+
+
+def test_an_unreachable_repository_is_reported_with_what_to_do(tmp_path):
+    done = _script(tmp_path, "jars", "zookeeper", **_fetch_env(tmp_path, tmp_path / "none"))
+    assert done.returncode == 1, done
+    assert "services: error: could not fetch the zookeeper jars: could not download" in done.stderr
+    assert "TANDEM_MAVEN_REPOSITORY" in done.stderr
+    assert not (tmp_path / "jars" / f"zookeeper-{_version('zookeeper')}" / ".complete").exists()
+
+
+def _version(name: str) -> str:
+    return control.lock()["servers"][name]["version"]
+
+
+def test_a_jar_that_does_not_match_its_pin_is_refused(tmp_path):
+    repository = tmp_path / "repository"
+    for jar in control.lock()["servers"]["zookeeper"]["jars"]:
+        path = repository / control._jar_path(jar)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"not the pinned jar")
+    done = _script(tmp_path, "jars", "zookeeper", **_fetch_env(tmp_path, repository))
+    assert done.returncode == 1, done
+    assert "not the pinned" in done.stderr and "refused" in done.stderr
+    folder = tmp_path / "jars" / f"zookeeper-{_version('zookeeper')}"
+    assert not (folder / ".complete").exists()
+    assert not list(folder.glob("*.jar")), "a refused jar must not stay in the cache"
+
+
+# ---------------------------------------------------------------- `tandem services`
+
+
+def test_tandem_services_exit_codes_usage_and_status(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TANDEM_SERVICES_DIR", str(tmp_path / "state"))
+    port = testing.free_port()
+    monkeypatch.setenv("TANDEM_ZK_PORT", str(port))
+    monkeypatch.setenv("TANDEM_KAFKA_PORT", str(testing.free_port()))
+    assert cli.main(["services", "status", "zookeeper"]) == 3
+    assert capsys.readouterr().out == f"zookeeper down 127.0.0.1:{port}\n"
+    assert cli.main(["services", "stop"]) == 0  # nothing to stop is no failure
+    assert "not running" in capsys.readouterr().out
+    for argv in (["services"], ["services", "start", "zk"], ["services", "begin"]):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        assert exited.value.code == 2, argv
+    monkeypatch.setenv("TANDEM_ZK_PORT", "70000")
+    assert cli.main(["services", "status"]) == 2
+    assert "TANDEM_ZK_PORT=70000 is not a TCP port" in capsys.readouterr().err
+
+
+def test_tandem_services_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["services", "start", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "(default: all)" in out and "--fresh" in out
+    for variable, default, _ in control.ENVIRONMENT:
+        assert variable in out and f"(default: {default})" in " ".join(out.split()), variable
+
+
+def test_tandem_services_says_java_is_missing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TANDEM_SERVICES_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("TANDEM_ZK_PORT", str(testing.free_port()))
+    monkeypatch.setenv("TANDEM_JAVA", str(tmp_path / "no-java"))
+    assert cli.main(["services", "start", "zookeeper"]) == 1
+    err = capsys.readouterr().err
+    assert "Java not found" in err and "apt-get install -y openjdk-17-jre-headless" in err

@@ -1,11 +1,13 @@
 """The ``tandem`` command line: ``tandem demo``, ``tandem run path/to/job.py`` (each on the
 local or the Spark engine), ``tandem bench EXPERIMENT`` (the experiments of
-:mod:`tandem.experiments`, each a subcommand with its own flags) and ``tandem heartbeats``
-(a heartbeat generator for jobs reading Kafka).
+:mod:`tandem.experiments`, each a subcommand with its own flags), ``tandem heartbeats``
+(a heartbeat generator for jobs reading Kafka) and ``tandem services`` (a local ZooKeeper
+and Kafka: :mod:`tandem._services.control`).
 
 Exit codes: 0 a clean run (nothing lost or duplicated, the replicas agreed), 1 the job
 failed or its check did, 2 a usage error (a bad option, a ``ConfigError``), 130 a second
-Ctrl-C."""
+Ctrl-C; ``tandem services``: 0 ok, 1 a server failed, 2 usage, 3 ``status`` of a server
+that is not running."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import tandem
 from tandem import engines, experiments, heartbeat
+from tandem._services import control as services_control
 
 KILL_RE = re.compile(
     r"^(?P<task>[^:@]+):(?P<partition>\d+):(?P<replica>\d+|leader|follower)"
@@ -578,6 +581,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     heartbeat.add_arguments(beats)
     beats.set_defaults(func=heartbeat.run_from_args)
+
+    services = sub.add_parser(
+        "services",
+        help="start, stop or check a local ZooKeeper and Kafka (for KaZoo and Kafka jobs)",
+        description="A real ZooKeeper and a single-node KRaft Kafka on this machine, bound to "
+        "127.0.0.1 at the addresses tandem uses by default (ZooKeeper 127.0.0.1:21810, Kafka "
+        "127.0.0.1:19092), for `tandem demo --ordering kazoo`, KaZoo jobs and the Kafka "
+        "sources and sinks. Needs Java 17+; the servers' jars are downloaded from Maven "
+        "Central on the first start and cached. `tandem services COMMAND --help` for each.",
+        epilog=services_control.epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    services_control.add_commands(services)
+    services.set_defaults(func=services_control.run)
 
     bench = sub.add_parser(
         "bench",

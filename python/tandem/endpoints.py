@@ -1,13 +1,13 @@
 """Where ZooKeeper and Kafka are, and whether they answer: for KaZoo, and for the Kafka
 source and sink (:mod:`tandem.kafka`).
 
-The default addresses are those `scripts/services.sh` binds: 127.0.0.1, ports
+The default addresses are those `tandem services` binds: 127.0.0.1, ports
 ``TANDEM_ZK_PORT`` (21810) and ``TANDEM_KAFKA_PORT`` (19092). A probe is what only a real
 client can tell — a kazoo session opens, a Kafka metadata request is answered — and turns
 a failure into ``tandem.ServiceUnavailable`` naming the address and how to start the
 service. Starting and stopping servers is not the library's business: that is
-``scripts/services.sh`` and the tooling around it (``tandem._services``, for the tests, the
-demo and the benchmarks).
+``tandem services`` (``tandem._services``: tooling for users, the tests, the demo and the
+benchmarks).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ DISPLAY = {"zookeeper": "ZooKeeper", "kafka": "Kafka"}
 def start_hint(name: str) -> str:
     """How to get the service ``name`` (``zookeeper`` or ``kafka``) running."""
     return (
-        f"start it with `scripts/services.sh start {name}` (or `make services`), "
+        f"start it with `tandem services start {name}`, "
         f"or point {PORT_ENV[name]} at a running {DISPLAY[name]}"
     )
 

@@ -56,7 +56,7 @@ def _require() -> None:
 
 
 def default_bootstrap() -> str:
-    """The broker `scripts/services.sh` runs (``TANDEM_KAFKA_PORT`` on 127.0.0.1)."""
+    """The broker `tandem services start kafka` runs (``TANDEM_KAFKA_PORT`` on 127.0.0.1)."""
     return endpoints.default_kafka_bootstrap()
 
 
@@ -94,7 +94,7 @@ def _unavailable(bootstrap: str, what: str, exc: BaseException) -> ServiceUnavai
     detail = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
     return ServiceUnavailable(
         f"Kafka at {bootstrap}: {what} failed ({detail}); is the broker running? "
-        "`scripts/services.sh start kafka` starts the local one"
+        "`tandem services start kafka` starts the local one"
     )
 
 
@@ -117,7 +117,7 @@ def partition_count(
         why = f" ({info.error.str()})" if info is not None and info.error is not None else ""
         raise ConfigError(
             f"Kafka topic {topic!r} does not exist at {bootstrap}{why}; create it first "
-            "(the broker of scripts/services.sh does not create topics on first use)"
+            "(the broker of `tandem services` does not create topics on first use)"
         )
     return len(info.partitions)
 

@@ -298,7 +298,7 @@ class Kafka(LogSource):
     """The records of a Kafka topic: one source partition per Kafka partition, each read
     ``read_committed`` by every replica from the same offset.
 
-    * ``bootstrap``: the brokers (default: the local one of ``scripts/services.sh``).
+    * ``bootstrap``: the brokers (default: the local one of ``tandem services``).
     * ``start``: ``"earliest"`` (default), ``"latest"``, a ``{partition: offset}`` dict
       naming every partition, or a timestamp — an aware ``datetime`` or milliseconds since
       the Unix epoch (each partition from its first record at or after it). Resolved to

@@ -41,7 +41,7 @@ def kazoo_services(needed: bool, session_timeout: float):
             services.stop()
             print(
                 f"stopped {', '.join(started)} (started for this command; "
-                "`make services` keeps them running between runs)"
+                "`tandem services start` keeps them running between runs)"
             )
 
 
@@ -65,7 +65,7 @@ def listener_pid(port: int) -> int | None:
 
 def service_pids(kazoo: td.KazooConfig, log=None) -> dict[str, int]:
     """The PIDs of the ZooKeeper and Kafka servers ``kazoo`` points at: the ones
-    ``scripts/services.sh`` started (its PID files), else whoever listens on the port (a
+    ``tandem services`` started (its PID files), else whoever listens on the port (a
     server started from another checkout, or by hand)."""
     from tandem._services import Services
 
@@ -75,9 +75,9 @@ def service_pids(kazoo: td.KazooConfig, log=None) -> dict[str, int]:
     try:
         states = Services(zk_port=ports["zookeeper"], kafka_port=ports["kafka"]).status()
         pids = {name: s.pid for name, s in states.items() if s.up and s.pid}
-    except td.TandemError as exc:  # no script here: fall back to the listeners
+    except td.TandemError as exc:  # no tool answer: fall back to the listeners
         print(
-            f"cost: scripts/services.sh status failed ({exc}); using the ports",
+            f"cost: `tandem services status` failed ({exc}); using the ports",
             file=log or sys.stderr,
         )
     for name, port in ports.items():

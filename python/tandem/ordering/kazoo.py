@@ -81,7 +81,7 @@ ORDER_TIMEOUT_MS = 5000
 class KazooConfig:
     """Where the services are and how KaZoo uses them (DESIGN §5: ``kazoo.*``).
 
-    ``zk_hosts`` / ``kafka_bootstrap`` default to the services `scripts/services.sh` runs
+    ``zk_hosts`` / ``kafka_bootstrap`` default to the services `tandem services` runs
     (``TANDEM_ZK_PORT`` / ``TANDEM_KAFKA_PORT`` on 127.0.0.1). ``session_timeout_s`` is the
     ZooKeeper session timeout: a crashed leader is replaced after about this long (0.5 s is
     the shortest kazoo holds steadily). ``batch`` caps the entries of one order.
@@ -478,7 +478,7 @@ class KazooSession:
             self.zk.close()
             raise ServiceUnavailable(
                 f"ZooKeeper is not reachable at {cfg.zk_hosts}: start it with "
-                "`scripts/services.sh start zookeeper`"
+                "`tandem services start zookeeper`"
             ) from exc
         self.zk.add_listener(self._on_state)
         kafka = _kafka(cfg.kafka_bootstrap)

@@ -4,9 +4,11 @@ KaZoo runs against on a developer machine and in CI — for the tests (``tests/c
 a job's own services are the user's business, and the library only needs their addresses
 and probes (:mod:`tandem.endpoints`).
 
-The servers come from `scripts/services.sh` in a tandem checkout, which runs a standalone
-ZooKeeper and a single-node KRaft Kafka from Maven Central jars, bound to 127.0.0.1 and
-kept under `.services/`. This module is the Python face of that script:
+The servers are run by :mod:`tandem._services.control` — ``tandem services`` on the command
+line, ``scripts/services.sh`` in a checkout — which ships in the wheel and runs a
+standalone ZooKeeper and a single-node KRaft Kafka from Maven Central jars, bound to
+127.0.0.1, with their data under ``~/.cache/tandem/services``. This module is the Python
+face of that tool:
 
 ```python
 from tandem._services import ensure_running
@@ -17,11 +19,11 @@ services.kafka_bootstrap  # "127.0.0.1:19092"
 services.stop()  # only stops the servers this Services started
 ```
 
-The script does the process work (jars, configs, PID files, readiness of the server
-itself); this module adds what only a real client can tell (the probes of
-:mod:`tandem.endpoints`) and turns every failure into `tandem.ServiceUnavailable`
-naming the address and how to start the services. Ports come from `TANDEM_ZK_PORT` (21810)
-and `TANDEM_KAFKA_PORT` (19092), the same variables the script reads.
+The tool does the process work (jars, configs, PID files, readiness of the server itself),
+in a subprocess of its own; this module adds what only a real client can tell (the probes
+of :mod:`tandem.endpoints`) and turns every failure into `tandem.ServiceUnavailable` naming
+the address and how to start the services. Ports come from `TANDEM_ZK_PORT` (21810) and
+`TANDEM_KAFKA_PORT` (19092), the same variables the tool reads.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,38 +51,12 @@ from tandem.exceptions import ConfigError, ServiceUnavailable
 log = logging.getLogger(__name__)
 
 SERVICE_NAMES = ("zookeeper", "kafka")
-_SCRIPT = Path("scripts") / "services.sh"
 
-#: How long `start` waits for the script (jar download on the very first start included).
+#: The tool itself: standard library only, run as a file (no import of tandem there).
+CONTROL = Path(__file__).resolve().with_name("control.py")
+
+#: How long `start` waits for the tool (jar download on the very first start included).
 START_TIMEOUT_S = 300.0
-
-
-def find_script() -> Path:
-    """Locate `scripts/services.sh`.
-
-    Order: `$TANDEM_SERVICES_SCRIPT`; the checkout this module lives in (an editable
-    install); the current directory and its parents (a wheel installed into a venv inside
-    a checkout, as `make test` does).
-    """
-    override = os.environ.get("TANDEM_SERVICES_SCRIPT")
-    if override:
-        path = Path(override)
-        if not path.is_file():
-            raise ServiceUnavailable(
-                f"TANDEM_SERVICES_SCRIPT={override} is not a file: point it at "
-                f"scripts/services.sh of a tandem checkout"
-            )
-        return path
-    here = Path(__file__).resolve()
-    cwd = Path.cwd().resolve()
-    for base in [here.parents[2], cwd, *cwd.parents]:
-        candidate = base / _SCRIPT
-        if candidate.is_file():
-            return candidate
-    raise ServiceUnavailable(
-        f"cannot find {_SCRIPT} (looked next to {here} and in {cwd} and its parents): run "
-        f"from a tandem checkout or set TANDEM_SERVICES_SCRIPT to the script's path"
-    )
 
 
 def _listening(address: str, timeout: float = 0.5) -> bool:
@@ -93,13 +70,13 @@ def _listening(address: str, timeout: float = 0.5) -> bool:
 
 @dataclass(frozen=True)
 class ServiceState:
-    """One line of `scripts/services.sh status`: the server as the script sees it."""
+    """One line of `tandem services status`: the server as the tool sees it."""
 
     name: str
     #: "up" (running and ready), "starting" (running, not ready yet) or "down"
     state: str
     address: str
-    #: PID of the server this script started, or None
+    #: PID of the server the tool started, or None
     pid: int | None
 
     @property
@@ -122,7 +99,6 @@ class Services:
         *,
         zk_port: int | None = None,
         kafka_port: int | None = None,
-        script: Path | str | None = None,
     ) -> None:
         self.names: tuple[str, ...] = tuple(
             name for name, wanted in zip(SERVICE_NAMES, (zookeeper, kafka), strict=True) if wanted
@@ -131,7 +107,6 @@ class Services:
             raise ConfigError("Services(zookeeper=False, kafka=False) selects no service")
         self.zk_port = zk_port or port_from_env(PORT_ENV["zookeeper"], DEFAULT_ZK_PORT)
         self.kafka_port = kafka_port or port_from_env(PORT_ENV["kafka"], DEFAULT_KAFKA_PORT)
-        self._script = Path(script) if script is not None else None
         self.started: tuple[str, ...] = ()
         #: wall-clock seconds of the last `start()` that started something
         self.start_seconds: float | None = None
@@ -155,12 +130,6 @@ class Services:
     def address(self, name: str) -> str:
         return self.zk_hosts if self._check_name(name) == "zookeeper" else self.kafka_bootstrap
 
-    @property
-    def script(self) -> Path:
-        if self._script is None:
-            self._script = find_script()
-        return self._script
-
     def _check_name(self, name: str) -> str:
         if name not in SERVICE_NAMES:
             raise ConfigError(f"unknown service {name!r}: expected one of {SERVICE_NAMES}")
@@ -172,7 +141,7 @@ class Services:
         env["TANDEM_KAFKA_PORT"] = str(self.kafka_port)
         try:
             return subprocess.run(
-                ["bash", str(self.script), *args],
+                [sys.executable, str(CONTROL), *args],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -180,13 +149,14 @@ class Services:
                 check=False,
             )
         except subprocess.TimeoutExpired as exc:
+            state = os.environ.get("TANDEM_SERVICES_DIR") or "~/.cache/tandem/services"
             raise ServiceUnavailable(
-                f"`scripts/services.sh {' '.join(args)}` did not finish in {timeout:.0f} s; "
-                f"see the logs under .services/logs/"
+                f"`tandem services {' '.join(args)}` did not finish in {timeout:.0f} s; "
+                f"see the logs under {state}/logs/"
             ) from exc
 
     def _target(self, names: tuple[str, ...]) -> str:
-        """The script's argument for `names`: one server, or `all`."""
+        """The tool's argument for `names`: one server, or `all`."""
         return "all" if set(names) == set(SERVICE_NAMES) else names[0]
 
     def start(self, *, fresh: bool = False) -> tuple[str, ...]:
@@ -199,14 +169,14 @@ class Services:
         missing = tuple(n for n in self.names if not _listening(self.address(n)))
         if missing:
             began = time.monotonic()
-            # One script call, so two missing servers boot in parallel.
+            # One call of the tool, so two missing servers boot in parallel.
             target = self._target(missing)
             done = self._run("start", target, *(["--fresh"] if fresh else []))
             for line in done.stdout.splitlines():
                 log.info("%s", line)
             if done.returncode != 0:
                 # One server may be up while the other failed: stop what this call started
-                # (the script only signals its own PIDs) so nothing is left running unowned.
+                # (the tool only signals its own PIDs) so nothing is left running unowned.
                 self._run("stop", target, timeout=60.0)
                 addresses = ", ".join(self.address(n) for n in missing)
                 raise ServiceUnavailable(
@@ -221,7 +191,7 @@ class Services:
         return missing
 
     def stop(self, names: tuple[str, ...] | list[str] | None = None) -> None:
-        """Stop the servers this object started (or `names`, which must be ones the script
+        """Stop the servers this object started (or `names`, which must be ones the tool
         started: it never signals a process it did not start)."""
         targets = tuple(self.started if names is None else names)
         for name in targets:
@@ -234,7 +204,7 @@ class Services:
         self.started = tuple(n for n in self.started if n not in targets)
 
     def restart(self, name: str) -> float:
-        """Stop and start one server the script runs, keeping its data, as a crash and
+        """Stop and start one server the tool runs, keeping its data, as a crash and
         recovery would; wait until clients get through again; return the seconds it took."""
         self._check_name(name)
         began = time.monotonic()
@@ -248,7 +218,7 @@ class Services:
         return time.monotonic() - began
 
     def status(self) -> dict[str, ServiceState]:
-        """What the script reports for each selected server."""
+        """What the tool reports for each selected server."""
         target = self._target(self.names)
         done = self._run("status", target, timeout=30.0)
         states: dict[str, ServiceState] = {}
@@ -263,7 +233,7 @@ class Services:
             states[fields[0]] = ServiceState(fields[0], fields[1], fields[2], pid)
         if set(states) != set(self.names):
             raise ServiceUnavailable(
-                f"`scripts/services.sh status {target}` printed no line for "
+                f"`tandem services status {target}` printed no line for "
                 f"{sorted(set(self.names) - set(states))}: {done.stdout!r} {done.stderr!r}"
             )
         return states
@@ -288,7 +258,7 @@ def ensure_running(
     zk_port: int | None = None,
     kafka_port: int | None = None,
 ) -> Services:
-    """Make sure the selected services answer, starting them with `scripts/services.sh`
+    """Make sure the selected services answer, starting them with `tandem services start`
     when `start` is true, and return the `Services` describing them.
 
     With `start=False` nothing is started: a server that does not answer within `timeout`
@@ -307,5 +277,4 @@ __all__ = [
     "ServiceState",
     "Services",
     "ensure_running",
-    "find_script",
 ]
