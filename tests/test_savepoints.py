@@ -18,6 +18,7 @@ import pytest
 
 import tandem as td
 from tandem import savepoints
+from tandem.runtime import Resume
 
 ROWS = 6000
 KEYS = 40
@@ -228,3 +229,25 @@ def test_an_existing_savepoint_is_never_overwritten(input_file, stopped, tmp_pat
     finally:
         handle.kill(timeout=60)
     assert (Path(path) / "manifest.json").read_bytes() == manifest
+
+
+def test_a_channel_ended_at_the_cut_is_opened_again(input_file):
+    """A sink consumes first come, first served: cut once both inputs delivered heartbeat
+    100, it may have taken count[0]'s end marker already (the job stopped there). The
+    savepoint opens that channel again at the seq count[0]'s cut emitted through."""
+    plan = keyed_job(input_file).plan()
+    count, sink = plan.task("count").id, plan.task("sink").id
+
+    def operator_cut(seq: int) -> Resume:
+        inbox = ((335, 330), 1, 100, (False, False), (), None)
+        return Resume((100, (100, 100), inbox, (((seq,), seq - 100),)), b"")
+
+    inbox = ((566, 635), 0, 100, (True, False), (), None)
+    cuts = {
+        (count, 0, 0): operator_cut(565),
+        (count, 1, 0): operator_cut(635),
+        (sink, 0, 0): Resume((100, (100, 100), inbox, ()), b""),
+    }
+    settled = savepoints.settle(plan, cuts)
+    assert settled[(sink, 0, 0)].cut[2] == ((565, 635), 0, 100, (False, False), (), None)
+    assert settled[(count, 0, 0)] is cuts[(count, 0, 0)]

@@ -31,6 +31,7 @@ refused when read, and a path that holds anything is never written over.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -277,6 +278,40 @@ def source_positions(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[str, lis
     return out
 
 
+def settle(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[ReplicaId, Resume]:
+    """The cuts with every input channel that had *ended* at its cut opened again, at the
+    position its upstream partition's cut emitted through. A replica consuming first come,
+    first served (a sink; an operator under ``ordering="none"``) is cut once every input
+    delivered heartbeat ``K``, and may have taken a faster channel's end marker by then —
+    when the job stops at ``K``, its sources end right after it. Resumed as it was cut,
+    it would take that channel for ended and drop what its upstream emits after the cut."""
+    by_part = {(t, p): r for (t, p, _), r in cuts.items()}
+    out = {}
+    for (t, p, r), resume in cuts.items():
+        cut = resume.cut
+        inbox = cut[2] if len(cut) > 2 else None
+        if inbox is None or not any(inbox[3]):
+            out[(t, p, r)] = resume
+            continue
+        epochs, positions, ended = list(cut[1]), list(inbox[0]), list(inbox[3])
+        for c, chan in enumerate(plan.input_channels(t, p)):
+            if not ended[c]:
+                continue
+            up = by_part[(chan.task, chan.partition)].cut
+            edges = plan.output_edges(chan.task, chan.partition)
+            e = next(
+                i
+                for i, edge in enumerate(edges)
+                if edge.downstream == t and edge.input_index == chan.input_index
+            )
+            seq = up[3][e][0][edges[e].partitions.index(p)]
+            positions[c], ended[c], epochs[c] = seq, False, min(epochs[c], up[0])
+        inbox = (tuple(positions), inbox[1], inbox[2], tuple(ended), *inbox[4:])
+        cut = (cut[0], tuple(epochs), inbox, *cut[3:])
+        out[(t, p, r)] = dataclasses.replace(resume, cut=cut)
+    return out
+
+
 def write(
     path: str | os.PathLike, plan: Plan, epoch: int, cuts: dict[ReplicaId, Resume]
 ) -> Savepoint:
@@ -284,11 +319,12 @@ def write(
     partition, each state in its file or in the cut) to ``path``, atomically (see the
     module documentation); the :class:`Savepoint` written. Refuses a path that holds
     anything (ConfigError)."""
-    from tandem import __version__
+    from tandem._core import __version__
 
     where = os.fspath(path)
     filesystem, root = _open(path)
     _refuse_existing(filesystem, root, where)
+    cuts = settle(plan, cuts)
     local = type(filesystem).__name__ == "LocalFileSystem"
     if local:
         parent, name = posixpath.split(root.rstrip("/"))
@@ -446,8 +482,6 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
     the plan (:func:`check_compatible`), every replica of every partition given its
     partition's cut (``Plan.resumed``). ConfigError, before anything starts, if it cannot
     be."""
-    import dataclasses
-
     sp = Savepoint.read(path, verify=False)
     check_compatible(sp, plan)
     filesystem, root = _open(path)
@@ -499,6 +533,7 @@ __all__ = [
     "check_compatible",
     "check_target",
     "resume",
+    "settle",
     "source_positions",
     "write",
 ]
