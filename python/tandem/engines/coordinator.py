@@ -269,6 +269,8 @@ class _Saving:
     cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
     checkpoint_at: float = 0.0
     """When the next checkpoint was due (none starts while a savepoint is cut)."""
+    tried: set[ReplicaId] = field(default_factory=set)
+    """Replicas that could not be cut (a twin is asked instead)."""
 
 
 @dataclass(frozen=True)
@@ -1048,10 +1050,25 @@ class Coordinator:
                 shutil.rmtree(os.path.dirname(taken.state_file), ignore_errors=True)
             return
         if taken is None:
-            self._savepoint_failed(
-                f"{self.name(rid)} could not be cut at heartbeat {epoch}: it had passed it "
-                "already, or finished"
-            )
+            saving.waiting.discard(rid)
+            saving.tried.add(rid)
+            t, p, _ = rid
+            twins = [
+                (t, p, r)
+                for r in range(self.plan.tasks[t].replication)
+                if (t, p, r) not in saving.tried and self._alive((t, p, r))
+            ]
+            if not twins:
+                self._savepoint_failed(
+                    f"{self.name(rid)} could not be cut at heartbeat {epoch}: it had passed "
+                    "it already, or finished (a straggler dropped by its upstream replicas)"
+                )
+                return
+            # A twin of it may still be before the heartbeat: ask it instead.
+            twin = twins[0]
+            w = self.worker_of[twin]
+            saving.waiting.add(twin)
+            self.host.send(w, self.current[w], SavepointRequest(epoch, saving.folder, (twin,)))
             return
         saving.cuts[rid] = taken
         saving.waiting.discard(rid)
