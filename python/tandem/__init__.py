@@ -22,6 +22,7 @@ from tandem.operators import CountPerKey, KeyedProcess, Operator
 from tandem.ordering.kazoo import KazooConfig
 from tandem.plan import Plan
 from tandem.result import Result
+from tandem.savepoints import Savepoint
 
 __version__: str = _core.__version__
 build_profile: str = _core.build_profile
@@ -45,6 +46,7 @@ __all__ = [
     "ProtocolError",
     "Result",
     "RunningJob",
+    "Savepoint",
     "ServiceUnavailable",
     "Stream",
     "TandemError",

@@ -33,9 +33,11 @@ inputs (an unkeyed window: 1; a sink: 1).
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import inspect
 import math
+import os
 import signal
 import sys
 import threading
@@ -59,6 +61,7 @@ from tandem.plan import (
     union_schema,
 )
 from tandem.result import Result
+from tandem.savepoints import Savepoint
 from tandem.sinks import Sink
 from tandem.sources import LogSource, Source
 
@@ -456,16 +459,25 @@ class Job:
         )
 
     def _prepare(
-        self, duration: float | None, faults: Iterable[Fault], engine: str | Any
+        self,
+        duration: float | None,
+        faults: Iterable[Fault],
+        engine: str | Any,
+        from_savepoint: str | os.PathLike | None = None,
+        options: dict | None = None,
     ) -> tuple[Plan, Any, list[Fault], float | None]:
         """Check a run's arguments: the plan, the engine, the faults, and the duration to
-        hand the engine (None: until stopped, on an engine that can)."""
+        hand the engine (None: until stopped, on an engine that can); ``from_savepoint``:
+        the plan resumed from that savepoint (checked here, before anything starts), and
+        ``options`` adjusted for it."""
         if duration is not None and _number(duration, "duration") <= 0:
             raise ConfigError(
                 f"duration must be > 0 seconds, got {duration!r} (None: until stopped)"
             )
         plan = self.plan()
         runner = self._engine(engine)
+        if from_savepoint is not None:
+            plan = self._resumed(plan, runner, duration, from_savepoint, options)
         from tandem import engines
 
         natural_s = None  # with no duration: when every source is bounded, their end
@@ -486,11 +498,47 @@ class Job:
                 duration = natural_s  # every source is bounded: until their last row
         return plan, runner, faults, duration
 
+    def _resumed(
+        self,
+        plan: Plan,
+        runner: Any,
+        duration: float | None,
+        path: str | os.PathLike,
+        options: dict | None,
+    ) -> Plan:
+        """``plan`` resumed from the savepoint at ``path`` (:func:`tandem.savepoints.resume`):
+        refused with a ConfigError naming what differs, before anything starts."""
+        from tandem import savepoints
+
+        if getattr(runner, "name", None) != "local":
+            raise ConfigError(
+                f"job {self.name!r}: from_savepoint= runs on the local engine, not on "
+                f"{getattr(runner, 'name', runner)!r}"
+            )
+        plan = savepoints.resume(path, plan)
+        at_s = plan.resumed.epoch * plan.heartbeat_ns / 1e9
+        if duration is not None and duration <= at_s:
+            raise ConfigError(
+                f"job {self.name!r}: duration={duration:g} s of source time ends before the "
+                f"savepoint's cut at {at_s:.2f} s (a resumed job's source time goes on from "
+                "there)"
+            )
+        if options is not None:
+            if options.get("check"):
+                raise ConfigError(
+                    f"job {self.name!r}: check=True compares the output with a run from the "
+                    "start, and a job resumed from a savepoint emits only what follows the "
+                    "cut; leave check out"
+                )
+            options["check"] = False
+        return plan
+
     def run(
         self,
         duration: float | None = None,
         faults: Iterable[Fault] = (),
         engine: str | Any = "local",
+        from_savepoint: str | os.PathLike | None = None,
         **options: Any,
     ) -> Result:
         """Run the job on an engine (``"local"``, the default, or an engine object with
@@ -517,21 +565,41 @@ class Job:
         executor; default True), ``timeout`` (bounds the run; default duration + 60 s),
         ``host`` (the workers' address, default 127.0.0.1) and ``metrics_port``
         (Prometheus metrics on 127.0.0.1 while it runs). An option the engine does not
-        take is a :class:`ConfigError` naming the ones it does."""
-        result = self._run(duration, faults, engine, options)
+        take is a :class:`ConfigError` naming the ones it does.
+
+        ``from_savepoint``: resume from the savepoint at that path or URI (taken with
+        :meth:`RunningJob.savepoint` or ``RunningJob.stop(savepoint=...)``; local engine):
+        every task partition starts from its state there, found by task name, and the
+        sources continue after the cut, so the output goes on where the savepoint's run
+        left it — nothing lost, nothing twice. The operators' code may have changed; the
+        tasks, their kinds, parallelism and inputs, and ``heartbeat_ms`` may not (a
+        :class:`ConfigError` naming the task and what differs, as is a savepoint that is
+        partial, corrupt or of another job, before anything starts). Source time goes on
+        from the cut: ``duration`` and fault times count from the stream's start, and the
+        output is not checked against the reference (``check`` is off)."""
+        result = self._run(duration, faults, engine, options, from_savepoint)
         for observe in list(RUN_OBSERVERS):
             observe(self, result)
         return result
 
     def _run(
-        self, duration: float | None, faults: Iterable[Fault], engine: str | Any, options: dict
+        self,
+        duration: float | None,
+        faults: Iterable[Fault],
+        engine: str | Any,
+        options: dict,
+        from_savepoint: str | os.PathLike | None = None,
     ) -> Result:
         if duration is not None:
-            plan, runner, faults, duration = self._prepare(duration, faults, engine)
+            plan, runner, faults, duration = self._prepare(
+                duration, faults, engine, from_savepoint, options
+            )
             _check_options(runner, options)
             options = _local_defaults(runner, options)
             return runner.run(plan, duration=duration, faults=faults, **options)
-        plan, runner, faults, duration = self._prepare(None, faults, engine)
+        plan, runner, faults, duration = self._prepare(
+            None, faults, engine, from_savepoint, options
+        )
         _check_options(runner, options)
         options = _local_defaults(runner, options)
         if duration is not None:  # an engine that cannot stop: bounded sources, to their end
@@ -578,6 +646,7 @@ class Job:
         duration: float | None = None,
         faults: Iterable[Fault] = (),
         engine: str | Any = "local",
+        from_savepoint: str | os.PathLike | None = None,
         **options: Any,
     ) -> RunningJob:
         """Start the job in a thread of this process and return at once: a
@@ -585,8 +654,9 @@ class Job:
         wait for it and get its :class:`Result`. It runs until stopped, or for
         ``duration`` seconds of source time, or, when every source is bounded, until
         their last row. Arguments as for :meth:`run` (checked here, before it starts);
-        the engine must be able to stop a run (the local engine can)."""
-        plan, runner, faults, _ = self._prepare(duration, faults, engine)
+        the engine must be able to stop a run (the local engine can). ``from_savepoint``:
+        resume from a savepoint, as for :meth:`run`."""
+        plan, runner, faults, _ = self._prepare(duration, faults, engine, from_savepoint, options)
         from tandem import engines
 
         if not engines.stoppable(runner):
@@ -634,7 +704,11 @@ class RunningJob:
     waits for it to end by itself (a bounded job) and returns the Result, or raises
     ``TimeoutError``; ``result()`` waits as long as it takes. A failed job's exception is
     raised by all three. As a context manager it is stopped when the block ends (killed
-    when the block ends by an exception such as KeyboardInterrupt) and waited for."""
+    when the block ends by an exception such as KeyboardInterrupt) and waited for.
+
+    ``savepoint(path)`` writes a savepoint of the running job (one consistent cut of every
+    task partition at one heartbeat) while it goes on; ``stop(savepoint=path)`` stops it
+    exactly at such a cut. ``Job.run(from_savepoint=path)`` resumes from either."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -659,6 +733,10 @@ class RunningJob:
                 )
             except BaseException as exc:  # handed to whoever waits
                 self._error = exc
+            finally:  # a savepoint asked for and not taken fails now, not never
+                self._stop.close_savepoints(
+                    f"savepoint not taken: job {self.name!r} ended before it was cut"
+                )
 
         self._thread = threading.Thread(target=body, name=f"tandem-job-{self.name}", daemon=True)
         self._thread.start()
@@ -668,10 +746,51 @@ class RunningJob:
         """Whether the job has not ended yet (its result is not ready)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self, timeout: float | None = None) -> Result:
-        """Stop the job gracefully and wait (at most ``timeout`` seconds) for its Result."""
-        self._stop.request()
-        return self.wait(timeout)
+    def stop(
+        self, timeout: float | None = None, savepoint: str | os.PathLike | None = None
+    ) -> Result:
+        """Stop the job gracefully and wait (at most ``timeout`` seconds) for its Result.
+
+        ``savepoint``: a path or URI to write a savepoint to, cut exactly where the job
+        stops: its stop point is a heartbeat, every task partition is cut right after it,
+        and nothing after it is consumed (what is in flight then only drains to the
+        sinks, whose input positions are in the cut). ``Job.run(from_savepoint=...)``
+        continues from it. A path that holds anything is refused (ConfigError) before the
+        job is stopped; a savepoint that could not be cut raises TandemError once the job
+        has stopped."""
+        if savepoint is None:
+            self._stop.request()
+            return self.wait(timeout)
+        from tandem import savepoints
+
+        savepoints.check_target(savepoint)
+        asked = self._stop.savepoint(os.fspath(savepoint), stop=True)
+        result = self.wait(timeout)
+        asked.result()  # decided by the time the run ends: raises if it was not taken
+        return result
+
+    def savepoint(self, path: str | os.PathLike, timeout: float | None = 60.0) -> Savepoint:
+        """Write a savepoint of the running job to ``path`` (a local directory, created, or
+        a URI :func:`pyarrow.fs.FileSystem.from_uri` opens) and return it once written;
+        the job goes on meanwhile, its output unaffected. One live replica of every task
+        partition, the sinks included, is cut right after one heartbeat a little ahead of
+        the sources' clock (:mod:`tandem.savepoints` has the format). Raises ConfigError if
+        ``path`` holds anything (a savepoint is never overwritten), TandemError if the
+        savepoint could not be taken (the job ended first, a replica was lost while
+        cut), TimeoutError after ``timeout`` seconds (None: no limit)."""
+        from tandem import savepoints
+
+        if not self.running:
+            raise savepoints.failed(f"job {self.name!r} is not running")
+        savepoints.check_target(path)
+        asked = self._stop.savepoint(os.fspath(path))
+        try:
+            return asked.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"job {self.name!r}: the savepoint at {os.fspath(path)!r} was not written "
+                f"within {timeout:g} s"
+            ) from None
 
     def kill(self, timeout: float | None = None) -> None:
         """Kill the job's workers at once and wait for them to be gone; the sinks may hold

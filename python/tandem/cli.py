@@ -294,7 +294,11 @@ def _report_script_runs(runs: list, args: argparse.Namespace) -> int:
     """The summary of every run a script made itself; 0 if each one's output checked."""
     given = [
         flag
-        for flag, value in (("--duration", args.duration), ("--kill", args.kill))
+        for flag, value in (
+            ("--duration", args.duration),
+            ("--kill", args.kill),
+            ("--from-savepoint", getattr(args, "from_savepoint", None)),
+        )
         if value is not None
     ]
     if given:
@@ -331,6 +335,10 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
         raise tandem.ConfigError(f"--master is for --engine spark, not --engine {args.engine}")
     options = {"master": args.master} if args.master else {}
     run_options: dict = {"check": False} if getattr(args, "no_check", False) else {}
+    from_savepoint = getattr(args, "from_savepoint", None)
+    if from_savepoint is not None:
+        run_options["from_savepoint"] = from_savepoint
+        run_options.pop("check", None)  # off: the output follows the cut
     if args.metrics_port is not None:
         if args.engine != "local":
             raise tandem.ConfigError(
@@ -568,6 +576,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip comparing the output with the reference executor at the end (it replays "
         "the whole run in this process: long for a long run)",
+    )
+    run.add_argument(
+        "--from-savepoint",
+        metavar="PATH",
+        help="resume the job from the savepoint at PATH (a directory or a URI) written by "
+        "RunningJob.savepoint() or stop(savepoint=...): every task starts from its state "
+        "there and the sources continue after the cut (the output is not checked)",
     )
     run.set_defaults(func=_run_file)
 

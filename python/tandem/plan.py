@@ -187,6 +187,9 @@ class Plan:
     checkpoint_ms: float | None = None
     """The passive configuration (replication 1): cut every replica at one heartbeat epoch
     this often, write the cuts to local disk, roll a lost worker back to the latest."""
+    resumed: Any = None
+    """A job resumed from a savepoint (:class:`tandem.savepoints.Resumed`): the heartbeat
+    epoch it continues after and every replica's cut; None: from the start."""
 
     def __reduce_ex__(self, protocol: int):
         """Pickled (by cloudpickle, or pickle: the engines ship the plan to the workers)

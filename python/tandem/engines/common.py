@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +34,16 @@ STARTUP_S = 1.0
 peers meanwhile."""
 
 
+@dataclass
+class SavepointAsk:
+    """A savepoint asked for through a :class:`Stop`: where, whether the run stops at its
+    cut, and the future its outcome goes to."""
+
+    path: str
+    stop: bool = False
+    future: Future = field(default_factory=Future)
+
+
 class Stop:
     """How the caller of an engine's ``run(duration=None, stop=...)`` ends the run, from
     any thread: :meth:`request` stops it gracefully — the engine picks a stop point later
@@ -42,9 +54,40 @@ class Stop:
     def __init__(self) -> None:
         self._requested = threading.Event()
         self._killed = threading.Event()
+        self._lock = threading.Lock()
+        self._savepoints: list[SavepointAsk] = []
+        self._closed: str | None = None
 
     def request(self) -> None:
         self._requested.set()
+
+    def savepoint(self, path: str, stop: bool = False) -> Future:
+        """Ask the engine for a savepoint at ``path`` (:mod:`tandem.savepoints`; ``stop``:
+        and stop the run right after its cut); the future gets the written
+        :class:`~tandem.savepoints.Savepoint`, or the error that prevented it."""
+        ask = SavepointAsk(path, stop)
+        with self._lock:
+            if self._closed is not None:
+                ask.future.set_exception(TandemError(self._closed))
+                return ask.future
+            self._savepoints.append(ask)
+        if stop:
+            self.request()
+        return ask.future
+
+    def next_savepoint(self) -> SavepointAsk | None:
+        """The engine's side: the oldest savepoint asked for and not taken yet."""
+        with self._lock:
+            return self._savepoints.pop(0) if self._savepoints else None
+
+    def close_savepoints(self, why: str) -> None:
+        """The run is over: fail every savepoint still asked for (``why``), and any asked
+        later."""
+        with self._lock:
+            self._closed, asks, self._savepoints = why, self._savepoints, []
+        for ask in asks:
+            if not ask.future.done():
+                ask.future.set_exception(TandemError(why))
 
     def kill(self) -> None:
         self._killed.set()
@@ -313,4 +356,4 @@ def multiset_diff(want: pa.Table, got: pa.Table) -> tuple[int, int]:
     return int(np.maximum(w - g, 0).sum()), int(np.maximum(g - w, 0).sum())
 
 
-__all__ = ["STARTUP_S", "Stop", "assemble_result", "check_options", "multiset_diff"]
+__all__ = ["STARTUP_S", "SavepointAsk", "Stop", "assemble_result", "check_options", "multiset_diff"]

@@ -42,12 +42,13 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from tandem.engines.common import STARTUP_S, Stop, assemble_result
+from tandem.engines.common import STARTUP_S, SavepointAsk, Stop, assemble_result
 from tandem.engines.exchange import (
     REJOIN_ATTEMPTS,
     REJOIN_MARGIN_S,
@@ -74,6 +75,8 @@ from tandem.engines.protocol import (
     MetricsEvery,
     Ready,
     Restore,
+    Savepointed,
+    SavepointRequest,
     Started,
     StartFailed,
     Until,
@@ -252,6 +255,24 @@ class _Checkpoint:
     cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
 
 
+@dataclass
+class _Saving:
+    """A savepoint being taken (:meth:`Coordinator._savepoint_step`): one live replica of
+    every task partition, sinks too, cut right after heartbeat ``epoch``, each state
+    written to ``folder`` first, then the whole to the asked path."""
+
+    ask: SavepointAsk
+    epoch: int
+    folder: str
+    waiting: set[ReplicaId]
+    deadline: float
+    cuts: dict[ReplicaId, Resume] = field(default_factory=dict)
+    checkpoint_at: float = 0.0
+    """When the next checkpoint was due (none starts while a savepoint is cut)."""
+    tried: set[ReplicaId] = field(default_factory=set)
+    """Replicas that could not be cut (a twin is asked instead)."""
+
+
 @dataclass(frozen=True)
 class _Thaw:
     """The second half of a ``td.Pause``: thaw the frozen incarnation at ``at``."""
@@ -369,6 +390,11 @@ class Coordinator:
         self.sampler = None
         """Called with the time since t0 on every turn of the watch loop (the local
         engine's cost and memory readings)."""
+        self._saving: _Saving | None = None  # the savepoint being cut
+        self._writing: list = []  # the threads writing savepoints whose cuts are in
+        # Resumed from a savepoint: its source time is where the sources start.
+        resumed = plan.resumed
+        self.resumed_ns = 0 if resumed is None else resumed.epoch * plan.heartbeat_ns
 
     # -- names ----------------------------------------------------------------------------
 
@@ -434,7 +460,7 @@ class Coordinator:
             self.addresses |= self._listening(w, 0, found)
         if self.on_ready is not None:
             self.on_ready(self.addresses)
-        self.t0_ns = time.time_ns() + int(STARTUP_S * 1e9)
+        self.t0_ns = time.time_ns() + int(STARTUP_S * 1e9) - self.resumed_ns
         go = Go(dict(self.addresses), self.t0_ns, self.duration, self.warmup)
         for w in range(len(self.placement)):
             self.host.send(w, 0, go)
@@ -446,7 +472,7 @@ class Coordinator:
         if self.restoring:
             self.host.idle()
         if self.duration is None:
-            self._extend(-STARTUP_S)
+            self._extend(self.resumed_ns / 1e9 - STARTUP_S)
 
     def _listening(self, w: int, inc: int, ports: dict) -> dict[ReplicaId, tuple[str, int]]:
         node = self.host.node(w, inc)
@@ -522,6 +548,7 @@ class Coordinator:
                     )
             if self.checkpointing:
                 self._checkpoint_step(now_s)
+            self._savepoint_step(now_s)
             self._draw(now_s)
             wait_s = (pending[0].at - now_s) if pending else 0.2
             if not self.final:  # a stop is seen within 0.1 s
@@ -598,6 +625,8 @@ class Coordinator:
                 self.metrics.update(msg.snapshot)
         elif isinstance(msg, Checkpointed):
             self._on_checkpointed(msg.epoch, msg.rid, msg.taken, now_s)
+        elif isinstance(msg, Savepointed):
+            self._on_savepointed(msg.epoch, msg.rid, msg.taken)
         elif isinstance(msg, Done):
             self.reports.update(msg.reports or {})
             self.running.discard(w)
@@ -605,7 +634,18 @@ class Coordinator:
             for _, error, diverged in msg.failures:
                 raise DeterminismError(error) if diverged else TaskFailed(error)
         else:
-            expect(msg, Alive, CutTaken, Linked, Started, Evicted, Metrics, Checkpointed, Done)
+            expect(
+                msg,
+                Alive,
+                CutTaken,
+                Linked,
+                Started,
+                Evicted,
+                Metrics,
+                Checkpointed,
+                Savepointed,
+                Done,
+            )
 
     # -- loss -----------------------------------------------------------------------------
 
@@ -938,6 +978,163 @@ class Coordinator:
                 f"heartbeat {rj.cuts[r].epoch}" if r in rj.cuts else "the beginning" for r in rids
             ),
         )
+
+    # -- savepoints (RunningJob.savepoint, RunningJob.stop(savepoint=...)) ---------------
+
+    def _savepoint_step(self, now_s: float) -> None:
+        """Start the savepoint asked for next through the run's :class:`Stop`, or give the
+        one being cut up when a replica it waits for is lost or its time is over."""
+        saving = self._saving
+        if saving is not None:
+            lost = sorted(saving.waiting & self.down)
+            if lost:
+                self._savepoint_failed(f"{self.name(lost[0])} was lost before its cut")
+            elif time.monotonic() > saving.deadline:
+                waiting = ", ".join(self.name(r) for r in sorted(saving.waiting))
+                self._savepoint_failed(
+                    f"not cut within {CHECKPOINT_TIMEOUT_S:g} s (no cut came from {waiting})"
+                )
+            return
+        if not self.started or self._taking is not None:
+            return  # after the checkpoint in flight: the core keeps one aligned cut a slot
+        ask = self.stop_token.next_savepoint()
+        if ask is None:
+            return
+        try:
+            self._start_savepoint(ask, now_s)
+        except Exception as exc:
+            if not ask.future.done():
+                ask.future.set_exception(exc)
+
+    def _start_savepoint(self, ask: SavepointAsk, now_s: float) -> None:
+        """Ask one live replica of every task partition, sinks included, for its cut right
+        after one heartbeat epoch: the stop point's (``ask.stop``: the run ends there,
+        nothing after it consumed), or one a little ahead of the sources' clock."""
+        from tandem import savepoints
+
+        savepoints.check_target(ask.path)
+        if self.plan.ordering == "kazoo":
+            raise savepoints.failed("a KaZoo job's cut is a place in its order log")
+        logs = [t.name for t in self.plan.sources() if self.plan.is_log_source(t.id)]
+        if logs:
+            raise savepoints.failed(f"source {logs[0]!r} reads a log (not supported yet)")
+        hb = self.plan.heartbeat_ns
+        if ask.stop:
+            if not self.final:
+                self._extend(now_s)  # the stop asked with it: the lease becomes final
+            epoch = self.until_ns // hb
+        else:
+            lead = max(3 * hb / 1e9, CHECKPOINT_LEAD_S)
+            epoch = int((max(now_s, 0.0) + lead) * 1e9 / hb) + 1
+            if epoch * hb > self.end_s() * 1e9:
+                raise savepoints.failed(
+                    f"job {self.plan.job!r} ends at {self.end_s():.2f} s of source time, "
+                    "before a cut could be taken; stop(savepoint=...) cuts at the stop point"
+                )
+        rids = []
+        for task in self.plan.tasks:
+            for p in range(task.parallelism):
+                live = [
+                    (task.id, p, r) for r in range(task.replication) if self._alive((task.id, p, r))
+                ]
+                if not live:
+                    raise savepoints.failed(
+                        f"{task.describe()} partition {p} has no live replica to cut"
+                    )
+                rids.append(live[0])
+        folder = tempfile.mkdtemp(prefix="tandem-savepoint-")
+        by_worker: dict[int, list[ReplicaId]] = {}
+        for rid in rids:
+            by_worker.setdefault(self.worker_of[rid], []).append(rid)
+        for w, asked in sorted(by_worker.items()):
+            self.host.send(w, self.current[w], SavepointRequest(epoch, folder, tuple(asked)))
+        saving = _Saving(ask, epoch, folder, set(rids), time.monotonic() + CHECKPOINT_TIMEOUT_S)
+        if self.checkpointing:  # no checkpoint meanwhile: one aligned cut a slot
+            saving.checkpoint_at, self._checkpoint_at = self._checkpoint_at, math.inf
+        self._saving = saving
+        log.info(
+            "savepoint of job %r at heartbeat %d (%.2f s of source time)%s",
+            self.plan.job,
+            epoch,
+            epoch * hb / 1e9,
+            ", then the job stops" if ask.stop else "",
+        )
+
+    def _on_savepointed(self, epoch: int, rid: ReplicaId, taken: Resume | None) -> None:
+        """A replica's cut for the savepoint at heartbeat ``epoch`` (None: not taken); once
+        every one is in, a thread writes the savepoint while the job goes on."""
+        saving = self._saving
+        if saving is None or saving.epoch != epoch or rid not in saving.waiting:
+            if taken is not None and taken.state_file is not None:  # a savepoint given up
+                shutil.rmtree(os.path.dirname(taken.state_file), ignore_errors=True)
+            return
+        if taken is None:
+            saving.waiting.discard(rid)
+            saving.tried.add(rid)
+            t, p, _ = rid
+            twins = [
+                (t, p, r)
+                for r in range(self.plan.tasks[t].replication)
+                if (t, p, r) not in saving.tried and self._alive((t, p, r))
+            ]
+            if not twins:
+                self._savepoint_failed(
+                    f"{self.name(rid)} could not be cut at heartbeat {epoch}: it had passed "
+                    "it already, or finished (a straggler dropped by its upstream replicas)"
+                )
+                return
+            # A twin of it may still be before the heartbeat: ask it instead.
+            twin = twins[0]
+            w = self.worker_of[twin]
+            saving.waiting.add(twin)
+            self.host.send(w, self.current[w], SavepointRequest(epoch, saving.folder, (twin,)))
+            return
+        saving.cuts[rid] = taken
+        saving.waiting.discard(rid)
+        if saving.waiting:
+            return
+        self._saving = None
+        if self.checkpointing:
+            self._checkpoint_at = saving.checkpoint_at
+        plan, ask = self.plan, saving.ask
+
+        def write() -> None:
+            from tandem import savepoints
+
+            try:
+                written = savepoints.write(ask.path, plan, saving.epoch, saving.cuts)
+            except BaseException as exc:
+                ask.future.set_exception(exc)
+            else:
+                ask.future.set_result(written)
+                log.info("savepoint written to %s", ask.path)
+            finally:
+                shutil.rmtree(saving.folder, ignore_errors=True)
+
+        thread = threading.Thread(target=write, name="tandem-savepoint-writer", daemon=True)
+        thread.start()
+        self._writing.append(thread)
+
+    def _savepoint_failed(self, why: str) -> None:
+        from tandem import savepoints
+
+        saving, self._saving = self._saving, None
+        if saving is None:
+            return
+        if self.checkpointing:
+            self._checkpoint_at = saving.checkpoint_at
+        shutil.rmtree(saving.folder, ignore_errors=True)
+        log.warning("savepoint at heartbeat %d not taken: %s", saving.epoch, why)
+        if not saving.ask.future.done():
+            saving.ask.future.set_exception(savepoints.failed(why))
+
+    def _close_savepoints(self) -> None:
+        """The run is over: a savepoint still being cut fails, any asked later too; the
+        ones being written are waited for."""
+        self._savepoint_failed("the job ended before every partition was cut")
+        self.stop_token.close_savepoints(f"savepoint not taken: job {self.plan.job!r} has ended")
+        for thread in self._writing:
+            thread.join()
 
     # -- the rebuild exchange -------------------------------------------------------------
 
@@ -1344,6 +1541,7 @@ class Coordinator:
         checkpoints."""
         self.finished = True
         try:
+            self._close_savepoints()
             self.host.close()
         finally:
             if self.releaser is not None:

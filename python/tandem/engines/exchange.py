@@ -44,6 +44,8 @@ from tandem.engines.protocol import (
     MetricsEvery,
     Ready,
     Restore,
+    Savepointed,
+    SavepointRequest,
     Started,
     StartFailed,
     Until,
@@ -219,6 +221,30 @@ def serve(
         threading.Thread(target=run, name="tandem-checkpoint", daemon=True).start()
 
     worker.on_checkpoint = send_checkpoint
+
+    savepoints: dict[int, str] = {}  # savepoint epoch -> the folder its states go to
+    saving: list[threading.Thread] = []  # their writers: done before Done is sent
+
+    def send_savepoint(rid, epoch, taken) -> None:
+        # As a checkpoint's: written off the worker thread, into the coordinator's folder.
+        folder = savepoints.get(epoch)
+
+        def run() -> None:
+            written = None
+            if taken is not None and folder is not None:
+                try:
+                    os.makedirs(folder, exist_ok=True)
+                    path = os.path.join(folder, "{}-{}-{}.state".format(*rid))
+                    written = taken.checkpointed(path)
+                except OSError as exc:
+                    log.warning("the savepoint's cut of %s not written: %s", rid, exc)
+            send(Savepointed(epoch, rid, written))
+
+        thread = threading.Thread(target=run, name="tandem-savepoint", daemon=True)
+        thread.start()
+        saving.append(thread)
+
+    worker.on_savepoint = send_savepoint
     worker.on_link = lambda up, down, error: send(Linked(up, down, error))
     if rejoin:
         worker.on_started = lambda: send(Started())
@@ -227,7 +253,7 @@ def serve(
         worker.on_evicted = lambda up, down: send(Evicted(up, down))
     threading.Thread(
         target=_requests,
-        args=(conn, worker, folders, checkpoints),
+        args=(conn, worker, folders, checkpoints, savepoints),
         name="tandem-requests",
         daemon=True,
     ).start()
@@ -246,17 +272,23 @@ def serve(
     # The coordinator may stop this process once it has the reports: hand what the core
     # logged to logging first.
     logs.flush(1.0)
+    for thread in saving:  # a savepoint's cuts reach the coordinator before Done
+        thread.join(60.0)
     failures = tuple((rid, r.error, r.diverged) for rid, r in reports.items() if r.error)
     send(Done(reports if send_reports else None, failures))
     return reports
 
 
 def _requests(
-    conn, worker: Worker, folders: dict[Any, str], checkpoints: dict[int, str] | None = None
+    conn,
+    worker: Worker,
+    folders: dict[Any, str],
+    checkpoints: dict[int, str] | None = None,
+    savepoints: dict[int, str] | None = None,
 ) -> None:
     """Hand the coordinator's requests during the run to the worker thread (a cut's
     ``folders`` entry: where to write its state if it is large; a checkpoint's
-    ``checkpoints`` entry: where its states go)."""
+    ``checkpoints`` and a savepoint's ``savepoints`` entry: where its states go)."""
     while True:
         try:
             msg = conn.recv()
@@ -277,6 +309,11 @@ def _requests(
             for old in sorted(checkpoints)[:-4]:  # answered long ago
                 del checkpoints[old]
             worker.request_checkpoint(msg.epoch)
+        elif isinstance(msg, SavepointRequest) and savepoints is not None:
+            savepoints[msg.epoch] = msg.folder
+            for old in sorted(savepoints)[:-4]:  # answered long ago
+                del savepoints[old]
+            worker.request_savepoint(msg.epoch, msg.replicas)
         elif isinstance(msg, Crash):
             crash(msg.unit)
         elif isinstance(msg, Freeze):
@@ -289,7 +326,17 @@ def _requests(
             os._exit(EXIT_FENCED)
         else:
             try:
-                expect(msg, CutRequest, Link, Until, MetricsEvery, CheckpointRequest, Exit, Crash)
+                expect(
+                    msg,
+                    CutRequest,
+                    Link,
+                    Until,
+                    MetricsEvery,
+                    CheckpointRequest,
+                    SavepointRequest,
+                    Exit,
+                    Crash,
+                )
             except ProtocolError as exc:  # a coordinator of another make: say so, go on
                 log.error("from the coordinator: %s", exc)
 

@@ -20,10 +20,11 @@ The exchange, in order:
 - worker → coordinator: :class:`Waiting` (a rebuilt worker, for its cuts), :class:`Ready`
   (the port of every hosted replica's inbox) or :class:`StartFailed`;
 - during the run, coordinator → worker: :class:`CutRequest`, :class:`Link`,
-  :class:`Until`, :class:`MetricsEvery`, :class:`CheckpointRequest`, and the faults
-  :class:`Crash` and :class:`Freeze` (where the worker cannot be signalled); worker →
-  coordinator: :class:`CutTaken`, :class:`Linked`, :class:`Started`, :class:`Evicted`,
-  :class:`Metrics`, :class:`Checkpointed`, :class:`Alive` (a keepalive);
+  :class:`Until`, :class:`MetricsEvery`, :class:`CheckpointRequest`,
+  :class:`SavepointRequest`, and the faults :class:`Crash` and :class:`Freeze` (where the
+  worker cannot be signalled); worker → coordinator: :class:`CutTaken`, :class:`Linked`,
+  :class:`Started`, :class:`Evicted`, :class:`Metrics`, :class:`Checkpointed`,
+  :class:`Savepointed`, :class:`Alive` (a keepalive);
 - last, worker → coordinator: :class:`Done`.
 
 Why dataclasses and not msgspec or pydantic structs: a message is one pickle on a
@@ -192,6 +193,17 @@ class CheckpointRequest(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class SavepointRequest(Message):
+    """Cut ``replicas`` (those of them this worker hosts; sinks too) right after heartbeat
+    ``epoch`` for a savepoint (:mod:`tandem.savepoints`) and write each state into
+    ``folder``."""
+
+    epoch: int
+    folder: str
+    replicas: tuple[ReplicaId, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Crash(Message):
     """A fault injected where the coordinator cannot signal the worker's process (a
     cluster's executors): SIGKILL yourself — ``unit="executor"``: the executor JVM above
@@ -253,6 +265,16 @@ class Metrics(Message):
 @dataclass(frozen=True, slots=True)
 class Checkpointed(Message):
     """``rid``'s cut for checkpoint ``epoch`` is on disk (``taken`` None: too late)."""
+
+    epoch: int
+    rid: ReplicaId
+    taken: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Savepointed(Message):
+    """``rid``'s cut for the savepoint at heartbeat ``epoch`` is on disk (``taken`` None:
+    it could not be taken — the replica had passed the epoch, or finished)."""
 
     epoch: int
     rid: ReplicaId

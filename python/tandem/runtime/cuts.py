@@ -90,6 +90,10 @@ class Resume:
     forked_with: int = 0
     """How many states the forked child that wrote this one wrote in all (one fork for
     every cut of a rebuild in a worker: :func:`fork_cuts`); 0: not written by a child."""
+    savepoint: bool = False
+    """Cut from a savepoint (:mod:`tandem.savepoints`), for a job resumed from it: an
+    operator is created and its state loaded as it starts; a sink starts with no output,
+    its input positions at the cut's."""
 
     def written(self, inline_below: int = 0, timeout: float = WRITER_TIMEOUT_S) -> Resume | None:
         """Wait for the child writing the state file; this cut without it — a state under
@@ -224,6 +228,10 @@ class SlotCuts:
         """Slots held at a rebuild's cut (``Worker.hold``) until their siblings are cut too
         (:meth:`take`): slot -> (replica, cut, state folder, monotonic time held)."""
         self.checkpoints: dict[int, int] = {}  # slot -> the checkpoint epoch asked of it
+        self.on_savepoint = None
+        """Called (from the worker thread) with ``(rid, epoch, Resume | None)`` for every
+        replica cut for the savepoint at heartbeat ``epoch`` (:meth:`ask_savepoint`)."""
+        self.savepoints: dict[int, int] = {}  # slot -> the savepoint epoch asked of it
 
     def ask(self, rid: tuple[int, int, int], rep: Any, token) -> None:
         """Have the core cut replica ``rid`` (hosted as ``rep``, None if it is not) at its
@@ -246,6 +254,18 @@ class SlotCuts:
             self.checkpoints[rep.slot] = epoch  # replaces one not taken yet
             self.core.request_cut_at(rep.slot, epoch)
 
+    def ask_savepoint(self, replicas: list, epoch: int) -> None:
+        """Have the core cut every replica of ``replicas`` — sinks too: their input
+        positions are where a resumed sink starts — right after it forwards heartbeat
+        ``epoch``, for :attr:`on_savepoint`. The coordinator never asks for a savepoint's
+        cuts and a checkpoint's at once (the core keeps one aligned cut per slot)."""
+        for rep in replicas:
+            if rep.slot is None or rep.done:
+                self.on_savepoint(rep.me, epoch, None)
+                continue
+            self.savepoints[rep.slot] = epoch
+            self.core.request_cut_at(rep.slot, epoch)
+
     def retire(self, rep: Any) -> None:
         """``rep`` finished (its slot retired): the cuts asked of it are not taken."""
         for token in self.asked.pop(rep.slot, []):  # no boundary will come any more
@@ -253,10 +273,25 @@ class SlotCuts:
         epoch = self.checkpoints.pop(rep.slot, None)
         if epoch is not None:
             self.on_checkpoint(rep.me, epoch, None)
+        epoch = self.savepoints.get(rep.slot)
+        if epoch is not None and self.core.slot_stats()[rep.slot]["watermark"] < epoch:
+            del self.savepoints[rep.slot]  # ended before the savepoint's heartbeat
+            self.on_savepoint(rep.me, epoch, None)
+        # else its cut was taken as it forwarded the heartbeat (a source ends right after
+        # its last one), and the core hands it out next (Worker.run drains it).
 
     def take(self, rep: Any, item) -> None:
         """The core stopped ``rep`` at a boundary (``item``, a ``"cut"`` work item): take
         the cuts asked of it there."""
+        if item.at is not None and self.savepoints.get(item.slot) == item.at:
+            del self.savepoints[item.slot]
+            try:  # in place; the state is written off the worker thread
+                taken = rep.cut(item.cut)
+            except Exception:
+                log.exception("%s: taking a savepoint's cut failed", rep.name)
+                taken = None
+            self.on_savepoint(rep.me, item.at, taken)
+            return
         if rep.task.kind == "sink":  # the sink's own (sinks are never cut for others)
             rep.mark(item.cut)
             return

@@ -243,10 +243,14 @@ class Replica:
         if self.task.kind == "operator":
             if self._inst is None:
                 self._inst = self.plan.instantiate(t, p, replica=r, t0_ns=t0_ns)
+                if self.resume is not None and self.resume.savepoint:
+                    self._inst.restore(self.resume.load())  # resumed from a savepoint
             watermarks = type(self._inst.op).on_watermark is not Operator.on_watermark
         else:
             self._sink = self.plan.open_sink(t, p, run=t0_ns, replica=r)
-            if self.resume is not None:  # restarted from what the lost sink committed
+            if self.resume is not None and not self.resume.savepoint:
+                # Restarted from what the lost sink committed (a savepoint's sink starts
+                # with no output, at its input positions there).
                 self.report.rows_in = self._sink.restore(self.resume.load())
             schema = self.task.schema
             if schema is not None and "event_time_ns" in schema.names:

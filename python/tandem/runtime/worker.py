@@ -83,8 +83,11 @@ class Worker:
             else None
         )
         self.replicas = [Replica(plan, *rid, secret, self.core, kazoo=self.kazoo) for rid in rids]
+        # A job resumed from a savepoint (Plan.resumed): every replica from its cut, unless
+        # rebuilt from a twin's or a checkpoint's.
+        saved = plan.resumed.cuts if plan.resumed is not None else {}
         for r in self.replicas:
-            r.resume = (resume or {}).get(r.me)
+            r.resume = (resume or {}).get(r.me) or saved.get(r.me)
         if self.kazoo is not None and resume:
             # Rebuilt from twins: read the order log from the earliest place their cuts
             # stood at (each replica's log skips what it had read already).
@@ -132,6 +135,15 @@ class Worker:
     def on_checkpoint(self, fn) -> None:
         self.cuts.on_checkpoint = fn
 
+    @property
+    def on_savepoint(self):
+        """Called with every replica cut for a savepoint (:attr:`SlotCuts.on_savepoint`)."""
+        return self.cuts.on_savepoint
+
+    @on_savepoint.setter
+    def on_savepoint(self, fn) -> None:
+        self.cuts.on_savepoint = fn
+
     # -- requests from the engine (any thread) ------------------------------------------
 
     def request_cut(self, rid: ReplicaId, token) -> None:
@@ -145,6 +157,12 @@ class Worker:
         ``epoch`` (an aligned cut: ``_core.Worker.request_cut_at``) and hand each to
         :attr:`on_checkpoint`."""
         self.control.append(("checkpoint", None, epoch))
+        self.core.wake()
+
+    def request_savepoint(self, epoch: int, rids) -> None:
+        """Cut the hosted replicas among ``rids`` (sinks too) right after each forwards
+        heartbeat ``epoch`` and hand each to :attr:`on_savepoint`."""
+        self.control.append(("savepoint", tuple(rids), epoch))
         self.core.wake()
 
     def link(self, up: ReplicaId, down: ReplicaId, address: tuple[str, int], epoch: int) -> None:
@@ -188,6 +206,10 @@ class Worker:
                 continue
             if req[0] == "checkpoint":
                 self.cuts.ask_checkpoint(self.replicas, req[2])
+                continue
+            if req[0] == "savepoint":
+                asked = set(req[1])
+                self.cuts.ask_savepoint([r for r in self.replicas if r.me in asked], req[2])
                 continue
             rep = by_rid.get(req[1])
             if req[0] == "cut":
@@ -258,6 +280,7 @@ class Worker:
                 self.on_started()
             self._loop(duration)
             self._serve_control({r.me: r for r in self.replicas})
+            self._drain_savepoint_cuts()
         except Exception as exc:  # a fault of the worker itself: blame every live replica
             for r in self.replicas:
                 if not r.done:
@@ -375,6 +398,21 @@ class Worker:
                 if every is not None and checked - measured >= every:
                     measured = checked
                     self.on_metrics(self.metrics())
+
+    def _drain_savepoint_cuts(self) -> None:
+        """Every replica has finished: hand out the savepoint cuts the core took as the
+        last of them ended (a source's cut follows its last heartbeat, right before its
+        end, with no work item between)."""
+        by_slot = {r.slot: r for r in self.replicas if r.slot is not None}
+        while self.cuts.savepoints:
+            item = self.core.next(timeout=0.05)
+            if item is None:
+                break
+            if item.kind == "cut" and item.slot in by_slot:
+                self.cuts.take(by_slot[item.slot], item)
+        for slot, epoch in list(self.cuts.savepoints.items()):  # never came: not taken
+            del self.cuts.savepoints[slot]
+            self.cuts.on_savepoint(by_slot[slot].me, epoch, None)
 
     def _retire(self, rep: Replica) -> None:
         self.core.retire(rep.slot)

@@ -1,0 +1,539 @@
+"""Savepoints: one consistent cut of a whole job, written to a directory, and a job resumed
+from it.
+
+A savepoint is taken while the job runs (:meth:`tandem.RunningJob.savepoint`) or as it
+stops (``RunningJob.stop(savepoint=...)``): the coordinator picks one heartbeat epoch
+``K`` ahead of the sources' clock and has one live replica of every task partition — the
+sinks too — cut right after it forwards heartbeat ``K`` (the aligned cut of the passive
+checkpoints, :mod:`tandem.engines.coordinator`). Each cut holds the replica's input
+positions, merge state and output sequence numbers; an operator's cut also holds its
+``snapshot()``. A job resumed from the savepoint (``Job.run(from_savepoint=...)``) starts
+every replica of every partition from its partition's cut: its sources skip their
+schedule through heartbeat ``K``, its operators load their states, its sinks start with
+their input positions at the cut, so the output continues where the savepoint's ends —
+nothing lost, nothing twice.
+
+The format (``FORMAT_VERSION``), a directory on any filesystem :mod:`pyarrow.fs` opens:
+
+- ``manifest.json``: the format and its version, the job's name, the tandem version that
+  wrote it, when, the epoch and heartbeat period, the plan's tasks (name, kind,
+  parallelism, replication, inputs), every source partition's position at the cut, and
+  per task partition its cut (JSON) with the name, size and SHA-256 of its state file;
+- ``states/<task>-<partition>.state``: an operator partition's state, as its
+  ``snapshot()`` returned it (``<task>``: the task's index in the manifest).
+
+It is written atomically: on a local disk into a temporary sibling directory renamed
+into place; elsewhere (an object store, where a rename is no rename) the manifest is
+written last. A directory without ``manifest.json`` is a partial savepoint, one whose
+manifest does not parse, or whose state files differ from it, a corrupt one: both are
+refused when read, and a path that holds anything is never written over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import posixpath
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.exceptions import ConfigError, TandemError
+from tandem.plan import Plan
+from tandem.runtime.cuts import Resume
+
+FORMAT = "tandem-savepoint"
+FORMAT_VERSION = 1
+"""The version of the savepoint format this tandem writes and reads."""
+
+MANIFEST = "manifest.json"
+STATES = "states"
+_CHUNK = 1 << 20
+
+ReplicaId = tuple[int, int, int]
+
+
+# -- where ----------------------------------------------------------------------------------
+
+
+def _open(path: str | os.PathLike) -> tuple[Any, str]:
+    """The filesystem of ``path`` and the path on it: a local path (relative ones from the
+    current directory) or a URI :func:`pyarrow.fs.FileSystem.from_uri` opens."""
+    from pyarrow import fs
+
+    text = os.fspath(path)
+    if "://" not in text:
+        return fs.LocalFileSystem(), os.path.abspath(text)
+    try:
+        return fs.FileSystem.from_uri(text)
+    except Exception as exc:  # an unknown scheme, a bucket that does not resolve, ...
+        raise ConfigError(f"savepoint path {text!r} cannot be opened: {exc}") from exc
+
+
+def _exists(filesystem, path: str) -> bool:
+    from pyarrow import fs
+
+    return filesystem.get_file_info(path).type != fs.FileType.NotFound
+
+
+# -- the encoded cut --------------------------------------------------------------------------
+
+
+def _encode(value: Any) -> Any:
+    """A core cut (nested tuples of numbers, booleans, None, bytes) as JSON."""
+    if isinstance(value, tuple | list):
+        return [_encode(v) for v in value]
+    if isinstance(value, bytes):
+        return {"hex": value.hex()}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"a cut holds a {type(value).__name__}, which a savepoint cannot store")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_decode(v) for v in value)
+    if isinstance(value, dict):
+        return bytes.fromhex(value["hex"])
+    return value
+
+
+# -- the savepoint ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Savepoint:
+    """A savepoint as its manifest describes it (see the module documentation):
+    :meth:`read` one from a path, :meth:`tandem.RunningJob.savepoint` returns the one it
+    wrote. ``epoch``: the heartbeat after which every partition was cut; ``source_time_s``:
+    where the job's source time stood there; ``sources``: per source task, every
+    partition's position (``{"partition", "epoch", "rows"}``: the rows it had emitted);
+    ``tasks``: the plan's tasks (``{"name", "kind", "parallelism", "replication",
+    "inputs"}``)."""
+
+    path: str
+    job: str
+    epoch: int
+    heartbeat_ms: float
+    tasks: list[dict]
+    sources: dict[str, list[dict]]
+    tandem_version: str
+    created: str
+    partitions: list[dict] = field(default_factory=list, repr=False)
+
+    @property
+    def source_time_s(self) -> float:
+        """Seconds of source time the job had run through at the cut."""
+        return self.epoch * self.heartbeat_ms / 1000
+
+    @classmethod
+    def read(cls, path: str | os.PathLike, verify: bool = True) -> Savepoint:
+        """The savepoint at ``path``; :class:`tandem.ConfigError` if there is none, or it is
+        partial (no manifest) or corrupt (a manifest that does not parse, of another
+        format version, or state files that differ from it — checked with ``verify``)."""
+        filesystem, root = _open(path)
+        where = os.fspath(path)
+        if not _exists(filesystem, root):
+            raise ConfigError(f"no savepoint at {where!r}: the path does not exist")
+        manifest = posixpath.join(root, MANIFEST)
+        if not _exists(filesystem, manifest):
+            raise ConfigError(
+                f"{where!r} is not a complete savepoint: it has no {MANIFEST} (a savepoint "
+                "whose writing was interrupted, or another directory); it cannot be resumed"
+            )
+        try:
+            with filesystem.open_input_stream(manifest) as f:
+                doc = json.loads(f.read().decode())
+            if doc.get("format") != FORMAT:
+                raise ValueError(f"format {doc.get('format')!r}, not {FORMAT!r}")
+            if doc.get("format_version") != FORMAT_VERSION:
+                raise ValueError(
+                    f"format version {doc.get('format_version')!r}; this tandem reads "
+                    f"version {FORMAT_VERSION}"
+                )
+            sp = cls(
+                where,
+                str(doc["job"]),
+                int(doc["epoch"]),
+                float(doc["heartbeat_ms"]),
+                list(doc["tasks"]),
+                dict(doc["sources"]),
+                str(doc["tandem_version"]),
+                str(doc["created"]),
+                list(doc["partitions"]),
+            )
+            names = {t["name"] for t in sp.tasks}
+            for part in sp.partitions:
+                if part["task"] not in names:
+                    raise ValueError(f"a cut of task {part['task']!r}, which it does not list")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"the savepoint at {where!r} is corrupt: its {MANIFEST}: {exc}"
+            ) from exc
+        if verify:
+            for part in sp.partitions:
+                if part.get("state") is not None:
+                    sp._state(filesystem, root, part)
+        return sp
+
+    def _state(self, filesystem, root: str, part: dict) -> bytes:
+        """The state file of a partition's cut, checked against the manifest."""
+        name = part["state"]
+        path = posixpath.join(root, name)
+        try:
+            with filesystem.open_input_stream(path) as f:
+                data = f.read()
+        except (OSError, FileNotFoundError) as exc:
+            raise ConfigError(
+                f"the savepoint at {self.path!r} is corrupt: state file {name} of "
+                f"{part['task']!r}[{part['partition']}] cannot be read ({exc})"
+            ) from exc
+        if len(data) != part["bytes"] or hashlib.sha256(data).hexdigest() != part["sha256"]:
+            raise ConfigError(
+                f"the savepoint at {self.path!r} is corrupt: state file {name} of "
+                f"{part['task']!r}[{part['partition']}] differs from its manifest "
+                f"({len(data)} bytes, {part['bytes']} written)"
+            )
+        return data
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A job resumed from a savepoint (``Plan.resumed``): the heartbeat epoch it continues
+    after and the cut every replica starts from."""
+
+    path: str
+    epoch: int
+    cuts: dict[ReplicaId, Resume]
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+def check_target(path: str | os.PathLike) -> None:
+    """Raise ConfigError if a savepoint cannot be written at ``path``: it holds one
+    already (never overwritten) or anything else."""
+    filesystem, root = _open(path)
+    _refuse_existing(filesystem, root, os.fspath(path))
+
+
+def _refuse_existing(filesystem, root: str, where: str) -> None:
+    from pyarrow import fs
+
+    info = filesystem.get_file_info(root)
+    if info.type == fs.FileType.NotFound:
+        return
+    if _exists(filesystem, posixpath.join(root, MANIFEST)):
+        raise ConfigError(
+            f"{where!r} holds a savepoint already; a savepoint is never overwritten: "
+            "choose another path, or remove that one first"
+        )
+    if info.type == fs.FileType.Directory:
+        inside = filesystem.get_file_info(fs.FileSelector(root, recursive=False))
+        if not inside:
+            return
+        raise ConfigError(
+            f"{where!r} exists and is no complete savepoint (no {MANIFEST}: perhaps one "
+            "whose writing was interrupted); choose another path, or remove it first"
+        )
+    raise ConfigError(f"{where!r} exists and is not a directory: a savepoint is a directory")
+
+
+def _describe_tasks(plan: Plan) -> list[dict]:
+    return [
+        {
+            "name": t.name,
+            "kind": t.kind,
+            "parallelism": t.parallelism,
+            "replication": t.replication,
+            "inputs": [
+                {
+                    "upstream": plan.tasks[e.upstream].name,
+                    "input": e.input_index,
+                    "partitioner": e.partitioner,
+                    "key": e.key,
+                }
+                for e in t.inputs
+            ],
+        }
+        for t in plan.tasks
+    ]
+
+
+def source_positions(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[str, list[dict]]:
+    """Every source partition's position at its cut: the heartbeat it was cut after and the
+    rows it had emitted before it (a generated or file source's schedule puts every row
+    released before heartbeat ``k`` ahead of it)."""
+    out: dict[str, list[dict]] = {}
+    for (t, p, _), resume in sorted(cuts.items()):
+        task = plan.tasks[t]
+        if task.kind != "source":
+            continue
+        epoch = resume.epoch
+        rows = plan.source_rows(t, p, epoch * plan.heartbeat_ns / 1e9)
+        out.setdefault(task.name, []).append({"partition": p, "epoch": epoch, "rows": rows})
+    return out
+
+
+def settle(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[ReplicaId, Resume]:
+    """The cuts with every input channel that had *ended* at its cut opened again, at the
+    position its upstream partition's cut emitted through. A replica consuming first come,
+    first served (a sink; an operator under ``ordering="none"``) is cut once every input
+    delivered heartbeat ``K``, and may have taken a faster channel's end marker by then —
+    when the job stops at ``K``, its sources end right after it. Resumed as it was cut,
+    it would take that channel for ended and drop what its upstream emits after the cut."""
+    by_part = {(t, p): r for (t, p, _), r in cuts.items()}
+    out = {}
+    for (t, p, r), resume in cuts.items():
+        cut = resume.cut
+        inbox = cut[2] if len(cut) > 2 else None
+        if inbox is None or not any(inbox[3]):
+            out[(t, p, r)] = resume
+            continue
+        epochs, positions, ended = list(cut[1]), list(inbox[0]), list(inbox[3])
+        for c, chan in enumerate(plan.input_channels(t, p)):
+            if not ended[c]:
+                continue
+            up = by_part[(chan.task, chan.partition)].cut
+            edges = plan.output_edges(chan.task, chan.partition)
+            e = next(
+                i
+                for i, edge in enumerate(edges)
+                if edge.downstream == t and edge.input_index == chan.input_index
+            )
+            seq = up[3][e][0][edges[e].partitions.index(p)]
+            positions[c], ended[c], epochs[c] = seq, False, min(epochs[c], up[0])
+        inbox = (tuple(positions), inbox[1], inbox[2], tuple(ended), *inbox[4:])
+        cut = (cut[0], tuple(epochs), inbox, *cut[3:])
+        out[(t, p, r)] = dataclasses.replace(resume, cut=cut)
+    return out
+
+
+def write(
+    path: str | os.PathLike, plan: Plan, epoch: int, cuts: dict[ReplicaId, Resume]
+) -> Savepoint:
+    """Write the savepoint of ``plan`` cut at heartbeat ``epoch`` (``cuts``: one per task
+    partition, each state in its file or in the cut) to ``path``, atomically (see the
+    module documentation); the :class:`Savepoint` written. Refuses a path that holds
+    anything (ConfigError)."""
+    from tandem._core import __version__
+
+    where = os.fspath(path)
+    filesystem, root = _open(path)
+    _refuse_existing(filesystem, root, where)
+    cuts = settle(plan, cuts)
+    local = type(filesystem).__name__ == "LocalFileSystem"
+    if local:
+        parent, name = posixpath.split(root.rstrip("/"))
+        filesystem.create_dir(parent, recursive=True)
+        target = posixpath.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    else:
+        target = root
+    filesystem.create_dir(posixpath.join(target, STATES), recursive=True)
+    try:
+        partitions = []
+        index = {t.id: i for i, t in enumerate(plan.tasks)}
+        for (t, p, r), resume in sorted(cuts.items()):
+            task = plan.tasks[t]
+            entry: dict[str, Any] = {
+                "task": task.name,
+                "partition": p,
+                "replica": r,
+                "epoch": resume.epoch,
+                "cut": _encode(resume.cut),
+                "state": None,
+            }
+            if task.kind == "operator":
+                name = f"{STATES}/{index[t]}-{p}.state"
+                size, digest = _copy_state(resume, filesystem, posixpath.join(target, name))
+                entry.update(state=name, bytes=size, sha256=digest)
+            partitions.append(entry)
+        doc = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "job": plan.job,
+            "tandem_version": __version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "epoch": epoch,
+            "heartbeat_ms": plan.heartbeat_ms,
+            "tasks": _describe_tasks(plan),
+            "sources": source_positions(plan, cuts),
+            "partitions": partitions,
+        }
+        # The manifest last: a directory without one is a partial savepoint.
+        with filesystem.open_output_stream(posixpath.join(target, MANIFEST)) as f:
+            f.write(json.dumps(doc, indent=1).encode())
+        if local:
+            _refuse_existing(filesystem, root, where)  # taken meanwhile?
+            if _exists(filesystem, root):
+                filesystem.delete_dir(root)  # an empty directory
+            filesystem.move(target, root)
+    except BaseException:
+        if local:
+            filesystem.delete_dir(target)
+        raise
+    return Savepoint.read(path, verify=False)
+
+
+def _copy_state(resume: Resume, filesystem, dest: str) -> tuple[int, str]:
+    """Copy a cut's state (its file or its bytes) to ``dest``: (size, SHA-256)."""
+    digest, size = hashlib.sha256(), 0
+    with filesystem.open_output_stream(dest) as out:
+        chunks = [resume.state] if resume.state_file is None else _chunks(resume.state_file)
+        for chunk in chunks:
+            out.write(chunk)
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _chunks(path: str):
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+
+
+# -- resuming ---------------------------------------------------------------------------------
+
+
+def check_compatible(sp: Savepoint, plan: Plan) -> None:
+    """Raise ConfigError, naming the task and what differs, unless ``plan`` can resume
+    from ``sp``: the same job, the same tasks by name (none missing, none new), each of
+    the same kind, parallelism and inputs, and the same heartbeat period. Operator code
+    may change (a state is data), and so may replication."""
+    where = sp.path
+    if sp.job != plan.job:
+        raise ConfigError(
+            f"the savepoint at {where!r} is of job {sp.job!r}, not of job {plan.job!r}"
+        )
+    if plan.heartbeat_ms != sp.heartbeat_ms:
+        raise ConfigError(
+            f"job {plan.job!r}: heartbeat_ms={plan.heartbeat_ms:g}, but the savepoint at "
+            f"{where!r} was cut with heartbeat_ms={sp.heartbeat_ms:g} (its positions are "
+            "heartbeat epochs)"
+        )
+    if plan.ordering == "kazoo":
+        raise ConfigError(
+            f"job {plan.job!r}: ordering='kazoo' cannot resume from a savepoint (its cut is "
+            "a place in the order log)"
+        )
+    saved = {t["name"]: t for t in sp.tasks}
+    new = {t.name: t for t in plan.tasks}
+    for name, t in saved.items():
+        if name not in new:
+            raise ConfigError(
+                f"task {name!r} ({t['kind']}) of the savepoint at {where!r} is missing from "
+                f"job {plan.job!r} (its tasks: {sorted(new)}); its state would be lost"
+            )
+    for name, task in new.items():
+        if name not in saved:
+            raise ConfigError(
+                f"{task.describe()} of job {plan.job!r} is not in the savepoint at "
+                f"{where!r} (its tasks: {sorted(saved)}): it has no state to start from"
+            )
+    for name, task in new.items():
+        old = saved[name]
+        if old["kind"] != task.kind:
+            raise ConfigError(
+                f"task {name!r} is a {task.kind} in job {plan.job!r} but a {old['kind']} in "
+                f"the savepoint at {where!r}"
+            )
+        if old["parallelism"] != task.parallelism:
+            raise ConfigError(
+                f"{task.describe()}: parallelism {task.parallelism} here, "
+                f"{old['parallelism']} in the savepoint at {where!r}; a savepoint resumes "
+                "at the parallelism it was taken with (rescaling is not supported yet)"
+            )
+        inputs = [
+            {
+                "upstream": plan.tasks[e.upstream].name,
+                "input": e.input_index,
+                "partitioner": e.partitioner,
+                "key": e.key,
+            }
+            for e in task.inputs
+        ]
+        if inputs != old["inputs"]:
+            raise ConfigError(
+                f"{task.describe()}: its inputs differ from the savepoint at {where!r} "
+                f"({_inputs(inputs)} here, {_inputs(old['inputs'])} there)"
+            )
+        if task.kind == "source" and plan.is_log_source(task.id):
+            raise ConfigError(
+                f"{task.describe()} reads a log: resuming a log source from a savepoint is "
+                "not supported yet"
+            )
+
+
+def _inputs(inputs: list[dict]) -> str:
+    if not inputs:
+        return "none"
+    return ", ".join(
+        f"{i['upstream']} ({i['partitioner']}{' by ' + i['key'] if i['key'] else ''})"
+        for i in inputs
+    )
+
+
+def resume(path: str | os.PathLike, plan: Plan) -> Plan:
+    """``plan`` resumed from the savepoint at ``path``: read and verified, checked against
+    the plan (:func:`check_compatible`), every replica of every partition given its
+    partition's cut (``Plan.resumed``). ConfigError, before anything starts, if it cannot
+    be."""
+    sp = Savepoint.read(path, verify=False)
+    check_compatible(sp, plan)
+    filesystem, root = _open(path)
+    local = type(filesystem).__name__ == "LocalFileSystem"
+    by_name = {t.name: t for t in plan.tasks}
+    cuts: dict[ReplicaId, Resume] = {}
+    seen = set()
+    for part in sp.partitions:
+        task = by_name[part["task"]]
+        p = int(part["partition"])
+        if not 0 <= p < task.parallelism:
+            raise ConfigError(f"the savepoint at {sp.path!r} is corrupt: {part['task']}[{p}]")
+        try:
+            cut = _decode(part["cut"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"the savepoint at {sp.path!r} is corrupt: a cut: {exc}") from exc
+        if part.get("state") is None:
+            taken = Resume(cut, b"", savepoint=True)
+        else:
+            data = sp._state(filesystem, root, part)  # checked against the manifest
+            if local:  # each worker reads it there (never removed: keep_file)
+                file = posixpath.join(root, part["state"])
+                taken = Resume(cut, b"", file, keep_file=True, savepoint=True)
+            else:
+                taken = Resume(cut, data, savepoint=True)
+        seen.add((task.id, p))
+        for r in range(task.replication):
+            cuts[(task.id, p, r)] = taken
+    missing = [
+        f"{t.name}[{p}]" for t in plan.tasks for p in range(t.parallelism) if (t.id, p) not in seen
+    ]
+    if missing:
+        raise ConfigError(
+            f"the savepoint at {sp.path!r} is corrupt: it holds no cut of {', '.join(missing)}"
+        )
+    return dataclasses.replace(plan, resumed=Resumed(sp.path, sp.epoch, cuts))
+
+
+def failed(why: str) -> TandemError:
+    """The error a savepoint that could not be taken raises."""
+    return TandemError(f"savepoint not taken: {why}")
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "Resumed",
+    "Savepoint",
+    "check_compatible",
+    "check_target",
+    "resume",
+    "settle",
+    "source_positions",
+    "write",
+]
