@@ -96,7 +96,7 @@ def test_stop_with_a_savepoint_then_resume_with_new_code(input_file, stopped):
         ("source", "source", 2, 2),
         ("enrich", "operator", 2, 2),
         ("count", "operator", 2, 2),
-        ("sink", "sink", 1, 1),
+        ("sink", "sink", 1, 2),  # a Collect sink: replicated as the job
     ]
     # Stopped at the cut: the sink holds exactly the rows the sources emitted before it.
     emitted = sum(p["rows"] for p in saved.sources["source"])

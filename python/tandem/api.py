@@ -1124,7 +1124,7 @@ class Stream:
         workers, so that losing one loses nothing (:mod:`tandem.sinks` says how one copy
         is published). Default: the job's replication for a sink that can run replicated
         (:attr:`tandem.sinks.Sink.replicable`: ``Collect``, ``Latency``, ``Parquet``,
-        ``Csv``, ``tandem_spark.sinks.Spark``), 1 for the others (``Kafka``, which restarts
+        ``Csv``, Spark's table sink), 1 for the others (``Kafka``, which restarts
         from its last commit instead). ``replication=1`` keeps a single, unreplicated
         sink."""
         if not isinstance(sink, Sink):
