@@ -691,7 +691,7 @@ def test_reference_check_compares_file_sink_rows_not_counts(tmp_path):
                 for batch in part.to_batches():
                     sink.write(batch)
                 reports[(task.id, p, 0)] = ReplicaReport(
-                    task.id, p, 0, "sink", rows_in=part.num_rows, sink_part=sink.close()
+                    task.id, p, 0, "sink", rows_in=part.num_rows, sink_part=sink.close(), ended=True
                 )
         return reports
 

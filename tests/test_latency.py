@@ -190,7 +190,7 @@ def test_assemble_result_fills_the_latency_fields_from_sink_reports():
     for ms in range(0, 3_000, 5):
         now = ms * MS
         rec.record(now, np.array([now - 2 * MS, now - 4 * MS], dtype=np.int64))
-    report = runtime.ReplicaReport(sink, 0, 0, "sink", rows_in=1200, sink_part=1200)
+    report = runtime.ReplicaReport(sink, 0, 0, "sink", rows_in=1200, sink_part=1200, ended=True)
     report.latency = rec.finish()
     res = assemble_result(
         plan, 3.0, {(sink, 0, 0): report}, t0_ns=0, warmup=0.5, check=False, faults=[]

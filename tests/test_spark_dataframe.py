@@ -1,8 +1,8 @@
 """PySpark data in and out: a DataFrame replayed as a source, a stream written through
 Spark's writers, on a real local Spark (pyspark from PyPI, Java 17).
 
-One session for the module: ``local[5,3]``, the 3 workers of a job with one worker per
-replica group (two groups) and the sinks' worker, plus spares. Shuffles cut 4 partitions
+One session for the module: ``local[6,3]``, the 4 workers of a job with one worker per
+replica group (two groups) and one per replica of the sink, plus spares. Shuffles cut 4 partitions
 and adaptive execution does not merge them, so a sorted DataFrame is written as several
 part files and a source partition spans more than one.
 """
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.spark
 N = 2_000  # rows of the orders DataFrame
 RATE = 1_000  # rows per second: the source releases them over 2 s
 DURATION = 2.5
-WORKERS = 3
+WORKERS = 4
 COLUMNS = ["order_id", "customer", "amount", "total"]
 
 
@@ -70,7 +70,7 @@ def with_total(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 def job_of(source, sink) -> td.Job:
     job = td.Job("orders", replication=2, ordering="liverobin", heartbeat_ms=10)
-    job.workers = 1  # per replica group: 3 workers with the sinks'
+    job.workers = 1  # per replica group: 4 workers with the sink's two
     rows = job.source(source, parallelism=2, name="orders")
     rows.map(with_total, parallelism=2, name="tax").sink(sink, name="out")
     return job
@@ -128,6 +128,21 @@ def test_a_killed_replica_is_masked_and_the_files_hold_every_row_once(spark, sou
     assert lost_replicas(res) == killed_replicas(res) != set()
     assert res.lost == 0 and res.duplicates == 0
     assert_rows(spark.read.orc(target).toArrow())
+
+
+def test_a_killed_sink_replica_is_masked_and_the_table_holds_every_row_once(spark, source):
+    """The worker of the sink's replica 1 killed mid-run on the Spark engine: the commit
+    reads replica 0's staging file, every row lands in the table once, and the lost
+    replica's partial staging file is deleted with the rest."""
+    sink = tandem_spark.sinks.Spark(table="orders_sink_kill", mode="overwrite", columns=COLUMNS)
+    job = job_of(source, sink)
+    kill = td.Kill("out", partition=0, replica=1, at=1.0)
+    res = job.run(duration=DURATION, faults=[kill], engine=tandem_spark.SparkEngine(spark))
+    assert lost_replicas(res) == killed_replicas(res) == {("out", 0, 1)}
+    assert res.lost == 0 and res.duplicates == 0 and res.events_out == N
+    assert res.outputs["out"].rows == N
+    assert_rows(spark.table("orders_sink_kill").toArrow())
+    assert not list(Path(sink.staging).iterdir())  # no staging file of either replica left
 
 
 def test_both_run_on_the_local_engine_too(spark, source):

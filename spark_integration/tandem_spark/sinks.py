@@ -245,6 +245,13 @@ class Spark(Sink):
         them to the target; then the staging files are deleted."""
         files = [p["file"] for p in parts if p]
         rows = sum(p["rows"] for p in parts if p)
+        for f in files:  # a copy staged on a disk this driver does not see: say so
+            fs, inner = _filesystem(f)
+            if not fs.get_file_info(inner).size:
+                raise TandemError(
+                    f"{self.describe()}: the staging file {f} is missing or empty here, on "
+                    "the driver; give staging= a directory every executor and the driver share"
+                )
         spark = _session(required=True)
         existed = self._exists(spark)
         dynamic = (

@@ -196,11 +196,12 @@ def published_copies(
     plan: Plan, reports: Mapping[ReplicaId, ReplicaReport]
 ) -> dict[tuple[int, int], ReplicaId]:
     """Which replica's copy of each sink partition the job publishes: the first to finish
-    (``reports`` is in the order the reports came). Its rows are the output, its latency
-    record the run's latency; the other replicas' copies are discarded."""
+    its whole input (``reports`` is in the order the reports came; a copy cut off from its
+    input reports too, not ended). Its rows are the output, its latency record the run's
+    latency; the other replicas' copies are discarded."""
     chosen: dict[tuple[int, int], ReplicaId] = {}
-    for rid in reports:
-        if plan.tasks[rid[0]].kind == "sink":
+    for rid, rep in reports.items():
+        if plan.tasks[rid[0]].kind == "sink" and rep.ended:
             chosen.setdefault(rid[:2], rid)
     missing = [
         f"{t.name}[{p}]"

@@ -680,7 +680,7 @@ class Coordinator:
         sinks = self.plan.sinks()
         if not self.running or not sinks:
             return
-        finished = {rid[:2] for rid in self.reports}
+        finished = {rid[:2] for rid, rep in self.reports.items() if rep.ended}
         if any((t.id, p) not in finished for t in sinks for p in range(t.parallelism)):
             return
         if self._sinks_done_at is None:

@@ -60,6 +60,10 @@ class ReplicaReport:
     abandoned: str | None = None
     """Set when every downstream replica had already finished (its twin got there first):
     the replica's remaining output was needed by nobody, so it stopped early."""
+    ended: bool = False
+    """The replica consumed its whole input and finished (a sink: closed its copy). A sink
+    replica cut off from its upstream (dropped as a straggler, its other senders lost)
+    reports too when its worker stops, with ``ended`` False: its copy is not whole."""
 
     def failure(self) -> TandemError | None:
         """The exception the run fails with because of this replica, if any."""
@@ -397,7 +401,7 @@ class Replica:
                 self.report.latency = self._latency.finish()
         for o in self.outputs:
             o.outbox.end()
-        self.done = True
+        self.done = self.report.ended = True
 
     def fail(self, exc: BaseException) -> None:
         """Record why this replica stopped (see :class:`ReplicaReport`)."""
