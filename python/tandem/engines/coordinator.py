@@ -660,10 +660,7 @@ class Coordinator:
         limit = self.plan.failure_timeout_ms / 1000
         now = time.monotonic()
         for w in sorted(self.running):
-            if now - self.heard.get(w, now) <= limit or self.hosts_sinks(w):
-                # Sinks are not rebuilt, so a suspicion would cost a copy for good (an
-                # unreplicated sink: the job). A sink copy is lost when its process is
-                # known dead; a silent one that never finishes is a straggler (_late).
+            if now - self.heard.get(w, now) <= limit or not self._suspectable(w):
                 continue
             log.warning(
                 "%s has been silent for %.0f ms (failure_timeout_ms=%g): declared lost",
@@ -672,6 +669,25 @@ class Coordinator:
                 self.plan.failure_timeout_ms,
             )
             self._kill_worker(w, now_s, "silent")
+
+    def _suspectable(self, w: int) -> bool:
+        """Whether worker ``w`` may be declared lost on a suspicion (silence, eviction)
+        rather than a confirmed death. Sinks are not rebuilt, so a worker of sinks may be
+        only while every sink partition it hosts has another copy live: a wrong suspicion
+        then costs a copy, never the job (an unreplicated sink, or a last copy, is lost
+        only when its process is known dead; one that never finishes is a straggler,
+        :meth:`_late`)."""
+        if not self.hosts_sinks(w):
+            return True
+        for t, p, r in self.placement[w]:
+            twins = [
+                (t, p, q)
+                for q in range(self.plan.tasks[t].replication)
+                if q != r and (t, p, q) not in self.down
+            ]
+            if not any(self.worker_of[twin] in self.running for twin in twins):
+                return False
+        return True
 
     def _late(self, now_s: float) -> None:
         """Declare lost the workers still running :data:`DRAIN_GRACE_S` after a replica of
@@ -703,8 +719,8 @@ class Coordinator:
         task partition has dropped it; while ``up``'s twins still feed it, it is not the
         slow one, and a slow sender never takes a healthy receiver down."""
         w = self.worker_of[down]
-        if w not in self.running or down in self.down or self.hosts_sinks(w):
-            return  # a sink copy dropped by its upstream never finishes: _late ends it
+        if w not in self.running or down in self.down or not self._suspectable(w):
+            return
         t, p, _ = up
         voters = self.evictions.setdefault((down, self.current[w]), set())
         voters.add(up)
