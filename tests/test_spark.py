@@ -9,7 +9,9 @@ sink) plus spares, and up to 3 attempts per task.
 from __future__ import annotations
 
 import glob
+import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -30,6 +32,7 @@ from tandem.testing import (
 )
 
 pytestmark = pytest.mark.spark
+TANDEM = str(Path(sys.executable).with_name("tandem"))  # the command of this environment
 
 RATE = 1_000
 DURATION = 3.0
@@ -293,6 +296,23 @@ def test_engine_by_name_from_the_cli(spark, capsys, tmp_path):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "fault masked" in printed
+
+
+def test_a_successful_spark_demo_prints_no_java_stack_trace(tmp_path):
+    """`tandem demo --engine spark` as a user runs it, in a process of its own (its JVM
+    writes to the console directly): the worker the demo kills on purpose is reported by
+    tandem in one line, without a Java stack trace of Spark's."""
+    argv = ["demo", "--engine", "spark", "--duration", "3", "--rate", "500", "--no-progress"]
+    done = subprocess.run(
+        [TANDEM, *argv, "--plot", str(tmp_path / "p99.png")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "fault masked" in done.stdout
+    assert "\tat org.apache" not in done.stderr + done.stdout, done.stderr[-3000:]
 
 
 def test_kazoo_demo_on_spark_from_the_cli(spark, zookeeper, kafka, capsys, tmp_path):

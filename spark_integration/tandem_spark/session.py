@@ -21,6 +21,7 @@ replication needs things from Spark that are not its defaults:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -29,6 +30,8 @@ import time
 
 from tandem.exceptions import ConfigError
 from tandem.plan import Plan
+
+log = logging.getLogger("tandem")
 
 LOCAL_MASTER = re.compile(r"^local(\[(?P<n>\d+|\*)(,(?P<f>\d+))?\])?$")
 LOCAL_CLUSTER_MASTER = re.compile(r"^local-cluster\[(?P<w>\d+),\s*(?P<c>\d+),\s*(?P<m>\d+)\]$")
@@ -52,7 +55,9 @@ def local_session(workers, master: str | None = None, spare_slots: int = 2, **co
     a failed task is retried up to twice while the others keep running). ``master`` may
     also be ``local-cluster[W,C,MB]`` (W executor JVMs of C cores each) or a cluster URL.
     ``conf`` entries are passed to the builder (``spark.`` prefix and all); the Spark UI
-    is off unless ``conf`` turns it on.
+    is off unless ``conf`` turns it on. Spark's warning for each lost task attempt (with
+    the Java stack trace of a Python worker that exited) is off too: a lost worker is
+    tandem's to report, and does (:func:`quiet_lost_tasks`).
     """
     workers = worker_count(workers)
     master = master or f"local[{workers + spare_slots},3]"
@@ -72,7 +77,26 @@ def local_session(workers, master: str | None = None, spare_slots: int = 2, **co
     }
     for key, value in settings.items():
         builder = builder.config(key, value)
-    return builder.getOrCreate()
+    spark = builder.getOrCreate()
+    quiet_lost_tasks(spark)
+    return spark
+
+
+def quiet_lost_tasks(spark) -> None:
+    """Quiet what Spark logs, in this JVM, for each task whose Python worker exited: the
+    ``TaskSetManager``'s warning (``Lost task ...``) and, in local mode, where the
+    executor is this JVM, the ``Executor``'s error (``Exception in task ...``), each with
+    a Java stack trace — for a worker SIGKILLed on purpose too. The coordinator logs
+    every loss, masked or not, in one line, and a task's own error reaches the job as
+    its failure. A job Spark aborts is still logged (``DAGScheduler``, at ERROR)."""
+    try:
+        jvm = spark.sparkContext._jvm
+        levels = jvm.org.apache.logging.log4j.Level
+        configurator = jvm.org.apache.logging.log4j.core.config.Configurator
+        configurator.setLevel("org.apache.spark.scheduler.TaskSetManager", levels.ERROR)
+        configurator.setLevel("org.apache.spark.executor.Executor", levels.FATAL)
+    except Exception as exc:  # another logging backend: leave Spark's logging as it is
+        log.debug("cannot quiet Spark's lost-task warnings: %s", exc)
 
 
 def worker_count(workers) -> int:
