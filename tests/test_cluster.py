@@ -438,8 +438,13 @@ def test_faults_reach_workers_on_a_cluster_whose_executors_the_driver_cannot_sig
     assert record["kind"] == fault and record["replica"] == 1, record
     lost = {(r["task"], r["partition"], r["replica"]) for r in result["lost_replicas"]}
     restored = {(r["task"], r["partition"], r["replica"]) for r in result["restored_replicas"]}
-    assert ("count", 0, 1) in lost and restored == lost, (lost, restored)
-    causes = {r["cause"] for r in result["lost_replicas"]}
+    # Every operator replica lost is rebuilt. A sink copy may be lost besides, if its
+    # upstream dropped it as a straggler while its twin kept up (a busy machine): such a
+    # copy is not rebuilt, and the twin's is published.
+    operators = {r for r in lost if r[0] != "sink"}
+    assert ("count", 0, 1) in lost and restored == operators, (lost, restored)
+    assert len(lost - operators) <= 1, lost
+    causes = {r["cause"] for r in result["lost_replicas"] if r["task"] != "sink"}
     assert causes == {"killed"} if fault == "kill" else causes <= {"silent", "evicted"}
     # The run ends within its duration and 10 s of t0, not after the frozen task's 30 s.
     after = result["returned_at"] - result["t0"] - duration
