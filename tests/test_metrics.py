@@ -72,7 +72,7 @@ def test_a_run_serves_every_replicas_counters_and_closes_the_port():
         for p in range(t.parallelism)
         for r in range(t.replication)
     ]
-    assert len(replicas) == 13  # source, enrich, count: 2 partitions x 2 replicas; 1 sink
+    assert len(replicas) == 14  # source, enrich, count: 2 partitions x 2 replicas; 2 sinks
     last = scrapes[-1]
     for name in ("tandem_rows_in_total", "tandem_rows_out_total"):
         for rid in replicas:
@@ -100,18 +100,18 @@ def test_a_run_serves_every_replicas_counters_and_closes_the_port():
             assert key("count", p, r) in last["tandem_merge_wait_seconds_total"]
             assert last["tandem_digest_mismatches_total"][key("count", p, r)] == 0
     assert last["tandem_rows_in_total"][key("sink", 0, 0)] == res.events_out
-    # The sinks' latency histogram counts every row they received (no warm-up here).
+    # Each sink copy's latency histogram counts every row it received (no warm-up here).
     counts = last["tandem_latency_seconds_count"]
-    assert sum(counts.values()) == res.events_out
+    assert sum(counts.values()) == 2 * res.events_out
     for labels, n in counts.items():
         inf = dict(labels) | {"le": "+Inf"}
         assert last["tandem_latency_seconds_bucket"][tuple(sorted(inf.items()))] == n
-    # Gauges are served for running replicas only: all 13 before the kill, 7 in any scrape
+    # Gauges are served for running replicas only: all 14 before the kill, 8 in any scrape
     # taken while the killed worker's 6 were down (lost, not yet restored), none once the
     # stream ended. The rebuild may be quicker than the scrape period, so whether a scrape
     # fell in that window is timing; what such a scrape shows is not.
     gauged = [len(s.get("tandem_heartbeat_lag_seconds", {})) for s in scrapes]
-    assert max(gauged) == 13 and gauged[-1] == 0, gauged
+    assert max(gauged) == 14 and gauged[-1] == 0, gauged
     down = [
         (
             sum(s.get("tandem_lost_replicas_total", {}).values())
@@ -120,15 +120,15 @@ def test_a_run_serves_every_replicas_counters_and_closes_the_port():
         )
         for s, n in zip(scrapes, gauged, strict=True)
     ]
-    assert all(n in (13 - d, 0) for d, n in down if d > 0), down
-    assert (0, 13) in down and {d for d, _ in down} <= {0, 6}, down
+    assert all(n in (14 - d, 0) for d, n in down if d > 0), down
+    assert (0, 14) in down and {d for d, _ in down} <= {0, 6}, down
     # Mid-run (a second or more after t0), the watermarks trail real time by about a
     # heartbeat period (10 ms), not by the time since t0.
-    middle = next(s for s in scrapes if len(s.get("tandem_heartbeat_lag_seconds", {})) == 13)
+    middle = next(s for s in scrapes if len(s.get("tandem_heartbeat_lag_seconds", {})) == 14)
     lags = sorted(middle["tandem_heartbeat_lag_seconds"].values())
     assert lags[len(lags) // 2] < 1.0 and lags[-1] < 10.0, lags
-    assert len(middle["tandem_input_queue_seqs"]) == 9  # every replica with an inbox
-    assert len(middle["tandem_output_backlog_frames"]) == 13
+    assert len(middle["tandem_input_queue_seqs"]) == 10  # every replica with an inbox
+    assert len(middle["tandem_output_backlog_frames"]) == 14
     # The engine's record: the kill, and the rebuilt replica group.
     lost = last["tandem_lost_replicas_total"]
     assert lost[key("count", 0, 0, cause="killed")] == 1, lost

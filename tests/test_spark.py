@@ -36,7 +36,7 @@ TANDEM = str(Path(sys.executable).with_name("tandem"))  # the command of this en
 
 RATE = 1_000
 DURATION = 3.0
-REPLICAS = 17  # MiB1 of length 3: a source and 3 maps (2 partitions x 2 replicas each), 1 sink
+REPLICAS = 18  # MiB1 of length 3: a source and 3 maps (2 partitions x 2 replicas each), 2 sinks
 WORKERS = 6  # two per replica group (one per partition), and one per sink replica
 
 
@@ -285,7 +285,7 @@ def test_a_large_state_goes_to_the_retried_task_as_a_file_never_through_the_regi
 
 def test_too_small_cluster_fails_fast_with_the_fix(spark):
     job = mib1(replication=3)  # 3 groups of 2 workers, and 3 sink workers: 9 workers
-    with pytest.raises(td.ConfigError, match=r"7 workers.*8 slots.*offers 7.*local\[8,3\]"):
+    with pytest.raises(td.ConfigError, match=r"9 workers.*10 slots.*offers 8.*local\[10,3\]"):
         job.run(duration=DURATION, engine=tandem_spark.SparkEngine(spark))
 
 

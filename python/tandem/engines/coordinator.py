@@ -660,7 +660,11 @@ class Coordinator:
         limit = self.plan.failure_timeout_ms / 1000
         now = time.monotonic()
         for w in sorted(self.running):
-            if now - self.heard.get(w, now) <= limit or not self._suspectable(w):
+            if now - self.heard.get(w, now) <= limit or self.hosts_sinks(w):
+                # Sinks are not rebuilt, so a suspicion would cost a copy for good (a last
+                # copy or an unreplicated sink: the job). A sink copy is lost when its
+                # process is known dead; a silent one that never ends is a straggler
+                # (_late), and a rebuilt worker does not dial it (_rejoin_message).
                 continue
             log.warning(
                 "%s has been silent for %.0f ms (failure_timeout_ms=%g): declared lost",
@@ -669,25 +673,6 @@ class Coordinator:
                 self.plan.failure_timeout_ms,
             )
             self._kill_worker(w, now_s, "silent")
-
-    def _suspectable(self, w: int) -> bool:
-        """Whether worker ``w`` may be declared lost on a suspicion (silence, eviction)
-        rather than a confirmed death. Sinks are not rebuilt, so a worker of sinks may be
-        only while every sink partition it hosts has another copy live: a wrong suspicion
-        then costs a copy, never the job (an unreplicated sink, or a last copy, is lost
-        only when its process is known dead; one that never finishes is a straggler,
-        :meth:`_late`)."""
-        if not self.hosts_sinks(w):
-            return True
-        for t, p, r in self.placement[w]:
-            twins = [
-                (t, p, q)
-                for q in range(self.plan.tasks[t].replication)
-                if q != r and (t, p, q) not in self.down
-            ]
-            if not any(self.worker_of[twin] in self.running for twin in twins):
-                return False
-        return True
 
     def _late(self, now_s: float) -> None:
         """Declare lost the workers still running :data:`DRAIN_GRACE_S` after a replica of
@@ -719,7 +704,10 @@ class Coordinator:
         task partition has dropped it; while ``up``'s twins still feed it, it is not the
         slow one, and a slow sender never takes a healthy receiver down."""
         w = self.worker_of[down]
-        if w not in self.running or down in self.down or not self._suspectable(w):
+        if w not in self.running or down in self.down or self.hosts_sinks(w):
+            # A sink copy dropped by its upstream gets no more of that input; it never
+            # ends, and is discarded as a straggler (_late). Not declared lost for it: a
+            # copy lags in a replay's burst, and it is not rebuilt.
             return
         t, p, _ = up
         voters = self.evictions.setdefault((down, self.current[w]), set())
@@ -1204,9 +1192,15 @@ class Coordinator:
                 rj.feeding.asked.add((up, rid))
         rj.state = "linking"
         inc = rj.incarnation
-        # Not the replicas that are down: dialling a dead address only delays the start (a
-        # sink copy lost for good is never back; another rebuilt later links itself).
-        live = {rid: a for rid, a in self.addresses.items() if rid not in self.down}
+        # Not the replicas that are down or silent: dialling a dead or cut-off address only
+        # delays the start (a sink copy lost for good is never back; a replica rebuilt
+        # later links itself; a silent sink copy, never declared lost, may be cut off).
+        limit = time.monotonic() - self.plan.failure_timeout_ms / 1000
+        live = {
+            rid: a
+            for rid, a in self.addresses.items()
+            if rid not in self.down and self.heard.get(self.worker_of[rid], math.inf) >= limit
+        }
         self.host.send(w, inc, Go(live, self.t0_ns, self.duration, self.warmup))
         if self.metrics is not None:
             self.host.send(w, inc, MetricsEvery(self.metrics.every_s))
