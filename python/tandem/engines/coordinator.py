@@ -686,7 +686,11 @@ class Coordinator:
             return
         if self._sinks_done_at is None:
             self._sinks_done_at = time.monotonic()
-        if time.monotonic() - self._sinks_done_at < DRAIN_GRACE_S:
+        now = time.monotonic()
+        silent = now - self.plan.failure_timeout_ms / 1000
+        if now - self._sinks_done_at < DRAIN_GRACE_S and not all(
+            self.heard.get(w, now) < silent for w in self.running
+        ):  # no grace for workers silent already (a cut-off host's)
             return
         for w in sorted(self.running):
             log.warning(
