@@ -688,9 +688,11 @@ class Coordinator:
             self._sinks_done_at = time.monotonic()
         now = time.monotonic()
         silent = now - self.plan.failure_timeout_ms / 1000
-        if now - self._sinks_done_at < DRAIN_GRACE_S and not all(
-            self.heard.get(w, now) < silent for w in self.running
-        ):  # no grace for workers silent already (a cut-off host's)
+        # No grace for workers silent already (a cut-off host's), where workers send
+        # keepalives (a job that rebuilds; elsewhere they speak only when they finish).
+        if now - self._sinks_done_at < DRAIN_GRACE_S and not (
+            self.plan.rebuilds and all(self.heard.get(w, now) < silent for w in self.running)
+        ):
             return
         for w in sorted(self.running):
             log.warning(
@@ -1203,7 +1205,11 @@ class Coordinator:
         live = {
             rid: a
             for rid, a in self.addresses.items()
-            if rid not in self.down and self.heard.get(self.worker_of[rid], math.inf) >= limit
+            if rid not in self.down
+            and not (
+                self.hosts_sinks(self.worker_of[rid])
+                and self.heard.get(self.worker_of[rid], math.inf) < limit
+            )
         }
         self.host.send(w, inc, Go(live, self.t0_ns, self.duration, self.warmup))
         if self.metrics is not None:
