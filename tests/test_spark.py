@@ -243,17 +243,21 @@ def test_a_frozen_worker_task_is_declared_lost_fenced_and_rebuilt_by_its_retry(s
     names = {t.id: t.name for t in plan.tasks}
     frozen = {(names[t], p, r) for t, p, r in plan.placement()[record["worker"]]}
     assert ("count", 1, 0) in frozen and killed_replicas(res) == set()
-    assert lost_replicas(res) == frozen
+    # A sink copy may be left behind besides (a straggler once its twin's copy ended;
+    # discarded, never both; see the notes).
+    sinks = [r for r in res.lost_replicas if r["task"] == "sink"]
+    assert len(sinks) <= 1 and all(r["cause"] == "late" for r in sinks), sinks
+    assert {r for r in lost_replicas(res) if r[0] != "sink"} == frozen
     # Its keepalives stopped, and its upstream replicas dropped it as a straggler: either
     # declares it lost, whichever comes first.
-    causes = {r["cause"] for r in res.lost_replicas}
+    causes = {r["cause"] for r in res.lost_replicas if r["task"] != "sink"}
     assert len(causes) == 1 and causes <= {"silent", "evicted"}, res.lost_replicas
     restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
     assert restored == frozen
     for r in res.restored_replicas:  # declared lost about failure_timeout_ms after the pause
         assert 1.5 < r["lost_s"] < 4.0 and r["restored_s"] < REJOIN_RUN, r
     assert engine.last_run.workers()[record["worker"]].rejoined
-    assert (tasks, failed) == (WORKERS, 1)
+    assert tasks == WORKERS and 1 <= failed <= 1 + len(sinks), (tasks, failed)
 
 
 def test_a_large_state_goes_to_the_retried_task_as_a_file_never_through_the_registry(spark):
