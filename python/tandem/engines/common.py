@@ -186,7 +186,7 @@ def assemble_result(
     _digests(res, plan, reports)
     _leaders(res, plan, reports)
     if check:
-        _check(res, plan, duration, reports, kazoo)
+        _check(res, plan, duration, reports, chosen, kazoo)
     else:  # not measured: say so rather than report a reassuring zero
         res.lost = res.duplicates = None
     return res
@@ -295,6 +295,7 @@ def _check(
     plan: Plan,
     duration: float,
     reports: Mapping[ReplicaId, ReplicaReport],
+    chosen: Mapping[tuple[int, int], ReplicaId],
     zoo: KazooRun | None,
 ) -> None:
     """Lost and duplicated rows: every sink's output against the reference run, as
@@ -308,7 +309,6 @@ def _check(
         orders = kazoo.read_orders(zoo, channels)
     # In memory: the reference must not write over the sinks' files before they are read.
     ref = reference.run(plan, duration, t0_ns=res.t0_ns, orders=orders, in_memory=True)
-    chosen = published_copies(plan, reports)
     lost = dups = 0
     for task in plan.sinks():
         want: pa.Table = ref.outputs[task.name]

@@ -203,19 +203,24 @@ def serve(
 
     checkpoints: dict[int, str] = {}  # checkpoint epoch -> its folder
 
+    def write_cut(folder, rid, taken, what: str):
+        """Write ``rid``'s cut into ``folder``; the file's path, or None (nothing taken,
+        no folder, or the write failed: logged, naming ``what``)."""
+        if taken is None or folder is None:
+            return None
+        try:
+            os.makedirs(folder, exist_ok=True)
+            return taken.checkpointed(os.path.join(folder, "{}-{}-{}.state".format(*rid)))
+        except OSError as exc:
+            log.warning("%s of %s not written: %s", what, rid, exc)
+            return None
+
     def send_checkpoint(rid, epoch, taken) -> None:
         # Written off the worker thread, like a large cut: the replicas go on meanwhile.
         folder = checkpoints.get(epoch)
 
         def run() -> None:
-            written = None
-            if taken is not None and folder is not None:
-                try:
-                    os.makedirs(folder, exist_ok=True)
-                    path = os.path.join(folder, "{}-{}-{}.state".format(*rid))
-                    written = taken.checkpointed(path)
-                except OSError as exc:
-                    log.warning("checkpoint %d of %s not written: %s", epoch, rid, exc)
+            written = write_cut(folder, rid, taken, f"checkpoint {epoch}")
             send(Checkpointed(epoch, rid, written))
 
         threading.Thread(target=run, name="tandem-checkpoint", daemon=True).start()
@@ -230,14 +235,7 @@ def serve(
         folder = savepoints.get(epoch)
 
         def run() -> None:
-            written = None
-            if taken is not None and folder is not None:
-                try:
-                    os.makedirs(folder, exist_ok=True)
-                    path = os.path.join(folder, "{}-{}-{}.state".format(*rid))
-                    written = taken.checkpointed(path)
-                except OSError as exc:
-                    log.warning("the savepoint's cut of %s not written: %s", rid, exc)
+            written = write_cut(folder, rid, taken, "the savepoint's cut")
             send(Savepointed(epoch, rid, written))
 
         thread = threading.Thread(target=run, name="tandem-savepoint", daemon=True)
