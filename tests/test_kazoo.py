@@ -355,7 +355,7 @@ def test_an_unreachable_service_fails_fast_naming_it(zookeeper, kafka, down):
     ev = job.source(td.sources.Synthetic(rate=RATE, keys=4, seed=1), parallelism=2)
     ev.key_by("key").map(relay, parallelism=2).sink(td.sinks.Collect())
     began = time.monotonic()
-    with pytest.raises(td.ServiceUnavailable, match=rf"127\.0\.0\.1:{port}.*services\.sh"):
+    with pytest.raises(td.ServiceUnavailable, match=rf"127\.0\.0\.1:{port}.*tandem services start"):
         job.run(duration=1.0, progress=False)
     assert time.monotonic() - began < 30
 

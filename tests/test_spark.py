@@ -209,7 +209,11 @@ def test_kazoo_a_lost_leader_rejoins_and_leads_once_its_twin_is_lost(spark, zook
     twin's place in it); then the twin, leading by now, is killed: the rebuilt replica
     takes the partition over, and nothing is lost or repeated."""
     config = td.KazooConfig(zk_hosts=kafka.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap)
-    job = counting_job(ordering="kazoo", kazoo=config)
+    # A replay window as long as the run: on a busy 2-core machine (Spark, ZooKeeper and
+    # Kafka beside 10 replicas) the retried task may take over 3 s from its twin's cut to
+    # its links, and the default window (3 s) would then no longer reach back to the cut
+    # (the rebuild is retried from a later cut, which this short run may not see).
+    job = counting_job(ordering="kazoo", kazoo=config, replay_ms=REJOIN_RUN * 1000)
     faults = [
         td.Kill("count", partition=0, replica="leader", at=FIRST_KILL),
         td.Kill("count", partition=0, replica="leader", at=SECOND_KILL),
@@ -243,11 +247,8 @@ def test_a_frozen_worker_task_is_declared_lost_fenced_and_rebuilt_by_its_retry(s
     names = {t.id: t.name for t in plan.tasks}
     frozen = {(names[t], p, r) for t, p, r in plan.placement()[record["worker"]]}
     assert ("count", 1, 0) in frozen and killed_replicas(res) == set()
-    # A sink copy may be left behind besides (a straggler once its twin's copy ended;
-    # discarded, never both; see the issue's notes).
-    sinks = [r for r in res.lost_replicas if r["task"] == "sink"]
-    assert len(sinks) <= 1 and all(r["cause"] == "late" for r in sinks), sinks
-    assert {r for r in lost_replicas(res) if r[0] != "sink"} == frozen
+    # Both sink copies end (neither is taken for a straggler while its Done is on the way).
+    assert lost_replicas(res) == frozen
     # Its keepalives stopped, and its upstream replicas dropped it as a straggler: either
     # declares it lost, whichever comes first.
     causes = {r["cause"] for r in res.lost_replicas if r["task"] != "sink"}
@@ -257,7 +258,7 @@ def test_a_frozen_worker_task_is_declared_lost_fenced_and_rebuilt_by_its_retry(s
     for r in res.restored_replicas:  # declared lost about failure_timeout_ms after the pause
         assert 1.5 < r["lost_s"] < 4.0 and r["restored_s"] < REJOIN_RUN, r
     assert engine.last_run.workers()[record["worker"]].rejoined
-    assert tasks == WORKERS and 1 <= failed <= 1 + len(sinks), (tasks, failed)
+    assert (tasks, failed) == (WORKERS, 1)
 
 
 def test_a_large_state_goes_to_the_retried_task_as_a_file_never_through_the_registry(spark):

@@ -687,11 +687,16 @@ class Coordinator:
         if self._sinks_done_at is None:
             self._sinks_done_at = time.monotonic()
         now = time.monotonic()
-        silent = now - self.plan.failure_timeout_ms / 1000
-        # No grace for workers silent already (a cut-off host's), where workers send
-        # keepalives (a job that rebuilds; elsewhere they speak only when they finish).
-        if now - self._sinks_done_at < DRAIN_GRACE_S and not (
-            self.plan.rebuilds and all(self.heard.get(w, now) < silent for w in self.running)
+        limit = self.plan.failure_timeout_ms / 1000
+        waited = now - self._sinks_done_at
+        # A shorter grace where workers send keepalives (a job that rebuilds; elsewhere
+        # they speak only when they finish) and every straggler is silent (a cut-off
+        # host's): one failure timeout. Not none: a sink copy that finished beside its
+        # twin is silent while its Done is on the way (its keepalives queue behind it).
+        if waited < DRAIN_GRACE_S and not (
+            self.plan.rebuilds
+            and waited >= limit
+            and all(self.heard.get(w, now) < now - limit for w in self.running)
         ):
             return
         for w in sorted(self.running):
