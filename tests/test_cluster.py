@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -416,6 +417,40 @@ def test_a_replica_host_cut_off_is_declared_lost_and_the_job_ends(cluster, tmp_p
     # Its rows came from the twins: the longest gap is about failure_timeout_ms at most.
     assert result["max_gap_ms"] < 2000 + 1000, result["max_gap_ms"]
     assert ended_after < duration + 10, f"the job ended {ended_after:.1f} s after the cut"
+    after = result["returned_at"] - result["t0"] - duration
+    assert after < 10, f"job.run returned {after:.1f} s after the stream's end"
+
+
+def test_a_host_cut_off_for_10_s_and_healed_mid_run_changes_nothing_it_was_fenced_from(
+    cluster, tmp_path
+):
+    """The cut-off host's link comes back 10 s later, while the job still runs: by then
+    its replicas were declared lost, fenced and rebuilt on another host. Healed, its
+    stale worker tasks find their peers again — their connections were never reset, and
+    what they had queued arrives late — yet nothing they send counts twice (their rows
+    are their twins' rows, deduplicated by position), nothing waits for them, and the job
+    ends on time with every row once."""
+    duration = 22.0  # cut at ~3 s, healed at ~13 s: the job runs on for ~9 s after
+    healer: list[threading.Timer] = []
+
+    def cut_then_heal(host: str) -> None:
+        cluster.partition(host)
+        timer = threading.Timer(10.0, cluster.heal, [host])
+        timer.start()
+        healer.append(timer)
+
+    try:
+        result, ended_after, restored, gone, on_victim = _fault_a_replica_host(
+            cluster, tmp_path, "healed", cut_then_heal, duration
+        )
+    finally:
+        for timer in healer:
+            timer.join()
+    assert gone == on_victim, result["lost_replicas"]
+    assert restored == {r for r in on_victim if not r.startswith("sink")}, restored
+    causes = {r["cause"] for r in result["lost_replicas"] if r["task"] != "sink"}
+    assert causes <= {"silent", "evicted"}, result["lost_replicas"]
+    assert result["max_gap_ms"] < 2000 + 1000, result["max_gap_ms"]
     after = result["returned_at"] - result["t0"] - duration
     assert after < 10, f"job.run returned {after:.1f} s after the stream's end"
 

@@ -539,6 +539,7 @@ class Job:
         faults: Iterable[Fault] = (),
         engine: str | Any = "local",
         from_savepoint: str | os.PathLike | None = None,
+        savepoint_on_stop: str | os.PathLike | None = None,
         **options: Any,
     ) -> Result:
         """Run the job on an engine (``"local"``, the default, or an engine object with
@@ -576,8 +577,25 @@ class Job:
         :class:`ConfigError` naming the task and what differs, as is a savepoint that is
         partial, corrupt or of another job, before anything starts). Source time goes on
         from the cut: ``duration`` and fault times count from the stream's start, and the
-        output is not checked against the reference (``check`` is off)."""
-        result = self._run(duration, faults, engine, options, from_savepoint)
+        output is not checked against the reference (``check`` is off).
+
+        ``savepoint_on_stop``: with no ``duration``, the first Ctrl-C or SIGTERM stops the
+        job at a savepoint written to that path (as ``RunningJob.stop(savepoint=...)``):
+        ``from_savepoint=`` the same path continues it, with new code if need be. A path
+        that holds anything is refused before the job starts (ConfigError); a savepoint
+        that could not be cut raises TandemError once the job has stopped. A job whose
+        bounded sources end it by themselves writes none."""
+        if savepoint_on_stop is not None:
+            from tandem import savepoints
+
+            if duration is not None:
+                raise ConfigError(
+                    f"job {self.name!r}: savepoint_on_stop= is for a run until stopped "
+                    f"(no duration); this one ends by itself after {duration} s — take a "
+                    "savepoint while it runs with job.start() and handle.savepoint(path)"
+                )
+            savepoints.check_target(savepoint_on_stop)
+        result = self._run(duration, faults, engine, options, from_savepoint, savepoint_on_stop)
         for observe in list(RUN_OBSERVERS):
             observe(self, result)
         return result
@@ -589,6 +607,7 @@ class Job:
         engine: str | Any,
         options: dict,
         from_savepoint: str | os.PathLike | None = None,
+        savepoint_on_stop: str | os.PathLike | None = None,
     ) -> Result:
         if duration is not None:
             plan, runner, faults, duration = self._prepare(
@@ -613,17 +632,26 @@ class Job:
         stop = Stop()
         signals = (signal.SIGINT, signal.SIGTERM)
         previous = {s: signal.getsignal(s) for s in signals}
+        saved: list = []  # the stop's savepoint, asked for on the first signal
 
         def on_signal(signo: int, _frame) -> None:
             name = signal.Signals(signo).name
             if not stop.requested:
+                at = (
+                    ""
+                    if savepoint_on_stop is None
+                    else f" at a savepoint in {os.fspath(savepoint_on_stop)}"
+                )
                 print(
-                    f"\ntandem: {name}: stopping job {self.name!r}, draining what is in flight "
-                    "to the sinks (Ctrl-C again kills its workers at once)",
+                    f"\ntandem: {name}: stopping job {self.name!r}{at}, draining what is in "
+                    "flight to the sinks (Ctrl-C again kills its workers at once)",
                     file=sys.stderr,
                     flush=True,
                 )
-                stop.request()
+                if savepoint_on_stop is None:
+                    stop.request()
+                else:
+                    saved.append(stop.savepoint(os.fspath(savepoint_on_stop), stop=True))
                 return
             stop.kill()
             print(
@@ -636,10 +664,13 @@ class Job:
         for s in signals:
             signal.signal(s, on_signal)
         try:
-            return runner.run(plan, duration=None, faults=faults, stop=stop, **options)
+            result = runner.run(plan, duration=None, faults=faults, stop=stop, **options)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        if saved:
+            result.savepoint = saved[0].result()  # raises if it could not be cut
+        return result
 
     def start(
         self,

@@ -298,6 +298,7 @@ def _report_script_runs(runs: list, args: argparse.Namespace) -> int:
             ("--duration", args.duration),
             ("--kill", args.kill),
             ("--from-savepoint", getattr(args, "from_savepoint", None)),
+            ("--savepoint-on-stop", getattr(args, "savepoint_on_stop", None)),
         )
         if value is not None
     ]
@@ -339,6 +340,14 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
     if from_savepoint is not None:
         run_options["from_savepoint"] = from_savepoint
         run_options.pop("check", None)  # off: the output follows the cut
+    savepoint_on_stop = getattr(args, "savepoint_on_stop", None)
+    if savepoint_on_stop is not None:
+        if args.duration is not None:
+            raise tandem.ConfigError(
+                f"--savepoint-on-stop is for a run until stopped; --duration {args.duration} "
+                "ends it by itself (leave --duration out, and stop it with Ctrl-C or SIGTERM)"
+            )
+        run_options["savepoint_on_stop"] = savepoint_on_stop
     if args.metrics_port is not None:
         if args.engine != "local":
             raise tandem.ConfigError(
@@ -362,6 +371,13 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
         **run_options,
     )
     print_summary(result)
+    if result.savepoint is not None:
+        print(
+            f"\nstopped at a savepoint: {result.savepoint.path} (source time "
+            f"{result.savepoint.source_time_s:.2f} s); continue it with\n"
+            f"  tandem run {getattr(args, 'path', 'JOB.py')} --from-savepoint "
+            f"{result.savepoint.path}"
+        )
     if args.json:
         _write_result(args.json, result)
     if plot_path and result.per_second_p99_ms:
@@ -583,6 +599,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume the job from the savepoint at PATH (a directory or a URI) written by "
         "RunningJob.savepoint() or stop(savepoint=...): every task starts from its state "
         "there and the sources continue after the cut (the output is not checked)",
+    )
+    run.add_argument(
+        "--savepoint-on-stop",
+        metavar="PATH",
+        help="with no --duration: Ctrl-C or SIGTERM stops the job at a savepoint written to "
+        "PATH (an empty or new directory, or a URI); --from-savepoint PATH continues it, "
+        "with new code if need be",
     )
     run.set_defaults(func=_run_file)
 

@@ -85,6 +85,9 @@ class Result:
     the replicas (not the result assembly nor the reference check); ``wall_s``, seconds
     from the engine's ``run()`` call until every process had exited; ``first_output_s``,
     seconds from the engine's ``run()`` call to the first row received by a sink.
+
+    ``savepoint`` (not in JSON): the :class:`tandem.savepoints.Savepoint` the run stopped
+    at (``Job.run(savepoint_on_stop=...)`` stopped by a signal), else None.
     """
 
     duration_s: float | None = None
@@ -116,6 +119,7 @@ class Result:
     coordinator_cpu_s: float | None = None
     wall_s: float | None = None
     first_output_s: float | None = None
+    savepoint: Any = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in JSON_FIELDS}

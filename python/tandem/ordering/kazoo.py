@@ -312,6 +312,25 @@ class Releaser:
         self._zk = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-kazoo-release")
         self.released: list[tuple[int, int, int]] = []
+        # Connected now, off the coordinator's thread: a first release then pays no
+        # session set-up (tens of ms, the larger part of a handover otherwise).
+        self._pool.submit(self._connect)
+
+    def _connect(self):
+        from kazoo.client import KazooClient
+
+        if self._zk is None:
+            cfg = self.run.config
+            # Its own logger, quiet below errors: this client only deletes nodes, and its
+            # connection's hiccups on a busy machine (a late ping) heal by themselves.
+            quiet = logging.getLogger("tandem.kazoo.releaser")
+            quiet.setLevel(logging.ERROR)
+            zk = KazooClient(
+                hosts=cfg.zk_hosts, timeout=max(cfg.session_timeout_s, 2.0), logger=quiet
+            )
+            zk.start(timeout=10)
+            self._zk = zk
+        return self._zk
 
     def release(self, replicas, pid: int):
         """Release the election nodes of ``replicas`` held by the dead process ``pid``
@@ -320,22 +339,11 @@ class Releaser:
         return self._pool.submit(self._release, ordered, pid)
 
     def _release(self, replicas, pid: int) -> list[tuple[int, int, int]]:
-        from kazoo.client import KazooClient
         from kazoo.exceptions import NoNodeError
 
         if not replicas:
             return []
-        if self._zk is None:
-            cfg = self.run.config
-            # Its own logger, quiet below errors: this client only deletes nodes, and its
-            # connection's hiccups on a busy machine (a late ping) heal by themselves.
-            quiet = logging.getLogger("tandem.kazoo.releaser")
-            quiet.setLevel(logging.ERROR)
-            self._zk = KazooClient(
-                hosts=cfg.zk_hosts, timeout=max(cfg.session_timeout_s, 2.0), logger=quiet
-            )
-            self._zk.start(timeout=10)
-        zk, done = self._zk, []
+        zk, done = self._connect(), []
         for t, p, r in replicas:
             path = self.run.zk_path(t, p)
             try:
