@@ -3,9 +3,9 @@
     scripts/cluster.sh exec head .venv/bin/python tests/cluster_job.py \\
         --input rows.parquet --out out/run1 --tag run1 --rate 1000 --duration 6 --restore
 
-A keyed count at r = 2 over a Parquet file of ``(id, key)`` rows — the file's rows released
-at ``--rate`` rows per second, 2 partitions, ``key_by("key")``, a running count per key in
-2 partitions, a ``Collect`` sink — on ``tandem_spark.SparkEngine`` at the standalone master
+A keyed count at r = 2 (``--replication``) over a Parquet file of ``(id, key)`` rows — the
+file's rows released at ``--rate`` rows per second, 2 partitions, ``key_by("key")``, a
+running count per key in 2 partitions, a ``Collect`` sink — on ``tandem_spark.SparkEngine`` at the standalone master
 ``$TANDEM_CLUSTER_MASTER`` (``scripts/cluster.sh exec`` sets it, and
 ``TANDEM_CLUSTER_ADDRESS``, the head's address the driver binds). One worker per replica
 group, one for the sinks: three worker tasks.
@@ -69,8 +69,8 @@ class PlacedCollect(td.sinks.Collect):
         announce(self.tag, f"sink[{partition}]/{self.replica}")
 
 
-def build(path: str, rate: int, tag: str, restore: bool) -> td.Job:
-    job = td.Job(f"cluster-{tag}", replication=2, restore=restore, workers=1)
+def build(path: str, rate: int, tag: str, restore: bool, replication: int = 2) -> td.Job:
+    job = td.Job(f"cluster-{tag}", replication=replication, restore=restore, workers=1)
     rows = job.source(td.sources.Parquet(path, rate=rate), parallelism=2)
     counted = rows.key_by("key").process(PlacedCount(tag), parallelism=2, name="count")
     counted.sink(PlacedCollect(tag))
@@ -85,6 +85,7 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=1000)
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--restore", action="store_true")
+    ap.add_argument("--replication", type=int, default=2)
     ap.add_argument(
         "--fault",
         choices=("kill", "pause"),
@@ -111,7 +112,9 @@ def main() -> int:
 
     # The executors open the file by this path, from their own working directories: it
     # must be absolute (and, on a real cluster, on storage every node mounts there).
-    job = build(str(Path(args.input).resolve()), args.rate, args.tag, args.restore)
+    job = build(
+        str(Path(args.input).resolve()), args.rate, args.tag, args.restore, args.replication
+    )
     started = time.monotonic()
     spark = tandem_spark.local_session(
         job,
@@ -157,6 +160,8 @@ def main() -> int:
             "determinism_errors": res.determinism_errors,
             "p50_ms": res.p50_ms,
             "p99_ms": res.p99_ms,
+            "max_ms": res.max_ms,
+            "per_second_p99_ms": res.per_second_p99_ms,
             "max_gap_ms": res.max_gap_ms,
             "lost_replicas": res.lost_replicas,
             "restored_replicas": res.restored_replicas,

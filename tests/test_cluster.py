@@ -440,7 +440,7 @@ def test_a_host_cut_off_for_10_s_and_healed_mid_run_changes_nothing_it_was_fence
         healer.append(timer)
 
     try:
-        result, ended_after, restored, gone, on_victim = _fault_a_replica_host(
+        result, _, restored, gone, on_victim = _fault_a_replica_host(
             cluster, tmp_path, "healed", cut_then_heal, duration
         )
     finally:

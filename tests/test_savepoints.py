@@ -330,8 +330,15 @@ def test_tandem_run_stops_at_a_savepoint_on_sigterm_and_resumes_from_it(tmp_path
     # Resumed: source time goes on from the cut to --duration.
     duration = saved.source_time_s + 1.0
     done = subprocess.run(
-        [*cli, "--from-savepoint", str(path), "--duration", f"{duration}", "--json",
-         str(second_json)],
+        [
+            *cli,
+            "--from-savepoint",
+            str(path),
+            "--duration",
+            f"{duration}",
+            "--json",
+            str(second_json),
+        ],
         env=env,
         capture_output=True,
         text=True,

@@ -20,7 +20,9 @@ task managers):
   ``/tandem/<job>/<run>/<task>/<partition>``. The sequence number of the winning lock node
   is the leader's **epoch** (fencing token): ZooKeeper hands out increasing sequence
   numbers, and the lowest live node leads, so each new leader's epoch is above every
-  earlier leader's. A new leader first reads the order log to its end, then leads: for
+  earlier leader's. A new leader first reads the order log to its end, then publishes a
+  fence (an order of its epoch with no entries: every older epoch is stale after it, for
+  every replica) and, once its own replica has followed the fence, leads: for
   every channel on which its own deduplicated queues hold more than the log has ordered,
   an entry "channel ``c`` up to seq ``s``", at most ``batch`` entries per order, stamped
   with its epoch and a version counting its orders. Each leadership keeps one order in
@@ -44,8 +46,10 @@ deposed leader's late orders out. Liveness rests on ZooKeeper: a leader stops pu
 the moment its session is in doubt (kazoo's ``SUSPENDED``, which comes before the server
 can expire the session and let anyone else lead), and resumes only if the same session
 comes back. SIGTERM closes the worker's session at once (:meth:`KazooSession.stop`), so a
-graceful stop hands every leadership over in milliseconds; a crash hands over after one
-session timeout.
+graceful stop hands every leadership over in milliseconds; so does a crash the engine
+knows of (a reaped process, a failed Spark task: :class:`Releaser` deletes the dead
+worker's election nodes); a frozen or cut-off leader hands over after one session
+timeout.
 """
 
 from __future__ import annotations

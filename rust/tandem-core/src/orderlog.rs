@@ -21,7 +21,12 @@
 //! The log also remembers, per channel, the furthest position any followed order reached
 //! ([`OrderLog::ordered`]): a new leader reads the log to its end and continues from there.
 //!
-//! A [`Leader`] decides what the leader of one epoch publishes: per channel, what has
+//! A [`Leader`] decides what the leader of one epoch publishes. Its first order is a
+//! **fence**: no entries, just its epoch. Followed, it makes every older epoch stale for
+//! every replica from that point of the log on (a dead leader's order still in flight when
+//! it died is ignored if it lands after the fence, followed by all if before), and it tells
+//! the new leader that its own replica has read everything before it: only then does it
+//! order, from what the log covers by then. After that, per channel, what has
 //! arrived beyond what it published and what the log covers, channels taken round-robin.
 //! It keeps one order in flight, and an order counts as delivered once the leader's own
 //! replica has *followed* it from the log — the point where every replica can act on it —
@@ -404,6 +409,12 @@ impl Leader {
                 return None;
             }
         }
+        if log.epoch.map_or(true, |e| e < self.epoch) {
+            // Not fenced yet (or the fence was lost): the fence first, alone.
+            self.version += 1;
+            let fence = wire::encode_order(self.partition, self.epoch, self.version, &[]);
+            return Some(self.hand_out(fence, now));
+        }
         self.decide(arrived, ordered);
         let order = self.queued.pop_front()?;
         Some(self.hand_out(order, now))
@@ -594,17 +605,66 @@ mod tests {
         }
     }
 
+    /// The leader's fence (its first order: no entries), followed by `log`.
+    fn fence(leader: &mut Leader, log: &mut OrderLog, now: Instant) {
+        let fence = leader
+            .next(&[], log.ordered(), log.stats(), now)
+            .expect("a new leader fences first");
+        let (epoch, _, entries) = decoded(&fence);
+        assert_eq!((epoch, entries), (leader.epoch(), vec![]));
+        assert_eq!(log.offer_frame(&fence).unwrap(), Verdict::Followed);
+    }
+
+    #[test]
+    fn a_new_leader_orders_nothing_until_its_fence_is_followed() {
+        let t0 = Instant::now();
+        let mut log = OrderLog::new(2);
+        log.offer(1, 4, &[e(0, 3)]).unwrap();
+        let mut leader = Leader::new(2, 0, 100, log.ordered(), Duration::from_secs(5));
+        let f = leader.next(&[5, 5], log.ordered(), log.stats(), t0).unwrap();
+        assert_eq!(decoded(&f), (2, 1, vec![]));
+        // Nothing more while the fence is on its way, however much arrives.
+        assert_eq!(leader.next(&[9, 9], log.ordered(), log.stats(), t0), None);
+        // The dead leader's last order lands before the fence: every replica follows it,
+        // and so does the new leader's next order, which starts where it left off.
+        log.offer(1, 5, &[e(0, 8), e(1, 2)]).unwrap();
+        assert_eq!(log.offer_frame(&f).unwrap(), Verdict::Followed);
+        // One more of the old epoch, after the fence: stale for every replica.
+        assert_eq!(
+            log.offer(1, 6, &[e(1, 9)]).unwrap(),
+            Verdict::Stale {
+                epoch: 1,
+                current: 2
+            }
+        );
+        let first = leader.next(&[9, 9], log.ordered(), log.stats(), t0).unwrap();
+        assert_eq!(decoded(&first), (2, 2, vec![e(0, 9), e(1, 9)]));
+        assert_eq!(log.ordered(), &[8, 2]);
+        // A fence never followed is published again, under a new version.
+        let mut lost = Leader::new(3, 0, 100, log.ordered(), Duration::from_millis(10));
+        let f1 = lost.next(&[], log.ordered(), log.stats(), t0).unwrap();
+        let later = t0 + Duration::from_millis(10);
+        let f2 = lost.next(&[9, 9], log.ordered(), log.stats(), later).unwrap();
+        assert_eq!((decoded(&f1), decoded(&f2)), ((3, 1, vec![]), (3, 2, vec![])));
+        // A leader resumed in an epoch the log already follows does not fence again.
+        let mut resumed = Leader::new(2, 0, 100, log.ordered(), Duration::from_secs(5));
+        log.offer_frame(&first).unwrap();
+        let again = resumed.next(&[10, 9], log.ordered(), log.stats(), t0).unwrap();
+        assert_eq!(decoded(&again).2, vec![e(0, 10)]);
+    }
+
     #[test]
     fn a_leader_keeps_one_order_in_flight_until_its_replica_follows_it() {
         let t0 = Instant::now();
         let resend = Duration::from_secs(5);
         let mut log = OrderLog::new(2);
         let mut leader = Leader::new(7, 3, 100, log.ordered(), resend);
+        fence(&mut leader, &mut log, t0);
         assert_eq!(leader.next(&[0, 0], log.ordered(), log.stats(), t0), None);
         let first = leader
             .next(&[4, 2], log.ordered(), log.stats(), t0)
             .unwrap();
-        assert_eq!(decoded(&first), (7, 1, vec![e(0, 4), e(1, 2)]));
+        assert_eq!(decoded(&first), (7, 2, vec![e(0, 4), e(1, 2)]));
         // More arrives while the first is in flight: it waits for the next order.
         assert_eq!(leader.next(&[9, 5], log.ordered(), log.stats(), t0), None);
         log.offer_frame(&first).unwrap();
@@ -612,10 +672,10 @@ mod tests {
             .next(&[9, 5], log.ordered(), log.stats(), t0)
             .unwrap();
         // The cursor moved on: channel 1 comes first this time.
-        assert_eq!(decoded(&second), (7, 2, vec![e(1, 5), e(0, 9)]));
+        assert_eq!(decoded(&second), (7, 3, vec![e(1, 5), e(0, 9)]));
         log.offer_frame(&second).unwrap();
         assert_eq!(leader.next(&[9, 5], log.ordered(), log.stats(), t0), None);
-        assert_eq!(leader.counts(), (2, 0));
+        assert_eq!(leader.counts(), (3, 0));
     }
 
     #[test]
@@ -624,11 +684,12 @@ mod tests {
         log.offer(1, 5, &[e(0, 10), e(1, 3)]).unwrap();
         let now = Instant::now();
         let mut leader = Leader::new(2, 0, 100, log.ordered(), Duration::from_secs(5));
+        fence(&mut leader, &mut log, now);
         assert_eq!(leader.next(&[10, 3], log.ordered(), log.stats(), now), None);
         let order = leader
             .next(&[10, 6], log.ordered(), log.stats(), now)
             .unwrap();
-        assert_eq!(decoded(&order), (2, 1, vec![e(1, 6)]));
+        assert_eq!(decoded(&order), (2, 2, vec![e(1, 6)]));
     }
 
     #[test]
@@ -636,14 +697,15 @@ mod tests {
         let now = Instant::now();
         let mut log = OrderLog::new(3);
         let mut leader = Leader::new(1, 0, 2, log.ordered(), Duration::from_secs(5));
+        fence(&mut leader, &mut log, now);
         let a = leader
             .next(&[1, 2, 3], log.ordered(), log.stats(), now)
             .unwrap();
         let b = leader
             .next(&[1, 2, 3], log.ordered(), log.stats(), now)
             .unwrap();
-        assert_eq!(decoded(&a), (1, 1, vec![e(0, 1), e(1, 2)]));
-        assert_eq!(decoded(&b), (1, 2, vec![e(2, 3)]));
+        assert_eq!(decoded(&a), (1, 2, vec![e(0, 1), e(1, 2)]));
+        assert_eq!(decoded(&b), (1, 3, vec![e(2, 3)]));
         log.offer_frame(&a).unwrap();
         assert_eq!(
             leader.next(&[5, 5, 5], log.ordered(), log.stats(), now),
@@ -661,6 +723,7 @@ mod tests {
         let resend = Duration::from_millis(100);
         let mut log = OrderLog::new(1);
         let mut leader = Leader::new(1, 0, 10, log.ordered(), resend);
+        fence(&mut leader, &mut log, t0);
         let lost = leader.next(&[4], log.ordered(), log.stats(), t0).unwrap();
         assert_eq!(decoded(&lost).2, vec![e(0, 4)]);
         let later = t0 + Duration::from_millis(99);
@@ -670,14 +733,14 @@ mod tests {
             .next(&[6], log.ordered(), log.stats(), overdue)
             .unwrap();
         // Everything the log does not cover, under a new version.
-        assert_eq!(decoded(&again), (1, 2, vec![e(0, 6)]));
-        assert_eq!(leader.counts(), (2, 1));
+        assert_eq!(decoded(&again), (1, 3, vec![e(0, 6)]));
+        assert_eq!(leader.counts(), (3, 1));
         // A delivery failure reported by the client does the same at once.
         leader.lost();
         let third = leader
             .next(&[6], log.ordered(), log.stats(), overdue)
             .unwrap();
-        assert_eq!(decoded(&third), (1, 3, vec![e(0, 6)]));
+        assert_eq!(decoded(&third), (1, 4, vec![e(0, 6)]));
         // Followed late, the replays are harmless: positions only grow.
         for o in [&lost, &again, &third] {
             log.offer_frame(o).unwrap();
