@@ -5,8 +5,8 @@
 
 A keyed count at r = 2 (``--replication``) over a Parquet file of ``(id, key)`` rows — the
 file's rows released at ``--rate`` rows per second, 2 partitions, ``key_by("key")``, a
-running count per key in 2 partitions, a ``Collect`` sink — on ``tandem_spark.SparkEngine`` at the standalone master
-``$TANDEM_CLUSTER_MASTER`` (``scripts/cluster.sh exec`` sets it, and
+running count per key in 2 partitions, a ``Collect`` sink — on ``tandem_spark.SparkEngine``
+at the standalone master ``$TANDEM_CLUSTER_MASTER`` (``scripts/cluster.sh exec`` sets it, and
 ``TANDEM_CLUSTER_ADDRESS``, the head's address the driver binds). One worker per replica
 group, one for the sinks: three worker tasks.
 

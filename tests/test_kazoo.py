@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -530,3 +531,26 @@ def test_the_releaser_deletes_only_the_dead_processes_election_node(zookeeper, k
             assert handover < 1.0, f"handover took {handover:.3f} s (session timeout 5 s)"
         finally:
             releaser.close()
+
+
+def test_kazoos_own_connection_warnings_are_logged_at_info(caplog):
+    """A connection kazoo drops and re-establishes by itself is no warning to a user (a
+    successful run prints nothing); tandem's ZooKeeper clients log under
+    ``tandem.kazoo.client``, kazoo's warnings demoted to info, its errors kept."""
+    from tandem import endpoints
+
+    logger = endpoints.client_logger()
+    with caplog.at_level(logging.DEBUG, logger="tandem.kazoo.client"):
+        logger.warning("Connection dropped: %s", "outstanding heartbeat ping not received")
+        logger.log(logging.WARNING, "Transition to CONNECTING")
+        logger.error("Session expired")
+    got = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert got == [
+        (
+            "tandem.kazoo.client",
+            logging.INFO,
+            "Connection dropped: outstanding heartbeat ping not received",
+        ),
+        ("tandem.kazoo.client", logging.INFO, "Transition to CONNECTING"),
+        ("tandem.kazoo.client", logging.ERROR, "Session expired"),
+    ]

@@ -72,7 +72,7 @@ def probe_zookeeper(hosts: str, timeout: float = 5.0) -> None:
             "kazoo is not installed, and the KaZoo ordering needs it: "
             "pip install 'tandem-stream[kazoo]'"
         ) from exc
-    client = KazooClient(hosts=hosts, timeout=max(timeout, 0.5))
+    client = KazooClient(hosts=hosts, timeout=max(timeout, 0.5), logger=client_logger())
     started = time.monotonic()
     try:
         client.start(timeout=timeout)
@@ -122,10 +122,29 @@ def probe_kafka(bootstrap: str, timeout: float = 5.0) -> None:
         )
 
 
+class _Demoted(logging.LoggerAdapter):
+    """kazoo's own records under ``tandem.kazoo.client``, its warnings at info: a
+    connection it drops and re-establishes by itself (a ping answered late on a busy
+    machine) is no news to a user — what matters, a session in doubt or lost, tandem
+    reports itself (``Result.kazoo_sessions``, and the leaders' hand-overs)."""
+
+    def warning(self, msg, *args, **kwargs) -> None:
+        self.logger.info(msg, *args, **kwargs)
+
+    def log(self, level, msg, *args, **kwargs) -> None:
+        self.logger.log(logging.INFO if level == logging.WARNING else level, msg, *args, **kwargs)
+
+
+def client_logger() -> logging.LoggerAdapter:
+    """The logger tandem's ZooKeeper clients log through (see :class:`_Demoted`)."""
+    return _Demoted(logging.getLogger("tandem.kazoo.client"), {})
+
+
 __all__ = [
     "DEFAULT_KAFKA_PORT",
     "DEFAULT_ZK_PORT",
     "HOST",
+    "client_logger",
     "default_kafka_bootstrap",
     "default_zk_hosts",
     "port_from_env",

@@ -226,7 +226,11 @@ def cleanup(run: KazooRun) -> None:
                 fut.result(timeout=10)
             except Exception as exc:
                 log.debug("could not delete the order log: %s", exc)
-    zk = KazooClient(hosts=run.config.zk_hosts, timeout=run.config.session_timeout_s)
+    zk = KazooClient(
+        hosts=run.config.zk_hosts,
+        timeout=run.config.session_timeout_s,
+        logger=endpoints.client_logger(),
+    )
     try:
         zk.start(timeout=5)
         zk.delete(f"/tandem/{_name(run.job)}/{run.run}", recursive=True)
@@ -281,7 +285,11 @@ def current_leader(run: KazooRun, task: int, partition: int, timeout: float = 5.
     from kazoo.client import KazooClient
     from kazoo.handlers.threading import KazooTimeoutError
 
-    zk = KazooClient(hosts=run.config.zk_hosts, timeout=max(run.config.session_timeout_s, 2.0))
+    zk = KazooClient(
+        hosts=run.config.zk_hosts,
+        timeout=max(run.config.session_timeout_s, 2.0),
+        logger=endpoints.client_logger(),
+    )
     try:
         zk.start(timeout=timeout)
     except KazooTimeoutError as exc:
@@ -483,7 +491,9 @@ class KazooSession:
         from kazoo.handlers.threading import KazooTimeoutError
 
         cfg = self.run.config
-        self.zk = KazooClient(hosts=cfg.zk_hosts, timeout=cfg.session_timeout_s)
+        self.zk = KazooClient(
+            hosts=cfg.zk_hosts, timeout=cfg.session_timeout_s, logger=endpoints.client_logger()
+        )
         try:
             self.zk.start(timeout=10)
         except KazooTimeoutError as exc:
