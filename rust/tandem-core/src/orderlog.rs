@@ -409,7 +409,7 @@ impl Leader {
                 return None;
             }
         }
-        if log.epoch.map_or(true, |e| e < self.epoch) {
+        if log.epoch.is_none_or(|e| e < self.epoch) {
             // Not fenced yet (or the fence was lost): the fence first, alone.
             self.version += 1;
             let fence = wire::encode_order(self.partition, self.epoch, self.version, &[]);
@@ -621,7 +621,9 @@ mod tests {
         let mut log = OrderLog::new(2);
         log.offer(1, 4, &[e(0, 3)]).unwrap();
         let mut leader = Leader::new(2, 0, 100, log.ordered(), Duration::from_secs(5));
-        let f = leader.next(&[5, 5], log.ordered(), log.stats(), t0).unwrap();
+        let f = leader
+            .next(&[5, 5], log.ordered(), log.stats(), t0)
+            .unwrap();
         assert_eq!(decoded(&f), (2, 1, vec![]));
         // Nothing more while the fence is on its way, however much arrives.
         assert_eq!(leader.next(&[9, 9], log.ordered(), log.stats(), t0), None);
@@ -637,19 +639,28 @@ mod tests {
                 current: 2
             }
         );
-        let first = leader.next(&[9, 9], log.ordered(), log.stats(), t0).unwrap();
+        let first = leader
+            .next(&[9, 9], log.ordered(), log.stats(), t0)
+            .unwrap();
         assert_eq!(decoded(&first), (2, 2, vec![e(0, 9), e(1, 9)]));
         assert_eq!(log.ordered(), &[8, 2]);
         // A fence never followed is published again, under a new version.
         let mut lost = Leader::new(3, 0, 100, log.ordered(), Duration::from_millis(10));
         let f1 = lost.next(&[], log.ordered(), log.stats(), t0).unwrap();
         let later = t0 + Duration::from_millis(10);
-        let f2 = lost.next(&[9, 9], log.ordered(), log.stats(), later).unwrap();
-        assert_eq!((decoded(&f1), decoded(&f2)), ((3, 1, vec![]), (3, 2, vec![])));
+        let f2 = lost
+            .next(&[9, 9], log.ordered(), log.stats(), later)
+            .unwrap();
+        assert_eq!(
+            (decoded(&f1), decoded(&f2)),
+            ((3, 1, vec![]), (3, 2, vec![]))
+        );
         // A leader resumed in an epoch the log already follows does not fence again.
         let mut resumed = Leader::new(2, 0, 100, log.ordered(), Duration::from_secs(5));
         log.offer_frame(&first).unwrap();
-        let again = resumed.next(&[10, 9], log.ordered(), log.stats(), t0).unwrap();
+        let again = resumed
+            .next(&[10, 9], log.ordered(), log.stats(), t0)
+            .unwrap();
         assert_eq!(decoded(&again).2, vec![e(0, 10)]);
     }
 
