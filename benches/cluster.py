@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cluster_harness import Cluster, free_prefix, placed  # noqa: E402
-from test_cluster import JOB, RATE, check_output, input_file  # noqa: E402
+from test_cluster import check_output, start_job  # noqa: E402
 
 CASES = [f"r{r}:{f}" for r in (1, 2) for f in ("none", "crash", "partition", "healed", "slow")]
 
@@ -57,16 +57,10 @@ def run_case(
     tag = case.replace(":", "-")
     folder = work / tag
     folder.mkdir(parents=True, exist_ok=True)
-    path = input_file(folder, duration)
-    out = folder / "out"
-    argv = [cluster.python, str(JOB), "--input", str(path), "--out", str(out), "--tag", tag]
-    argv += ["--rate", str(RATE), "--duration", str(duration), "--replication", str(r)]
-    argv += ["--restore"] if r > 1 else []
-    log_path = folder / "driver.log"
     row: dict = {"case": case, "replication": r, "fault": fault}
     timers: list[threading.Timer] = []
-    with open(log_path, "w") as log:
-        proc = cluster.popen_on(cluster.head, argv, stdout=log, stderr=subprocess.STDOUT)
+    proc, log, path, out = start_job(cluster, folder, tag, duration, r > 1, "--replication", str(r))
+    with log:
         wanted = {f"count[{p}]/{i}" for p in (0, 1) for i in range(r)} | {
             f"sink[0]/{i}" for i in range(r)
         }

@@ -7,6 +7,12 @@ It lives beside the tests, not in :mod:`tandem.testing`: building a job imports
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import tandem as td
 from tandem import testing
 
@@ -32,3 +38,22 @@ def counting_job(
     )
     counted.sink(td.sinks.Collect(), replication=sink_replication)
     return job
+
+
+def tandem_run(tmp_path: Path, script: str, *flags: str) -> subprocess.Popen:
+    """``tandem run job.py FLAGS`` as a user starts it, in a process of its own: ``script``
+    written to ``tmp_path/job.py``, the tandem under test on its path, its output piped."""
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(script))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(td.__file__).parents[1]), env.get("PYTHONPATH", "")]
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "run", str(path), *flags],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )

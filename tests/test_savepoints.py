@@ -287,24 +287,21 @@ def test_tandem_run_stops_at_a_savepoint_on_sigterm_and_resumes_from_it(tmp_path
     """`tandem run job.py --savepoint-on-stop PATH`, a job with no end: SIGTERM stops it at
     a savepoint in PATH, and the summary says how to go on; `--from-savepoint PATH` then
     runs on from the cut — every row once across the two runs."""
-    import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    script = tmp_path / "job.py"
-    script.write_text(ON_STOP_JOB)
+    from jobs import tandem_run
+
     path = tmp_path / "on-stop"
     first_json, second_json = tmp_path / "first.json", tmp_path / "second.json"
-    env = dict(os.environ, PYTHONPATH=str(Path(td.__file__).parents[1]))
-    cli = [sys.executable, "-m", "tandem.cli", "run", str(script), "--no-progress"]
-    proc = subprocess.Popen(
-        [*cli, "--savepoint-on-stop", str(path), "--json", str(first_json)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = tandem_run(
+        tmp_path,
+        ON_STOP_JOB,
+        "--no-progress",
+        "--savepoint-on-stop",
+        str(path),
+        "--json",
+        str(first_json),
     )
     try:
         assert proc.stdout is not None
@@ -329,23 +326,19 @@ def test_tandem_run_stops_at_a_savepoint_on_sigterm_and_resumes_from_it(tmp_path
 
     # Resumed: source time goes on from the cut to --duration.
     duration = saved.source_time_s + 1.0
-    done = subprocess.run(
-        [
-            *cli,
-            "--from-savepoint",
-            str(path),
-            "--duration",
-            f"{duration}",
-            "--json",
-            str(second_json),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    done = tandem_run(
+        tmp_path,
+        ON_STOP_JOB,
+        "--no-progress",
+        "--from-savepoint",
+        str(path),
+        "--duration",
+        f"{duration}",
+        "--json",
+        str(second_json),
     )
-    assert done.returncode == 0, done.stdout + done.stderr
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, out + err
     second = json.loads(second_json.read_text())
     assert second["events_out"] == round(1000 * duration) - emitted
 

@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pyarrow as pa
@@ -31,6 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tandem as td
+from jobs import tandem_run
 from tandem import testing
 from tandem.cli import main
 from tandem.engines import local
@@ -270,23 +267,6 @@ print("the script got", result.events_out, "rows")
 """
 
 
-def _tandem_run(tmp_path: Path, script: str, *flags: str) -> subprocess.Popen:
-    path = tmp_path / "job.py"
-    path.write_text(textwrap.dedent(script))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(td.__file__).parents[1]), env.get("PYTHONPATH", "")]
-    )
-    return subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "run", str(path), *flags],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def _scrape(port: int) -> dict[str, float]:
     """The samples of a Prometheus endpoint, summed by metric name and ``task`` label."""
     sums: dict[str, float] = {}
@@ -301,7 +281,7 @@ def test_tandem_run_stops_cleanly_on_sigterm_and_serves_metrics_meanwhile(tmp_pa
     out = tmp_path / "out"
     report = tmp_path / "r.json"
     port = testing.free_port()
-    proc = _tandem_run(
+    proc = tandem_run(
         tmp_path,
         SCRIPT.format(out=str(out)),
         "--json",
@@ -352,7 +332,7 @@ def test_tandem_run_stops_cleanly_on_sigterm_and_serves_metrics_meanwhile(tmp_pa
 
 
 def test_a_second_signal_kills_the_workers_at_once(tmp_path):
-    proc = _tandem_run(tmp_path, SCRIPT.format(out=str(tmp_path / "out")))
+    proc = tandem_run(tmp_path, SCRIPT.format(out=str(tmp_path / "out")))
     try:
         workers = wait_for_workers(proc.pid)
         time.sleep(1.5)
