@@ -1167,7 +1167,15 @@ class Coordinator:
                 CutRequest(twin, (rj.worker, rj.incarnation, rj.generation, rid), folder),
             )
             if not sent:
-                self._abort_rejoin(rj.worker, f"its twin {self.name(twin)} is gone")
+                if tw not in self.running and twin not in self.down:
+                    # Not lost: it said Done. A retry that comes this late is not needed.
+                    self._abort_rejoin(
+                        rj.worker,
+                        f"the stream ended before its twin {self.name(twin)} could be cut",
+                        level=logging.INFO,
+                    )
+                else:
+                    self._abort_rejoin(rj.worker, f"its twin {self.name(twin)} is gone")
                 return
 
     def _rejoin_message(self, rj: _Rejoin, msg: Message, now_s: float) -> None:
@@ -1376,7 +1384,7 @@ class Coordinator:
             f"{self.name(up)} (to {self.name(down)})" for up, down in unanswered
         )
 
-    def _abort_rejoin(self, w: int, why: str) -> None:
+    def _abort_rejoin(self, w: int, why: str, level: int = logging.WARNING) -> None:
         rj = self.rejoins.pop(w, None)
         if rj is None:
             return
@@ -1392,10 +1400,12 @@ class Coordinator:
                 f"{rj.checkpoint}: {why}. At replication=1 nothing else holds its "
                 "partitions, so the job cannot continue"
             )
-        log.warning(
-            "%s is not rebuilt: %s; its partitions go on with fewer replicas",
+        log.log(
+            level,
+            "%s is not rebuilt: %s%s",
             self.worker_name(w),
             why,
+            "; its partitions go on with fewer replicas" if level >= logging.WARNING else "",
         )
         if self.current[w] == rj.incarnation:  # it was already running
             self.running.discard(w)
