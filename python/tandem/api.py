@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import inspect
+import logging
 import math
 import os
 import signal
@@ -64,6 +65,8 @@ from tandem.result import Result
 from tandem.savepoints import Savepoint
 from tandem.sinks import Sink
 from tandem.sources import LogSource, Source
+
+log = logging.getLogger("tandem")
 
 RUN_OBSERVERS: list[Callable[[Job, Result], None]] = []
 """Called with the job and the :class:`Result` of every :meth:`Job.run` that returns
@@ -150,18 +153,48 @@ def _check_checkpoint(
     ordering: str,
     restore: bool,
     heartbeat_ms: float,
+    checkpoint_dir: Any = None,
 ) -> None:
-    """Raise ConfigError unless ``checkpoint_ms`` fits the rest of the job."""
+    """Raise ConfigError unless ``checkpoint_ms`` (and ``checkpoint_dir``) fit the rest of
+    the job."""
+    if checkpoint_ms is None:
+        if checkpoint_dir is not None:
+            raise ConfigError(
+                f"Job {name!r}: checkpoint_dir= is where durable checkpoints go, and "
+                "checkpoint_ms= how often: give both"
+            )
+        return
     if _number(checkpoint_ms, f"Job {name!r}: checkpoint_ms") <= heartbeat_ms:
         raise ConfigError(
             f"Job {name!r}: checkpoint_ms={checkpoint_ms} must be more than the heartbeat "
             f"period (heartbeat_ms={heartbeat_ms}): a checkpoint is cut at a heartbeat"
         )
+    if checkpoint_dir is not None:
+        if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
+            raise ConfigError(
+                f"Job {name!r}: checkpoint_dir must be a directory path or a URI, got "
+                f"{checkpoint_dir!r}"
+            )
+        if replication < 2:
+            raise ConfigError(
+                f"Job {name!r}: checkpoint_dir= (durable checkpoints a job resumes from) "
+                "needs replication >= 2 in this version; at replication=1, checkpoint_ms "
+                "alone is the passive configuration, its checkpoints on local disk for the "
+                "run's own recovery"
+            )
+        if ordering == "kazoo":
+            raise ConfigError(
+                f"Job {name!r}: checkpoint_dir= does not work with ordering='kazoo' yet (a "
+                "cut does not carry an order log position); use 'liverobin' or 'none'"
+            )
+        return
     if replication != 1:
         raise ConfigError(
-            f"Job {name!r}: checkpoint_ms is the passive configuration (replication=1, "
+            f"Job {name!r}: checkpoint_ms alone is the passive configuration (replication=1, "
             f"rolled back to a checkpoint after a loss); this job has replication="
-            f"{replication}, whose lost replicas restore=True rebuilds from live twins"
+            f"{replication}: its lost replicas restore=True rebuilds from live twins, and "
+            "checkpoint_dir=PATH with checkpoint_ms writes durable checkpoints there that "
+            "the job resumes from (resume=True) after its driver is lost"
         )
     if restore:
         raise ConfigError(
@@ -230,6 +263,7 @@ class Job:
         replay_ms: float | None = None,
         failure_timeout_ms: float = 2000,
         checkpoint_ms: float | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Job name must be a non-empty string, got {name!r}")
@@ -271,13 +305,14 @@ class Job:
         if not isinstance(restore, bool):
             raise ConfigError(f"Job {name!r}: restore must be True or False, got {restore!r}")
         self.restore = restore
-        if checkpoint_ms is not None:
-            _check_checkpoint(
-                name, checkpoint_ms, self.replication, ordering, restore, heartbeat_ms
-            )
+        _check_checkpoint(
+            name, checkpoint_ms, self.replication, ordering, restore, heartbeat_ms, checkpoint_dir
+        )
         self.checkpoint_ms = checkpoint_ms
+        self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
+        passive = checkpoint_ms is not None and checkpoint_dir is None
         if replay_ms is None:
-            replay_ms = 3000 if checkpoint_ms is None else 2 * checkpoint_ms + 3000
+            replay_ms = 2 * checkpoint_ms + 3000 if passive else 3000
         if _number(replay_ms, f"Job {name!r}: replay_ms") <= 0:
             raise ConfigError(
                 f"Job {name!r}: replay_ms must be > 0 (got {replay_ms}); it bounds the output "
@@ -441,7 +476,9 @@ class Job:
             restore=self.restore,
             replay_ms=self.replay_ms,
             failure_timeout_ms=self.failure_timeout_ms,
-            checkpoint_ms=self.checkpoint_ms,
+            checkpoint_ms=self.checkpoint_ms if self.checkpoint_dir is None else None,
+            durable_ms=None if self.checkpoint_dir is None else self.checkpoint_ms,
+            durable_dir=self.checkpoint_dir,
         )
         plan.check_picklable()  # what cannot be shipped to the workers fails here
         return plan
@@ -476,6 +513,8 @@ class Job:
             )
         plan = self.plan()
         runner = self._engine(engine)
+        if plan.durable_dir is not None:
+            self._check_durable(plan, runner)
         if from_savepoint is not None:
             plan = self._resumed(plan, runner, duration, from_savepoint, options)
         from tandem import engines
@@ -497,6 +536,75 @@ class Job:
             if not engines.stoppable(runner):
                 duration = natural_s  # every source is bounded: until their last row
         return plan, runner, faults, duration
+
+    def _check_durable(self, plan: Plan, runner: Any) -> None:
+        """Raise ConfigError unless a job with durable checkpoints can run as asked."""
+        if getattr(runner, "name", None) != "local":
+            raise ConfigError(
+                f"job {self.name!r}: checkpoint_dir= runs on the local engine in this "
+                f"version, not on {getattr(runner, 'name', runner)!r}"
+            )
+        logs = [t.name for t in plan.sources() if plan.is_log_source(t.id)]
+        if logs:
+            raise ConfigError(
+                f"job {self.name!r}: checkpoint_dir= does not take source {logs[0]!r} yet (it "
+                "reads a log; a checkpoint of a Kafka source comes later)"
+            )
+        for task in plan.tasks:
+            if task.kind == "sink" and not task.sink.in_result:
+                raise ConfigError(
+                    f"job {self.name!r}: checkpoint_dir= does not take sink {task.name!r} "
+                    f"({task.sink.describe()}) yet: it writes outside the job, and the rows "
+                    "it wrote between the last checkpoint and a lost driver would be written "
+                    "again; sinks that keep rows in the Result (Collect, Latency) work, and "
+                    "a job stopped with a savepoint resumes exactly with any sink"
+                )
+
+    def _resume_point(
+        self, resume: bool, from_savepoint: str | os.PathLike | None
+    ) -> str | os.PathLike | None:
+        """Where a run starts from: ``from_savepoint``, or with ``resume`` the newest
+        complete checkpoint in ``checkpoint_dir`` (None: none yet, from the beginning). A
+        run that does not resume is refused when ``checkpoint_dir`` holds checkpoints."""
+        from tandem import savepoints
+
+        if not isinstance(resume, bool):
+            raise ConfigError(f"resume must be True or False, got {resume!r}")
+        if self.checkpoint_dir is None:
+            if resume:
+                raise ConfigError(
+                    f"job {self.name!r}: resume=True continues from the newest checkpoint in "
+                    "the job's checkpoint_dir, and this job has none: give "
+                    "Job(checkpoint_ms=..., checkpoint_dir=PATH)"
+                )
+            return from_savepoint
+        if not resume:
+            savepoints.check_no_checkpoints(self.checkpoint_dir, self.name)
+            savepoints.clear_checkpoints(self.checkpoint_dir)
+            return from_savepoint
+        if from_savepoint is not None:
+            raise ConfigError(
+                f"job {self.name!r}: resume=True starts from the newest checkpoint, "
+                "from_savepoint= from a savepoint: give one of them"
+            )
+        latest = savepoints.latest_checkpoint(self.checkpoint_dir, self.name)
+        if latest is None:
+            savepoints.clear_checkpoints(self.checkpoint_dir)
+            log.info(
+                "job %r: no complete checkpoint in %s; starting from the beginning",
+                self.name,
+                self.checkpoint_dir,
+            )
+            return None
+        savepoints.clear_checkpoints(self.checkpoint_dir, after=latest.epoch)
+        log.info(
+            "job %r: resuming from %s (heartbeat %d, %.2f s of source time)",
+            self.name,
+            latest.path,
+            latest.epoch,
+            latest.source_time_s,
+        )
+        return latest.path
 
     def _resumed(
         self,
@@ -540,6 +648,7 @@ class Job:
         engine: str | Any = "local",
         from_savepoint: str | os.PathLike | None = None,
         savepoint_on_stop: str | os.PathLike | None = None,
+        resume: bool = False,
         **options: Any,
     ) -> Result:
         """Run the job on an engine (``"local"``, the default, or an engine object with
@@ -584,7 +693,13 @@ class Job:
         ``from_savepoint=`` the same path continues it, with new code if need be. A path
         that holds anything is refused before the job starts (ConfigError); a savepoint
         that could not be cut raises TandemError once the job has stopped. A job whose
-        bounded sources end it by themselves writes none."""
+        bounded sources end it by themselves writes none.
+
+        ``resume``: a job with durable checkpoints (``Job(checkpoint_ms=...,
+        checkpoint_dir=PATH)``) starts from the newest complete checkpoint in PATH, as
+        ``from_savepoint=`` would — after its driver was killed, say — or from the
+        beginning when there is none yet; a run without ``resume`` refuses a
+        ``checkpoint_dir`` that holds checkpoints (it would write beside them)."""
         if savepoint_on_stop is not None:
             from tandem import savepoints
 
@@ -595,6 +710,7 @@ class Job:
                     "savepoint while it runs with job.start() and handle.savepoint(path)"
                 )
             savepoints.check_target(savepoint_on_stop)
+        from_savepoint = self._resume_point(resume, from_savepoint)
         result = self._run(duration, faults, engine, options, from_savepoint, savepoint_on_stop)
         for observe in list(RUN_OBSERVERS):
             observe(self, result)
@@ -678,6 +794,7 @@ class Job:
         faults: Iterable[Fault] = (),
         engine: str | Any = "local",
         from_savepoint: str | os.PathLike | None = None,
+        resume: bool = False,
         **options: Any,
     ) -> RunningJob:
         """Start the job in a thread of this process and return at once: a
@@ -686,7 +803,9 @@ class Job:
         ``duration`` seconds of source time, or, when every source is bounded, until
         their last row. Arguments as for :meth:`run` (checked here, before it starts);
         the engine must be able to stop a run (the local engine can). ``from_savepoint``:
-        resume from a savepoint, as for :meth:`run`."""
+        resume from a savepoint, and ``resume`` from the newest checkpoint, as for
+        :meth:`run`."""
+        from_savepoint = self._resume_point(resume, from_savepoint)
         plan, runner, faults, _ = self._prepare(duration, faults, engine, from_savepoint, options)
         from tandem import engines
 

@@ -299,6 +299,7 @@ def _report_script_runs(runs: list, args: argparse.Namespace) -> int:
             ("--kill", args.kill),
             ("--from-savepoint", getattr(args, "from_savepoint", None)),
             ("--savepoint-on-stop", getattr(args, "savepoint_on_stop", None)),
+            ("--resume", getattr(args, "resume", None) or None),
         )
         if value is not None
     ]
@@ -327,6 +328,28 @@ def _write_result(path: str, result: tandem.Result) -> None:
     print(f"wrote {path}")
 
 
+def _announce_resume(job: tandem.Job) -> None:
+    """Say where ``tandem run --resume`` starts ``job`` from (the run itself refuses a job
+    without a checkpoint_dir)."""
+    from tandem import savepoints
+
+    if job.checkpoint_dir is None:
+        return
+    latest = savepoints.latest_checkpoint(job.checkpoint_dir, job.name)
+    if latest is None:
+        print(
+            f"no checkpoint of job {job.name!r} in {job.checkpoint_dir} yet: starting it "
+            "from the beginning",
+            flush=True,
+        )
+    else:
+        print(
+            f"resuming job {job.name!r} from {latest.path} (heartbeat {latest.epoch}, "
+            f"{latest.source_time_s:.2f} s of source time)",
+            flush=True,
+        )
+
+
 def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) -> int:
     """Run ``job`` as the flags say (``args.duration`` None: until Ctrl-C/SIGTERM, or the
     end of its bounded sources), print the summary; 0 if its output checked."""
@@ -348,6 +371,9 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
                 "ends it by itself (leave --duration out, and stop it with Ctrl-C or SIGTERM)"
             )
         run_options["savepoint_on_stop"] = savepoint_on_stop
+    if getattr(args, "resume", False):
+        _announce_resume(job)
+        run_options["resume"] = True
     if args.metrics_port is not None:
         if args.engine != "local":
             raise tandem.ConfigError(
@@ -360,6 +386,12 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
         print(
             f"running job {job.name!r} until stopped (Ctrl-C or SIGTERM stops it and drains "
             "what is in flight; bounded sources end it by themselves)",
+            flush=True,
+        )
+    if job.checkpoint_dir is not None:
+        print(
+            f"  checkpoints every {job.checkpoint_ms / 1000:g} s into {job.checkpoint_dir} "
+            f"(tandem run {getattr(args, 'path', 'JOB.py')} --resume continues from the newest)",
             flush=True,
         )
     result = job.run(
@@ -606,6 +638,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with no --duration: Ctrl-C or SIGTERM stops the job at a savepoint written to "
         "PATH (an empty or new directory, or a URI); --from-savepoint PATH continues it, "
         "with new code if need be",
+    )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="a job with durable checkpoints (Job(checkpoint_ms=..., checkpoint_dir=PATH)): "
+        "start from the newest complete checkpoint in PATH — after the process running it "
+        "was killed, say — or from the beginning when there is none yet",
     )
     run.set_defaults(func=_run_file)
 

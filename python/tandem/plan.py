@@ -187,6 +187,12 @@ class Plan:
     checkpoint_ms: float | None = None
     """The passive configuration (replication 1): cut every replica at one heartbeat epoch
     this often, write the cuts to local disk, roll a lost worker back to the latest."""
+    durable_ms: float | None = None
+    """Durable checkpoints (replication 2 or more, ``Job(checkpoint_dir=...)``): a
+    savepoint-format checkpoint of the whole job this often, into :attr:`durable_dir`."""
+    durable_dir: str | None = None
+    """Where durable checkpoints go (a directory or URI); a job resumed with
+    ``resume=True`` starts from the newest complete one there."""
     resumed: Any = None
     """A job resumed from a savepoint (:class:`tandem.savepoints.Resumed`): the heartbeat
     epoch it continues after and every replica's cut; None: from the start."""

@@ -279,24 +279,30 @@ def source_positions(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[str, lis
 
 
 def settle(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[ReplicaId, Resume]:
-    """The cuts with every input channel that had *ended* at its cut opened again, at the
-    position its upstream partition's cut emitted through. A replica consuming first come,
-    first served (a sink; an operator under ``ordering="none"``) is cut once every input
-    delivered heartbeat ``K``, and may have taken a faster channel's end marker by then —
-    when the job stops at ``K``, its sources end right after it. Resumed as it was cut,
-    it would take that channel for ended and drop what its upstream emits after the cut."""
+    """The cuts with the input channels a replica consuming first come, first served (a
+    sink; an operator under ``ordering="none"``) took past the cut set back to it. Such a
+    replica is cut once every input delivered heartbeat ``K``, and by then may have taken
+    more of a faster channel:
+
+    - its end marker, when the job stops at ``K`` (its sources end right after it):
+      resumed as it was cut, it would take that channel for ended and drop what its
+      upstream emits after the cut. The channel is opened again, at the position its
+      upstream partition's cut emitted through.
+    - a sink, rows its upstream emitted after its own cut at ``K`` (rows of source rows
+      after the cut), when the job goes on: a resumed sink starts with no output, and
+      would drop them as already taken. The sink's position is set back to its upstream
+      partition's cut. (An operator's state holds what it took, so its positions stay.)"""
     by_part = {(t, p): r for (t, p, _), r in cuts.items()}
     out = {}
     for (t, p, r), resume in cuts.items():
         cut = resume.cut
         inbox = cut[2] if len(cut) > 2 else None
-        if inbox is None or not any(inbox[3]):
+        sink = plan.tasks[t].kind == "sink"
+        if inbox is None or not (sink or any(inbox[3])):
             out[(t, p, r)] = resume
             continue
         epochs, positions, ended = list(cut[1]), list(inbox[0]), list(inbox[3])
         for c, chan in enumerate(plan.input_channels(t, p)):
-            if not ended[c]:
-                continue
             up = by_part[(chan.task, chan.partition)].cut
             edges = plan.output_edges(chan.task, chan.partition)
             e = next(
@@ -305,6 +311,8 @@ def settle(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[ReplicaId, Resume]
                 if edge.downstream == t and edge.input_index == chan.input_index
             )
             seq = up[3][e][0][edges[e].partitions.index(p)]
+            if not ended[c] and not (sink and positions[c] > seq):
+                continue
             positions[c], ended[c], epochs[c] = seq, False, min(epochs[c], up[0])
         inbox = (tuple(positions), inbox[1], inbox[2], tuple(ended), *inbox[4:])
         cut = (cut[0], tuple(epochs), inbox, *cut[3:])
@@ -520,6 +528,122 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
     return dataclasses.replace(plan, resumed=Resumed(sp.path, sp.epoch, cuts))
 
 
+# -- durable checkpoints (Job(checkpoint_ms=..., checkpoint_dir=...), replication >= 2) -------
+
+KEEP_CHECKPOINTS = 3
+"""Complete checkpoints kept in a job's checkpoint directory; older ones are removed once a
+newer one is written."""
+
+_CHECKPOINT_PREFIX = "checkpoint-"
+
+
+def _join(directory: str | os.PathLike, name: str) -> str:
+    text = os.fspath(directory)
+    return posixpath.join(text, name) if "://" in text else os.path.join(text, name)
+
+
+def checkpoint_path(directory: str | os.PathLike, epoch: int) -> str:
+    """Where the checkpoint cut at heartbeat ``epoch`` goes in ``directory`` (names sort
+    as their epochs do)."""
+    return _join(directory, f"{_CHECKPOINT_PREFIX}{epoch:012d}")
+
+
+def _checkpoints(directory: str | os.PathLike) -> tuple[Any, list[tuple[int, str, bool]]]:
+    """The filesystem of ``directory`` and what it holds: ``(epoch, path on it,
+    complete)`` per checkpoint directory, oldest first (a directory without a manifest,
+    or a temporary one of an interrupted write, is not complete; epoch -1: temporary)."""
+    from pyarrow import fs
+
+    filesystem, root = _open(directory)
+    if not _exists(filesystem, root):
+        return filesystem, []
+    found = []
+    for info in filesystem.get_file_info(fs.FileSelector(root, recursive=False)):
+        name = info.base_name
+        if info.type != fs.FileType.Directory:
+            continue
+        if name.startswith(f".{_CHECKPOINT_PREFIX}") and ".tmp-" in name:
+            found.append((-1, info.path, False))
+            continue
+        if not name.startswith(_CHECKPOINT_PREFIX):
+            continue
+        try:
+            epoch = int(name[len(_CHECKPOINT_PREFIX) :])
+        except ValueError:
+            continue
+        found.append((epoch, info.path, _exists(filesystem, posixpath.join(info.path, MANIFEST))))
+    return filesystem, sorted(found)
+
+
+def latest_checkpoint(directory: str | os.PathLike, job: str) -> Savepoint | None:
+    """The newest complete checkpoint of job ``job`` in ``directory`` that reads and
+    verifies (None: there is none). One that does not — partial, corrupt — is passed over,
+    and a checkpoint of another job is a ConfigError."""
+    import logging
+
+    _, found = _checkpoints(directory)
+    for _, path, complete in reversed(found):
+        if not complete:
+            continue
+        where = _join(directory, posixpath.basename(path))
+        try:
+            sp = Savepoint.read(where)
+        except ConfigError as exc:
+            logging.getLogger("tandem").warning("passing over checkpoint %s: %s", where, exc)
+            continue
+        if sp.job != job:
+            raise ConfigError(
+                f"checkpoint_dir {os.fspath(directory)!r} holds checkpoints of job "
+                f"{sp.job!r}, not of {job!r}: give each job a directory of its own"
+            )
+        return sp
+    return None
+
+
+def check_no_checkpoints(directory: str | os.PathLike, job: str) -> None:
+    """Raise ConfigError if ``directory`` holds a checkpoint: a run that does not resume
+    never writes beside (nor over) an earlier run's."""
+    _, found = _checkpoints(directory)
+    complete = [path for _, path, done in found if done]
+    if complete:
+        raise ConfigError(
+            f"job {job!r}: checkpoint_dir {os.fspath(directory)!r} holds {len(complete)} "
+            f"checkpoint(s) of an earlier run (the newest: {posixpath.basename(complete[-1])}); "
+            "resume=True (tandem run --resume) continues from the newest, or remove the "
+            "directory to start over"
+        )
+
+
+def clear_checkpoints(directory: str | os.PathLike, after: int | None = None) -> list[str]:
+    """Remove what an earlier run left unfinished in ``directory`` — temporary and partial
+    checkpoints — and, with ``after``, every checkpoint newer than heartbeat ``after`` (the
+    one a run resumes from is the newest kept). The paths removed."""
+    filesystem, found = _checkpoints(directory)
+    removed = []
+    for epoch, path, complete in found:
+        if not complete or (after is not None and epoch > after):
+            filesystem.delete_dir(path)
+            removed.append(path)
+    return removed
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep: int = KEEP_CHECKPOINTS) -> list[str]:
+    """Keep the newest ``keep`` complete checkpoints in ``directory``; remove older ones,
+    complete or not (never a newer partial one: it may be being written). The paths
+    removed."""
+    filesystem, found = _checkpoints(directory)
+    complete = [epoch for epoch, _, done in found if done]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    removed = []
+    for epoch, path, _ in found:
+        if 0 <= epoch < oldest_kept:
+            filesystem.delete_dir(path)
+            removed.append(path)
+    return removed
+
+
 def failed(why: str) -> TandemError:
     """The error a savepoint that could not be taken raises."""
     return TandemError(f"savepoint not taken: {why}")
@@ -527,11 +651,17 @@ def failed(why: str) -> TandemError:
 
 __all__ = [
     "FORMAT_VERSION",
+    "KEEP_CHECKPOINTS",
     "MANIFEST",
     "Resumed",
     "Savepoint",
     "check_compatible",
+    "check_no_checkpoints",
     "check_target",
+    "checkpoint_path",
+    "clear_checkpoints",
+    "latest_checkpoint",
+    "prune_checkpoints",
     "resume",
     "settle",
     "source_positions",

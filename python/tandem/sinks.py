@@ -71,6 +71,11 @@ class Sink(abc.ABC):
     with an effect outside as it writes (a database, a topic) is not."""
     replica: int = 0
     """Set by the engine before :meth:`open`: which replica of its partition this is."""
+    in_result: bool = False
+    """Whether the rows go nowhere but the job's Result (kept in memory, or counted): a
+    job with durable checkpoints (``Job(checkpoint_dir=...)``) takes only such sinks in
+    this version — the rows a sink with an effect outside (files, a topic) wrote between
+    the last checkpoint and a lost driver are not taken back yet."""
 
     def describe(self) -> str:
         return type(self).__name__
@@ -154,6 +159,7 @@ class Collect(Sink):
     the driver takes one replica's rows per partition."""
 
     replicable = True
+    in_result = True
 
     def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
         super().open(partition, parallelism, schema)
@@ -584,6 +590,7 @@ class Latency(Sink):
     of the local engine reads the same system clock). ``clock`` is injectable for tests."""
 
     replicable = True
+    in_result = True
 
     def __init__(self, clock=time.time_ns) -> None:
         self.clock = clock

@@ -755,6 +755,8 @@ class CountRows(Sink):
     """A sink that keeps a row count only: what a run's sinks hold is then the runtime's
     own bookkeeping (latency record, report), nothing of the rows."""
 
+    in_result = True
+
     def open(self, partition, parallelism=1, schema=None):
         super().open(partition, parallelism, schema)
         self.n = 0

@@ -37,11 +37,14 @@ peers meanwhile."""
 @dataclass
 class SavepointAsk:
     """A savepoint asked for through a :class:`Stop`: where, whether the run stops at its
-    cut, and the future its outcome goes to."""
+    cut, and the future its outcome goes to. ``checkpoint``: a durable checkpoint the
+    coordinator asks of itself (``Plan.durable_dir``): its path is known once its epoch
+    is."""
 
     path: str
     stop: bool = False
     future: Future = field(default_factory=Future)
+    checkpoint: bool = False
 
 
 class Stop:

@@ -392,6 +392,8 @@ class Coordinator:
         engine's cost and memory readings)."""
         self._saving: _Saving | None = None  # the savepoint being cut
         self._writing: list = []  # the threads writing savepoints whose cuts are in
+        # Durable checkpoints (Plan.durable_dir): when the next is due (source time, s).
+        self._durable_at = None if plan.durable_dir is None else self._first_durable_s(plan)
         # Resumed from a savepoint: its source time is where the sources start.
         resumed = plan.resumed
         self.resumed_ns = 0 if resumed is None else resumed.epoch * plan.heartbeat_ns
@@ -1014,12 +1016,59 @@ class Coordinator:
             return  # after the checkpoint in flight: the core keeps one aligned cut a slot
         ask = self.stop_token.next_savepoint()
         if ask is None:
-            return
+            ask = self._durable_ask(now_s)
+            if ask is None:
+                return
         try:
             self._start_savepoint(ask, now_s)
         except Exception as exc:
             if not ask.future.done():
                 ask.future.set_exception(exc)
+
+    # -- durable checkpoints (Job(checkpoint_ms=..., checkpoint_dir=...)) ------------------
+
+    @staticmethod
+    def _first_durable_s(plan) -> float:
+        """When the first durable checkpoint is due: a period after the start (a resumed
+        run's start is its savepoint's cut)."""
+        start = 0.0 if plan.resumed is None else plan.resumed.epoch * plan.heartbeat_ms / 1000
+        return start + plan.durable_ms / 1000
+
+    def _durable_ask(self, now_s: float) -> SavepointAsk | None:
+        """A durable checkpoint, when one is due: a savepoint the coordinator asks of
+        itself, written into ``Plan.durable_dir`` (its name is its epoch); the older ones
+        beyond :data:`tandem.savepoints.KEEP_CHECKPOINTS` are removed once it is written.
+        One that fails is logged, and the next is taken a period later."""
+        if self._durable_at is None or now_s < self._durable_at:
+            return None
+        self._durable_at = now_s + self.plan.durable_ms / 1000
+        ask = SavepointAsk("", checkpoint=True)
+        ask.future.add_done_callback(self._durable_done)
+        return ask
+
+    def _durable_done(self, future: Future) -> None:
+        """A durable checkpoint written (on the writer's thread) or given up."""
+        from tandem import savepoints
+
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            # At the end of the stream a checkpoint under way is given up: nothing is lost.
+            level = logging.INFO if self.finished else logging.WARNING
+            log.log(level, "checkpoint not taken (the next is a period later): %s", error)
+            return
+        try:
+            removed = savepoints.prune_checkpoints(self.plan.durable_dir)
+        except OSError as exc:
+            log.warning("older checkpoints in %s not removed: %s", self.plan.durable_dir, exc)
+            return
+        log.info(
+            "checkpoint at heartbeat %d written to %s%s",
+            future.result().epoch,
+            future.result().path,
+            f" ({len(removed)} older removed)" if removed else "",
+        )
 
     def _start_savepoint(self, ask: SavepointAsk, now_s: float) -> None:
         """Ask one live replica of every task partition, sinks included, for its cut right
@@ -1027,7 +1076,8 @@ class Coordinator:
         nothing after it consumed), or one a little ahead of the sources' clock."""
         from tandem import savepoints
 
-        savepoints.check_target(ask.path)
+        if not ask.checkpoint:
+            savepoints.check_target(ask.path)
         if self.plan.ordering == "kazoo":
             raise savepoints.failed("a KaZoo job's cut is a place in its order log")
         logs = [t.name for t in self.plan.sources() if self.plan.is_log_source(t.id)]
@@ -1042,10 +1092,17 @@ class Coordinator:
             lead = max(3 * hb / 1e9, CHECKPOINT_LEAD_S)
             epoch = int((max(now_s, 0.0) + lead) * 1e9 / hb) + 1
             if epoch * hb > self.end_s() * 1e9:
+                if ask.checkpoint:  # the stream ends first: no checkpoint is needed
+                    self._durable_at = math.inf
+                    ask.future.cancel()
+                    return
                 raise savepoints.failed(
                     f"job {self.plan.job!r} ends at {self.end_s():.2f} s of source time, "
                     "before a cut could be taken; stop(savepoint=...) cuts at the stop point"
                 )
+        if ask.checkpoint:
+            ask.path = savepoints.checkpoint_path(self.plan.durable_dir, epoch)
+            savepoints.check_target(ask.path)
         rids = []
         for task in self.plan.tasks:
             for p in range(task.parallelism):
@@ -1068,7 +1125,8 @@ class Coordinator:
             saving.checkpoint_at, self._checkpoint_at = self._checkpoint_at, math.inf
         self._saving = saving
         log.info(
-            "savepoint of job %r at heartbeat %d (%.2f s of source time)%s",
+            "%s of job %r at heartbeat %d (%.2f s of source time)%s",
+            "checkpoint" if ask.checkpoint else "savepoint",
             self.plan.job,
             epoch,
             epoch * hb / 1e9,
@@ -1121,8 +1179,9 @@ class Coordinator:
             except BaseException as exc:
                 ask.future.set_exception(exc)
             else:
+                if not ask.checkpoint:
+                    log.info("savepoint written to %s", ask.path)
                 ask.future.set_result(written)
-                log.info("savepoint written to %s", ask.path)
             finally:
                 shutil.rmtree(saving.folder, ignore_errors=True)
 
@@ -1139,7 +1198,8 @@ class Coordinator:
         if self.checkpointing:
             self._checkpoint_at = saving.checkpoint_at
         shutil.rmtree(saving.folder, ignore_errors=True)
-        log.warning("savepoint at heartbeat %d not taken: %s", saving.epoch, why)
+        if not saving.ask.checkpoint:
+            log.warning("savepoint at heartbeat %d not taken: %s", saving.epoch, why)
         if not saving.ask.future.done():
             saving.ask.future.set_exception(savepoints.failed(why))
 

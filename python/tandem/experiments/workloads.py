@@ -243,6 +243,8 @@ class SequenceSink(td.sinks.Sink):
     row exactly once, such as MiB1 (identity maps), without the reference executor — cheap
     enough for the highest rates. Latency is measured by the engine, as for any sink."""
 
+    in_result = True
+
     def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
         super().open(partition, parallelism, schema)
         if schema is not None and SOURCE_SEQ not in schema.names:

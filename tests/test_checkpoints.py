@@ -1,0 +1,222 @@
+"""Durable checkpoints (``Job(checkpoint_ms=..., checkpoint_dir=...)`` at replication >= 2):
+the job writes a savepoint-format checkpoint every period and keeps the newest few; when
+the process running it dies, ``resume=True`` (``tandem run --resume``) starts it again
+from the newest complete one — every row after the cut once, keyed state going on across
+the loss. Checkpoints and their mistakes are checked here (tandem.savepoints)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import tandem as td
+from tandem import savepoints
+
+ROWS = 9000
+KEYS = 30
+RATE = 2000  # rows per second of source time: the input lasts 4.5 s
+PERIOD_MS = 400
+
+
+@pytest.fixture(scope="module")
+def input_file(tmp_path_factory) -> str:
+    rng = np.random.default_rng(5)
+    path = tmp_path_factory.mktemp("input") / "events.parquet"
+    table = pa.table(
+        {
+            "id": pa.array(np.arange(ROWS), pa.int64()),
+            "key": pa.array(rng.integers(0, KEYS, ROWS), pa.int64()),
+        }
+    )
+    pq.write_table(table, path)
+    return str(path)
+
+
+def keyed_job(input_file: str, directory, **options) -> td.Job:
+    """Parquet (2 partitions) -> count per key (2 partitions) -> Collect, r = 2, a durable
+    checkpoint every PERIOD_MS into ``directory``."""
+    job = td.Job(
+        "durable",
+        replication=2,
+        checkpoint_ms=PERIOD_MS,
+        checkpoint_dir=str(directory),
+        **options,
+    )
+    stream = job.source(td.sources.Parquet(input_file, rate=RATE), parallelism=2, name="source")
+    stream.key_by("key").process(td.CountPerKey(), parallelism=2, name="count").sink(
+        td.sinks.Collect()
+    )
+    return job
+
+
+def complete(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("checkpoint-*") if (p / "manifest.json").exists())
+
+
+def newest_epoch(directory: Path) -> int:
+    return int(complete(directory)[-1].name.split("-")[1])
+
+
+def check_continues(input_file: str, resumed: pa.Table, cut: td.Savepoint) -> None:
+    """``resumed`` is exactly the output after ``cut``: every row the sources had not
+    emitted there once, and per key the running count going on from the count the cut
+    held (the rows of that key emitted before it)."""
+    frame = pq.read_table(input_file).to_pandas()
+    after = resumed.to_pandas()
+    emitted = sum(p["rows"] for p in cut.sources["source"])
+    assert 0 < emitted < ROWS
+    assert len(after) == ROWS - emitted
+    assert after["id"].is_unique
+    before = frame[~frame["id"].isin(after["id"])]
+    assert len(before) == emitted
+    for key, rows in after.groupby("key"):
+        n_before = int((before["key"] == key).sum())
+        expected = list(range(n_before + 1, n_before + len(rows) + 1))
+        assert sorted(rows["count"].tolist()) == expected, key
+
+
+def test_a_job_killed_at_once_resumes_from_its_newest_checkpoint(input_file, tmp_path):
+    """The running job's workers are killed at once (what a lost driver does to them):
+    its newest complete checkpoint (of at most KEEP_CHECKPOINTS kept) is where
+    resume=True starts it again, and the output from there is exact."""
+    directory = tmp_path / "checkpoints"
+    handle = keyed_job(input_file, directory).start(progress=False)
+    deadline = time.monotonic() + 60
+    # Until more checkpoints were written than are kept (they are a period apart).
+    while (
+        not complete(directory)
+        or newest_epoch(directory) * 10 < (savepoints.KEEP_CHECKPOINTS + 1) * PERIOD_MS
+    ):
+        assert time.monotonic() < deadline, "no checkpoints written"
+        assert handle.running, "the job ended before it wrote its checkpoints"
+        time.sleep(0.05)
+    handle.kill()
+    with pytest.raises(td.TandemError):
+        handle.result()
+    kept = complete(directory)
+    assert 1 <= len(kept) <= savepoints.KEEP_CHECKPOINTS  # older ones removed
+    newest = td.Savepoint.read(str(kept[-1]))
+    assert newest.job == "durable" and newest.epoch > 0
+
+    # A run that does not resume refuses the directory (it would write beside them).
+    with pytest.raises(td.ConfigError, match=r"holds .* checkpoint.* resume=True"):
+        keyed_job(input_file, directory).run(progress=False)
+
+    # A partial checkpoint newer than the newest complete one: passed over, removed.
+    partial = directory / f"checkpoint-{newest.epoch + 1:012d}"
+    partial.mkdir()
+    second = keyed_job(input_file, directory).run(progress=False, resume=True, timeout=120)
+    assert not partial.exists()
+    assert second.digests_match
+    check_continues(input_file, second.output, newest)
+
+
+def test_checkpoints_leave_the_output_alone(input_file, tmp_path):
+    """A run that writes checkpoints emits what the reference executor does."""
+    directory = tmp_path / "checkpoints"
+    result = keyed_job(input_file, directory).run(progress=False, timeout=120)
+    assert result.lost == 0 and result.duplicates == 0 and result.digests_match
+    assert result.output.num_rows == ROWS
+    kept = complete(directory)
+    assert 1 <= len(kept) <= savepoints.KEEP_CHECKPOINTS
+    assert not list(directory.glob(".*"))  # nothing partial left behind
+    epochs = [td.Savepoint.read(str(p)).epoch for p in kept]
+    assert epochs == sorted(epochs) and len(set(epochs)) == len(epochs)
+
+
+def test_resume_with_no_checkpoint_yet_starts_from_the_beginning(input_file, tmp_path):
+    result = keyed_job(input_file, tmp_path / "empty").run(progress=False, resume=True, timeout=120)
+    assert result.output.num_rows == ROWS and result.lost == 0
+
+
+def test_durable_checkpoint_mistakes_are_refused_before_anything_starts(input_file, tmp_path):
+    with pytest.raises(td.ConfigError, match=r"checkpoint_dir= .* checkpoint_ms= how often"):
+        td.Job("j", checkpoint_dir=str(tmp_path))
+    with pytest.raises(td.ConfigError, match="needs replication >= 2"):
+        td.Job("j", replication=1, checkpoint_ms=500, checkpoint_dir=str(tmp_path))
+    with pytest.raises(td.ConfigError, match="ordering='kazoo'"):
+        td.Job("j", ordering="kazoo", checkpoint_ms=500, checkpoint_dir=str(tmp_path))
+    with pytest.raises(td.ConfigError, match="checkpoint_dir=PATH with checkpoint_ms"):
+        td.Job("j", replication=2, checkpoint_ms=500)
+
+    plain = td.Job("plain")
+    plain.source(td.sources.Synthetic(rate=10)).sink(td.sinks.Collect())
+    with pytest.raises(td.ConfigError, match="has none: give"):
+        plain.run(duration=1.0, resume=True)
+
+    job = keyed_job(input_file, tmp_path / "a")
+    with pytest.raises(td.ConfigError, match="give one of them"):
+        job.run(resume=True, from_savepoint=str(tmp_path / "sp"))
+
+    files = td.Job("files", checkpoint_ms=500, checkpoint_dir=str(tmp_path / "b"))
+    files.source(td.sources.Synthetic(rate=10)).sink(td.sinks.Parquet(str(tmp_path / "out")))
+    with pytest.raises(td.ConfigError, match=r"does not take sink .* writes outside the job"):
+        files.run(duration=1.0)
+
+    other = tmp_path / "other"
+    keyed_job(input_file, other).run(progress=False, timeout=120)
+    renamed = td.Job("renamed", checkpoint_ms=PERIOD_MS, checkpoint_dir=str(other))
+    renamed.source(td.sources.Synthetic(rate=10)).sink(td.sinks.Collect())
+    with pytest.raises(td.ConfigError, match="holds checkpoints of job 'durable'"):
+        renamed.run(duration=1.0, resume=True)
+
+
+DRIVER_JOB = """
+import tandem as td
+
+job = td.Job("driver", replication=2, checkpoint_ms={period}, checkpoint_dir={directory!r})
+events = job.source(td.sources.Parquet({input_file!r}, rate={rate}), parallelism=2, name="source")
+events.key_by("key").process(td.CountPerKey(), parallelism=2, name="count").sink(
+    td.sinks.Collect()
+)
+"""
+
+
+def test_tandem_run_sigkilled_then_resumed(input_file, tmp_path):
+    """`tandem run job.py` SIGKILLed once it has a checkpoint: its workers go with it (no
+    orphan), and `tandem run job.py --resume` goes on from the newest checkpoint, saying
+    so — what follows the cut, once."""
+    import psutil
+
+    from jobs import tandem_run
+
+    directory = tmp_path / "checkpoints"
+    script = DRIVER_JOB.format(
+        period=PERIOD_MS, directory=str(directory), input_file=input_file, rate=RATE // 2
+    )
+    proc = tandem_run(tmp_path, script, "--no-progress")
+    try:
+        deadline = time.monotonic() + 60
+        while not complete(directory):
+            assert time.monotonic() < deadline, "no checkpoint written"
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert workers
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    _, alive = psutil.wait_procs(workers, timeout=15)
+    assert not alive, f"workers outlived the killed driver: {alive}"
+
+    newest = complete(directory)[-1]  # the one --resume starts from
+    cut = td.Savepoint.read(str(newest))
+    out = tmp_path / "resumed.json"
+    done = tandem_run(tmp_path, script, "--no-progress", "--resume", "--json", str(out))
+    stdout, stderr = done.communicate(timeout=180)
+    assert done.returncode == 0, stdout + stderr
+    assert f"resuming job 'driver' from {newest} (heartbeat {cut.epoch}" in stdout, stdout
+    result = json.loads(out.read_text())
+    emitted = sum(p["rows"] for p in cut.sources["source"])
+    assert result["events_out"] == ROWS - emitted > 0
+    assert result["digests_match"]
