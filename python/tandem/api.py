@@ -239,7 +239,14 @@ class Job:
     write the cuts to local disk; a lost worker's replicas restart from the latest complete
     checkpoint and are replayed from there (``replay_ms`` then defaults to ``2 *
     checkpoint_ms + 3000``, so the replay windows reach back to it); a lost Kafka sink
-    restarts from its last commit, as with ``restore``.
+    restarts from its last commit, as with ``restore``. ``checkpoint_dir`` (with
+    ``checkpoint_ms``, ``replication >= 2``): durable checkpoints — every ``checkpoint_ms``
+    a savepoint of the whole job (one live replica of every partition cut at one
+    heartbeat, the job going on) is written to a directory of its own in
+    ``checkpoint_dir`` (a local path or a URI ``pyarrow.fs`` opens), the newest
+    :data:`tandem.savepoints.KEEP_CHECKPOINTS` kept; when the process running the job
+    dies, ``run(resume=True)`` (``tandem run --resume``) starts it from the newest
+    complete one (local engine; sinks that keep their rows in the Result).
 
     The batch is the unit of determinism: every replica of a task partition is called
     with the same batches, so an operator function must be deterministic for a given input
