@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +33,9 @@ HELP = (
 COST_CONFIGS = named({"r1": "r1", "r2": "liverobin", "r2-kazoo": "kazoo", "r3": "r3"})
 COST_CONFIGS["r2-single-sink"] = {**COST_CONFIGS["r2"], "sink_replication": 1}
 """``r2-single-sink``: r2 with the sink unreplicated, what replicated sinks cost beside."""
+COST_CONFIGS["r2-checkpoints"] = {**COST_CONFIGS["r2"], "durable_ms": 1000}
+"""``r2-checkpoints``: r2 writing a durable checkpoint every second (``Job(checkpoint_ms=1000,
+checkpoint_dir=...)``, into a temporary directory), what they cost beside."""
 COST_WORKLOADS = ("demo", "mib1")
 
 COST_TARGETS = {
@@ -108,8 +113,12 @@ def cost_job(workload: str, config: str, rate: int, kazoo: td.KazooConfig | None
     """The job of one cost run: the demo (:func:`tandem.experiments.demo.build`, no fault)
     or MiB1 of length 3 (keyed), each ending in a Collect sink so that the run is checked
     row by row against the reference."""
-    opts = COST_CONFIGS[config]
+    opts = dict(COST_CONFIGS[config])
     zoo = kazoo if opts["ordering"] == "kazoo" else None
+    durable_ms = opts.pop("durable_ms", None)
+    if durable_ms is not None:  # removed after the run (_cost_row)
+        opts["checkpoint_ms"] = durable_ms
+        opts["checkpoint_dir"] = tempfile.mkdtemp(prefix="tandem-cost-checkpoints-")
     if workload == "demo":
         return demo.build(rate=rate, **opts, kazoo=zoo)
     return mib1_job(
@@ -120,6 +129,8 @@ def cost_job(workload: str, config: str, rate: int, kazoo: td.KazooConfig | None
         zoo,
         sink=td.sinks.Collect(),
         sink_replication=opts.get("sink_replication"),
+        checkpoint_ms=opts.get("checkpoint_ms"),
+        checkpoint_dir=opts.get("checkpoint_dir"),
     )
 
 
@@ -182,7 +193,11 @@ def _cost_row(
         common.service_pids(kazoo or td.KazooConfig(), log) if opts["ordering"] == "kazoo" else {}
     )
     before = {name: process_cpu_s(pid) for name, pid in pids.items()}
-    res = job.run(duration=duration, warmup=warmup, progress=False, check=True)
+    try:
+        res = job.run(duration=duration, warmup=warmup, progress=False, check=True)
+    finally:
+        if job.checkpoint_dir is not None:
+            shutil.rmtree(job.checkpoint_dir, ignore_errors=True)
     used = {}
     for name, pid in pids.items():
         now = process_cpu_s(pid)

@@ -35,10 +35,12 @@ def build(
     kazoo: td.KazooConfig | None = None,
     restore: bool = False,
     sink_replication: int | None = None,
+    checkpoint_ms: float | None = None,
+    checkpoint_dir: str | None = None,
 ) -> td.Job:
     """The demo job. Under ``ordering="none"`` (the unordered baseline, whose replicas are
     expected to diverge) divergence is logged and shown in the summary instead of stopping
-    the run."""
+    the run. ``checkpoint_dir``: durable checkpoints there every ``checkpoint_ms``."""
     job = td.Job(
         "demo",
         replication=replication,
@@ -48,6 +50,8 @@ def build(
         kazoo=kazoo,
         on_divergence="log" if ordering == "none" else "fail",
         restore=restore,
+        checkpoint_ms=checkpoint_ms,
+        checkpoint_dir=checkpoint_dir,
     )
     events = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=7), parallelism=2)
     counted = (

@@ -72,10 +72,12 @@ def new_job(
     kazoo: td.KazooConfig | None = None,
     heartbeat_ms: float = 10,
     checkpoint_ms: float | None = None,
+    checkpoint_dir: str | None = None,
 ) -> td.Job:
     """A job as every workload here sets it up: heartbeat ``heartbeat_ms``, buffer timeout
     5 ms, ``kazoo`` only for KaZoo, and the unordered baseline's divergence logged (it
-    diverges by design: measure it rather than stop it)."""
+    diverges by design: measure it rather than stop it); ``checkpoint_dir``: durable
+    checkpoints there every ``checkpoint_ms``."""
     return td.Job(
         name,
         replication=replication,
@@ -85,6 +87,7 @@ def new_job(
         kazoo=kazoo if ordering == "kazoo" else None,
         on_divergence="log" if ordering == "none" else "fail",
         checkpoint_ms=checkpoint_ms,
+        checkpoint_dir=checkpoint_dir,
     )
 
 
@@ -104,14 +107,18 @@ def mib1_job(
     heartbeat_ms: float = 10,
     checkpoint_ms: float | None = None,
     sink_replication: int | None = None,
+    checkpoint_dir: str | None = None,
 ) -> td.Job:
     """MiB1 of length ``length``: a source of 2 partitions at ``rate`` ev/s, then
     ``length`` identity map tasks of 2 partitions each; the sink records latency unless
     another is given (a ``td.sinks.Collect()`` makes the output comparable with the
     reference's). ``keyed``: each task reads every upstream partition (keyed by ``key``),
     else partition p feeds partition p only (forward edges: one input channel each,
-    nothing to order). ``sink_replication``: the sink's (default: the job's)."""
-    job = new_job(f"mib1-{length}", replication, ordering, kazoo, heartbeat_ms, checkpoint_ms)
+    nothing to order). ``sink_replication``: the sink's (default: the job's);
+    ``checkpoint_dir``: durable checkpoints there every ``checkpoint_ms``."""
+    job = new_job(
+        f"mib1-{length}", replication, ordering, kazoo, heartbeat_ms, checkpoint_ms, checkpoint_dir
+    )
     stream = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=1), parallelism=2)
     for i in range(length):
         stream = stream.key_by("key") if keyed else stream
