@@ -155,10 +155,14 @@ def test_durable_checkpoint_mistakes_are_refused_before_anything_starts(input_fi
     with pytest.raises(td.ConfigError, match="give one of them"):
         job.run(resume=True, from_savepoint=str(tmp_path / "sp"))
 
-    files = td.Job("files", checkpoint_ms=500, checkpoint_dir=str(tmp_path / "b"))
-    files.source(td.sources.Synthetic(rate=10)).sink(td.sinks.Parquet(str(tmp_path / "out")))
+    class Outside(td.sinks.Sink):  # a sink of the user's: its rows go out as it writes
+        def write(self, batch):
+            pass
+
+    outside = td.Job("outside", checkpoint_ms=500, checkpoint_dir=str(tmp_path / "b"))
+    outside.source(td.sources.Synthetic(rate=10)).sink(Outside())
     with pytest.raises(td.ConfigError, match=r"does not take sink .* writes outside the job"):
-        files.run(duration=1.0)
+        outside.run(duration=1.0)
 
     other = tmp_path / "other"
     keyed_job(input_file, other).run(progress=False, timeout=120)
@@ -166,6 +170,61 @@ def test_durable_checkpoint_mistakes_are_refused_before_anything_starts(input_fi
     renamed.source(td.sources.Synthetic(rate=10)).sink(td.sinks.Collect())
     with pytest.raises(td.ConfigError, match="holds checkpoints of job 'durable'"):
         renamed.run(duration=1.0, resume=True)
+
+
+def parquet_job(input_file: str, directory, out) -> td.Job:
+    """:func:`keyed_job` writing Parquet: durable checkpoints make it write in parts."""
+    job = td.Job("parts", replication=2, checkpoint_ms=PERIOD_MS, checkpoint_dir=str(directory))
+    stream = job.source(td.sources.Parquet(input_file, rate=RATE), parallelism=2, name="source")
+    stream.key_by("key").process(td.CountPerKey(), parallelism=2, name="count").sink(
+        td.sinks.Parquet(str(out)), parallelism=2
+    )
+    return job
+
+
+def test_a_file_sink_killed_with_its_job_resumes_with_every_row_once(input_file, tmp_path):
+    """A Parquet sink in a job with durable checkpoints writes a part per checkpoint,
+    published once the checkpoint is complete. The job killed at once and resumed from
+    its newest checkpoint: the parts after it (and what was being written) are dropped,
+    the resumed run writes on from the cut — the directory holds every row once, with the
+    counts an independent count gives."""
+    directory, out = tmp_path / "checkpoints", tmp_path / "out"
+    handle = parquet_job(input_file, directory, out).start(progress=False)
+    deadline = time.monotonic() + 60
+    while not complete(directory) or newest_epoch(directory) * 10 < 3 * PERIOD_MS:
+        assert time.monotonic() < deadline, "no checkpoints written"
+        assert handle.running, "the job ended before it wrote its checkpoints"
+        time.sleep(0.05)
+    handle.kill()
+    with pytest.raises(td.TandemError):
+        handle.result()
+    published = sorted(p.name for p in out.glob("part-*.parquet"))
+    assert published, "no part was published at a checkpoint"
+    assert all(p.count("-") == 2 for p in published)  # part-<partition>-<epoch>.parquet
+
+    resumed = parquet_job(input_file, directory, out).run(
+        progress=False, resume=True, timeout=120
+    )
+    assert resumed.digests_match
+    assert not list(out.glob(".*")), "staged or rolled parts left behind"
+    table = pq.read_table(out).to_pandas()  # every part, of both runs
+    assert len(table) == ROWS and table["id"].is_unique
+    frame = pq.read_table(input_file).to_pandas()
+    for key, rows in table.groupby("key"):
+        n = int((frame["key"] == key).sum())
+        assert sorted(rows["count"].tolist()) == list(range(1, n + 1)), key
+
+
+def test_a_file_sink_with_checkpoints_publishes_every_row_once(input_file, tmp_path):
+    """A run that writes checkpoints and ends by itself: its parts are the whole output,
+    checked against the reference."""
+    directory, out = tmp_path / "checkpoints", tmp_path / "out"
+    result = parquet_job(input_file, directory, out).run(progress=False, timeout=120)
+    assert result.lost == 0 and result.duplicates == 0 and result.digests_match
+    parts = sorted(out.glob("part-*.parquet"))
+    assert len(parts) > 2  # partitions x checkpoints
+    assert pq.read_table(out).num_rows == ROWS
+    assert not list(out.glob(".*"))
 
 
 DRIVER_JOB = """

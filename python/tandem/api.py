@@ -558,13 +558,15 @@ class Job:
                 "reads a log; a checkpoint of a Kafka source comes later)"
             )
         for task in plan.tasks:
-            if task.kind == "sink" and not task.sink.in_result:
+            sink = task.sink
+            if task.kind == "sink" and not (sink.in_result or sink.commits_at_checkpoints):
                 raise ConfigError(
                     f"job {self.name!r}: checkpoint_dir= does not take sink {task.name!r} "
-                    f"({task.sink.describe()}) yet: it writes outside the job, and the rows "
-                    "it wrote between the last checkpoint and a lost driver would be written "
-                    "again; sinks that keep rows in the Result (Collect, Latency) work, and "
-                    "a job stopped with a savepoint resumes exactly with any sink"
+                    f"({sink.describe()}) yet: it writes outside the job as it goes, and the "
+                    "rows it wrote between the newest checkpoint and a lost driver would be "
+                    "written again; file sinks (Parquet, Csv) commit at checkpoints and "
+                    "Collect and Latency keep their rows in the Result, and a job stopped "
+                    "with a savepoint resumes exactly with any sink"
                 )
 
     def _resume_point(
@@ -588,6 +590,8 @@ class Job:
         if not resume:
             savepoints.check_no_checkpoints(self.checkpoint_dir, self.name)
             savepoints.clear_checkpoints(self.checkpoint_dir)
+            if from_savepoint is None:
+                savepoints.settle_parts(self.plan(), None)  # written anew, from the start
             return from_savepoint
         if from_savepoint is not None:
             raise ConfigError(
@@ -597,6 +601,7 @@ class Job:
         latest = savepoints.latest_checkpoint(self.checkpoint_dir, self.name)
         if latest is None:
             savepoints.clear_checkpoints(self.checkpoint_dir)
+            savepoints.settle_parts(self.plan(), None)
             log.info(
                 "job %r: no complete checkpoint in %s; starting from the beginning",
                 self.name,
@@ -604,6 +609,7 @@ class Job:
             )
             return None
         savepoints.clear_checkpoints(self.checkpoint_dir, after=latest.epoch)
+        savepoints.settle_parts(self.plan(), latest)
         log.info(
             "job %r: resuming from %s (heartbeat %d, %.2f s of source time)",
             self.name,

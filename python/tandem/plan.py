@@ -577,6 +577,8 @@ class Plan:
         self._check_partition(task, partition)
         sink = copy.deepcopy(task.sink)
         sink.keep_positions, sink.run, sink.replica = self.restarts_sink(task.id), run, replica
+        if self.durable_dir is not None and sink.commits_at_checkpoints:
+            sink.parts_from = 0 if self.resumed is None else self.resumed.epoch
         sink.open(partition, task.parallelism, task.schema)
         return sink
 

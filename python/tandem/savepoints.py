@@ -644,6 +644,40 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int = KEEP_CHECKPOINTS
     return removed
 
 
+def part_sinks(plan: Plan) -> list:
+    """The sink tasks of ``plan`` that commit at durable checkpoints (in parts)."""
+    if plan.durable_dir is None:
+        return []
+    return [t for t in plan.tasks if t.kind == "sink" and t.sink.commits_at_checkpoints]
+
+
+def publish_parts(plan: Plan, epoch: int, cuts: dict[ReplicaId, Resume]) -> None:
+    """The durable checkpoint at heartbeat ``epoch`` is complete: publish, per partition of
+    every sink in parts, the parts of the replica it was cut from (``cuts``: one per
+    partition), and remove the other replicas' (:meth:`tandem.sinks.Sink.publish_parts`)."""
+    for task in part_sinks(plan):
+        for (t, p, r) in sorted(cuts):
+            if t == task.id:
+                task.sink.publish_parts(p, task.parallelism, epoch, r)
+
+
+def settle_parts(plan: Plan, checkpoint: Savepoint | None) -> None:
+    """Before a run of ``plan`` starts from ``checkpoint`` (None: from the beginning): every
+    sink in parts keeps the parts through the checkpoint, publishing its own if the lost
+    run had not, and loses everything after it (:meth:`tandem.sinks.Sink.settle_parts`)."""
+    for task in part_sinks(plan):
+        replicas = {}
+        if checkpoint is not None:
+            replicas = {
+                int(part["partition"]): int(part["replica"])
+                for part in checkpoint.partitions
+                if part["task"] == task.name
+            }
+        for p in range(task.parallelism):
+            epoch = 0 if checkpoint is None else checkpoint.epoch
+            task.sink.settle_parts(p, task.parallelism, epoch, replicas.get(p, 0))
+
+
 def failed(why: str) -> TandemError:
     """The error a savepoint that could not be taken raises."""
     return TandemError(f"savepoint not taken: {why}")
@@ -661,9 +695,12 @@ __all__ = [
     "checkpoint_path",
     "clear_checkpoints",
     "latest_checkpoint",
+    "part_sinks",
     "prune_checkpoints",
+    "publish_parts",
     "resume",
     "settle",
+    "settle_parts",
     "source_positions",
     "write",
 ]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import re
 import time
 from typing import Any
 
@@ -72,10 +73,22 @@ class Sink(abc.ABC):
     replica: int = 0
     """Set by the engine before :meth:`open`: which replica of its partition this is."""
     in_result: bool = False
-    """Whether the rows go nowhere but the job's Result (kept in memory, or counted): a
-    job with durable checkpoints (``Job(checkpoint_dir=...)``) takes only such sinks in
-    this version — the rows a sink with an effect outside (files, a topic) wrote between
-    the last checkpoint and a lost driver are not taken back yet."""
+    """Whether the rows go nowhere but the job's Result (kept in memory, or counted). A
+    job with durable checkpoints (``Job(checkpoint_dir=...)``) takes such a sink, or one
+    that :attr:`commits_at_checkpoints`; a sink with another effect outside (a topic)
+    would write again, after the driver's loss, the rows between the newest checkpoint
+    and the loss."""
+    commits_at_checkpoints: bool = False
+    """Whether the sink writes in parts, one per durable checkpoint: every replica of a
+    partition closes the part holding its rows through each checkpoint's cut
+    (:meth:`roll`), and once the checkpoint is complete the driver publishes one
+    replica's part and removes the others (:meth:`publish_parts`). A job resumed from
+    the newest checkpoint after its driver was lost removes what came after it
+    (:meth:`settle_parts`) and writes on from there: every row once."""
+    parts_from: int | None = None
+    """Set by the engine before :meth:`open` in a job with durable checkpoints, for a sink
+    that :attr:`commits_at_checkpoints`: the heartbeat epoch the run starts from (0, or
+    its checkpoint's); the sink then writes in parts."""
 
     def describe(self) -> str:
         return type(self).__name__
@@ -119,6 +132,28 @@ class Sink(abc.ABC):
         ``state`` from :meth:`recover`; returns the rows the lost partition had made
         durable (they count as written by this one)."""
         raise ConfigError(_not_restartable(self))
+
+    def roll(self, epoch: int) -> None:
+        """A sink that :attr:`commits_at_checkpoints`: the rows written so far are this
+        replica's rows through the durable checkpoint at heartbeat ``epoch``; close them as
+        a part of their own, which :meth:`publish_parts` publishes or removes."""
+        raise ConfigError(f"{self.describe()} does not commit at checkpoints")
+
+    def publish_parts(
+        self, partition: int, parallelism: int, through: int, replica: int
+    ) -> list[str]:
+        """A sink that :attr:`commits_at_checkpoints`, on the driver, once the checkpoint
+        at heartbeat ``through`` is complete: publish replica ``replica``'s parts of
+        ``partition`` rolled at or before it, and remove every other replica's; the
+        published parts' names."""
+        return []
+
+    def settle_parts(self, partition: int, parallelism: int, epoch: int, replica: int) -> None:
+        """A sink that :attr:`commits_at_checkpoints`, before a run resumes from the
+        checkpoint at heartbeat ``epoch`` (whose sink cut is replica ``replica``'s):
+        publish that checkpoint's parts if the lost run had not, and remove every part,
+        published or not, of what came after it."""
+        return None
 
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> Any:
         """Merge the partitions' ``close()`` values (in partition order; one replica's
@@ -183,9 +218,18 @@ class Collect(Sink):
 class _FileSink(Sink):
     """A file per partition, written to a staged name beside it (a dot file, which
     Spark's and Arrow's dataset readers skip) by each replica, and renamed into place by
-    :meth:`combine`: a file appears whole, once, when the run has ended."""
+    :meth:`combine`: a file appears whole, once, when the run has ended.
+
+    In a job with durable checkpoints, a partition is written in parts instead, one per
+    checkpoint, each named by the heartbeat after which its rows start
+    (``<name>-<epoch, 12 digits><ext>``, :meth:`_part`): at a checkpoint's cut every
+    replica renames its staged part to ``.<part>.r<replica>.upto-<epoch>`` and starts the
+    next (:meth:`roll`); once the checkpoint is complete the driver renames one replica's
+    into place and removes the others' (:meth:`publish_parts`); the last part is
+    published by :meth:`combine` as the run ends."""
 
     replicable = True
+    commits_at_checkpoints = True
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
@@ -200,24 +244,111 @@ class _FileSink(Sink):
         """Where partition ``partition``'s file goes."""
 
     def _staged(self, partition: int, parallelism: int, replica: int) -> str:
-        folder, name = os.path.split(self._final(partition, parallelism))
+        return self._staged_of(self._final(partition, parallelism), replica)
+
+    @staticmethod
+    def _staged_of(file: str, replica: int) -> str:
+        folder, name = os.path.split(file)
         return os.path.join(folder, f".{name}.r{replica}.staging")
+
+    # -- parts (a job with durable checkpoints) --------------------------------------------
+
+    def _part_name(self, partition: int, parallelism: int) -> tuple[str, str, str]:
+        """The folder, stem and extension of a partition's parts."""
+        stem, ext = os.path.splitext(self._final(partition, max(parallelism, 2)))
+        folder, name = os.path.split(stem)
+        return folder, name, ext
+
+    def _part(self, partition: int, parallelism: int, start: int) -> str:
+        """Where the part of ``partition``'s rows after heartbeat ``start`` goes."""
+        folder, name, ext = self._part_name(partition, parallelism)
+        return os.path.join(folder, f"{name}-{start:012d}{ext}")
+
+    def _parts(self, partition: int, parallelism: int) -> dict[str, list]:
+        """What the folder holds of ``partition``'s parts: ``published`` ``(start, path)``,
+        ``rolled`` ``(start, replica, upto, path)``, ``staged`` ``(start, replica, path)``."""
+        folder, name, ext = self._part_name(partition, parallelism)
+        stem = re.escape(name) + r"-(\d{12})" + re.escape(ext)
+        published = re.compile(rf"^{stem}$")
+        rolled = re.compile(rf"^\.{stem}\.r(\d+)\.upto-(\d{{12}})$")
+        staged = re.compile(rf"^\.{stem}\.r(\d+)\.staging$")
+        found: dict[str, list] = {"published": [], "rolled": [], "staged": []}
+        try:
+            names = os.listdir(folder or ".")
+        except FileNotFoundError:
+            return found
+        for entry in sorted(names):
+            path = os.path.join(folder, entry)
+            if m := published.match(entry):
+                found["published"].append((int(m[1]), path))
+            elif m := rolled.match(entry):
+                found["rolled"].append((int(m[1]), int(m[2]), int(m[3]), path))
+            elif m := staged.match(entry):
+                found["staged"].append((int(m[1]), int(m[2]), path))
+        return found
+
+    def roll(self, epoch: int) -> None:
+        if self.writer is None and self.schema is not None:
+            self._writer(self.schema)  # an empty part: the chain of parts has no hole
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        os.replace(self.staged, self.staged.removesuffix(".staging") + f".upto-{epoch:012d}")
+        self.start = epoch
+        self.file = self._part(self.partition, self.parallelism, epoch)
+        self.staged = self._staged_of(self.file, self.replica)
+
+    def publish_parts(
+        self, partition: int, parallelism: int, through: int, replica: int
+    ) -> list[str]:
+        published = []
+        for start, r, upto, path in self._parts(partition, parallelism)["rolled"]:
+            if upto > through:
+                continue
+            if r == replica:
+                os.replace(path, self._part(partition, parallelism, start))
+                published.append(self._part(partition, parallelism, start))
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+        return published
+
+    def settle_parts(self, partition: int, parallelism: int, epoch: int, replica: int) -> None:
+        self.publish_parts(partition, parallelism, epoch, replica)
+        found = self._parts(partition, parallelism)
+        for start, path in found["published"]:
+            if start >= epoch:  # rows after the checkpoint: the resumed run writes them
+                os.remove(path)
+        for *_, path in found["rolled"] + found["staged"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
     def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
         super().open(partition, parallelism, schema)
-        self.file = self._final(partition, parallelism)
-        self.staged = self._staged(partition, parallelism, self.replica)
+        if self.parts_from is None:
+            self.file = self._final(partition, parallelism)
+        else:
+            self.start = self.parts_from
+            self.file = self._part(partition, parallelism, self.start)
+        self.staged = self._staged_of(self.file, self.replica)
         parent = os.path.dirname(self.file)
         if parent:
             os.makedirs(parent, exist_ok=True)
         self.writer = None
 
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> list[str]:
-        """Publish each partition's staged file under its name (an atomic rename)."""
+        """Publish each partition's staged file under its name (an atomic rename); in
+        parts, the run's last part, and list every part the run published."""
         files = []
         for part in parts:
             if not part:
                 continue
+            if part.get("parts_from") is not None:
+                # Its parts rolled at a checkpoint that did not complete (the stream ended
+                # first): published with the last one, which starts where they end.
+                self.publish_parts(
+                    part["partition"], part["parallelism"], 1 << 62, part["replica"]
+                )
             try:
                 os.replace(part["staged"], part["file"])
             except FileNotFoundError as exc:
@@ -226,7 +357,11 @@ class _FileSink(Sink):
                     f"{part['file']!r} cannot be published; on a cluster the path must be "
                     "on a file system every executor and the driver share"
                 ) from exc
-            files.append(part["file"])
+            if part.get("parts_from") is None:
+                files.append(part["file"])
+                continue
+            published = self._parts(part["partition"], part["parallelism"])["published"]
+            files += [path for start, path in published if start >= part["parts_from"]]
         return files
 
     def discard(
@@ -235,6 +370,12 @@ class _FileSink(Sink):
         staged = part["staged"] if part else self._staged(partition, parallelism, replica)
         with contextlib.suppress(FileNotFoundError):
             os.remove(staged)
+        # In parts: whatever this replica left (a lost one's rolled parts too).
+        found = self._parts(partition, parallelism)
+        for _, r, *rest in found["rolled"] + found["staged"]:
+            if r == replica:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(rest[-1])
 
     def rows(self, value: Any, schema: pa.Schema | None = None) -> pa.Table:
         """Every row of the files ``value`` lists (in that order), read back with the
@@ -262,7 +403,14 @@ class _FileSink(Sink):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        return {"file": self.file, "staged": self.staged}
+        return {
+            "file": self.file,
+            "staged": self.staged,
+            "partition": self.partition,
+            "parallelism": self.parallelism,
+            "replica": self.replica,
+            "parts_from": self.parts_from,
+        }
 
 
 class Parquet(_FileSink):

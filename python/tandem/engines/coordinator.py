@@ -1104,7 +1104,10 @@ class Coordinator:
             ask.path = savepoints.checkpoint_path(self.plan.durable_dir, epoch)
             savepoints.check_target(ask.path)
         rids = []
+        in_parts = {t.id for t in savepoints.part_sinks(self.plan)}
         for task in self.plan.tasks:
+            # A durable checkpoint closes the part of every replica of a sink in parts.
+            rolls = ask.checkpoint and task.id in in_parts
             for p in range(task.parallelism):
                 live = [
                     (task.id, p, r) for r in range(task.replication) if self._alive((task.id, p, r))
@@ -1113,13 +1116,17 @@ class Coordinator:
                     raise savepoints.failed(
                         f"{task.describe()} partition {p} has no live replica to cut"
                     )
-                rids.append(live[0])
+                rids += live if rolls else live[:1]
         folder = tempfile.mkdtemp(prefix="tandem-savepoint-")
         by_worker: dict[int, list[ReplicaId]] = {}
         for rid in rids:
             by_worker.setdefault(self.worker_of[rid], []).append(rid)
         for w, asked in sorted(by_worker.items()):
-            self.host.send(w, self.current[w], SavepointRequest(epoch, folder, tuple(asked)))
+            self.host.send(
+                w,
+                self.current[w],
+                SavepointRequest(epoch, folder, tuple(asked), roll=ask.checkpoint),
+            )
         saving = _Saving(ask, epoch, folder, set(rids), time.monotonic() + CHECKPOINT_TIMEOUT_S)
         if self.checkpointing:  # no checkpoint meanwhile: one aligned cut a slot
             saving.checkpoint_at, self._checkpoint_at = self._checkpoint_at, math.inf
@@ -1145,6 +1152,11 @@ class Coordinator:
             saving.waiting.discard(rid)
             saving.tried.add(rid)
             t, p, _ = rid
+            asked = [o for o in (*saving.waiting, *saving.cuts) if o[:2] == (t, p)]
+            if asked:  # a twin of it was asked too (a sink in parts): its cut will do
+                if not saving.waiting:
+                    self._savepoint_cut(saving)
+                return
             twins = [
                 (t, p, r)
                 for r in range(self.plan.tasks[t].replication)
@@ -1164,9 +1176,18 @@ class Coordinator:
             return
         saving.cuts[rid] = taken
         saving.waiting.discard(rid)
-        if saving.waiting:
-            return
+        if not saving.waiting:
+            self._savepoint_cut(saving)
+
+    def _savepoint_cut(self, saving: _Saving) -> None:
+        """Every cut of the savepoint is in: a thread writes it while the job goes on (and,
+        a durable checkpoint, publishes the parts of the sinks in parts)."""
         self._saving = None
+        # One cut per partition (every replica of a sink in parts was cut): the lowest.
+        cuts: dict[ReplicaId, Resume] = {}
+        for rid in sorted(saving.cuts):
+            if not any(kept[:2] == rid[:2] for kept in cuts):
+                cuts[rid] = saving.cuts[rid]
         if self.checkpointing:
             self._checkpoint_at = saving.checkpoint_at
         plan, ask = self.plan, saving.ask
@@ -1175,7 +1196,9 @@ class Coordinator:
             from tandem import savepoints
 
             try:
-                written = savepoints.write(ask.path, plan, saving.epoch, saving.cuts)
+                written = savepoints.write(ask.path, plan, saving.epoch, cuts)
+                if ask.checkpoint:  # complete: its parts become the output
+                    savepoints.publish_parts(plan, saving.epoch, cuts)
             except BaseException as exc:
                 ask.future.set_exception(exc)
             else:

@@ -311,7 +311,7 @@ def _requests(
             savepoints[msg.epoch] = msg.folder
             for old in sorted(savepoints)[:-4]:  # answered long ago
                 del savepoints[old]
-            worker.request_savepoint(msg.epoch, msg.replicas)
+            worker.request_savepoint(msg.epoch, msg.replicas, msg.roll)
         elif isinstance(msg, Crash):
             crash(msg.unit)
         elif isinstance(msg, Freeze):

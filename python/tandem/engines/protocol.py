@@ -196,11 +196,13 @@ class CheckpointRequest(Message):
 class SavepointRequest(Message):
     """Cut ``replicas`` (those of them this worker hosts; sinks too) right after heartbeat
     ``epoch`` for a savepoint (:mod:`tandem.savepoints`) and write each state into
-    ``folder``."""
+    ``folder``. ``roll``: a durable checkpoint's — a sink that commits at checkpoints
+    (:attr:`tandem.sinks.Sink.commits_at_checkpoints`) closes its part there too."""
 
     epoch: int
     folder: str
     replicas: tuple[ReplicaId, ...]
+    roll: bool = False
 
 
 @dataclass(frozen=True, slots=True)

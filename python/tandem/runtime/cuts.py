@@ -232,6 +232,7 @@ class SlotCuts:
         """Called (from the worker thread) with ``(rid, epoch, Resume | None)`` for every
         replica cut for the savepoint at heartbeat ``epoch`` (:meth:`ask_savepoint`)."""
         self.savepoints: dict[int, int] = {}  # slot -> the savepoint epoch asked of it
+        self.rolls: set[int] = set()  # slots whose savepoint cut closes a sink's part
 
     def ask(self, rid: tuple[int, int, int], rep: Any, token) -> None:
         """Have the core cut replica ``rid`` (hosted as ``rep``, None if it is not) at its
@@ -254,16 +255,22 @@ class SlotCuts:
             self.checkpoints[rep.slot] = epoch  # replaces one not taken yet
             self.core.request_cut_at(rep.slot, epoch)
 
-    def ask_savepoint(self, replicas: list, epoch: int) -> None:
+    def ask_savepoint(self, replicas: list, epoch: int, roll: bool = False) -> None:
         """Have the core cut every replica of ``replicas`` — sinks too: their input
         positions are where a resumed sink starts — right after it forwards heartbeat
-        ``epoch``, for :attr:`on_savepoint`. The coordinator never asks for a savepoint's
-        cuts and a checkpoint's at once (the core keeps one aligned cut per slot)."""
+        ``epoch``, for :attr:`on_savepoint`; ``roll`` (a durable checkpoint): a sink that
+        commits at checkpoints closes its part at that cut. The coordinator never asks
+        for a savepoint's cuts and a checkpoint's at once (the core keeps one aligned cut
+        per slot)."""
         for rep in replicas:
             if rep.slot is None or rep.done:
                 self.on_savepoint(rep.me, epoch, None)
                 continue
             self.savepoints[rep.slot] = epoch
+            if roll:
+                self.rolls.add(rep.slot)
+            else:
+                self.rolls.discard(rep.slot)
             self.core.request_cut_at(rep.slot, epoch)
 
     def retire(self, rep: Any) -> None:
@@ -285,8 +292,12 @@ class SlotCuts:
         the cuts asked of it there."""
         if item.at is not None and self.savepoints.get(item.slot) == item.at:
             del self.savepoints[item.slot]
+            roll = item.slot in self.rolls
+            self.rolls.discard(item.slot)
             try:  # in place; the state is written off the worker thread
                 taken = rep.cut(item.cut)
+                if roll and taken is not None:
+                    rep.roll(item.at)  # the rows through the cut: a part of their own
             except Exception:
                 log.exception("%s: taking a savepoint's cut failed", rep.name)
                 taken = None

@@ -273,6 +273,13 @@ class Replica:
         self._sink.mark(cut)
         self.core.request_cut(self.slot)
 
+    def roll(self, epoch: int) -> None:
+        """A sink that commits at checkpoints, cut for the durable checkpoint at heartbeat
+        ``epoch``: close the part holding its rows through the cut
+        (:meth:`tandem.sinks.Sink.roll`)."""
+        if self._sink is not None and self._sink.parts_from is not None:
+            self._sink.roll(epoch)
+
     def restore(self, t0_ns: int) -> None:
         """A rebuilt operator replica: create the operator and load the twin's state into it
         now (before ``start``), so that it is ready when its input is replayed."""

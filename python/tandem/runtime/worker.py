@@ -159,10 +159,11 @@ class Worker:
         self.control.append(("checkpoint", None, epoch))
         self.core.wake()
 
-    def request_savepoint(self, epoch: int, rids) -> None:
+    def request_savepoint(self, epoch: int, rids, roll: bool = False) -> None:
         """Cut the hosted replicas among ``rids`` (sinks too) right after each forwards
-        heartbeat ``epoch`` and hand each to :attr:`on_savepoint`."""
-        self.control.append(("savepoint", tuple(rids), epoch))
+        heartbeat ``epoch`` and hand each to :attr:`on_savepoint`; ``roll``: a sink that
+        commits at checkpoints closes its part there (:meth:`Replica.roll`)."""
+        self.control.append(("savepoint", tuple(rids), epoch, roll))
         self.core.wake()
 
     def link(self, up: ReplicaId, down: ReplicaId, address: tuple[str, int], epoch: int) -> None:
@@ -209,7 +210,9 @@ class Worker:
                 continue
             if req[0] == "savepoint":
                 asked = set(req[1])
-                self.cuts.ask_savepoint([r for r in self.replicas if r.me in asked], req[2])
+                self.cuts.ask_savepoint(
+                    [r for r in self.replicas if r.me in asked], req[2], roll=req[3]
+                )
                 continue
             rep = by_rid.get(req[1])
             if req[0] == "cut":

@@ -73,6 +73,15 @@ pub trait Merge<P: Chunk>: Send {
              own order; only ordering 'kazoo' (positional) follows orders"
         )))
     }
+    /// An aligned cut at heartbeat `epoch` is asked for: take nothing on a channel past
+    /// its heartbeat `epoch` until [`Merge::release`], so that when the last channel
+    /// delivers it the merge has consumed exactly every channel through `epoch`. Only a
+    /// merge that may run one channel ahead of another needs it ([`crate::merge::Fcfs`]);
+    /// LiveRobin's cycles end at every heartbeat on every channel together, and a
+    /// positional merge follows its orders.
+    fn align_at(&mut self, _epoch: u64) {}
+    /// The aligned cut is taken (or given up): take input as before.
+    fn release(&mut self) {}
     /// The merge's state now, if a replica rebuilt from it can start here (see
     /// [`MergeCut`]); None if it cannot be cut now (mid-cycle, or holding part of a batch)
     /// and the caller must try again later.

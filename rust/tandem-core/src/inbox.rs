@@ -569,6 +569,16 @@ impl Inbox {
         }
     }
 
+    /// An aligned cut at heartbeat `epoch` is asked for: see [`Merge::align_at`].
+    pub fn align_at(&mut self, epoch: u64) {
+        self.merge.align_at(epoch);
+    }
+
+    /// The aligned cut is taken or given up: see [`Merge::release`].
+    pub fn release(&mut self) {
+        self.merge.release();
+    }
+
     /// Where this inbox stands now, if its merge can be cut here (see [`InboxCut`]): call
     /// right after a delivery that ended a heartbeat cycle.
     pub fn cut(&self) -> Option<InboxCut> {

@@ -56,11 +56,20 @@ pub fn build<P: Chunk + Send + 'static>(mode: &OrderingMode, channels: usize) ->
 
 /// `none`: deliver whatever is available, rotating fairly over the channels that have
 /// something ready. Heartbeats are forwarded the first time their epoch is seen.
+///
+/// Aligned at an epoch ([`Merge::align_at`]), a channel that has delivered that heartbeat
+/// waits until it is released: the replica is then cut with every channel exactly through
+/// it, as a checkpoint's barrier alignment does, rather than with a faster channel's next
+/// rows taken already (which a sink resumed from the cut would never see again).
 #[derive(Debug, Clone)]
 pub struct Fcfs {
     cursor: usize,
     gate: HeartbeatGate,
     ended: Ended,
+    /// The highest heartbeat epoch each channel has delivered.
+    passed: Vec<u64>,
+    /// An aligned cut asked for at this epoch, not yet taken.
+    barrier: Option<u64>,
 }
 
 impl Fcfs {
@@ -69,7 +78,14 @@ impl Fcfs {
             cursor: 0,
             gate: HeartbeatGate::default(),
             ended: Ended::new(channels),
+            passed: vec![0; channels],
+            barrier: None,
         }
+    }
+
+    /// Whether channel `c` waits at the barrier.
+    fn held(&self, c: usize) -> bool {
+        self.barrier.is_some_and(|k| self.passed[c] >= k)
     }
 }
 
@@ -84,7 +100,7 @@ impl<P: Chunk> Merge<P> for Fcfs {
             let c = self.cursor;
             self.cursor = (self.cursor + 1) % n;
             tried += 1;
-            if self.ended.is_ended(c) {
+            if self.ended.is_ended(c) || self.held(c) {
                 continue;
             }
             match inputs.pop(c) {
@@ -102,6 +118,7 @@ impl<P: Chunk> Merge<P> for Fcfs {
                     tried = 0;
                 }
                 Some(Item::Heartbeat { epoch, .. }) => {
+                    self.passed[c] = self.passed[c].max(epoch);
                     let first = self.gate.see(epoch);
                     return Some(Delivery::Heartbeat {
                         channel: c,
@@ -123,6 +140,14 @@ impl<P: Chunk> Merge<P> for Fcfs {
         None
     }
 
+    fn align_at(&mut self, epoch: u64) {
+        self.barrier = Some(epoch);
+    }
+
+    fn release(&mut self) {
+        self.barrier = None;
+    }
+
     fn cut(&self) -> Option<MergeCut> {
         Some(MergeCut {
             turn: self.cursor,
@@ -137,6 +162,10 @@ impl<P: Chunk> Merge<P> for Fcfs {
         self.cursor = cut.turn;
         self.gate = HeartbeatGate::resumed(cut.gen);
         self.ended = Ended::resumed(&cut.ended);
+        // Unknown per channel: none is held at a barrier before it delivers one more
+        // heartbeat (safe; taking a channel for passed when it is not would hold it
+        // forever).
+        self.passed = vec![0; self.passed.len()];
         Ok(())
     }
 }
@@ -363,6 +392,49 @@ mod tests {
             ]
         );
         assert_eq!(Merge::<Rows>::next(&mut m, &mut inp), Some(Delivery::End));
+    }
+
+    #[test]
+    fn fcfs_aligned_at_an_epoch_holds_a_channel_past_it_until_released() {
+        // Channel 0 is fast: its heartbeat 1 and the rows after it are in before channel
+        // 1's heartbeat 1.
+        let mut inp = inputs(vec![
+            vec![data(0, 1), Item::Heartbeat { seq: 1, epoch: 1 }, data(2, 1)],
+            vec![data(0, 1)],
+        ]);
+        let mut m = Fcfs::new(2);
+        Merge::<Rows>::align_at(&mut m, 1);
+        let mut got = Vec::new();
+        while let Some(d) = Merge::<Rows>::next(&mut m, &mut inp) {
+            got.push(d);
+        }
+        // Everything through channel 0's heartbeat 1, and channel 1's row: not row 2.
+        assert_eq!(got.len(), 3);
+        assert!(!got.contains(&Delivery::Data {
+            channel: 0,
+            first_seq: 2,
+            payload: Rows { start: 2, len: 1 }
+        }));
+        // Channel 1 delivers heartbeat 1: the cut is exactly through epoch 1 on both.
+        inp[1].push_back(Item::Heartbeat { seq: 1, epoch: 1 });
+        assert_eq!(
+            Merge::<Rows>::next(&mut m, &mut inp),
+            Some(Delivery::Heartbeat {
+                channel: 1,
+                epoch: 1,
+                first: false
+            })
+        );
+        assert_eq!(Merge::<Rows>::next(&mut m, &mut inp), None);
+        Merge::<Rows>::release(&mut m);
+        assert_eq!(
+            Merge::<Rows>::next(&mut m, &mut inp),
+            Some(Delivery::Data {
+                channel: 0,
+                first_seq: 2,
+                payload: Rows { start: 2, len: 1 }
+            })
+        );
     }
 
     #[test]

@@ -200,9 +200,23 @@ impl Slot {
             if from < k && self.forwarded >= k {
                 self.cut_at = None;
                 self.aligned = Some((k, self.take_cut().cut()));
+                self.align(None);
             }
         }
         Ok(self.forwarded - from)
+    }
+
+    /// Have the inbox's merge hold every channel at heartbeat `epoch` for an aligned cut
+    /// there (None: let them go on), see [`crate::consume::Merge::align_at`].
+    fn align(&self, epoch: Option<u64>) {
+        if let Some(h) = &self.cfg.inbox {
+            if let Some(ib) = h.lock().as_mut() {
+                match epoch {
+                    Some(k) => ib.align_at(k),
+                    None => ib.release(),
+                }
+            }
+        }
     }
 
     /// A cut taken and not yet handed out, if any (the next-boundary one first).
@@ -498,8 +512,10 @@ impl Worker {
         let s = self.slot(slot)?;
         if s.active && s.forwarded < epoch {
             s.cut_at = Some(epoch);
+            s.align(Some(epoch));
         } else {
             s.cut_at = None;
+            s.align(None);
             s.aligned = Some((epoch, None));
         }
         self.bell.ring();
