@@ -202,9 +202,7 @@ def test_a_file_sink_killed_with_its_job_resumes_with_every_row_once(input_file,
     assert published, "no part was published at a checkpoint"
     assert all(p.count("-") == 2 for p in published)  # part-<partition>-<epoch>.parquet
 
-    resumed = parquet_job(input_file, directory, out).run(
-        progress=False, resume=True, timeout=120
-    )
+    resumed = parquet_job(input_file, directory, out).run(progress=False, resume=True, timeout=120)
     assert resumed.digests_match
     assert not list(out.glob(".*")), "staged or rolled parts left behind"
     table = pq.read_table(out).to_pandas()  # every part, of both runs

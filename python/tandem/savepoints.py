@@ -656,7 +656,7 @@ def publish_parts(plan: Plan, epoch: int, cuts: dict[ReplicaId, Resume]) -> None
     every sink in parts, the parts of the replica it was cut from (``cuts``: one per
     partition), and remove the other replicas' (:meth:`tandem.sinks.Sink.publish_parts`)."""
     for task in part_sinks(plan):
-        for (t, p, r) in sorted(cuts):
+        for t, p, r in sorted(cuts):
             if t == task.id:
                 task.sink.publish_parts(p, task.parallelism, epoch, r)
 

@@ -346,9 +346,7 @@ class _FileSink(Sink):
             if part.get("parts_from") is not None:
                 # Its parts rolled at a checkpoint that did not complete (the stream ended
                 # first): published with the last one, which starts where they end.
-                self.publish_parts(
-                    part["partition"], part["parallelism"], 1 << 62, part["replica"]
-                )
+                self.publish_parts(part["partition"], part["parallelism"], 1 << 62, part["replica"])
             try:
                 os.replace(part["staged"], part["file"])
             except FileNotFoundError as exc:
