@@ -83,9 +83,14 @@ impl Fcfs {
         }
     }
 
-    /// Whether channel `c` waits at the barrier.
+    /// Whether channel `c` waits at the barrier: it has delivered the barrier's heartbeat,
+    /// and no channel ended before delivering it (the replica's watermark then never
+    /// reaches it, the cut is never taken, and holding would stop the replica for good).
     fn held(&self, c: usize) -> bool {
-        self.barrier.is_some_and(|k| self.passed[c] >= k)
+        self.barrier.is_some_and(|k| {
+            self.passed[c] >= k
+                && !(0..self.passed.len()).any(|i| self.ended.is_ended(i) && self.passed[i] < k)
+        })
     }
 }
 
@@ -435,6 +440,28 @@ mod tests {
                 payload: Rows { start: 2, len: 1 }
             })
         );
+    }
+
+    #[test]
+    fn fcfs_holds_nothing_at_a_barrier_a_channel_ended_before() {
+        // Channel 1 ends before heartbeat 2: the cut at 2 never comes, channel 0 goes on.
+        let mut inp = inputs(vec![
+            vec![
+                Item::Heartbeat { seq: 0, epoch: 2 },
+                data(1, 1),
+                Item::End { seq: 2 },
+            ],
+            vec![Item::Heartbeat { seq: 0, epoch: 1 }, Item::End { seq: 1 }],
+        ]);
+        let mut m = Fcfs::new(2);
+        Merge::<Rows>::align_at(&mut m, 2);
+        let out = Merge::<Rows>::drain(&mut m, &mut inp);
+        assert_eq!(out.last(), Some(&Delivery::End));
+        assert!(out.contains(&Delivery::Data {
+            channel: 0,
+            first_seq: 1,
+            payload: Rows { start: 1, len: 1 }
+        }));
     }
 
     #[test]
