@@ -277,3 +277,41 @@ def test_tandem_run_sigkilled_then_resumed(input_file, tmp_path):
     emitted = sum(p["rows"] for p in cut.sources["source"])
     assert result["events_out"] == ROWS - emitted > 0
     assert result["digests_match"]
+
+
+def test_parts_chain_stays_every_row_once_when_a_replica_missed_a_roll(tmp_path):
+    """The parts of a file sink, replica by replica (no job): rolled at checkpoints and
+    published from the replica the manifest names. A replica whose cut was refused at a
+    checkpoint has a longer part; published later, it replaces the shorter ones it covers."""
+    schema = pa.schema([("x", pa.int64())])
+
+    def replica(r: int) -> td.sinks.Parquet:
+        sink = td.sinks.Parquet(str(tmp_path / "out"))
+        sink.replica, sink.parts_from = r, 0
+        sink.open(0, 1, schema)
+        return sink
+
+    def rows(*xs):
+        return pa.record_batch([pa.array(list(xs), pa.int64())], schema=schema)
+
+    a, b = replica(0), replica(1)
+    for sink in (a, b):
+        sink.write(rows(1, 2))
+        sink.roll(10)
+        sink.write(rows(3))
+    first = a.publish_parts(0, 1, 10, 0)  # the rows up to heartbeat 10: a part from 0
+    assert first == [str(tmp_path / "out" / "part-00000-000000000000.parquet")]
+    # a's cuts at 20 and 25 were refused: it writes on in its part from 10, and the
+    # checkpoints at 20 and 25 name b.
+    b.roll(20)
+    a.publish_parts(0, 1, 20, 1)
+    b.roll(25)
+    a.publish_parts(0, 1, 25, 1)
+    assert len(list((tmp_path / "out").glob("part-*"))) == 3
+    for sink in (a, b):
+        sink.write(rows(4))
+        sink.roll(30)
+    a.publish_parts(0, 1, 30, 0)  # back to a: its part from 10 covers b's from 10 and 20
+    names = sorted(p.name for p in (tmp_path / "out").glob("part-*"))
+    assert names == ["part-00000-000000000000.parquet", "part-00000-000000000010.parquet"]
+    assert sorted(pq.read_table(tmp_path / "out")["x"].to_pylist()) == [1, 2, 3, 4]

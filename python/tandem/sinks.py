@@ -302,15 +302,22 @@ class _FileSink(Sink):
         self, partition: int, parallelism: int, through: int, replica: int
     ) -> list[str]:
         published = []
-        for start, r, upto, path in self._parts(partition, parallelism)["rolled"]:
+        found = self._parts(partition, parallelism)
+        for start, r, upto, path in found["rolled"]:
             if upto > through:
                 continue
-            if r == replica:
-                os.replace(path, self._part(partition, parallelism, start))
-                published.append(self._part(partition, parallelism, start))
-            else:
+            if r != replica:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
+                continue
+            # A replica that missed a roll (its cut refused) has a longer part, which
+            # covers any published since its start: those go, it replaces them.
+            for other, done in found["published"]:
+                if start < other < upto:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(done)
+            os.replace(path, self._part(partition, parallelism, start))
+            published.append(self._part(partition, parallelism, start))
         return published
 
     def settle_parts(self, partition: int, parallelism: int, epoch: int, replica: int) -> None:
