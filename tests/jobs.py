@@ -40,6 +40,24 @@ def counting_job(
     return job
 
 
+def write_events(path: Path, rows: int, keys: int, seed: int) -> str:
+    """A Parquet file of ``rows`` rows ``(id, key)``: ids 0..rows-1, keys drawn from
+    ``0..keys-1`` with ``seed``; its path."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    table = pa.table(
+        {
+            "id": pa.array(np.arange(rows), pa.int64()),
+            "key": pa.array(rng.integers(0, keys, rows), pa.int64()),
+        }
+    )
+    pq.write_table(table, path)
+    return str(path)
+
+
 def tandem_run(tmp_path: Path, script: str, *flags: str) -> subprocess.Popen:
     """``tandem run job.py FLAGS`` as a user starts it, in a process of its own: ``script``
     written to ``tmp_path/job.py``, the tandem under test on its path, its output piped."""

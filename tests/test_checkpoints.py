@@ -11,12 +11,12 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import tandem as td
+from jobs import write_events
 from tandem import savepoints
 
 ROWS = 9000
@@ -27,16 +27,7 @@ PERIOD_MS = 400
 
 @pytest.fixture(scope="module")
 def input_file(tmp_path_factory) -> str:
-    rng = np.random.default_rng(5)
-    path = tmp_path_factory.mktemp("input") / "events.parquet"
-    table = pa.table(
-        {
-            "id": pa.array(np.arange(ROWS), pa.int64()),
-            "key": pa.array(rng.integers(0, KEYS, ROWS), pa.int64()),
-        }
-    )
-    pq.write_table(table, path)
-    return str(path)
+    return write_events(tmp_path_factory.mktemp("input") / "events.parquet", ROWS, KEYS, 5)
 
 
 def keyed_job(input_file: str, directory, **options) -> td.Job:
@@ -64,6 +55,19 @@ def newest_epoch(directory: Path) -> int:
     return int(complete(directory)[-1].name.split("-")[1])
 
 
+def kill_after_checkpoints(handle: td.RunningJob, directory: Path, through_ms: float) -> None:
+    """Kill the running job at once (what a lost driver does to its workers) once it has
+    written a checkpoint at ``through_ms`` of source time or later."""
+    deadline = time.monotonic() + 60
+    while not complete(directory) or newest_epoch(directory) * 10 < through_ms:
+        assert time.monotonic() < deadline, "no checkpoints written"
+        assert handle.running, "the job ended before it wrote its checkpoints"
+        time.sleep(0.05)
+    handle.kill()
+    with pytest.raises(td.TandemError):
+        handle.result()
+
+
 def check_continues(input_file: str, resumed: pa.Table, cut: td.Savepoint) -> None:
     """``resumed`` is exactly the output after ``cut``: every row the sources had not
     emitted there once, and per key the running count going on from the count the cut
@@ -88,18 +92,8 @@ def test_a_job_killed_at_once_resumes_from_its_newest_checkpoint(input_file, tmp
     resume=True starts it again, and the output from there is exact."""
     directory = tmp_path / "checkpoints"
     handle = keyed_job(input_file, directory).start(progress=False)
-    deadline = time.monotonic() + 60
-    # Until more checkpoints were written than are kept (they are a period apart).
-    while (
-        not complete(directory)
-        or newest_epoch(directory) * 10 < (savepoints.KEEP_CHECKPOINTS + 1) * PERIOD_MS
-    ):
-        assert time.monotonic() < deadline, "no checkpoints written"
-        assert handle.running, "the job ended before it wrote its checkpoints"
-        time.sleep(0.05)
-    handle.kill()
-    with pytest.raises(td.TandemError):
-        handle.result()
+    # Once more checkpoints were written than are kept (they are a period apart).
+    kill_after_checkpoints(handle, directory, (savepoints.KEEP_CHECKPOINTS + 1) * PERIOD_MS)
     kept = complete(directory)
     assert 1 <= len(kept) <= savepoints.KEEP_CHECKPOINTS  # older ones removed
     newest = td.Savepoint.read(str(kept[-1]))
@@ -190,14 +184,7 @@ def test_a_file_sink_killed_with_its_job_resumes_with_every_row_once(input_file,
     counts an independent count gives."""
     directory, out = tmp_path / "checkpoints", tmp_path / "out"
     handle = parquet_job(input_file, directory, out).start(progress=False)
-    deadline = time.monotonic() + 60
-    while not complete(directory) or newest_epoch(directory) * 10 < 3 * PERIOD_MS:
-        assert time.monotonic() < deadline, "no checkpoints written"
-        assert handle.running, "the job ended before it wrote its checkpoints"
-        time.sleep(0.05)
-    handle.kill()
-    with pytest.raises(td.TandemError):
-        handle.result()
+    kill_after_checkpoints(handle, directory, 3 * PERIOD_MS)
     published = sorted(p.name for p in out.glob("part-*.parquet"))
     assert published, "no part was published at a checkpoint"
     assert all(p.count("-") == 2 for p in published)  # part-<partition>-<epoch>.parquet

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tandem as td
+from jobs import write_events
 from tandem import savepoints
 from tandem.runtime import Resume
 
@@ -27,16 +28,7 @@ RATE = 2000  # rows per second of source time: the input lasts 3 s
 
 @pytest.fixture(scope="module")
 def input_file(tmp_path_factory) -> str:
-    rng = np.random.default_rng(11)
-    path = tmp_path_factory.mktemp("input") / "events.parquet"
-    table = pa.table(
-        {
-            "id": pa.array(np.arange(ROWS), pa.int64()),
-            "key": pa.array(rng.integers(0, KEYS, ROWS), pa.int64()),
-        }
-    )
-    pq.write_table(table, path)
-    return str(path)
+    return write_events(tmp_path_factory.mktemp("input") / "events.parquet", ROWS, KEYS, 11)
 
 
 def keyed_job(

@@ -665,6 +665,7 @@ def settle_parts(plan: Plan, checkpoint: Savepoint | None) -> None:
     """Before a run of ``plan`` starts from ``checkpoint`` (None: from the beginning): every
     sink in parts keeps the parts through the checkpoint, publishing its own if the lost
     run had not, and loses everything after it (:meth:`tandem.sinks.Sink.settle_parts`)."""
+    epoch = 0 if checkpoint is None else checkpoint.epoch
     for task in part_sinks(plan):
         replicas = {}
         if checkpoint is not None:
@@ -674,7 +675,6 @@ def settle_parts(plan: Plan, checkpoint: Savepoint | None) -> None:
                 if part["task"] == task.name
             }
         for p in range(task.parallelism):
-            epoch = 0 if checkpoint is None else checkpoint.epoch
             task.sink.settle_parts(p, task.parallelism, epoch, replicas.get(p, 0))
 
 

@@ -294,7 +294,6 @@ class _FileSink(Sink):
             self.writer.close()
             self.writer = None
         os.replace(self.staged, self.staged.removesuffix(".staging") + f".upto-{epoch:012d}")
-        self.start = epoch
         self.file = self._part(self.partition, self.parallelism, epoch)
         self.staged = self._staged_of(self.file, self.replica)
 
@@ -316,8 +315,9 @@ class _FileSink(Sink):
                 if start < other < upto:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(done)
-            os.replace(path, self._part(partition, parallelism, start))
-            published.append(self._part(partition, parallelism, start))
+            target = self._part(partition, parallelism, start)
+            os.replace(path, target)
+            published.append(target)
         return published
 
     def settle_parts(self, partition: int, parallelism: int, epoch: int, replica: int) -> None:
@@ -335,8 +335,7 @@ class _FileSink(Sink):
         if self.parts_from is None:
             self.file = self._final(partition, parallelism)
         else:
-            self.start = self.parts_from
-            self.file = self._part(partition, parallelism, self.start)
+            self.file = self._part(partition, parallelism, self.parts_from)
         self.staged = self._staged_of(self.file, self.replica)
         parent = os.path.dirname(self.file)
         if parent:

@@ -1184,10 +1184,8 @@ class Coordinator:
         a durable checkpoint, publishes the parts of the sinks in parts)."""
         self._saving = None
         # One cut per partition (every replica of a sink in parts was cut): the lowest.
-        cuts: dict[ReplicaId, Resume] = {}
-        for rid in sorted(saving.cuts):
-            if not any(kept[:2] == rid[:2] for kept in cuts):
-                cuts[rid] = saving.cuts[rid]
+        lowest = {rid[:2]: rid for rid in sorted(saving.cuts, reverse=True)}
+        cuts = {rid: saving.cuts[rid] for rid in lowest.values()}
         if self.checkpointing:
             self._checkpoint_at = saving.checkpoint_at
         plan, ask = self.plan, saving.ask
