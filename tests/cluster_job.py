@@ -24,9 +24,11 @@ exit status is 0 when the run completed (checked or not), 1 when it raised.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -116,6 +118,10 @@ def main() -> int:
         str(Path(args.input).resolve()), args.rate, args.tag, args.restore, args.replication
     )
     started = time.monotonic()
+    # A run that hangs says where: every thread's stack in the driver log, well before the
+    # test gives up on it (its duration + 120 s).
+    faulthandler.dump_traceback_later(args.duration + 90, exit=False)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     spark = tandem_spark.local_session(
         job,
         master=args.master,

@@ -513,7 +513,10 @@ def test_a_throttled_replica_host_is_hedged_by_its_twins(cluster, tmp_path):
     )
     assert gone <= on_victim, result["lost_replicas"]  # never a healthy host's replica
     assert restored <= gone, result["restored_replicas"]
-    assert {r["cause"] for r in result["lost_replicas"]} <= {"silent", "evicted", "late"}
+    causes = {r["cause"] for r in result["lost_replicas"]}
+    # "starved": the slow host's sink copy, once every replica of a count partition
+    # dropped it (it can never be whole; its twin has the output).
+    assert causes <= {"silent", "evicted", "late", "starved"}, result["lost_replicas"]
     assert result["p99_ms"] < 200, result["p99_ms"]  # not the seconds of a run waiting on it
     assert result["max_gap_ms"] < 1000, result["max_gap_ms"]
     print(f"slow: p50/p99 {result['p50_ms']}/{result['p99_ms']} ms", file=sys.stderr)

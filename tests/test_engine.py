@@ -295,6 +295,34 @@ def test_the_progress_bar_shows_source_time_and_the_workers_killed(capsys):
     assert res.lost_replicas  # the kill the bar reports happened
 
 
+def test_a_replica_every_upstream_replica_dropped_is_starved_and_lost():
+    """count[0] replica 1 frozen, its replica group over two workers: both replicas of
+    enrich[1], in other workers, drop it as a straggler, so once it wakes that input can
+    never be whole. It stops *starved* and is counted lost — not a quiet early finish, its
+    links cut at once — while its twin carries the partition: nothing lost or repeated."""
+    job = jobs.counting_job("starve", 3_000, evict_after_ms=300, workers=2)
+    owners = {rid: w for w, rids in enumerate(job.plan().placement()) for rid in rids}
+    names = {t.name: t.id for t in job.plan().tasks}
+    count, enrich = names["count"], names["enrich"]
+    # The frozen replica shares its worker with no replica of enrich[1].
+    assert owners[(count, 0, 1)] not in {owners[(enrich, 1, r)] for r in (0, 1)}
+    pause = td.Pause("count", partition=0, replica=1, at=1.5, for_s=2.0)
+    res = job.run(duration=5, faults=[pause], progress=False)
+    assert (res.lost, res.duplicates, res.digests_match) == (0, 0, True)
+    lost = {(r["task"], r["partition"], r["replica"]): r["cause"] for r in res.lost_replicas}
+    assert lost.get(("count", 0, 1)) == "starved", res.lost_replicas
+    # Nothing else but what it fed in its own worker (a sink copy there, whose only feed
+    # of count[0] left with it), each starved in turn; never a healthy worker's replica.
+    frozen = {
+        (t.name, p, r)
+        for t in job.plan().tasks
+        for p in range(t.parallelism)
+        for r in range(t.replication)
+        if owners.get((t.id, p, r)) == owners[(count, 0, 1)]
+    }
+    assert set(lost) <= frozen and set(lost.values()) == {"starved"}, res.lost_replicas
+
+
 def test_a_frozen_replica_is_dropped_and_never_holds_its_twin_back():
     """A replica frozen for seconds (SIGSTOP) stops reading; its upstream replicas drop it
     once their frames to it have waited evict_after_ms, and until then never wait for it:

@@ -19,6 +19,7 @@ def test_version_and_build_profile_are_exported():
         ("ProtocolError", "TandemError"),
         ("AuthenticationError", "ProtocolError"),
         ("ChannelClosed", "TandemError"),
+        ("InputStarved", "TandemError"),
         ("DeterminismError", "TandemError"),
         ("ServiceUnavailable", "TandemError"),
         ("TaskFailed", "TandemError"),

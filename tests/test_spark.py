@@ -210,7 +210,13 @@ def test_kazoo_a_lost_leader_rejoins_and_leads_once_its_twin_is_lost(spark, zook
     rejoins from the twins' cuts (each rebuilt replica follows the order log on from its
     twin's place in it); then the twin, leading by now, is killed: the rebuilt replica
     takes the partition over, and nothing is lost or repeated."""
-    config = td.KazooConfig(zk_hosts=kafka.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap)
+    # A session longer than the default: a killed leader's partition goes to its twin
+    # at once anyway (the coordinator releases a dead worker's leaderships), and on a busy
+    # 2-core machine a 1 s session may expire under a live leader, whose twin then leads
+    # and would take the second kill in its place.
+    config = td.KazooConfig(
+        zk_hosts=kafka.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap, session_timeout_s=3.0
+    )
     # A replay window as long as the run: on a busy 2-core machine (Spark, ZooKeeper and
     # Kafka beside 10 replicas) the retried task may take over 3 s from its twin's cut to
     # its links, and the default window (3 s) would then no longer reach back to the cut

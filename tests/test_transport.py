@@ -285,6 +285,25 @@ def test_next_times_out_with_none_and_delivery_fields():
         out.emit(rows(0, 1))
 
 
+def test_an_input_whose_every_upstream_replica_is_gone_before_its_end_is_starved():
+    """Both replicas of the upstream partition gone mid-stream (aborted: no end marker):
+    the inbox says the input is starved — the rest will never come — rather than a quiet
+    close (a starved replica is lost, never one that finished early)."""
+    with _core.Inbox(JOB, SECRET, [(TASK, 0)]) as ib:
+        outs = [_core.Outbox(JOB, SECRET, (TASK, 0, r), [[(HOST, ib.port)]]) for r in (0, 1)]
+        for out in outs:
+            out.emit(rows(0, 3))
+        d = ib.next(timeout=10)
+        assert d.kind == "data" and d.batch.num_rows == 3
+        for out in outs:
+            out.abort()
+        deadline = time.monotonic() + 10
+        with pytest.raises(tandem.InputStarved, match="lost every upstream replica"):
+            while time.monotonic() < deadline:
+                ib.next(timeout=0.1)
+        assert not issubclass(tandem.InputStarved, tandem.ChannelClosed)
+
+
 class _CapsuleOnly:
     """Rows behind the Arrow PyCapsule protocol only (not a pyarrow object)."""
 

@@ -6,6 +6,7 @@ TandemError
  +-- ProtocolError        a peer sent bytes that are not a valid tandem frame
  |    +-- AuthenticationError   a peer failed the handshake (wrong job or secret)
  +-- ChannelClosed        an input or output channel closed while in use
+ +-- InputStarved         an input lost every upstream replica feeding it before its end
  +-- DeterminismError     replicas of one task partition produced different output
  +-- ServiceUnavailable   ZooKeeper, Kafka or Spark cannot be reached
  +-- TaskFailed           a replica's operator, source or sink raised during a run
@@ -20,6 +21,7 @@ from tandem._core import (
     ChannelClosed,
     ConfigError,
     DeterminismError,
+    InputStarved,
     ProtocolError,
     ServiceUnavailable,
     TandemError,
@@ -36,6 +38,7 @@ __all__ = [
     "ChannelClosed",
     "ConfigError",
     "DeterminismError",
+    "InputStarved",
     "ProtocolError",
     "ServiceUnavailable",
     "TandemError",

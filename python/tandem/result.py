@@ -45,7 +45,8 @@ class Result:
     no latency, e.g. the reference executor, which has no clock), from the sinks' per-second
     histograms: percentiles and ``max_ms`` within 0.8 % above the exact value,
     ``max_gap_ms`` within 1 ms (:mod:`tandem.latency`); ``faults`` the faults injected
-    (dicts), ``lost_replicas`` the replicas that died (dicts with task, partition, replica);
+    (dicts), ``lost_replicas`` the replicas that died (dicts with task, partition, replica and the
+    ``cause``: ``killed``, ``crashed``, ``silent``, ``evicted``, ``starved``, ``late``);
     ``restored_replicas`` those rebuilt from a live twin while the job ran (``Job(restore=
     True)``: dicts with task, partition, replica, the ``twin`` it was rebuilt from, the
     heartbeat ``epoch`` of the cut, ``lost_s`` and ``restored_s`` — seconds from t0 — and

@@ -42,13 +42,19 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import (
+    Client,
+    Connection,
+    answer_challenge,
+    deliver_challenge,
+)
 
 import psutil
 
@@ -198,8 +204,9 @@ class Registry:
         self._closing = False
         # Every worker task checks in at about the same time: a backlog of one (the
         # default) would drop connections whose clients then wait for ever.
-        self._listener = Listener((host, 0), backlog=len(placement) + 8, authkey=secret)
-        self.address: tuple[str, int] = self._listener.address
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family, backlog=len(placement) + 8)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._threads: list[threading.Thread] = []
         self._state_dir: str | None = None
         """Where twins leave large states for rebuilt workers on the same host (see
@@ -216,7 +223,8 @@ class Registry:
             self._closing = True
             self._lock.notify_all()
         # Wake the accept loop with a connection of our own; it sees _closing and exits.
-        with contextlib.suppress(OSError), Client(self.address, authkey=self.secret):
+        # A bare one, never a handshake: nothing here may wait on the loop's answer.
+        with contextlib.suppress(OSError), socket.create_connection(self.address, timeout=1.0):
             pass
         for t in self._threads:
             # A connection thread of a worker cut off from the driver waits for ever on
@@ -234,15 +242,29 @@ class Registry:
     def _accept_loop(self) -> None:
         while True:
             try:
-                conn = self._listener.accept()
-            except (OSError, EOFError, AuthenticationError):  # a client that is not ours
+                sock, _ = self._listener.accept()
+            except OSError:
                 if self._closing:
                     return
                 continue
             if self._closing:
-                conn.close()
+                sock.close()
                 return
-            self._spawn(self._serve, "tandem-registry-conn", conn)
+            self._spawn(self._greet, "tandem-registry-conn", Connection(sock.detach()))
+
+    def _greet(self, conn: Connection) -> None:
+        """The authentication handshake, then :meth:`_serve`, on the connection's own
+        thread: a client that stalls in the handshake (its host's link throttled or cut
+        off mid-way) holds up no other. Done by the accept loop, it held every later
+        worker task, and the registry's own wake-up connection at the end of the run,
+        which then waited for ever."""
+        try:
+            deliver_challenge(conn, self.secret)
+            answer_challenge(conn, self.secret)
+        except (OSError, EOFError, AuthenticationError):  # a client that is not ours
+            conn.close()
+            return
+        self._serve(conn)
 
     def fail(self, error: BaseException) -> None:
         """Stop the run for ``error`` (the first reason given wins)."""

@@ -67,6 +67,7 @@ from tandem.engines.protocol import (
     CutTaken,
     Done,
     Evicted,
+    Failed,
     Go,
     Link,
     Linked,
@@ -79,6 +80,7 @@ from tandem.engines.protocol import (
     SavepointRequest,
     Started,
     StartFailed,
+    Starved,
     Until,
     Waiting,
     expect,
@@ -174,8 +176,8 @@ class WorkerHost(Protocol):
     def kill(self, worker: int, incarnation: int, cause: str) -> list[int]:
         """Take that incarnation down now, never waiting for what it would say: SIGKILL,
         or told to exit where it cannot be signalled. ``cause``: ``killed`` (a fault),
-        ``silent``, ``evicted``, ``unfed``, ``aborted``. Returns every other worker taken
-        down with it (a whole executor killed)."""
+        ``silent``, ``evicted``, ``starved``, ``late``, ``unfed``, ``aborted``. Returns
+        every other worker taken down with it (a whole executor killed)."""
 
     def pause(self, worker: int, incarnation: int, for_s: float) -> bool:
         """Freeze it (SIGSTOP) for ``for_s`` seconds: True if the coordinator is to thaw
@@ -559,7 +561,9 @@ class Coordinator:
                 wait_s = min(wait_s, self._checkpoint_at - now_s)
             if self.restoring:
                 wait_s = min(wait_s, self.plan.failure_timeout_ms / 4000)
-            for event in self.host.poll(max(0.0, min(0.2, wait_s))):
+            # A failure first: the replicas it starved may have spoken in the same batch.
+            events = sorted(self.host.poll(max(0.0, min(0.2, wait_s))), key=_not_a_failure)
+            for event in events:
                 self._handle(event, now_s)
             if self.restoring:
                 self._silent(now_s)
@@ -622,6 +626,11 @@ class Coordinator:
             self._on_started(w, now_s)
         elif isinstance(msg, Evicted):
             self._on_evicted(msg.up, msg.down, now_s)
+        elif isinstance(msg, Starved):
+            self._on_starved(msg.rid, msg.why, now_s)
+        elif isinstance(msg, Failed):
+            for _, error, diverged in msg.failures:
+                raise DeterminismError(error) if diverged else TaskFailed(error)
         elif isinstance(msg, Metrics):
             if self.metrics is not None:
                 self.metrics.update(msg.snapshot)
@@ -643,6 +652,8 @@ class Coordinator:
                 Linked,
                 Started,
                 Evicted,
+                Starved,
+                Failed,
                 Metrics,
                 Checkpointed,
                 Savepointed,
@@ -740,6 +751,45 @@ class Coordinator:
             self.worker_name(w),
         )
         self._kill_worker(w, now_s, "evicted")
+
+    def _on_starved(self, rid: ReplicaId, why: str, now_s: float) -> None:
+        """``rid`` stopped because an input channel lost every upstream replica feeding it
+        (they are gone, or dropped it as a straggler — its upstream dropped it while it
+        was being rebuilt, say, and its twin was lost next): it is lost. Its worker is
+        declared lost and rebuilt if the job rebuilds; a rebuild that starved is tried
+        again from later cuts. A sink copy (never rebuilt) or a replica of a job that
+        does not rebuild is lost alone: its twins carry the partition, and if none is
+        left the job fails saying so, instead of waiting for input that never comes."""
+        w = self.worker_of[rid]
+        rj = self.rejoins.get(w)
+        if rj is not None and rj.state == "linking":
+            log.warning("the rebuilt %s is starved of input: %s", self.name(rid), why)
+            retry = self._attempts.get(w, 0) < REJOIN_ATTEMPTS
+            self._abort_rejoin(
+                w,
+                f"{self.name(rid)} was starved of input",
+                level=logging.INFO if retry else logging.WARNING,
+            )
+            if retry:
+                self._lost_worker(w, now_s)  # from later cuts
+            return
+        if rid in self.down:
+            return
+        if self.restoring and not self.hosts_sinks(w):
+            log.warning(
+                "%s is starved of input (%s): %s declared lost",
+                self.name(rid),
+                why,
+                self.worker_name(w),
+            )
+            self._kill_worker(w, now_s, "starved")
+            return
+        log.warning(
+            "%s is starved of input (%s): it is lost; its twins carry on", self.name(rid), why
+        )
+        self.lost.append((rid, "starved"))
+        self.down.add(rid)
+        self._check_partitions([rid], f"{self.name(rid)} was starved of input")
 
     def _kill_worker(self, w: int, now_s: float, cause: str) -> None:
         """Take worker ``w`` down (``cause``) and fence it; its replicas are lost and
@@ -1718,6 +1768,10 @@ class Coordinator:
         if self.checkpointing:
             result.checkpoints = dict(self.checkpoint_stats)
         return result
+
+
+def _not_a_failure(event: Event) -> bool:
+    return not (isinstance(event, Received) and isinstance(event.message, Failed))
 
 
 __all__ = ["Call", "Coordinator", "Event", "Exited", "Received", "WorkerHost"]

@@ -35,6 +35,7 @@ from tandem.engines.protocol import (
     Done,
     Evicted,
     Exit,
+    Failed,
     Freeze,
     Go,
     Link,
@@ -48,6 +49,7 @@ from tandem.engines.protocol import (
     SavepointRequest,
     Started,
     StartFailed,
+    Starved,
     Until,
     Waiting,
     expect,
@@ -249,6 +251,8 @@ def serve(
         worker.caught_up_nice = base_nice
     if plan.restore:
         worker.on_evicted = lambda up, down: send(Evicted(up, down))
+    worker.on_starved = lambda rid, why: send(Starved(rid, why))
+    worker.on_failed = lambda failures: send(Failed(failures))
     threading.Thread(
         target=_requests,
         args=(conn, worker, folders, checkpoints, savepoints),

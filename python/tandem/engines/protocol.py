@@ -23,8 +23,8 @@ The exchange, in order:
   :class:`Until`, :class:`MetricsEvery`, :class:`CheckpointRequest`,
   :class:`SavepointRequest`, and the faults :class:`Crash` and :class:`Freeze` (where the
   worker cannot be signalled); worker → coordinator: :class:`CutTaken`, :class:`Linked`,
-  :class:`Started`, :class:`Evicted`, :class:`Metrics`, :class:`Checkpointed`,
-  :class:`Savepointed`, :class:`Alive` (a keepalive);
+  :class:`Started`, :class:`Evicted`, :class:`Starved`, :class:`Failed`, :class:`Metrics`,
+  :class:`Checkpointed`, :class:`Savepointed`, :class:`Alive` (a keepalive);
 - last, worker → coordinator: :class:`Done`.
 
 Why dataclasses and not msgspec or pydantic structs: a message is one pickle on a
@@ -255,6 +255,24 @@ class Evicted(Message):
 
     up: ReplicaId
     down: ReplicaId
+
+
+@dataclass(frozen=True, slots=True)
+class Starved(Message):
+    """``rid`` stopped: an input channel lost every upstream replica feeding it before its
+    end (``why``), so the rest of its input will never come."""
+
+    rid: ReplicaId
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed(Message):
+    """A hosted replica failed the job (``failures`` as :class:`Done`'s), said before the
+    worker closes its links: replicas downstream then starve (:class:`Starved`), and the
+    run must fail for the cause, not for them."""
+
+    failures: tuple[tuple[ReplicaId, str, bool], ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,10 @@ class ReplicaReport:
     abandoned: str | None = None
     """Set when every downstream replica had already finished (its twin got there first):
     the replica's remaining output was needed by nobody, so it stopped early."""
+    starved: str | None = None
+    """Set when an input channel of the replica lost every upstream replica feeding it
+    before its end (gone, or they dropped it as a straggler): it stopped with part of its
+    input missing, and the engine counts it lost (:class:`tandem.InputStarved`)."""
     ended: bool = False
     """The replica consumed its whole input and finished (a sink: closed its copy). A sink
     replica cut off from its upstream (dropped as a straggler, its other senders lost)
@@ -158,6 +162,7 @@ class Replica:
         self.core = core
         self.kazoo = kazoo
         self.orderer: Orderer | None = None
+        self._cut = False  # cut_outputs() ran
         self.inbox = None
         self.inputs = []
         self._conform = []
@@ -344,6 +349,8 @@ class Replica:
         """The downstream replicas this replica's outboxes dropped as stragglers since the
         last call."""
         found = []
+        if self._cut:
+            return found
         for o in self.outputs:
             for _, peer in o.outbox.take_evicted():
                 if peer in o.peers:
@@ -413,7 +420,9 @@ class Replica:
     def fail(self, exc: BaseException) -> None:
         """Record why this replica stopped (see :class:`ReplicaReport`)."""
         self.done = True
-        if isinstance(exc, _core.ChannelClosed):
+        if isinstance(exc, _core.InputStarved):
+            self.report.starved = str(exc)
+        elif isinstance(exc, _core.ChannelClosed):
             # No live downstream replica is left on some output channel. Downstream only
             # closes once it has received everything (from a faster twin of this replica);
             # had they all crashed instead, the engine fails the job for that reason.
@@ -425,15 +434,29 @@ class Replica:
                 traceback.format_exception(exc)
             )
 
+    def cut_outputs(self) -> None:
+        """Cut every output link now, as a crash would (a starved replica is lost: links
+        left open and silent would keep its downstream replicas waiting on it); the
+        digests of what it sent are kept for its report."""
+        self._take_digests()
+        for o in self.outputs:
+            o.outbox.abort()
+        self._cut = True
+
+    def _take_digests(self) -> None:
+        for i, o in enumerate(self.outputs):
+            for channel, epoch, digest in o.outbox.digests():  # before close: it drains
+                self.report.digests[(i, channel, epoch)] = digest.hex()
+
     def finish(self) -> ReplicaReport:
         """Close everything; the report (call once, when the worker is done)."""
         report = self.report
         if self.log_reader is not None:
             self.log_reader.stop()
-        for i, o in enumerate(self.outputs):
-            for channel, epoch, digest in o.outbox.digests():  # before close: it drains
-                report.digests[(i, channel, epoch)] = digest.hex()
-            o.outbox.close()
+        if not self._cut:
+            self._take_digests()
+            for o in self.outputs:
+                o.outbox.close()
         if self.orderer is not None:
             self.orderer.stop()
             report.ordering_stats = self.orderer.stats()

@@ -74,6 +74,13 @@ class Worker:
         self.on_evicted = None
         """Called with ``(upstream rid, downstream rid)`` when an outbox dropped a
         downstream replica as a straggler (checked every ``IDLE_WAIT_S``)."""
+        self.on_failed = None
+        """Called with the failures (``(rid, error, diverged)``) of a worker a replica of
+        which failed the job, before it closes its links: the cause reaches the engine
+        before the replicas downstream starve."""
+        self.on_starved = None
+        """Called with ``(rid, why)`` as soon as a hosted replica stops because an input
+        channel lost every upstream replica feeding it (:class:`tandem.InputStarved`)."""
         ordered = set(plan.ordered_partitions()) if kazoo is not None else set()
         # One ZooKeeper session and one Kafka producer/consumer for every ordered partition
         # the worker hosts.
@@ -291,6 +298,11 @@ class Worker:
         return self._finish()
 
     def _finish(self) -> dict[ReplicaId, ReplicaReport]:
+        failures = tuple(
+            (r.me, r.report.error, r.report.diverged) for r in self.replicas if r.report.error
+        )
+        if failures and self.on_failed is not None:
+            self.on_failed(failures)  # before the links close
         reports = {}
         for r in self.replicas:
             try:
@@ -418,6 +430,14 @@ class Worker:
             self.cuts.on_savepoint(by_slot[slot].me, epoch, None)
 
     def _retire(self, rep: Replica) -> None:
+        if rep.report.starved is not None:
+            # Lost, not finished: downstream sees its links go as a crash's would (open
+            # and silent, they would wait on it), and with KaZoo a twin leads now.
+            rep.cut_outputs()
+            if rep.orderer is not None:
+                rep.orderer.stop()
+            if self.on_starved is not None:
+                self.on_starved(rep.me, rep.report.starved)
         self.core.retire(rep.slot)
         self.cuts.retire(rep)
 

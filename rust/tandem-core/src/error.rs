@@ -25,6 +25,13 @@ pub enum Error {
     #[error("channel closed: {0}")]
     Closed(String),
 
+    /// An input channel lost every upstream replica feeding it before its end (they are
+    /// gone, or dropped this replica as a straggler): what is missing will never come, so
+    /// the replica cannot go on (maps to `tandem.InputStarved`). Unlike [`Error::Closed`]
+    /// on an output, this is a loss of the replica, never a quiet finish.
+    #[error("input starved: {0}")]
+    Starved(String),
+
     /// Replicas of an upstream task partition sent different output for the same
     /// heartbeat cycle (maps to `tandem.DeterminismError`).
     #[error("determinism check failed: {0}")]

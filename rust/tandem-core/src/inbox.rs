@@ -550,7 +550,7 @@ impl Inbox {
                 .filter(|_| !self.wait_orphaned)
             {
                 let (task, partition) = self.shared.upstreams[c];
-                return Err(Error::Closed(format!(
+                return Err(Error::Starved(format!(
                     "input channel {c} (upstream task {task} partition {partition}) lost every \
                      upstream replica feeding it before its end (gone, or they dropped this \
                      replica as a straggler): this replica cannot go on"
@@ -1349,7 +1349,7 @@ mod tests {
         b.abort();
         let e = next_err(&mut ib);
         assert!(
-            matches!(&e, Error::Closed(m) if m.contains("lost every upstream replica")),
+            matches!(&e, Error::Starved(m) if m.contains("lost every upstream replica")),
             "{e}"
         );
     }

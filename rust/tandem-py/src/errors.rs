@@ -38,6 +38,12 @@ create_exception!(
 );
 create_exception!(
     tandem,
+    InputStarved,
+    TandemError,
+    "An input channel lost every upstream replica feeding it before its end."
+);
+create_exception!(
+    tandem,
     DeterminismError,
     TandemError,
     "Replicas of one task partition produced different output."
@@ -56,6 +62,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ProtocolError", py.get_type::<ProtocolError>())?;
     m.add("AuthenticationError", py.get_type::<AuthenticationError>())?;
     m.add("ChannelClosed", py.get_type::<ChannelClosed>())?;
+    m.add("InputStarved", py.get_type::<InputStarved>())?;
     m.add("DeterminismError", py.get_type::<DeterminismError>())?;
     m.add("ServiceUnavailable", py.get_type::<ServiceUnavailable>())?;
     Ok(())
@@ -69,6 +76,7 @@ pub(crate) fn to_py(err: Error) -> PyErr {
         Error::Protocol(_) => ProtocolError::new_err(msg),
         Error::Handshake(_) => AuthenticationError::new_err(msg),
         Error::Closed(_) => ChannelClosed::new_err(msg),
+        Error::Starved(_) => InputStarved::new_err(msg),
         Error::Determinism(_) => DeterminismError::new_err(msg),
         Error::Timeout(_) => pyo3::exceptions::PyTimeoutError::new_err(msg),
         Error::Arrow(_) => TandemError::new_err(msg),
