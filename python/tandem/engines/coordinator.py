@@ -629,8 +629,7 @@ class Coordinator:
         elif isinstance(msg, Starved):
             self._on_starved(msg.rid, msg.why, now_s)
         elif isinstance(msg, Failed):
-            for _, error, diverged in msg.failures:
-                raise DeterminismError(error) if diverged else TaskFailed(error)
+            _raise_first(msg.failures)
         elif isinstance(msg, Metrics):
             if self.metrics is not None:
                 self.metrics.update(msg.snapshot)
@@ -642,8 +641,7 @@ class Coordinator:
             self.reports.update(msg.reports or {})
             self.running.discard(w)
             self._unanswered(w, now_s)
-            for _, error, diverged in msg.failures:
-                raise DeterminismError(error) if diverged else TaskFailed(error)
+            _raise_first(msg.failures)
         else:
             expect(
                 msg,
@@ -1768,6 +1766,13 @@ class Coordinator:
         if self.checkpointing:
             result.checkpoints = dict(self.checkpoint_stats)
         return result
+
+
+def _raise_first(failures: tuple[tuple[ReplicaId, str, bool], ...]) -> None:
+    """Fail the run for the first of a worker's failures, if any (:class:`Done`,
+    :class:`Failed`)."""
+    for _, error, diverged in failures:
+        raise DeterminismError(error) if diverged else TaskFailed(error)
 
 
 def _not_a_failure(event: Event) -> bool:

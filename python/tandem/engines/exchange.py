@@ -67,6 +67,7 @@ from tandem.runtime import (
     may_raise_priority,
     thread_nice,
 )
+from tandem.runtime.replica import failures
 
 log = logging.getLogger("tandem")
 
@@ -252,7 +253,7 @@ def serve(
     if plan.restore:
         worker.on_evicted = lambda up, down: send(Evicted(up, down))
     worker.on_starved = lambda rid, why: send(Starved(rid, why))
-    worker.on_failed = lambda failures: send(Failed(failures))
+    worker.on_failed = lambda failed: send(Failed(failed))
     threading.Thread(
         target=_requests,
         args=(conn, worker, folders, checkpoints, savepoints),
@@ -276,8 +277,7 @@ def serve(
     logs.flush(1.0)
     for thread in saving:  # a savepoint's cuts reach the coordinator before Done
         thread.join(60.0)
-    failures = tuple((rid, r.error, r.diverged) for rid, r in reports.items() if r.error)
-    send(Done(reports if send_reports else None, failures))
+    send(Done(reports if send_reports else None, failures(reports)))
     return reports
 
 

@@ -76,6 +76,12 @@ class ReplicaReport:
         return DeterminismError(self.error) if self.diverged else TaskFailed(self.error)
 
 
+def failures(reports: dict[ReplicaId, ReplicaReport]) -> tuple[tuple[ReplicaId, str, bool], ...]:
+    """The replicas of ``reports`` that failed the job, as a worker tells its engine:
+    ``(rid, error, diverged)`` each."""
+    return tuple((rid, r.error, r.diverged) for rid, r in reports.items() if r.error)
+
+
 class _Output:
     """One output edge of a replica: an outbox towards every replica of the downstream
     partitions (it numbers, frames, digests and sends; nothing waits in it). A downstream

@@ -17,7 +17,7 @@ from tandem.plan import Plan
 from tandem.runtime.cuts import Resume, SlotCuts
 from tandem.runtime.priority import renice_threads
 from tandem.runtime.pumps import CREDIT_POLL_S, _LogSource, _Source
-from tandem.runtime.replica import Addresses, Replica, ReplicaId, ReplicaReport
+from tandem.runtime.replica import Addresses, Replica, ReplicaId, ReplicaReport, failures
 
 IDLE_WAIT_S = 0.05
 """How long a worker waits for input before checking on its KaZoo orderers again."""
@@ -298,11 +298,9 @@ class Worker:
         return self._finish()
 
     def _finish(self) -> dict[ReplicaId, ReplicaReport]:
-        failures = tuple(
-            (r.me, r.report.error, r.report.diverged) for r in self.replicas if r.report.error
-        )
-        if failures and self.on_failed is not None:
-            self.on_failed(failures)  # before the links close
+        failed = failures({r.me: r.report for r in self.replicas})
+        if failed and self.on_failed is not None:
+            self.on_failed(failed)  # before the links close
         reports = {}
         for r in self.replicas:
             try:
