@@ -869,8 +869,9 @@ class Orderer:
 
     def _lead(self, epoch: int) -> None:
         """Publish through the session's publisher while the leadership lasts; while the
-        session is in doubt, not at all (a new leadership of the same epoch resumes from
-        the log if the same session comes back)."""
+        session is in doubt, not at all (if the same session comes back, a new leadership
+        of the same epoch resumes from the log, its orders numbered after the log's and the
+        resigned leadership's: ``orderlog::Leader``)."""
         publisher = self.session.publisher
         leading = False
         try:

@@ -4,6 +4,7 @@
 //! the orders of every partition the worker leads, one message in flight. The log itself,
 //! as a replica follows it (fencing, replays), is [`crate::orderlog`].
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -98,7 +99,7 @@ impl OrderFeed {
     /// The leader of `epoch` (see [`Leader`]), continuing from what the log covers now:
     /// call once the log has been read to its end.
     pub fn lead(&self, epoch: u64, partition: u32, batch: usize, resend_after: Duration) -> Leader {
-        Leader::new(epoch, partition, batch, &self.ordered(), resend_after)
+        Leader::new(epoch, partition, batch, self.stats(), resend_after)
     }
 
     /// Sleep until `leader` has an order to publish (see [`Leader::next`]) and return it
@@ -169,6 +170,10 @@ pub struct OrderPublisher {
     /// publisher with a message on its way waits for, however much arrives meanwhile.
     follow_bell: Arc<Doorbell>,
     leaders: Vec<(u64, OrderFeed, Leader)>,
+    /// Per key, the epoch and last version of its leadership that resigned: a leadership
+    /// of the same epoch resumed later numbers its orders after it (see
+    /// [`Leader::continue_after`]).
+    resigned: HashMap<u64, (u64, u64)>,
     /// How long an order on its way holds the others back at most (a lost one is the
     /// leader's business: it publishes again after its own `resend_after`).
     patience: Duration,
@@ -187,6 +192,7 @@ impl OrderPublisher {
             bell,
             follow_bell: Arc::default(),
             leaders: Vec::new(),
+            resigned: HashMap::new(),
             patience: PUBLISH_PATIENCE,
             pace: Duration::ZERO,
             sent: None,
@@ -217,8 +223,9 @@ impl OrderPublisher {
     }
 
     /// Start publishing for `feed` as `leader`, under `key` (the caller's name for the
-    /// partition); replaces a leadership under the same key.
-    pub fn lead(&mut self, key: u64, feed: OrderFeed, leader: Leader) -> Result<()> {
+    /// partition); replaces a leadership under the same key. A leadership of an epoch
+    /// this publisher led under `key` before continues its versions.
+    pub fn lead(&mut self, key: u64, feed: OrderFeed, mut leader: Leader) -> Result<()> {
         if !Arc::ptr_eq(&feed.order_bell, &self.bell) {
             return Err(Error::Config(
                 "the inbox of a partition an OrderPublisher leads must ring its bell: create                  the inbox with the publisher's worker"
@@ -226,6 +233,11 @@ impl OrderPublisher {
             ));
         }
         self.resign(key);
+        if let Some((epoch, version)) = self.resigned.remove(&key) {
+            if epoch == leader.epoch() {
+                leader.continue_after(version);
+            }
+        }
         self.leaders.push((key, feed, leader));
         self.bell.ring(); // orders may be due at once
         Ok(())
@@ -234,7 +246,10 @@ impl OrderPublisher {
     /// Stop publishing under `key`; returns its leader's `counts()` if it led.
     pub fn resign(&mut self, key: u64) -> Option<(u64, u64)> {
         let i = self.leaders.iter().position(|(k, _, _)| *k == key)?;
-        Some(self.leaders.swap_remove(i).2.counts())
+        let (_, _, leader) = self.leaders.swap_remove(i);
+        self.resigned
+            .insert(key, (leader.epoch(), leader.version()));
+        Some(leader.counts())
     }
 
     /// The leader under `key`, if it leads.
@@ -508,6 +523,62 @@ mod tests {
         assert!(second - sent >= pace, "{:?}", second - sent);
         first_up.join().unwrap();
         second_up.join().unwrap();
+    }
+
+    #[test]
+    fn a_leadership_resumed_under_a_key_numbers_its_orders_after_the_resigned_one() {
+        let version = |order: &[u8]| match wire::decode_frame(order, 1 << 20).unwrap().0 {
+            wire::Frame::Order { epoch, version, .. } => (epoch, version),
+            other => panic!("not an order: {other:?}"),
+        };
+        let bell = Arc::new(Doorbell::new());
+        let mut cfg = InboxConfig::new(JOB, SECRET, vec![(TASK, 0)]);
+        cfg.ordering = OrderingMode::Positional;
+        cfg.order_bell = Some(Arc::clone(&bell));
+        let ib = Inbox::bind(cfg).unwrap();
+        let feed = ib.order_feed().unwrap();
+        let mut publisher = OrderPublisher::new(bell);
+        let resend = Duration::from_secs(5);
+        publisher
+            .lead(0, feed.clone(), feed.lead(3, 0, 10, resend))
+            .unwrap();
+        let fence = publisher.next(Duration::from_secs(5));
+        assert_eq!(version(&fence[0].1), (3, 1));
+        feed.offer_frame(&fence[0].1).unwrap();
+        publisher.followed();
+        let plan = Plan {
+            total: 40,
+            emit_rows: 5,
+            hb_every: 1000,
+            batch_rows: 5,
+            crash_after: None,
+        };
+        let up = upstream(ib.local_addr(), 0, 0, plan);
+        let stray = publisher.next(Duration::from_secs(5));
+        assert_eq!(version(&stray[0].1), (3, 2), "an order, handed out");
+        // The session comes in doubt before it lands: the leadership resigns, and resumes
+        // in the same epoch once the session is back.
+        assert_eq!(publisher.resign(0), Some((2, 0)));
+        publisher
+            .lead(0, feed.clone(), feed.lead(3, 0, 10, resend))
+            .unwrap();
+        let mine = publisher.next(Duration::from_secs(5));
+        assert_eq!(
+            version(&mine[0].1),
+            (3, 3),
+            "after the resigned leadership's"
+        );
+        // Both land: neither is a replay of the other.
+        assert_eq!(feed.offer_frame(&stray[0].1).unwrap(), Verdict::Followed);
+        assert_eq!(feed.offer_frame(&mine[0].1).unwrap(), Verdict::Followed);
+        // Another epoch starts from the log alone.
+        publisher.resign(0);
+        publisher
+            .lead(0, feed.clone(), feed.lead(4, 0, 10, resend))
+            .unwrap();
+        let fence = publisher.next(Duration::from_secs(5));
+        assert_eq!(version(&fence[0].1), (4, 1));
+        up.join().unwrap();
     }
 
     #[test]

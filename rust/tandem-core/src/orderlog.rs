@@ -27,7 +27,7 @@
 //! it died is ignored if it lands after the fence, followed by all if before), and it tells
 //! the new leader that its own replica has read everything before it: only then does it
 //! order, from what the log covers by then. After that, per channel, what has
-//! arrived beyond what it published and what the log covers, channels taken round-robin.
+//! arrived beyond what the log covers, channels taken round-robin.
 //! It keeps one order in flight, and an order counts as delivered once the leader's own
 //! replica has *followed* it from the log — the point where every replica can act on it —
 //! so what arrives meanwhile goes into the next order: orders grow with the load, an idle
@@ -310,9 +310,8 @@ pub struct Leader {
     partition: u32,
     /// At most this many entries per order.
     batch: usize,
-    /// Per channel, how far this leader's orders reach.
-    published: Vec<u64>,
-    /// Version of the last order handed out (versions start at 1 in every epoch).
+    /// Version of the last order handed out: versions start at 1 in every epoch, and a
+    /// leadership resumed in the epoch the log follows continues after the log's version.
     version: u64,
     /// The channel the next order's entries start with (round-robin, so no channel is
     /// always last in a batch that is split).
@@ -329,21 +328,30 @@ pub struct Leader {
 }
 
 impl Leader {
-    /// The leader of `epoch` over `channels` input channels, continuing from `ordered`
-    /// (the log read to its end).
+    /// The leader of `epoch`, continuing from `log` (this replica's log, read to its end).
+    ///
+    /// A leadership of the epoch the log already follows (the same ZooKeeper session
+    /// resuming after it was in doubt) numbers its orders after the last one the log
+    /// followed: the log ignores an order of the current epoch whose version it has seen
+    /// (a replay), so orders restarting at version 1 would all be ignored, and — counted
+    /// as followed by their version — stall the partition.
     pub fn new(
         epoch: u64,
         partition: u32,
         batch: usize,
-        ordered: &[u64],
+        log: OrderLogStats,
         resend_after: Duration,
     ) -> Self {
+        let version = if log.epoch == Some(epoch) {
+            log.version
+        } else {
+            0
+        };
         Self {
             epoch,
             partition,
             batch: batch.max(1),
-            published: ordered.to_vec(),
-            version: 0,
+            version,
             cursor: 0,
             queued: VecDeque::new(),
             in_flight: None,
@@ -355,6 +363,18 @@ impl Leader {
 
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// Version of the last order handed out.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Number the next orders after `version` (at least): an earlier leadership of this
+    /// epoch handed out orders up to it that may still land in the log, and an order of
+    /// this one under the same version would be ignored as a replay of it.
+    pub fn continue_after(&mut self, version: u64) {
+        self.version = self.version.max(version);
     }
 
     /// Orders handed out, and how many times an order in flight was given up on.
@@ -381,13 +401,17 @@ impl Leader {
     pub fn lost(&mut self) {
         self.in_flight = None;
         self.queued.clear();
-        self.published.clear(); // `decide` starts again from the log's positions
     }
 
     /// The next order to publish, if one is due: none while the last one handed out is
     /// neither followed (`log`: the stats of this replica's log, `ordered` its positions)
-    /// nor overdue, or while nothing arrived (`arrived`, per channel) beyond what is
-    /// published or ordered.
+    /// nor overdue, or while nothing arrived (`arrived`, per channel) beyond what the log
+    /// covers.
+    ///
+    /// The leader orders from the log's positions, never from what it remembers having
+    /// published: with one order in flight, everything it handed out before is settled
+    /// once that order is followed — applied, or ignored as stale or a replay — and only
+    /// the log knows which. So an order the log ignored is ordered again at the next step.
     pub fn next(
         &mut self,
         arrived: &[u64],
@@ -428,19 +452,14 @@ impl Leader {
 
     fn decide(&mut self, arrived: &[u64], ordered: &[u64]) {
         let n = arrived.len().min(ordered.len());
-        if self.published.len() != n {
-            self.published = ordered[..n].to_vec();
-        }
         let mut entries = Vec::new();
         for i in 0..n {
             let c = (self.cursor + i) % n;
-            let bound = self.published[c].max(ordered[c]);
-            if arrived[c] > bound {
+            if arrived[c] > ordered[c] {
                 entries.push(OrderEntry {
                     channel: c as u32,
                     up_to_seq: arrived[c],
                 });
-                self.published[c] = arrived[c];
             }
         }
         if entries.is_empty() {
@@ -620,7 +639,7 @@ mod tests {
         let t0 = Instant::now();
         let mut log = OrderLog::new(2);
         log.offer(1, 4, &[e(0, 3)]).unwrap();
-        let mut leader = Leader::new(2, 0, 100, log.ordered(), Duration::from_secs(5));
+        let mut leader = Leader::new(2, 0, 100, log.stats(), Duration::from_secs(5));
         let f = leader
             .next(&[5, 5], log.ordered(), log.stats(), t0)
             .unwrap();
@@ -645,7 +664,7 @@ mod tests {
         assert_eq!(decoded(&first), (2, 2, vec![e(0, 9), e(1, 9)]));
         assert_eq!(log.ordered(), &[8, 2]);
         // A fence never followed is published again, under a new version.
-        let mut lost = Leader::new(3, 0, 100, log.ordered(), Duration::from_millis(10));
+        let mut lost = Leader::new(3, 0, 100, log.stats(), Duration::from_millis(10));
         let f1 = lost.next(&[], log.ordered(), log.stats(), t0).unwrap();
         let later = t0 + Duration::from_millis(10);
         let f2 = lost
@@ -656,8 +675,8 @@ mod tests {
             ((3, 1, vec![]), (3, 2, vec![]))
         );
         // A leader resumed in an epoch the log already follows does not fence again.
-        let mut resumed = Leader::new(2, 0, 100, log.ordered(), Duration::from_secs(5));
         log.offer_frame(&first).unwrap();
+        let mut resumed = Leader::new(2, 0, 100, log.stats(), Duration::from_secs(5));
         let again = resumed
             .next(&[10, 9], log.ordered(), log.stats(), t0)
             .unwrap();
@@ -665,11 +684,66 @@ mod tests {
     }
 
     #[test]
+    fn a_leadership_resumed_in_the_epoch_the_log_follows_numbers_its_orders_after_it() {
+        // The session was in doubt (SUSPENDED) and came back: the same epoch leads again.
+        let t0 = Instant::now();
+        let mut log = OrderLog::new(2);
+        let mut leader = Leader::new(4, 0, 100, log.stats(), Duration::from_secs(5));
+        fence(&mut leader, &mut log, t0);
+        for up_to in 1..=5 {
+            let order = leader
+                .next(&[up_to, 0], log.ordered(), log.stats(), t0)
+                .unwrap();
+            assert_eq!(log.offer_frame(&order).unwrap(), Verdict::Followed);
+        }
+        assert_eq!((log.stats().epoch, log.stats().version), (Some(4), 6));
+        let mut resumed = Leader::new(4, 0, 100, log.stats(), Duration::from_secs(5));
+        let order = resumed
+            .next(&[5, 3], log.ordered(), log.stats(), t0)
+            .unwrap();
+        // Not version 1: the log would ignore it as a replay of the first leadership's.
+        assert_eq!(decoded(&order), (4, 7, vec![e(1, 3)]));
+        assert_eq!(log.offer_frame(&order).unwrap(), Verdict::Followed);
+        assert_eq!(log.ordered(), &[5, 3]);
+    }
+
+    #[test]
+    fn an_order_the_log_ignored_is_ordered_again() {
+        // An earlier leadership of the epoch handed out version 3 and resigned before it
+        // landed; the resumed one's version 3 lands second and is ignored as a replay.
+        let t0 = Instant::now();
+        let mut log = OrderLog::new(1);
+        let mut first = Leader::new(1, 0, 100, log.stats(), Duration::from_secs(5));
+        fence(&mut first, &mut log, t0);
+        let early = first.next(&[2], log.ordered(), log.stats(), t0).unwrap();
+        assert_eq!(log.offer_frame(&early).unwrap(), Verdict::Followed);
+        let stray = first.next(&[4], log.ordered(), log.stats(), t0).unwrap();
+        let mut resumed = Leader::new(1, 0, 100, log.stats(), Duration::from_secs(5));
+        let mine = resumed.next(&[9], log.ordered(), log.stats(), t0).unwrap();
+        assert_eq!((decoded(&stray).1, decoded(&mine).1), (3, 3));
+        assert_eq!(log.offer_frame(&stray).unwrap(), Verdict::Followed);
+        assert_eq!(
+            log.offer_frame(&mine).unwrap(),
+            Verdict::Replayed {
+                epoch: 1,
+                version: 3
+            }
+        );
+        // Its version is followed, its positions are not: the leader orders them again
+        // at once, rather than waiting for input that may never come.
+        let again = resumed.next(&[9], log.ordered(), log.stats(), t0).unwrap();
+        assert_eq!(decoded(&again), (1, 4, vec![e(0, 9)]));
+        assert_eq!(log.offer_frame(&again).unwrap(), Verdict::Followed);
+        assert_eq!(log.ordered(), &[9]);
+        assert_eq!(resumed.next(&[9], log.ordered(), log.stats(), t0), None);
+    }
+
+    #[test]
     fn a_leader_keeps_one_order_in_flight_until_its_replica_follows_it() {
         let t0 = Instant::now();
         let resend = Duration::from_secs(5);
         let mut log = OrderLog::new(2);
-        let mut leader = Leader::new(7, 3, 100, log.ordered(), resend);
+        let mut leader = Leader::new(7, 3, 100, log.stats(), resend);
         fence(&mut leader, &mut log, t0);
         assert_eq!(leader.next(&[0, 0], log.ordered(), log.stats(), t0), None);
         let first = leader
@@ -694,7 +768,7 @@ mod tests {
         let mut log = OrderLog::new(2);
         log.offer(1, 5, &[e(0, 10), e(1, 3)]).unwrap();
         let now = Instant::now();
-        let mut leader = Leader::new(2, 0, 100, log.ordered(), Duration::from_secs(5));
+        let mut leader = Leader::new(2, 0, 100, log.stats(), Duration::from_secs(5));
         fence(&mut leader, &mut log, now);
         assert_eq!(leader.next(&[10, 3], log.ordered(), log.stats(), now), None);
         let order = leader
@@ -707,7 +781,7 @@ mod tests {
     fn a_split_batch_goes_out_at_once_and_the_last_part_is_awaited() {
         let now = Instant::now();
         let mut log = OrderLog::new(3);
-        let mut leader = Leader::new(1, 0, 2, log.ordered(), Duration::from_secs(5));
+        let mut leader = Leader::new(1, 0, 2, log.stats(), Duration::from_secs(5));
         fence(&mut leader, &mut log, now);
         let a = leader
             .next(&[1, 2, 3], log.ordered(), log.stats(), now)
@@ -733,7 +807,7 @@ mod tests {
         let t0 = Instant::now();
         let resend = Duration::from_millis(100);
         let mut log = OrderLog::new(1);
-        let mut leader = Leader::new(1, 0, 10, log.ordered(), resend);
+        let mut leader = Leader::new(1, 0, 10, log.stats(), resend);
         fence(&mut leader, &mut log, t0);
         let lost = leader.next(&[4], log.ordered(), log.stats(), t0).unwrap();
         assert_eq!(decoded(&lost).2, vec![e(0, 4)]);
