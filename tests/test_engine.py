@@ -336,3 +336,27 @@ def test_a_frozen_replica_is_dropped_and_never_holds_its_twin_back():
     assert (res.lost, res.duplicates, res.digests_match) == (0, 0, True)
     # Waiting for the frozen replica would leave a gap of about the pause.
     assert res.max_gap_ms is not None and res.max_gap_ms < 500, res.max_gap_ms
+
+
+def test_a_run_that_times_out_says_where_each_replica_not_done_stands():
+    """The timeout's error names, for every replica not done, what it took in and sent
+    and what its merge holds, from a snapshot its worker sends on the coordinator's ask; a
+    worker that cannot answer (here: frozen) is named as silent."""
+    job = td.Job("stuck", replication=1)
+    src = job.source(td.sources.Synthetic(rate=2_000, keys=10, seed=1), parallelism=1)
+    src.key_by("key").process(td.CountPerKey(), parallelism=1, name="count").sink(
+        td.sinks.Collect()
+    )
+    owners = {rid: w for w, rids in enumerate(job.plan().placement()) for rid in rids}
+    names = {t.name: t.id for t in job.plan().tasks}
+    frozen = owners[(names["count"], 0, 0)]
+    waiting = owners[(names["sink"], 0, 0)]
+    assert frozen != waiting
+    pause = td.Pause("count", partition=0, replica=0, at=0.5, for_s=30.0)
+    with pytest.raises(td.TandemError, match="did not finish") as err:
+        job.run(duration=1.0, faults=[pause], timeout=1.0, progress=False)
+    text = str(err.value)
+    assert "Where the replicas not done stand" in text, text
+    assert f"worker {frozen}: no answer" in text, text
+    assert f"sink[0] replica 0 on worker {waiting}: " in text, text
+    assert "rows in" in text, text

@@ -117,6 +117,10 @@ run back."""
 DEFER_STEP_S = 0.05
 """How often a kill waiting for a rebuild (:class:`_Deferred`) looks again."""
 
+STUCK_REPORT_S = 2.0
+"""A run that timed out: how long its running workers have to send the snapshot its error
+reports (:meth:`Coordinator._where_stuck`)."""
+
 
 # -- events and the host ------------------------------------------------------------------
 
@@ -582,6 +586,7 @@ class Coordinator:
                 raise TandemError(
                     f"the run did not finish within {timeout:.0f} s of its start; still running: "
                     f"{stuck}. Raise timeout= if the job is expected to take longer.{logs_hint}"
+                    f"{self._where_stuck()}"
                 )
         self.finished = True
         for w in list(self.rejoins):
@@ -589,6 +594,63 @@ class Coordinator:
         if self.metrics is not None:
             self.metrics.engine(self.lost, self.restored, self.down)
         self._draw(self.end_s(), done=True)
+
+    def _where_stuck(self) -> str:
+        """For a run that timed out: ask every running worker for one snapshot of its
+        replicas' counters and say, for each replica not done, where it stands — what it
+        took in and sent, the input its merge holds and for how long it has waited (with
+        KaZoo: for an order), its output backlog, its KaZoo role. A worker that does not
+        answer within ``STUCK_REPORT_S`` is named as such (its loop is blocked)."""
+        asked = {w: self.current[w] for w in self.running}
+        for w, inc in asked.items():
+            self.host.send(w, inc, MetricsEvery(STUCK_REPORT_S / 4))
+        snapshots: dict[int, dict] = {}
+        until = time.monotonic() + STUCK_REPORT_S
+        while len(snapshots) < len(asked) and time.monotonic() < until:
+            for event in self.host.poll(0.1):
+                if isinstance(event, Call):
+                    self._call(event)
+                    continue
+                if asked.get(event.worker) != event.incarnation:
+                    continue
+                if isinstance(event, Exited):
+                    snapshots[event.worker] = {"exited": event.code}
+                elif isinstance(event.message, Metrics):
+                    snapshots[event.worker] = event.message.snapshot
+        lines = []
+        for w in sorted(asked):
+            snap = snapshots.get(w)
+            if snap is None:
+                lines.append(
+                    f"{self.worker_name(w)}: no answer in {STUCK_REPORT_S:.0f} s (frozen, cut "
+                    "off, or its loop blocked)"
+                )
+                continue
+            if "exited" in snap:
+                lines.append(f"{self.worker_name(w)}: exited (code {snap['exited']})")
+                continue
+            for rid, m in sorted(snap["replicas"].items()):
+                if not m.get("active", True):
+                    continue
+                parts = [f"{m['rows_in']} rows in, {m['rows_out']} out"]
+                if m.get("queued") or m.get("merge_wait_s"):
+                    parts.append(
+                        f"{m['queued']} input seqs held by its merge, which has waited "
+                        f"{m['merge_wait_s']:.1f} s in all"
+                    )
+                if m.get("backlog"):
+                    parts.append(f"{m['backlog']} frames of output unread")
+                if "kazoo" in m:
+                    leading, epoch = m["kazoo"]
+                    parts.append(
+                        f"KaZoo leader of epoch {leading}"
+                        if leading is not None
+                        else f"KaZoo follower (log at epoch {epoch})"
+                    )
+                lines.append(f"{self.name(rid)} on {self.worker_name(w)}: " + "; ".join(parts))
+        if not lines:
+            return ""
+        return "\nWhere the replicas not done stand:\n  " + "\n  ".join(lines)
 
     def _call(self, event: Call) -> None:
         try:
