@@ -85,7 +85,7 @@ from tandem.engines.protocol import (
     Waiting,
     expect,
 )
-from tandem.exceptions import ConfigError, DeterminismError, TandemError, TaskFailed
+from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Chaos, KillHeartbeats, KillWorker, Pause, ReplicaFault
 from tandem.heartbeat import Generators
 from tandem.ordering import kazoo
@@ -93,6 +93,7 @@ from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
 from tandem.result import Result
 from tandem.runtime import ReplicaId, ReplicaReport, Resume
+from tandem.runtime.replica import failure_error
 
 log = logging.getLogger("tandem")
 
@@ -1834,7 +1835,7 @@ def _raise_first(failures: tuple[tuple[ReplicaId, str, bool], ...]) -> None:
     """Fail the run for the first of a worker's failures, if any (:class:`Done`,
     :class:`Failed`)."""
     for _, error, diverged in failures:
-        raise DeterminismError(error) if diverged else TaskFailed(error)
+        raise failure_error(error, diverged)
 
 
 def _not_a_failure(event: Event) -> bool:

@@ -73,7 +73,13 @@ class ReplicaReport:
         """The exception the run fails with because of this replica, if any."""
         if self.error is None:
             return None
-        return DeterminismError(self.error) if self.diverged else TaskFailed(self.error)
+        return failure_error(self.error, self.diverged)
+
+
+def failure_error(error: str, diverged: bool) -> TandemError:
+    """The exception a replica's failure fails the run with: a divergence of its input
+    (:class:`DeterminismError`) or an error of its task (:class:`TaskFailed`)."""
+    return DeterminismError(error) if diverged else TaskFailed(error)
 
 
 def failures(reports: dict[ReplicaId, ReplicaReport]) -> tuple[tuple[ReplicaId, str, bool], ...]:

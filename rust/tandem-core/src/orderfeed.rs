@@ -477,15 +477,22 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_paced_publisher_leaves_its_pace_between_two_messages() {
+    /// A positional inbox over `channels` upstream partitions of `TASK`, its feed, and a
+    /// publisher whose bell it rings.
+    fn one_partition(channels: u32) -> (Inbox, OrderFeed, OrderPublisher) {
         let bell = Arc::new(Doorbell::new());
-        let mut cfg = InboxConfig::new(JOB, SECRET, vec![(TASK, 0), (TASK, 1)]);
+        let upstream = (0..channels).map(|p| (TASK, p)).collect();
+        let mut cfg = InboxConfig::new(JOB, SECRET, upstream);
         cfg.ordering = OrderingMode::Positional;
         cfg.order_bell = Some(Arc::clone(&bell));
         let ib = Inbox::bind(cfg).unwrap();
         let feed = ib.order_feed().unwrap();
-        let mut publisher = OrderPublisher::new(bell);
+        (ib, feed, OrderPublisher::new(bell))
+    }
+
+    #[test]
+    fn a_paced_publisher_leaves_its_pace_between_two_messages() {
+        let (ib, feed, mut publisher) = one_partition(2);
         let pace = Duration::from_millis(40);
         publisher.pace(pace);
         let leader = feed.lead(1, 0, 10, Duration::from_secs(5));
@@ -531,13 +538,7 @@ mod tests {
             wire::Frame::Order { epoch, version, .. } => (epoch, version),
             other => panic!("not an order: {other:?}"),
         };
-        let bell = Arc::new(Doorbell::new());
-        let mut cfg = InboxConfig::new(JOB, SECRET, vec![(TASK, 0)]);
-        cfg.ordering = OrderingMode::Positional;
-        cfg.order_bell = Some(Arc::clone(&bell));
-        let ib = Inbox::bind(cfg).unwrap();
-        let feed = ib.order_feed().unwrap();
-        let mut publisher = OrderPublisher::new(bell);
+        let (ib, feed, mut publisher) = one_partition(1);
         let resend = Duration::from_secs(5);
         publisher
             .lead(0, feed.clone(), feed.lead(3, 0, 10, resend))
