@@ -13,6 +13,8 @@ sinks were unreplicated; at r = 1 the host of everything but the driver's side):
 * ``crash`` — every process on that host SIGKILLed;
 * ``partition`` — its link down, no reset, never healed during the run;
 * ``healed`` — the same, healed 10 s later while the job runs on;
+* ``k2:none`` / ``k2:partition`` — KaZoo at r = 2 (ZooKeeper and Kafka on a services host
+  of their own), the fault on the host of ``count[0]``'s leader;
 * ``slow`` — its link throttled to ``--slow`` (2 mbit/s) both ways (``tc tbf``). At
   1,000 rows/s 2 mbit/s still carries the job (r = 1 too keeps its latency, only its
   end waits for the result to cross the link); ``--slow 256kbit`` does not, and there
@@ -20,7 +22,9 @@ sinks were unreplicated; at r = 1 the host of everything but the driver's side):
 
 Each row: rows out, lost / duplicates against the input alone (every id once, per key the
 running counts 1..n), p50 / p99 / max latency at the sink, the longest output gap, how
-long after the fault the job returned, the replicas lost and rebuilt. A case that failed
+long after the fault the job returned, the replicas lost and rebuilt, and the CPU-seconds
+the worker processes used (``Result.workers_cpu_s``: what each said in its last keepalive
+or its ``Done``; Spark's JVMs not counted), beside r = 1's for the same fault. A case that failed
 (r = 1 loses its only copy in a crash or a partition) says how.
 
     sudo python benches/cluster.py --json out/cluster.json          # every case, ~12 min
@@ -44,22 +48,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cluster_harness import Cluster, free_prefix, placed  # noqa: E402
-from test_cluster import check_output, start_job  # noqa: E402
+from test_cluster import check_output, kazoo_leader, start_job  # noqa: E402
 
 CASES = [f"r{r}:{f}" for r in (1, 2) for f in ("none", "crash", "partition", "healed", "slow")]
+CASES += ["k2:none", "k2:partition"]  # KaZoo at r = 2, ZooKeeper and Kafka on their own host
 
 
 def run_case(
     cluster: Cluster, work: Path, case: str, duration: float, fault_at: float, slow: str
 ) -> dict:
     replication, fault = case.split(":")
-    r = int(replication[1:])
+    r, kazoo = int(replication[1:]), replication.startswith("k")
     tag = case.replace(":", "-")
     folder = work / tag
     folder.mkdir(parents=True, exist_ok=True)
-    row: dict = {"case": case, "replication": r, "fault": fault}
+    row: dict = {
+        "case": case,
+        "replication": r,
+        "ordering": "kazoo" if kazoo else "liverobin",
+        "fault": fault,
+    }
     timers: list[threading.Timer] = []
-    proc, log, path, out = start_job(cluster, folder, tag, duration, r > 1, "--replication", str(r))
+    extra = ["--replication", str(r)]
+    if kazoo:
+        extra += ["--kazoo", cluster.address(cluster.services_host)]
+    proc, log, path, out = start_job(cluster, folder, tag, duration, r > 1, *extra)
     with log:
         wanted = {f"count[{p}]/{i}" for p in (0, 1) for i in range(r)} | {
             f"sink[0]/{i}" for i in range(r)
@@ -73,6 +86,8 @@ def run_case(
         faulted_at = None
         if fault != "none" and victim is not None and proc.poll() is None:
             time.sleep(fault_at)
+            if kazoo:  # the host of count[0]'s leader
+                victim = where[f"count[0]/{kazoo_leader(cluster, tag)}"]
             faulted_at = time.time()
             if fault == "crash":
                 cluster.crash(victim)
@@ -107,7 +122,16 @@ def run_case(
             row["check_error"] = str(exc)[:300]
         row |= {
             k: result.get(k)
-            for k in ("rows", "lost", "duplicates", "p50_ms", "p99_ms", "max_ms", "max_gap_ms")
+            for k in (
+                "rows",
+                "lost",
+                "duplicates",
+                "p50_ms",
+                "p99_ms",
+                "max_ms",
+                "max_gap_ms",
+                "cpu_s",
+            )
         }
         row["replicas_lost"] = len(result["lost_replicas"])
         row["replicas_rebuilt"] = len(result["restored_replicas"])
@@ -124,24 +148,27 @@ def fmt(v, digits: int = 1) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    base = {r["fault"]: r for r in rows if r["replication"] == 2}
+    base = {r["fault"]: r for r in rows if r["replication"] == 2 and r["ordering"] != "kazoo"}
+    single = {r["fault"]: r for r in rows if r["replication"] == 1}
     lines = [
         "| case | rows | lost / dup | p50 / p99 / max ms | p99 x r2 same fault | longest gap ms "
-        "| ended after fault | replicas lost / rebuilt |",
-        "|---|---:|---|---|---:|---:|---:|---|",
+        "| ended after fault | replicas lost / rebuilt | workers' CPU s | CPU x r1 same fault |",
+        "|---|---:|---|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | failed: {r['error']} |||||||")
+            lines.append(f"| {r['case']} | failed: {r['error']} |||||||||")
             continue
         twin = base.get(r["fault"], {}).get("p99_ms")
         ratio = f"{r['p99_ms'] / twin:.2f}x" if twin and r.get("p99_ms") else "-"
+        one = single.get(r["fault"], {}).get("cpu_s")
+        cpu = f"{r['cpu_s'] / one:.2f}x" if one and r.get("cpu_s") else "-"
         lines.append(
             f"| {r['case']} | {r['rows']} | {r['lost']} / {r['duplicates']}"
             f"{'' if r.get('checked') else ' (check failed)'} "
             f"| {fmt(r['p50_ms'])} / {fmt(r['p99_ms'])} / {fmt(r['max_ms'])} | {ratio} "
             f"| {fmt(r['max_gap_ms'], 0)} | {fmt(r.get('ended_after_fault_s'))} s "
-            f"| {r['replicas_lost']} / {r['replicas_rebuilt']} |"
+            f"| {r['replicas_lost']} / {r['replicas_rebuilt']} | {fmt(r.get('cpu_s'))} | {cpu} |"
         )
     return "\n".join(lines)
 
@@ -159,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases:
         if c not in CASES:
             ap.error(f"unknown case {c!r}; the cases are {', '.join(CASES)}")
-    cluster = Cluster(args.hosts, prefix=free_prefix("tb"))
+    cluster = Cluster(
+        args.hosts, prefix=free_prefix("tb"), services=any(c.startswith("k") for c in cases)
+    )
     cluster.up()
     print(f"cluster {cluster.prefix}: {cluster.master_url}, up in {cluster.up_seconds:.1f} s")
     rows = []

@@ -8,7 +8,9 @@ file's rows released at ``--rate`` rows per second, 2 partitions, ``key_by("key"
 running count per key in 2 partitions, a ``Collect`` sink — on ``tandem_spark.SparkEngine``
 at the standalone master ``$TANDEM_CLUSTER_MASTER`` (``scripts/cluster.sh exec`` sets it, and
 ``TANDEM_CLUSTER_ADDRESS``, the head's address the driver binds). One worker per replica
-group, one for the sinks: three worker tasks.
+group, one for the sinks: three worker tasks. ``--kazoo ADDRESS`` orders the count with
+KaZoo instead of LiveRobin, on the ZooKeeper and Kafka of the services host at ADDRESS
+(``scripts/cluster.sh up N --services``).
 
 Each replica of ``count`` and of the (replicated) sink prints one line to its executor's
 stderr when it opens — ``tandem-cluster TAG: count[P]/R on ADDRESS pid PID`` or
@@ -71,8 +73,11 @@ class PlacedCollect(td.sinks.Collect):
         announce(self.tag, f"sink[{partition}]/{self.replica}")
 
 
-def build(path: str, rate: int, tag: str, restore: bool, replication: int = 2) -> td.Job:
-    job = td.Job(f"cluster-{tag}", replication=replication, restore=restore, workers=1)
+def build(
+    path: str, rate: int, tag: str, restore: bool, replication: int = 2, kazoo=None
+) -> td.Job:
+    ordering = {} if kazoo is None else {"ordering": "kazoo", "kazoo": kazoo}
+    job = td.Job(f"cluster-{tag}", replication=replication, restore=restore, workers=1, **ordering)
     rows = job.source(td.sources.Parquet(path, rate=rate), parallelism=2)
     counted = rows.key_by("key").process(PlacedCount(tag), parallelism=2, name="count")
     counted.sink(PlacedCollect(tag))
@@ -96,6 +101,13 @@ def main() -> int:
     ap.add_argument("--fault-at", type=float, default=2.0)
     ap.add_argument("--pause-s", type=float, default=30.0)
     ap.add_argument("--master", default=os.environ.get("TANDEM_CLUSTER_MASTER"))
+    ap.add_argument(
+        "--kazoo",
+        metavar="ADDRESS",
+        help="order the count with KaZoo, on the ZooKeeper and Kafka of the services host at "
+        "ADDRESS (scripts/cluster.sh up N --services: ports 21810 and 19092)",
+    )
+    ap.add_argument("--session-timeout", type=float, default=1.0)
     args = ap.parse_args()
     address = os.environ.get("TANDEM_CLUSTER_ADDRESS")
     if not args.master or not address:
@@ -114,8 +126,22 @@ def main() -> int:
 
     # The executors open the file by this path, from their own working directories: it
     # must be absolute (and, on a real cluster, on storage every node mounts there).
+    kazoo = None
+    if args.kazoo:
+        from tandem.ordering.kazoo import KazooConfig
+
+        kazoo = KazooConfig(
+            zk_hosts=f"{args.kazoo}:21810",
+            kafka_bootstrap=f"{args.kazoo}:19092",
+            session_timeout_s=args.session_timeout,
+        )
     job = build(
-        str(Path(args.input).resolve()), args.rate, args.tag, args.restore, args.replication
+        str(Path(args.input).resolve()),
+        args.rate,
+        args.tag,
+        args.restore,
+        args.replication,
+        kazoo,
     )
     started = time.monotonic()
     # A run that hangs says where: every thread's stack in the driver log, well before the
@@ -172,6 +198,10 @@ def main() -> int:
             "lost_replicas": res.lost_replicas,
             "restored_replicas": res.restored_replicas,
             "faults": res.faults,
+            "leaders": res.leaders,
+            "fenced": [f for s in res.kazoo_sessions for f in s["fenced"]],
+            "sessions_expired": sum(s["expired"] for s in res.kazoo_sessions),
+            "cpu_s": res.workers_cpu_s,
             "hosts": hosts,
             "first_hosts": first_hosts,
             "session_s": ready - started,

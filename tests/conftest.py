@@ -116,13 +116,19 @@ def kafka(_service_pool: _ServicePool) -> Services:
 
 @pytest.fixture(scope="session")
 def cluster():
-    """The cluster (`.master_url`, `.head`, `.hosts`, `.crash/.partition/.heal/.slow`,
+    """The cluster (`.master_url`, `.head`, `.hosts`, `.services_host` running ZooKeeper and
+    Kafka, `.crash/.partition/.heal/.slow`,
     `.run_on(host, argv)`), brought up once for the session, taken down after the last
     test that uses it (its JVMs would idle beside the rest of the suite) or at the end."""
     hosts = int(os.environ.get("TANDEM_TEST_CLUSTER_WORKERS", "3"))
     # Names no other cluster on this machine uses: a CI run must not trip over a cluster
     # another checkout runs, or one a killed run left behind.
-    harness = Cluster(hosts, prefix=os.environ.get("TANDEM_CLUSTER_PREFIX") or free_prefix("td"))
+    # ZooKeeper and Kafka on a host of their own, for KaZoo across hosts.
+    harness = Cluster(
+        hosts,
+        prefix=os.environ.get("TANDEM_CLUSTER_PREFIX") or free_prefix("td"),
+        services=True,
+    )
     harness.up()  # raises the script's message; a failed `up` has taken itself down
     print(
         f"\ncluster {harness.prefix}: {harness.master_url}, {hosts} worker hosts, "

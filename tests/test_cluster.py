@@ -335,13 +335,15 @@ def test_a_keyed_count_on_the_standalone_cluster(cluster, tmp_path):
     }
 
 
-def _fault_a_replica_host(cluster, tmp_path, tag: str, fault, duration: float = 8.0):
+def _fault_a_replica_host(
+    cluster, tmp_path, tag: str, fault, duration: float = 8.0, *extra: str, victim=None
+):
     """Run the keyed count, and once its replicas run, ``fault`` (a harness method) the
     host of sink replica 0 — the job's single point of failure while sinks were not
-    replicated — and of a replica group with it: the result, how long after the fault
-    ``job.run`` returned, the replicas restored, those lost and those that ran on the
-    victim."""
-    proc, log, path, out = start_job(cluster, tmp_path, tag, duration, restore=True)
+    replicated — and of a replica group with it (``victim``: a function of what runs
+    where that names another host): the result, how long after the fault ``job.run``
+    returned, the replicas restored, those lost and those that ran on the victim."""
+    proc, log, path, out = start_job(cluster, tmp_path, tag, duration, True, *extra)
     wanted = {"count[0]/0", "count[0]/1", "count[1]/0", "count[1]/1", "sink[0]/0", "sink[0]/1"}
     deadline = time.monotonic() + 180
     while not wanted <= set(where := placed(cluster, tag)):
@@ -350,9 +352,9 @@ def _fault_a_replica_host(cluster, tmp_path, tag: str, fault, duration: float = 
         )
         assert time.monotonic() < deadline, f"replicas not placed after 180 s: {where}"
         time.sleep(0.2)
-    victim = where["sink[0]/0"]
-    assert where["sink[0]/1"] != victim, f"the sink's replicas share a host: {where}"
+    assert where["sink[0]/1"] != where["sink[0]/0"], f"the sink's replicas share a host: {where}"
     time.sleep(3.0)  # the replicas open about a second before t0: the fault comes mid-run
+    victim = where["sink[0]/0"] if victim is None else victim(where)
     faulted_at = time.time()  # the hosts share this machine's clock
     fault(victim)
     result, output = finish_job(proc, log, path, out, timeout=duration + 120)
@@ -375,6 +377,7 @@ def _fault_a_replica_host(cluster, tmp_path, tag: str, fault, duration: float = 
         f"{r['task']}[{r['partition']}]/{r['replica']}" for r in result["restored_replicas"]
     }
     assert not any(hosts[rid] == victim for rid in restored), hosts  # rebuilt elsewhere
+    result["faulted_s"] = faulted_at - result["t0"]
     return result, ended_after, restored, gone, on_victim
 
 
@@ -522,3 +525,108 @@ def test_a_throttled_replica_host_is_hedged_by_its_twins(cluster, tmp_path):
     assert result["p99_ms"] < 200, result["p99_ms"]  # not the seconds of a run waiting on it
     assert result["max_gap_ms"] < 1000, result["max_gap_ms"]
     print(f"slow: p50/p99 {result['p50_ms']}/{result['p99_ms']} ms", file=sys.stderr)
+
+
+LEADER = """
+import sys
+from kazoo.client import KazooClient
+zk = KazooClient(hosts=sys.argv[1] + ":21810", timeout=5.0)
+zk.start(timeout=10)
+base = "/tandem/cluster-" + sys.argv[2]
+(run,) = zk.get_children(base)
+# count is the job's task 1 (source, count, sink); its partition 0's election queue
+print(zk.Lock(f"{base}/{run}/1/0").contenders()[0])
+zk.stop()
+"""
+
+
+def kazoo_leader(cluster: Cluster, tag: str) -> int:
+    """The replica leading KaZoo partition count[0] of run ``tag`` now, as ZooKeeper says
+    (asked from the head: the services host is reachable from the cluster's hosts only)."""
+    svc = cluster.address(cluster.services_host)
+    done = cluster.run_on(cluster.head, [cluster.python, "-c", LEADER, svc, tag], timeout=60)
+    assert done.returncode == 0, done.stderr
+    task, partition, replica, _pid = done.stdout.strip().split(":")
+    assert (task, partition) == ("1", "0"), done.stdout
+    return int(replica)
+
+
+def test_kazoo_a_leader_host_cut_off_is_replaced_and_its_late_orders_fenced(cluster, tmp_path):
+    """KaZoo across hosts, ZooKeeper and Kafka on a host of their own: the host of
+    count[0]'s leader is cut off mid-run (no reset) and healed 6 s later. Its ZooKeeper
+    session expires, so the twin on another host leads with a higher epoch within about
+    one session timeout and orders from the log's end; the old leader stopped ordering
+    when its session went in doubt, and whatever it still gets into the order log once
+    healed is ignored by epoch. Its replicas are declared lost, fenced and rebuilt;
+    nothing lost or repeated, and the job ends on time."""
+    duration, session_s = 14.0, 1.0
+    svc = cluster.address(cluster.services_host)
+    leader: list[int] = []
+    healer: list[threading.Timer] = []
+
+    def leader_host(where: dict[str, str]) -> str:
+        leader.append(kazoo_leader(cluster, "kazoo"))
+        return where[f"count[0]/{leader[0]}"]
+
+    def cut_then_heal(host: str) -> None:
+        cluster.partition(host)
+        timer = threading.Timer(6.0, cluster.heal, [host])
+        timer.start()
+        healer.append(timer)
+
+    try:
+        result, ended_after, restored, gone, on_victim = _fault_a_replica_host(
+            cluster,
+            tmp_path,
+            "kazoo",
+            cut_then_heal,
+            duration,
+            "--kazoo",
+            svc,
+            "--session-timeout",
+            str(session_s),
+            victim=leader_host,
+        )
+    finally:
+        for timer in healer:
+            timer.join()
+    old = leader[0]
+    assert f"count[0]/{old}" in gone, result["lost_replicas"]
+    operators = {r for r in on_victim if not r.startswith("sink")}
+    assert operators <= gone <= on_victim and restored == operators, result["lost_replicas"]
+    # The old leader's term went with its report (its worker was fenced): a twin's follows
+    # it, with a higher epoch, about a session timeout after the cut (the session's
+    # expiry, then the election).
+    terms = result["leaders"]["count[0]"]
+    after = [t for t in terms if t["from_s"] > result["faulted_s"]]
+    assert after and after[0]["replica"] != old and after[0]["epoch"] > 1, terms
+    took = after[0]["from_s"] - result["faulted_s"]
+    assert took < session_s + 3.0, f"a new leader took {took:.2f} s after the cut: {terms}"
+    # Nothing waited for the cut-off leader beyond that: the output's longest gap.
+    assert result["max_gap_ms"] < (session_s + 3.0) * 1000, result["max_gap_ms"]
+    assert ended_after < duration + 10, f"the job ended {ended_after:.1f} s after the cut"
+    print(
+        f"kazoo: leader count[0]/{old} cut off at {result['faulted_s']:.2f} s; next leader "
+        f"after {took:.2f} s; longest gap {result['max_gap_ms']} ms; "
+        f"late orders fenced: {len(result['fenced'])}; sessions expired: "
+        f"{result['sessions_expired']}",
+        file=sys.stderr,
+    )
+
+
+def test_the_demo_masks_its_kill_on_the_standalone_cluster(cluster, tmp_path):
+    """`tandem demo --engine spark --master spark://...` as a user runs it on a cluster's
+    head: its replica is killed on whatever host runs it (the worker is told to SIGKILL
+    itself: the driver cannot signal another host's process) and the fault is masked."""
+    argv = [str(Path(cluster.python).with_name("tandem")), "demo", "--engine", "spark"]
+    argv += ["--master", cluster.master_url, "--duration", "8", "--rate", "2000"]
+    argv += ["--json", str(tmp_path / "demo.json"), "--plot", "none", "--no-progress"]
+    done = cluster.run_on(cluster.head, argv, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "fault masked." in done.stdout, done.stdout
+    result = json.loads((tmp_path / "demo.json").read_text())
+    assert result["lost"] == 0 and result["duplicates"] == 0 and result["digests_match"]
+    (fault,) = result["faults"]
+    assert fault["task"] == "count" and fault["kind"] == "kill", fault
+    assert {r["cause"] for r in result["lost_replicas"]} == {"killed"}, result["lost_replicas"]
+    assert not list(tmp_path.glob("none*")) and not (tmp_path / "out").exists()  # --plot none

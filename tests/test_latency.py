@@ -8,6 +8,7 @@ import pickle
 import types
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -198,3 +199,35 @@ def test_assemble_result_fills_the_latency_fields_from_sink_reports():
     assert _close(res.p50_ms, 2 * MS) and _close(res.p99_ms, 4 * MS)
     assert res.per_second_p99_ms == pytest.approx([4.0] * 3, rel=REL)
     assert res.max_gap_ms == 5.0
+
+
+@pytest.mark.parametrize("order", ["late-first", "late-last"])
+def test_the_copy_published_is_the_least_interrupted_whichever_reports_first(order):
+    """Two copies of one sink partition, the same rows: one received them steadily, the
+    other (a host cut off and healed) nothing for 2 s and then all at once. The steady
+    copy is published, and the run's latency and gap are its own, in either order of
+    the reports."""
+    job = td.Job("two-copies")
+    job.source(td.sources.Synthetic(rate=100, keys=5, seed=1)).sink(td.sinks.Collect())
+    plan = job.plan()
+    sink = plan.sinks()[0].id
+
+    def copy(replica: int, stalled: bool) -> runtime.ReplicaReport:
+        rec = latency.LatencyRecorder(0)
+        for ms in range(0, 4_000, 5):
+            due = ms * MS
+            now = max(due, 3_000 * MS) if stalled and 1_000 <= ms < 3_000 else due + 2 * MS
+            rec.record(now, np.array([due], dtype=np.int64))
+        rows = pa.table({"n": np.arange(800)})
+        rep = runtime.ReplicaReport(sink, 0, replica, "sink", rows_in=800, sink_part=rows)
+        rep.ended, rep.latency = True, rec.finish()
+        return rep
+
+    steady, late = copy(0, stalled=False), copy(1, stalled=True)
+    reports = {(sink, 0, 1): late, (sink, 0, 0): steady}
+    if order == "late-last":
+        reports = {(sink, 0, 0): steady, (sink, 0, 1): late}
+    assert common.published_copies(plan, reports) == {(sink, 0): (sink, 0, 0)}
+    assert latency.longest_gap_ms(late.latency) > 1_900
+    res = assemble_result(plan, 4.0, reports, t0_ns=0, warmup=0.0, check=False, faults=[])
+    assert res.max_gap_ms == 5.0 and _close(res.max_ms, 2 * MS)

@@ -70,6 +70,9 @@ def test_a_lost_worker_is_rebuilt_from_twins_and_then_masks_the_loss_of_those_tw
         # started after the first rebuild), and these small states came inline.
         assert r["warm"] and not r["state_file"], r
     assert res.max_gap_ms is not None and res.max_gap_ms < 1000
+    # What the workers said they used (the killed ones up to their last keepalive) is
+    # part of what the engine measured of every process it started (spares included).
+    assert res.workers_cpu_s is not None and 0 < res.workers_cpu_s <= res.cpu_s
 
 
 def test_a_worker_is_rebuilt_after_a_sink_copy_was_lost_for_good():

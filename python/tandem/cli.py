@@ -168,9 +168,10 @@ def _add_run_flags(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument(
         "--plot",
         metavar="PATH",
+        type=lambda path: None if path == "none" else path,
         default="out/demo_p99.png" if demo else None,
-        help="write per-second p99 latency as a PNG, faults marked (needs matplotlib)"
-        + ("" if demo else " (default: none)"),
+        help="write per-second p99 latency as a PNG, faults marked (needs matplotlib); "
+        "'none' for no plot" + (" (default: %(default)s)" if demo else " (default: none)"),
     )
     p.add_argument(
         "--no-progress",

@@ -207,12 +207,6 @@ def summarize(logs: Iterable[SinkLatency], skip_ns: int = 0) -> Summary | None:
         total.add(h)
     if not total.get_total_count():
         return None
-    first, last = min(bits), max(bits)
-    timeline = np.zeros((last - first + 1, _MS_PER_S // 8), dtype=np.uint8)
-    for s, b in bits.items():
-        timeline[s - first] = b
-    ms = np.flatnonzero(np.unpackbits(timeline.ravel())) + first * _MS_PER_S
-    ms = ms[(ms + 1) * _NS_PER_MS > skip_ns]
     p = total.get_percentile_to_value_dict([50, 99])
     return Summary(
         p50_ms=p[50] / _NS_PER_MS,
@@ -224,5 +218,24 @@ def summarize(logs: Iterable[SinkLatency], skip_ns: int = 0) -> Summary | None:
             else None
             for s in range(max(seconds) + 1)
         ],
-        max_gap_ms=float(np.diff(ms).max()) if len(ms) > 1 else 0.0,
+        max_gap_ms=_longest_gap_ms(bits, skip_ns),
     )
+
+
+def longest_gap_ms(log: SinkLatency, skip_ns: int = 0) -> float:
+    """The longest stretch, in ms, between two milliseconds in which one sink replica
+    received output (0.0 if it received output in fewer than two)."""
+    bits = {s: np.frombuffer(b, dtype=np.uint8) for s, b in log.output_ms.items()}
+    return _longest_gap_ms(bits, skip_ns)
+
+
+def _longest_gap_ms(bits: dict[int, np.ndarray], skip_ns: int) -> float:
+    if not bits:
+        return 0.0
+    first, last = min(bits), max(bits)
+    timeline = np.zeros((last - first + 1, _MS_PER_S // 8), dtype=np.uint8)
+    for s, b in bits.items():
+        timeline[s - first] = b
+    ms = np.flatnonzero(np.unpackbits(timeline.ravel())) + first * _MS_PER_S
+    ms = ms[(ms + 1) * _NS_PER_MS > skip_ns]
+    return float(np.diff(ms).max()) if len(ms) > 1 else 0.0

@@ -86,6 +86,10 @@ class Result:
     the replicas (not the result assembly nor the reference check); ``wall_s``, seconds
     from the engine's ``run()`` call until every process had exited; ``first_output_s``,
     seconds from the engine's ``run()`` call to the first row received by a sink.
+    ``workers_cpu_s`` (every engine, the Spark engine's only CPU figure): the CPU-seconds
+    the worker processes said they used, each from its assignment to its ``Done``, or to
+    its last keepalive if it was lost (a worker lost before either is not counted) — the
+    replicas' own work, without the engine's (Spark's JVMs, the local engine's spares).
 
     ``savepoint`` (not in JSON): the :class:`tandem.savepoints.Savepoint` the run stopped
     at (``Job.run(savepoint_on_stop=...)`` stopped by a signal), else None.
@@ -120,6 +124,7 @@ class Result:
     coordinator_cpu_s: float | None = None
     wall_s: float | None = None
     first_output_s: float | None = None
+    workers_cpu_s: float | None = None
     savepoint: Any = None
 
     def to_dict(self) -> dict[str, Any]:

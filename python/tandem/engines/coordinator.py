@@ -391,6 +391,8 @@ class Coordinator:
         self._chaos_at = 0.0
         self.addresses: dict[ReplicaId, tuple[str, int]] = {}
         self.heard: dict[int, float] = {}  # worker -> when it last spoke (monotonic)
+        # (worker, incarnation) -> the CPU-seconds its process last said it had used
+        self.cpu_s: dict[tuple[int, int], float] = {}
         self.t0_ns = 0
         self.releaser = kazoo.Releaser(zoo) if zoo is not None and zoo.partitions else None
         """Hands the election of a dead worker's KaZoo leaders over at once."""
@@ -664,6 +666,9 @@ class Coordinator:
             self._call(event)
             return
         w, inc = event.worker, event.incarnation
+        said = getattr(event, "message", None)
+        if isinstance(said, Alive | Done) and said.cpu_s is not None:
+            self.cpu_s[(w, inc)] = said.cpu_s  # a fenced one's too: its work was done
         rj = self.rejoins.get(w)
         if rj is not None and rj.incarnation == inc and rj.state != "linking":
             if isinstance(event, Exited):
@@ -1826,6 +1831,7 @@ class Coordinator:
             kazoo=self.zoo,
         )
         result.restored_replicas = list(self.restored)
+        result.workers_cpu_s = sum(self.cpu_s.values()) if self.cpu_s else None
         if self.checkpointing:
             result.checkpoints = dict(self.checkpoint_stats)
         return result

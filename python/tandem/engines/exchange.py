@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import signal
 import tempfile
 import threading
@@ -127,6 +128,7 @@ def serve(
     leadership over and exits the process. Returns the reports, or None if the
     coordinator stopped the worker before it ran."""
     recv = receive or (lambda what: conn.recv())
+    cpu0 = process_cpu_s()
     resume = None
     base_nice = None
     if rejoin:
@@ -266,7 +268,7 @@ def serve(
         def keepalive() -> None:
             while True:
                 time.sleep(period)
-                send(Alive())
+                send(Alive(process_cpu_s() - cpu0))
 
         threading.Thread(target=keepalive, name="tandem-keepalive", daemon=True).start()
     reports = worker.run(go.addresses, go.t0_ns, go.duration, go.warmup)
@@ -277,8 +279,14 @@ def serve(
     logs.flush(1.0)
     for thread in saving:  # a savepoint's cuts reach the coordinator before Done
         thread.join(60.0)
-    send(Done(reports if send_reports else None, failures(reports)))
+    send(Done(reports if send_reports else None, failures(reports), process_cpu_s() - cpu0))
     return reports
+
+
+def process_cpu_s() -> float:
+    """CPU-seconds (user + system) this process has used, every thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _requests(

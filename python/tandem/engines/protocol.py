@@ -303,17 +303,22 @@ class Savepointed(Message):
 
 @dataclass(frozen=True, slots=True)
 class Alive(Message):
-    """A keepalive (sent every ``failure_timeout_ms / 4`` when the job rebuilds)."""
+    """A keepalive (sent every ``failure_timeout_ms / 4`` when the job rebuilds), with the
+    CPU-seconds the worker's process has used since it was assigned."""
+
+    cpu_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Done(Message):
     """The worker finished: its replicas' reports (None where they travel another way, as
-    Spark output rows) and the replicas whose operator failed, with the error and whether
-    it was a divergence."""
+    Spark output rows), the replicas whose operator failed, with the error and whether
+    it was a divergence, and the CPU-seconds the worker's process used since it was
+    assigned (user + system, every thread: the replicas' work wherever it runs)."""
 
     reports: dict | None = None
     failures: tuple[tuple[ReplicaId, str, bool], ...] = field(default_factory=tuple)
+    cpu_s: float | None = None
 
 
 M = TypeVar("M", bound=Message)
