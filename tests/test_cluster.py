@@ -605,6 +605,8 @@ def test_kazoo_a_leader_host_cut_off_is_replaced_and_its_late_orders_fenced(clus
     # Nothing waited for the cut-off leader beyond that: the output's longest gap.
     assert result["max_gap_ms"] < (session_s + 3.0) * 1000, result["max_gap_ms"]
     assert ended_after < duration + 10, f"the job ended {ended_after:.1f} s after the cut"
+    # What the deposed leader still got into the log once healed was ignored by epoch.
+    assert all(f["epoch"] < f["current"] for f in result["fenced"]), result["fenced"]
     print(
         f"kazoo: leader count[0]/{old} cut off at {result['faulted_s']:.2f} s; next leader "
         f"after {took:.2f} s; longest gap {result['max_gap_ms']} ms; "

@@ -546,10 +546,10 @@ class Job:
 
     def _check_durable(self, plan: Plan, runner: Any) -> None:
         """Raise ConfigError unless a job with durable checkpoints can run as asked."""
-        if getattr(runner, "name", None) != "local":
+        if not getattr(runner, "savepoints", False):
             raise ConfigError(
-                f"job {self.name!r}: checkpoint_dir= runs on the local engine in this "
-                f"version, not on {getattr(runner, 'name', runner)!r}"
+                f"job {self.name!r}: checkpoint_dir= runs on the local and the spark engine, "
+                f"not on {getattr(runner, 'name', runner)!r}"
             )
         logs = [t.name for t in plan.sources() if plan.is_log_source(t.id)]
         if logs:
@@ -631,10 +631,10 @@ class Job:
         refused with a ConfigError naming what differs, before anything starts."""
         from tandem import savepoints
 
-        if getattr(runner, "name", None) != "local":
+        if not getattr(runner, "savepoints", False):
             raise ConfigError(
-                f"job {self.name!r}: from_savepoint= runs on the local engine, not on "
-                f"{getattr(runner, 'name', runner)!r}"
+                f"job {self.name!r}: from_savepoint= runs on the local and the spark engine, "
+                f"not on {getattr(runner, 'name', runner)!r}"
             )
         plan = savepoints.resume(path, plan)
         at_s = plan.resumed.epoch * plan.heartbeat_ns / 1e9

@@ -113,6 +113,7 @@ class SparkEngine:
     """
 
     name = "spark"
+    savepoints = True  # a run may resume from a savepoint and write durable checkpoints
 
     def __init__(
         self,

@@ -18,7 +18,10 @@ tandem never imports an engine package: engines depend on tandem — on its publ
 :mod:`tandem.engines.common` being what every engine shares — and not the other way round.
 An engine that can run a job until it is stopped says so with ``until_stopped = True`` and
 takes ``run(plan, duration=None, stop=Stop())`` (:class:`tandem.engines.common.Stop`; the
-local engine can).
+local engine can). One whose runs may resume from a savepoint (``Plan.resumed``) and write
+durable checkpoints (``Plan.durable_dir``) — the run's coordinator does both, so an engine
+that runs :class:`tandem.engines.coordinator.Coordinator` can — says so with ``savepoints
+= True`` (both engines do).
 The contract is :class:`Engine` (and :class:`StoppableEngine` for one that runs until
 stopped), ``typing.Protocol`` s that both engines are checked against
 (``tests/test_coordinator.py``); ``Job.run`` refuses an object that is not an ``Engine``.

@@ -215,6 +215,7 @@ class LocalEngine:
 
     name = "local"
     until_stopped = True
+    savepoints = True  # a run may resume from a savepoint and write durable checkpoints
     """``run(duration=None)`` runs until ``stop`` says so (or its bounded sources end)."""
 
     def check(
