@@ -795,10 +795,20 @@ def test_sinks_are_replicated_as_the_job_unless_they_cannot_be():
     assert fault_plan_job(1).plan().task("out").replication == 1
     job = td.Job("k", replication=2)
     stream = job.source(src(), name="ev")
+    # A Kafka sink is replicated too: one replica writes, its twins stand by to take over.
     stream.sink(td.sinks.Kafka("t", bootstrap="127.0.0.1:1"), name="kafka")
-    assert job.plan().task("kafka").replication == 1
+    stream.sink(td.sinks.Kafka("t", bootstrap="127.0.0.1:1"), name="k1", replication=1)
+    assert job.plan().task("kafka").replication == 2
+    assert job.plan().task("k1").replication == 1
+
+    class Outside(td.sinks.Sink):  # writes somewhere as it goes, with no owner protocol
+        def write(self, batch) -> None:
+            pass
+
+    stream.sink(Outside(), name="outside")
+    assert job.plan().task("outside").replication == 1
     with pytest.raises(td.ConfigError, match=r"cannot run replicated \(replication=2\)"):
-        stream.sink(td.sinks.Kafka("t", bootstrap="127.0.0.1:1"), name="k2", replication=2)
+        stream.sink(Outside(), name="o2", replication=2)
     with pytest.raises(td.ConfigError, match=r"replication must be"):
         stream.sink(td.sinks.Collect(), name="c", replication=0)
 

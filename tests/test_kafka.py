@@ -680,6 +680,143 @@ def test_a_writer_with_positions_commits_only_what_a_mark_covers(kafka):
     assert recover_positions(b, tid, positions, 0, RUN) is None  # another sink partition's
 
 
+def _values(batch: pa.RecordBatch) -> list:
+    return [(str(v).encode(), None, 0) for v in batch.column("v").to_pylist()]
+
+
+def _rows(*values: int) -> pa.RecordBatch:
+    return pa.record_batch([pa.array(values, pa.int64())], names=["v"])
+
+
+def _cut(epoch: int, *positions: int) -> tuple:
+    """A sink slot's cut at heartbeat ``epoch`` with these input positions."""
+    return (epoch, [epoch] * len(positions), (list(positions), 0, None, [False] * 2, [], None), [])
+
+
+@pytest.mark.parametrize("standby_behind", [False, True], ids=["caught-up", "behind"])
+def test_a_standby_writer_takes_over_from_its_owners_last_commit_exactly_once(
+    kafka, standby_behind
+):
+    """Two writers of one sink partition fed the same input (two channels, sequence
+    numbers with heartbeats between batches): the owner commits through a mark, then is
+    lost with rows queued after it; the standby takes the id (the owner is fenced: its
+    next commit fails), reads that mark back and writes what came after it, from what it
+    held and what it gets next. A standby behind the owner's commit drops the rows it
+    gets that the owner had committed, and stores no earlier position. Every row once."""
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 1, "own-out")
+    positions = f"{topic}.positions"
+    ensure_positions_topic(b, positions, 1)
+    tid = f"own-{uuid.uuid4().hex[:8]}"
+    owner = TransactionalWriter(b, topic, tid, positions=(positions, 0, RUN))
+    standby = TransactionalWriter(b, topic, tid, positions=(positions, 0, RUN), standby=_values)
+    owner.ready(30)
+    # Through heartbeat 1: channel 0 rows at seqs 0-2 (its heartbeat at 3), channel 1 at
+    # 0-1 (heartbeat at 2).
+    a, c = _rows(0, 1, 2), _rows(10, 11)
+    owner.put(_values(a) + _values(c))
+    owner.mark(_cut(1, 4, 3))
+    deadline = time.monotonic() + 30
+    while owner.transactions < 1:
+        assert time.monotonic() < deadline, "the owner committed nothing within 30 s"
+        time.sleep(0.02)
+    later_a, later_c = _rows(3, 4), _rows(12)  # seqs 4-5 and 3: never committed by it
+    owner.put(_values(later_a) + _values(later_c))
+    if standby_behind:
+        standby.receive(0, 0, a)  # channel 1's first rows come after the takeover
+    else:
+        for channel, seq, rows in [(0, 0, a), (1, 0, c), (0, 4, later_a), (1, 3, later_c)]:
+            standby.receive(channel, seq, rows)
+        standby.mark(_cut(2, 7, 5))
+    standby.take_over()
+    if standby_behind:
+        standby.receive(1, 0, c)  # the owner committed these: dropped
+        standby.mark(_cut(1, 4, 3))  # not after the owner's commit: not stored
+        for channel, seq, rows in [(0, 4, later_a), (1, 3, later_c)]:
+            standby.receive(channel, seq, rows)
+        standby.mark(_cut(2, 7, 5))
+    standby.receive(0, 7, _rows(5))
+    standby.mark(_cut(3, 9, 6))
+    standby.close()
+    assert standby.took_over_s is not None and standby.took_over_s < 10
+    # The lost owner, if it is not dead, can commit nothing any more.
+    owner.mark(_cut(2, 7, 5))
+    with pytest.raises(KafkaException):
+        owner.close()
+    got = sorted(int(m.value()) for m in read_committed(b, topic, 1))
+    assert got == [0, 1, 2, 3, 4, 5, 10, 11, 12]
+    last = recover_positions(b, tid, positions, 0, RUN)
+    assert last["cut"] is None and last["rows"] == 9  # the totals go on across the owners
+
+
+def test_a_standby_that_no_longer_holds_the_rows_after_the_last_commit_says_so(kafka):
+    """A takeover needs every row after the owner's last commit: a standby that dropped
+    some as older than it keeps fails, naming the channel and what to look at."""
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 1, "own-old")
+    positions = f"{topic}.positions"
+    ensure_positions_topic(b, positions, 1)
+    tid = f"old-{uuid.uuid4().hex[:8]}"
+    standby = TransactionalWriter(
+        b, topic, tid, positions=(positions, 0, RUN), standby=_values, hold_s=0.05
+    )
+    standby.receive(0, 0, _rows(1, 2))
+    time.sleep(0.1)
+    standby.receive(0, 2, _rows(3))  # the first rows are now older than 50 ms: dropped
+    standby.take_over()  # the owner committed nothing: every row was needed
+    with pytest.raises(td.TandemError, match=r"committed nothing .*no longer holds .*channel 0"):
+        standby.close()
+
+
+def test_a_replicated_kafka_sinks_owner_lost_a_twin_writes_on_exactly_once(
+    kafka, no_orphans, monkeypatch
+):
+    """The Kafka sink at r = 2 (its default): replica 0 of each partition writes, replica 1
+    stands by. The sink worker of replica 0 is SIGKILLed mid-stream, rows arriving before
+    and after: each partition's twin fences the lost writer, reads where its last
+    transaction stood and writes on from there with the rows it held — no replay, no
+    restart, and no Job(restore=True) needed. An outside read_committed consumer reads
+    every row exactly once, and the output pauses for no longer than the takeover."""
+    b = kafka.kafka_bootstrap
+    src_topic, out_topic = new_topic(b, 2, "own-in"), new_topic(b, 2, "own-out")
+    rows = [{"key": i % 11, "amount": i} for i in range(3_000)]
+    produce(b, src_topic, rows[:500], 2)
+    job = td.Job("kafka-sink-owner", batch_rows=64, replication=2)
+    counted = counted_from_kafka(job, b, src_topic)
+    sink = td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"])
+    counted.sink(sink, parallelism=2, name="out")
+    assert job.plan().task("out").replication == 2
+
+    feeder, fed = feed_during_run(monkeypatch, b, src_topic, rows, 500, 50, 0.048)
+    result = job.run(duration=4.0, faults=[td.Kill("out", 0, 0, at=1.0)], progress=False)
+    feeder.join()
+    assert fed and fed[0] < 3.5, f"the input was not all written in time ({fed})"
+
+    assert testing.lost_replicas(result) == {("out", 0, 0), ("out", 1, 0)}
+    assert result.restored_replicas == []  # nothing restarted: the twins took over
+    handed = {(h["task"], h["partition"]): h for h in result.sink_handovers}
+    assert set(handed) == {("out", 0), ("out", 1)}
+    assert all(h["from"] == 0 and h["to"] == 1 for h in handed.values()), handed
+    assert result.lost == 0 and result.duplicates == 0, (result.lost, result.duplicates)
+    assert result.events_in == result.events_out == len(rows)
+    out = read_committed(b, out_topic, 2)
+    assert_counted_once([json.loads(m.value()) for m in out], rows)
+    parts = result.outputs["out"]
+    assert all(p["took_over_s"] is not None for p in parts), parts
+    # Rows were committed on both sides of the kill, and the longest pause between the
+    # records' produce times is the takeover.
+    kill_ms = result.t0_ns / 1e6 + 1000
+    stamps = sorted(m.timestamp()[1] for m in out)
+    assert stamps[0] < kill_ms < stamps[-1]
+    gap, at = max((later - t, t) for t, later in itertools.pairwise(stamps))
+    print(
+        f"sink takeover: {[round(p['took_over_s'] * 1000) for p in parts]} ms from the "
+        f"fence to writing; longest output pause {gap} ms, from {at - kill_ms:+.0f} ms "
+        "after the kill"
+    )
+    assert gap < 1000, f"the output paused {gap} ms"
+
+
 @pytest.mark.parametrize(
     "knobs",
     [{"replication": 2, "restore": True}, {"replication": 1, "checkpoint_ms": 500}],
@@ -701,7 +838,7 @@ def test_a_killed_kafka_sink_restarts_from_its_committed_position_exactly_once(
     job = td.Job("kafka-sink-restart", batch_rows=64, **knobs)
     counted = counted_from_kafka(job, b, src_topic)
     sink = td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"])
-    counted.sink(sink, parallelism=2, name="out")
+    counted.sink(sink, parallelism=2, name="out", replication=1)  # restarted, not replicated
 
     # The rest arrives while the job runs, from t0 + 0.1 s to t0 + 2.5 s; the kill is at
     # t0 + 1.0 s, the sources end at t0 + 4 s.
@@ -743,7 +880,7 @@ def test_a_sink_restart_the_replay_windows_no_longer_reach_fails_naming_replay_m
     produce(b, src_topic, [{"key": i % 5, "amount": i} for i in range(500)], 2)
     job = td.Job("kafka-sink-window", replication=2, restore=True, replay_ms=50)
     counted = counted_from_kafka(job, b, src_topic)
-    counted.sink(td.sinks.Kafka(out_topic, bootstrap=b), name="out")
+    counted.sink(td.sinks.Kafka(out_topic, bootstrap=b), name="out", replication=1)
     with pytest.raises(td.TandemError, match=r"out\[0\] replica 0 .*raise Job\(replay_ms"):
         job.run(duration=3.0, faults=[td.Kill("out", 0, 0, at=1.0)], progress=False)
 
@@ -764,9 +901,12 @@ def test_generator_specs_and_the_fault_are_checked(kafka):
 
 
 @pytest.mark.spark
-def test_kafka_to_kafka_on_spark_with_a_worker_killed(kafka):
+@pytest.mark.parametrize("victim", ["count", "sink"])
+def test_kafka_to_kafka_on_spark_with_a_worker_killed(kafka, victim):
     """The same source, generators and sink on the Spark engine: the generators run on the
-    driver, the source replicas read Kafka inside the worker tasks."""
+    driver, the source replicas read Kafka inside the worker tasks. The worker killed
+    runs a replica of ``count``, or the Kafka sink's owner — whose twin takes over, as on
+    the local engine (the one coordinator hands it over)."""
     import tandem_spark
 
     b = kafka.kafka_bootstrap
@@ -776,14 +916,24 @@ def test_kafka_to_kafka_on_spark_with_a_worker_killed(kafka):
     job = td.Job("spark-kafka", replication=2)
     events = job.source(td.sources.Kafka(src_topic, bootstrap=b, schema=SCHEMA))
     counted = events.key_by("key").process(td.CountPerKey(), parallelism=2, name="count")
-    counted.sink(td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"]))
+    counted.sink(
+        td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"]), name="out"
+    )
     spark = tandem_spark.local_session(job)
     try:
-        kill = td.Kill("count", partition=0, replica=1, at=1.0)
+        kill = (
+            td.Kill("count", partition=0, replica=1, at=1.0)
+            if victim == "count"
+            else td.Kill("out", partition=0, replica=0, at=1.0)
+        )
         result = job.run(duration=2.0, faults=[kill], engine=tandem_spark.SparkEngine(spark))
     finally:
         spark.stop()
     assert result.lost == 0 and result.duplicates == 0 and result.digests_match
+    if victim == "sink":
+        assert [(h["task"], h["from"], h["to"]) for h in result.sink_handovers] == [
+            ("out", 0, 1)
+        ]
     assert result.events_in == len(rows)
     out = [json.loads(m.value()) for m in read_committed(b, out_topic, 2)]
     assert sorted(r["amount"] for r in out) == list(range(len(rows)))

@@ -1287,9 +1287,9 @@ class Stream:
         workers, so that losing one loses nothing (:mod:`tandem.sinks` says how one copy
         is published). Default: the job's replication for a sink that can run replicated
         (:attr:`tandem.sinks.Sink.replicable`: ``Collect``, ``Latency``, ``Parquet``,
-        ``Csv``, Spark's table sink), 1 for the others (``Kafka``, which restarts
-        from its last commit instead). ``replication=1`` keeps a single, unreplicated
-        sink."""
+        ``Csv``, Spark's table sink, and ``Kafka``, whose twins stand by while one
+        replica writes), 1 for the others. ``replication=1`` keeps a single, unreplicated
+        sink (a Kafka one restarts from its last commit when it is lost)."""
         if not isinstance(sink, Sink):
             raise ConfigError(
                 f"sink() needs a tandem sink (e.g. td.sinks.Collect()), got {type(sink).__name__}"
@@ -1303,7 +1303,7 @@ class Stream:
                     f"sink {name!r} ({sink.describe()}) cannot run replicated "
                     f"(replication={replication}): it has an effect outside as it writes, "
                     "so two replicas would write every row twice; leave replication out "
-                    "(a single sink) or use a replicable sink (Collect, Parquet, Csv)"
+                    "(a single sink) or use a replicable sink (Collect, Parquet, Csv, Kafka)"
                 )
         if self.schema is not None:
             try:

@@ -30,7 +30,7 @@ from datetime import datetime
 from typing import Any
 
 from tandem import endpoints
-from tandem.exceptions import ConfigError, ServiceUnavailable
+from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError
 from tandem.logs import librdkafka_logger
 
 log = logging.getLogger(__name__)
@@ -493,8 +493,6 @@ def recover_positions(
     (nothing was committed in this run: the last record is an earlier run's, or there is
     none). Fencing first makes the record read the last one there will ever be."""
     _require()
-    from confluent_kafka import TopicPartition
-
     # The broker answers "concurrent transactions" until the lost writer's open one is
     # aborted: ask again every 10 ms rather than after the client's default backoff (about
     # 0.5 s in all, against 50 ms, measured here).
@@ -504,6 +502,23 @@ def recover_positions(
         fence.ready(timeout)
     finally:
         fence.abort()
+    return last_positions(bootstrap, topic, partition, run, extra, timeout)
+
+
+def last_positions(
+    bootstrap: str,
+    topic: str,
+    partition: int,
+    run: int,
+    extra: Mapping[str, Any] | None = None,
+    timeout: float = TIMEOUT_S,
+) -> dict[str, Any] | None:
+    """The last positions record committed to ``topic[partition]`` in ``run``
+    (:func:`decode_positions`; None if there is none of that run). Only after every
+    writer of the sink partition is fenced is it the last there will ever be."""
+    _require()
+    from confluent_kafka import TopicPartition
+
     consumer = _consumer(bootstrap, extra)
     try:
         low, high = consumer.get_watermark_offsets(
@@ -558,6 +573,20 @@ class TransactionalWriter:
     The last transaction (:meth:`close`) takes everything queued and stores no cut: the
     sink's input ended.
 
+    ``standby`` (a function turning a ``RecordBatch`` into records): a writer for a twin
+    of the sink partition's owner. It takes no ``transactional.id`` and writes nothing;
+    :meth:`receive` holds each batch with where it stands in its input channel, for the
+    last ``hold_s`` seconds. :meth:`take_over` makes it the owner: on its thread it takes
+    the id — which fences the lost owner, a zombie's commit fails, and has the broker
+    finish its open transaction — reads the owner's last positions record, drops every
+    held row at or before that record's cut (per input channel, by sequence number),
+    goes on counting from its totals, and writes the rest as an owner does. Rows that
+    arrive meanwhile, or before the twin's input has passed the cut, are dropped in the
+    same way, and no mark is committed until the input has passed it on every channel,
+    so the stored position never moves back. A takeover that finds the cut older than
+    what it still holds fails (``hold_s`` too short: the owner had not committed for
+    that long).
+
     ``commit_s``: at least this long between the starts of two transactions (0: the next
     starts as soon as the previous one committed). Rows then wait up to that long before
     ``read_committed`` consumers see them, and each transaction carries more of them: the
@@ -576,10 +605,14 @@ class TransactionalWriter:
         timeout: float = 30.0,
         positions: tuple[str, int, int] | None = None,
         commit_s: float = 0.0,
+        standby: Callable[[Any], list] | None = None,
+        hold_s: float = 10.0,
     ) -> None:
         _require()
         from confluent_kafka import Producer
 
+        if standby is not None and positions is None:
+            raise ValueError("a standby writer needs positions (the owner's record)")
         self.topic = topic
         self.commit_s = commit_s
         self.positions = positions
@@ -613,6 +646,16 @@ class TransactionalWriter:
         self._cond = threading.Condition()
         self._closing = False
         self._aborted = False
+        # Standing by (a twin of the owner): what it holds, until it takes over.
+        self._encode = standby
+        self._standby = standby is not None
+        self._promote = False  # take_over() was called
+        self._hold_s = hold_s
+        self._held: deque = deque()  # (t, channel, first_seq, batch)
+        self._held_mark = 0  # how many of the held batches came before the latest mark
+        self._trimmed: dict[int, int] = {}  # channel -> end seq of the rows dropped as old
+        self._floor: list[int] | None = None  # per channel: the owner's committed position
+        self.took_over_s: float | None = None  # how long the takeover took (fence to ready)
         self._thread = threading.Thread(
             target=self._run, name=f"tandem-kafka-tx-{transactional_id}", daemon=True
         )
@@ -642,8 +685,46 @@ class TransactionalWriter:
         """The records queued so far are the sink's input through ``cut`` (with
         ``positions``): the next transaction commits them with it."""
         with self._cond:
+            if self._standby:  # held: the cut counts once the takeover knows the floor
+                self._held_mark, self._cut = len(self._held), cut
+                return
+            if self._floor is not None and not _past(cut, self._floor):
+                return  # the owner had committed further: never store an earlier cut
+            self._floor = None
             self._marked, self._cut, self._cut_new = len(self._pending), cut, True
             self._cond.notify_all()
+
+    def receive(self, channel: int, first_seq: int, batch) -> None:
+        """The next rows of a standby writer's input (``batch`` from input channel
+        ``channel``, its rows at sequence numbers ``first_seq`` on): held while it stands
+        by, written once it has taken over — without the rows the owner had committed."""
+        with self._cond:
+            if self.error is not None:
+                raise self.error
+            if self._standby:
+                now = time.monotonic()
+                self._held.append((now, channel, first_seq, batch))
+                while self._held and self._held[0][0] < now - self._hold_s:
+                    _, c, seq, old = self._held.popleft()
+                    self._trimmed[c] = max(self._trimmed.get(c, 0), seq + old.num_rows)
+                    self._held_mark = max(0, self._held_mark - 1)
+                return
+            if self._ended:
+                return  # the owner had written everything: nothing left to write
+            floor = self._floor
+        if floor is not None:
+            batch = _above(batch, first_seq, floor[channel])
+            if batch is None:
+                return
+        self.put(self._encode(batch))
+
+    def take_over(self) -> None:
+        """A standby writer becomes the owner (see the class): returns at once; the
+        thread fences the lost owner and reads its last position first."""
+        with self._cond:
+            if self._standby:
+                self._promote = True
+                self._cond.notify_all()
 
     def resume(self, committed: Mapping[str, Any]) -> None:
         """Go on counting from a predecessor's totals (what :func:`recover_positions`
@@ -653,8 +734,14 @@ class TransactionalWriter:
         self.transactions = committed["transactions"]
         self.ranges = {int(p): (lo, hi) for p, (lo, hi) in committed["ranges"].items()}
 
+    @property
+    def standing_by(self) -> bool:
+        """A standby writer that has not been asked to take over: it wrote nothing."""
+        return self._standby and not self._promote
+
     def close(self) -> dict[int, tuple[int, int]]:
-        """Commit everything queued, stop, and return the committed offset ranges."""
+        """Commit everything queued, stop, and return the committed offset ranges (a
+        writer still standing by drops what it holds and returns none)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -673,6 +760,15 @@ class TransactionalWriter:
         self._thread.join(self.timeout)
 
     def _run(self) -> None:
+        if self._standby:
+            with self._cond:
+                while not self._promote and not self._closing:
+                    self._cond.wait()
+                if not self._promote:  # the input ended with the owner alive
+                    self._held.clear()
+                    self._initialised.set()
+                    return
+        began = time.monotonic()
         try:
             self.producer.init_transactions(self.timeout)
         except Exception as exc:
@@ -684,6 +780,16 @@ class TransactionalWriter:
             return
         finally:
             self._initialised.set()
+        if self._standby:
+            try:
+                if not self._took_over():
+                    return
+            except BaseException as exc:
+                with self._cond:
+                    self.error = exc
+                    self._cond.notify_all()
+                return
+            self.took_over_s = time.monotonic() - began
         while True:
             with self._cond:
                 while not self._closing and not self._due():
@@ -707,6 +813,65 @@ class TransactionalWriter:
                     self.error = exc
                     self._cond.notify_all()
                 return
+
+    def _took_over(self) -> bool:
+        """The takeover, once the id is taken (the lost owner fenced): what the owner
+        committed last, then what of the held rows comes after it, queued as an owner's.
+        False if there is nothing left to write (the owner committed its last
+        transaction: the input had ended)."""
+        topic, part, run = self.positions
+        found = last_positions(self.bootstrap, topic, part, run, timeout=self.timeout)
+        with self._cond:
+            if found is not None:
+                self.resume(found)
+            if found is not None and found["cut"] is None:
+                self._ended, self._standby = True, False
+                self._held.clear()
+                return False
+            floor = None if found is None else list(found["cut"][2][0])
+            behind = {
+                c: end
+                for c, end in self._trimmed.items()
+                if end > (0 if floor is None else floor[c])
+            }
+            if behind:
+                c = min(behind)
+                at = (
+                    "nothing in this run"
+                    if floor is None
+                    else f"through position {floor[c]} of input channel {c}"
+                )
+                raise TandemError(
+                    f"Kafka sink {self.transactional_id}: taking over from its lost owner, "
+                    f"which had committed {at}, this replica no longer holds all the rows "
+                    f"after that (it keeps {self._hold_s:g} s; it dropped input channel "
+                    f"{c}'s up to position {behind[c]}): the owner had not committed for "
+                    "longer than that — is the broker slow, or its transactions failing?"
+                )
+            records: list = []
+            marked = 0
+            for i, (_, c, seq, batch) in enumerate(self._held):
+                kept = batch if floor is None else _above(batch, seq, floor[c])
+                if kept is not None:
+                    records += self._encode(kept)
+                if i + 1 == self._held_mark:
+                    marked = len(records)
+            self._held.clear()
+            self._pending = records + self._pending
+            self._standby, self._floor = False, floor
+            cut = self._cut
+            if cut is not None and self._held_mark and (floor is None or _past(cut, floor)):
+                self._marked, self._cut_new, self._floor = marked, True, None
+            else:
+                self._marked, self._cut_new = 0, False
+            self._cond.notify_all()
+        log.info(
+            "Kafka sink %s: took over from its lost owner at %s (%d rows held after it)",
+            self.transactional_id,
+            "the start" if floor is None else f"heartbeat {found['cut'][0]}",
+            len(records),
+        )
+        return True
 
     def _early(self) -> float:
         """How long before ``commit_s`` has passed since the last transaction began (0:
@@ -801,6 +966,22 @@ class TransactionalWriter:
         self._ended = cut is None and self._closing
 
 
+def _past(cut: tuple, floor: list[int]) -> bool:
+    """Whether ``cut`` (a sink slot's) stands at or after ``floor`` on every input channel."""
+    return all(at >= low for at, low in zip(cut[2][0], floor, strict=True))
+
+
+def _above(batch, first_seq: int, floor: int):
+    """The rows of ``batch`` (sequence numbers ``first_seq`` on) at ``floor`` or after; None
+    if there are none."""
+    skip = floor - first_seq
+    if skip <= 0:
+        return batch
+    if skip >= batch.num_rows:
+        return None
+    return batch.slice(skip)
+
+
 def _merged(
     ranges: Mapping[int, tuple[int, int]], offsets: Mapping[int, list[int]]
 ) -> dict[int, tuple[int, int]]:
@@ -820,6 +1001,7 @@ __all__ = [
     "default_bootstrap",
     "encode_positions",
     "ensure_positions_topic",
+    "last_positions",
     "partition_count",
     "read_log",
     "recover_positions",

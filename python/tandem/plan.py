@@ -576,7 +576,9 @@ class Plan:
             raise ConfigError(f"{task.describe()} is not a sink")
         self._check_partition(task, partition)
         sink = copy.deepcopy(task.sink)
-        sink.keep_positions, sink.run, sink.replica = self.restarts_sink(task.id), run, replica
+        sink.run, sink.replica, sink.replicas = run, replica, task.replication
+        # An owned sink's twins take over from the positions its owner stores.
+        sink.keep_positions = self.restarts_sink(task.id) or (sink.owned and task.replication > 1)
         if self.durable_dir is not None and sink.commits_at_checkpoints:
             sink.parts_from = 0 if self.resumed is None else self.resumed.epoch
         sink.open(partition, task.parallelism, task.schema)

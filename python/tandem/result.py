@@ -91,6 +91,10 @@ class Result:
     its last keepalive if it was lost (a worker lost before either is not counted) — the
     replicas' own work, without the engine's (Spark's JVMs, the local engine's spares).
 
+    ``sink_handovers``: an owned sink's partitions (a replicated Kafka sink) whose owner
+    was lost and which a twin took over — ``{"task", "partition", "from", "to", "at_s"}``
+    (replicas, and seconds from t0).
+
     ``savepoint`` (not in JSON): the :class:`tandem.savepoints.Savepoint` the run stopped
     at (``Job.run(savepoint_on_stop=...)`` stopped by a signal), else None.
     """
@@ -125,6 +129,7 @@ class Result:
     wall_s: float | None = None
     first_output_s: float | None = None
     workers_cpu_s: float | None = None
+    sink_handovers: list[dict] = field(default_factory=list)
     savepoint: Any = None
 
     def to_dict(self) -> dict[str, Any]:

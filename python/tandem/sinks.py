@@ -19,10 +19,15 @@ different workers (``Stream.sink(..., replication=)``; by default the job's): ea
 receives every row of its partition once (first come, first served across its input
 channels, so the replicas hold the same rows, maybe interleaved differently) and keeps a
 copy of its own that nothing outside sees yet. When the run ends, the engine takes one
-complete copy per partition — the first replica to finish — into :meth:`Sink.combine`,
-which publishes it (a file sink renames its staged file into place), and hands every other
-replica's copy to :meth:`Sink.discard`, a lost replica's included. Losing a sink replica
-then loses nothing while a twin of it lives.
+complete copy per partition — the least interrupted of those that finished — into
+:meth:`Sink.combine`, which publishes it (a file sink renames its staged file into place),
+and hands every other replica's copy to :meth:`Sink.discard`, a lost replica's included.
+Losing a sink replica then loses nothing while a twin of it lives.
+
+A sink that writes outside as it goes can still be replicated if it is :attr:`Sink.owned`
+(``Kafka``): one replica of each partition writes, its twins hold what came since its last
+commit, and when it is lost a twin fences it and writes on from that commit
+(:meth:`Sink.take_over`).
 """
 
 from __future__ import annotations
@@ -72,6 +77,14 @@ class Sink(abc.ABC):
     with an effect outside as it writes (a database, a topic) is not."""
     replica: int = 0
     """Set by the engine before :meth:`open`: which replica of its partition this is."""
+    replicas: int = 1
+    """Set by the engine before :meth:`open`: how many replicas its partition runs."""
+    owned: bool = False
+    """Whether one replica of a replicated partition writes — its *owner*, replica 0 to
+    begin with — while its twins stand by with the rows since the owner's last commit,
+    each able to :meth:`take_over` when the owner is lost (a sink with an effect outside
+    as it writes, that fences a lost writer: ``td.sinks.Kafka``). Such a sink is
+    replicable; the copy published is the last owner's."""
     in_result: bool = False
     """Whether the rows go nowhere but the job's Result (kept in memory, or counted). A
     job with durable checkpoints (``Job(checkpoint_dir=...)``) takes such a sink, or one
@@ -107,6 +120,17 @@ class Sink(abc.ABC):
     @abc.abstractmethod
     def write(self, batch: pa.RecordBatch) -> None:
         """Consume the next rows (each row is written exactly once)."""
+
+    def receive(self, channel: int, first_seq: int, batch: pa.RecordBatch) -> None:
+        """The next rows, from input channel ``channel``, where they are sequence numbers
+        ``first_seq`` on (what an :attr:`owned` sink's standby needs to know which rows
+        its owner had committed); by default :meth:`write`."""
+        self.write(batch)
+
+    def take_over(self) -> None:
+        """An :attr:`owned` sink's replica standing by: become the owner of its partition,
+        its lost owner fenced (the engine calls it once that owner is lost)."""
+        raise TandemError(f"{self.describe()} has no owner to take over from")
 
     def close(self) -> Any:
         """Finish; return this partition's contribution to the Result (or None)."""
@@ -513,6 +537,14 @@ class Kafka(Sink):
     The engine's check reads back, ``read_committed``, the offset ranges the sink
     committed (other writers into those partitions meanwhile would show as extra rows).
 
+    Replicated (the job's replication, unless ``stream.sink(..., replication=1)``), one
+    replica of each sink partition — its *owner*, replica 0 to begin with — writes,
+    while its twins stand by, each holding the rows of its last 10 s with their input
+    positions. When the owner is lost, a twin takes the ``transactional.id`` (fencing the
+    lost owner: a zombie's commit fails), reads the positions record the owner committed
+    last, and writes on from there: the rows after that position, from what it holds,
+    and then its own input (:class:`tandem.kafka.TransactionalWriter`, ``standby``).
+
     The sink is restartable: with ``Job(restore=True)`` (or ``checkpoint_ms``) every
     transaction also writes, to partition ``p`` of ``positions_topic`` (default
     ``f"{transactional_id}.positions"``, created compacted with the sink's partition count
@@ -523,6 +555,8 @@ class Kafka(Sink):
     """
 
     restartable = True
+    replicable = True
+    owned = True
 
     def __init__(
         self,
@@ -611,6 +645,7 @@ class Kafka(Sink):
                 self._bootstrap(), self.positions_topic, parallelism, self.config
             )
             positions = (self.positions_topic, partition, self.run)
+        standby = self.replicas > 1 and self.replica != 0
         self._writer = TransactionalWriter(
             self._bootstrap(),
             self.topic,
@@ -618,7 +653,9 @@ class Kafka(Sink):
             self.config,
             positions=positions,
             commit_s=self.commit_ms / 1000,
+            standby=self._records if standby else None,
         )
+        self._standby = standby  # its rows go through the writer's receive(): held, or kept
 
     def mark(self, cut: tuple) -> None:
         self._writer.mark(cut)
@@ -654,8 +691,20 @@ class Kafka(Sink):
         return committed["rows"]
 
     def write(self, batch: pa.RecordBatch) -> None:
-        if not batch.num_rows:
-            return
+        if batch.num_rows:
+            self._writer.put(self._records(batch))
+
+    def receive(self, channel: int, first_seq: int, batch: pa.RecordBatch) -> None:
+        if not self._standby:
+            self.write(batch)
+        elif batch.num_rows:
+            self._writer.receive(channel, first_seq, batch)
+
+    def take_over(self) -> None:
+        self._writer.take_over()
+
+    def _records(self, batch: pa.RecordBatch) -> list[tuple[bytes, bytes | None, int | None]]:
+        """The rows of ``batch`` as the writer's ``(value, key, partition)`` records."""
         import json
 
         names = self._names(batch.schema)
@@ -667,11 +716,14 @@ class Kafka(Sink):
             keys = [_key_bytes(k) for k in batch.column(self.key).to_pylist()]
             target = None
         dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-        self._writer.put([(dumps(r).encode(), k, target) for r, k in zip(rows, keys, strict=True)])
+        return [(dumps(r).encode(), k, target) for r, k in zip(rows, keys, strict=True)]
 
-    def close(self) -> dict:
+    def close(self) -> dict | None:
         writer, self._writer = self._writer, None
+        standing_by = writer.standing_by
         ranges = writer.close()
+        if standing_by:
+            return None  # a twin of the owner, never asked to take over: it wrote nothing
         return {
             "topic": self.topic,
             "bootstrap": self._bootstrap(),
@@ -679,6 +731,7 @@ class Kafka(Sink):
             "rows": writer.committed_rows,
             "transactions": writer.transactions,
             "ranges": ranges,
+            "took_over_s": writer.took_over_s,
         }
 
     def combine(self, parts: list[Any], schema: pa.Schema | None = None) -> list[dict]:

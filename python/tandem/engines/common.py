@@ -202,15 +202,19 @@ def published_copies(
     finished their whole input (a copy cut off from its input reports too, not ended),
     the one whose output was interrupted least — the shortest longest gap between rows
     received — and of equals the first to report (``reports`` is in the order the reports
-    came). Its rows are the output, its latency record the run's latency; the other
-    replicas' copies are discarded. The copies hold the same rows; choosing the least
-    interrupted one measures what the first copy to arrive gives, as dedup does for
-    operators: a copy on a host cut off and healed gets its rows seconds late, all at
-    once, and reports as soon as its twin."""
+    came); of an owned sink (a replicated Kafka sink), the replica that wrote last,
+    whose report holds every transaction's totals. Its rows are the output, its latency
+    record the run's latency; the other replicas' copies are discarded. The copies hold
+    the same rows; choosing the least interrupted one measures what the first copy to
+    arrive gives, as dedup does for operators: a copy on a host cut off and healed gets
+    its rows seconds late, all at once, and reports as soon as its twin."""
     chosen: dict[tuple[int, int], ReplicaId] = {}
     gaps: dict[tuple[int, int], float] = {}
     for rid, rep in reports.items():
-        if plan.tasks[rid[0]].kind == "sink" and rep.ended:
+        task = plan.tasks[rid[0]]
+        if task.kind == "sink" and rep.ended:
+            if task.sink.owned and task.replication > 1 and rep.sink_part is None:
+                continue  # a twin of an owned sink's owner: it wrote nothing
             gap = 0.0 if rep.latency is None else latency.longest_gap_ms(rep.latency)
             if rid[:2] not in chosen or gap < gaps[rid[:2]]:
                 chosen[rid[:2]], gaps[rid[:2]] = rid, gap

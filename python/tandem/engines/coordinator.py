@@ -81,6 +81,7 @@ from tandem.engines.protocol import (
     Started,
     StartFailed,
     Starved,
+    TakeOver,
     Until,
     Waiting,
     expect,
@@ -382,6 +383,15 @@ class Coordinator:
         }
         self.rejoins: dict[int, _Rejoin] = {}
         self.restored: list[dict] = []
+        # Owned sinks (a replicated Kafka sink): which replica of each partition writes —
+        # replica 0 until it is lost, then a twin (_hand_over).
+        self.owners: dict[tuple[int, int], ReplicaId] = {
+            (t.id, p): (t.id, p, 0)
+            for t in plan.sinks()
+            if t.sink.owned and t.replication > 1
+            for p in range(t.parallelism)
+        }
+        self.handovers: list[dict] = []
         self.evictions: dict[tuple[ReplicaId, int], set[ReplicaId]] = {}
         self._sinks_done_at: float | None = None
         """(replica, its worker's incarnation) -> the upstream replicas that dropped it."""
@@ -760,7 +770,11 @@ class Coordinator:
         sinks = self.plan.sinks()
         if not self.running or not sinks:
             return
-        finished = {rid[:2] for rid, rep in self.reports.items() if rep.ended}
+        finished = {
+            rid[:2]
+            for rid, rep in self.reports.items()
+            if rep.ended and self.owners.get(rid[:2], rid) == rid  # an owned sink: its owner
+        }
         if any((t.id, p) not in finished for t in sinks for p in range(t.parallelism)):
             return
         if self._sinks_done_at is None:
@@ -897,6 +911,42 @@ class Coordinator:
         self._attempts.pop(w, None)  # a new loss
         self._lost_worker(w, now_s)
 
+    def _hand_over(self, w: int, now_s: float) -> None:
+        """Worker ``w`` is lost: every owned sink partition whose owner it ran goes to the
+        lowest live twin, told to take over (``TakeOver``: it fences the lost owner's
+        writer, reads its last committed position and writes on from there). A partition
+        whose twins are all gone fails the job (``_check_partitions``) before this."""
+        for (t, p), owner in sorted(self.owners.items()):
+            if self.worker_of[owner] != w or owner in self.reports:
+                continue
+            heirs = [
+                (t, p, r)
+                for r in range(self.plan.tasks[t].replication)
+                if (t, p, r) not in self.down
+                and (t, p, r) not in self.reports
+                and self.worker_of[(t, p, r)] in self.running
+            ]
+            if not heirs:
+                raise TandemError(
+                    f"{self.name(owner)}, the owner of {self.plan.tasks[t].describe()} "
+                    f"partition {p}, was lost after its twins had finished: the rows after "
+                    "its last commit are written by no one, so the job cannot continue"
+                )
+            heir = heirs[0]
+            hw = self.worker_of[heir]
+            self.owners[(t, p)] = heir
+            self.handovers.append(
+                {
+                    "task": self.plan.tasks[t].name,
+                    "partition": p,
+                    "from": owner[2],
+                    "to": heir[2],
+                    "at_s": round(now_s, 3),
+                }
+            )
+            log.info("%s lost: %s takes over its writes", self.name(owner), self.name(heir))
+            self.host.send(hw, self.current[hw], TakeOver(heir))
+
     def _check_partitions(self, lost: list[ReplicaId], why: str) -> None:
         """Fail the job if a partition of ``lost`` has no live replica left (one being
         rebuilt does not count: it starts from a live twin)."""
@@ -924,7 +974,9 @@ class Coordinator:
 
     def _lost_worker(self, w: int, now_s: float) -> None:
         """Start rebuilding worker ``w``'s replicas from their twins, if the job asks for it
-        and it can be done: a new incarnation of the worker, which waits for their cuts."""
+        and it can be done: a new incarnation of the worker, which waits for their cuts.
+        An owned sink's partitions it wrote for are handed to a twin first."""
+        self._hand_over(w, now_s)
         if self.checkpointing and w in self.rejoins:
             self._abort_rejoin(w, "its new process was lost too")
         if not self.restoring or w in self.rejoins:
@@ -1832,6 +1884,7 @@ class Coordinator:
         )
         result.restored_replicas = list(self.restored)
         result.workers_cpu_s = sum(self.cpu_s.values()) if self.cpu_s else None
+        result.sink_handovers = list(self.handovers)
         if self.checkpointing:
             result.checkpoints = dict(self.checkpoint_stats)
         return result

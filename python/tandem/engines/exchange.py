@@ -51,6 +51,7 @@ from tandem.engines.protocol import (
     Started,
     StartFailed,
     Starved,
+    TakeOver,
     Until,
     Waiting,
     expect,
@@ -324,6 +325,8 @@ def _requests(
             for old in sorted(savepoints)[:-4]:  # answered long ago
                 del savepoints[old]
             worker.request_savepoint(msg.epoch, msg.replicas, msg.roll)
+        elif isinstance(msg, TakeOver):
+            worker.take_over(msg.rid)
         elif isinstance(msg, Crash):
             crash(msg.unit)
         elif isinstance(msg, Freeze):
@@ -344,8 +347,10 @@ def _requests(
                     MetricsEvery,
                     CheckpointRequest,
                     SavepointRequest,
+                    TakeOver,
                     Exit,
                     Crash,
+                    Freeze,
                 )
             except ProtocolError as exc:  # a coordinator of another make: say so, go on
                 log.error("from the coordinator: %s", exc)

@@ -21,10 +21,11 @@ The exchange, in order:
   (the port of every hosted replica's inbox) or :class:`StartFailed`;
 - during the run, coordinator → worker: :class:`CutRequest`, :class:`Link`,
   :class:`Until`, :class:`MetricsEvery`, :class:`CheckpointRequest`,
-  :class:`SavepointRequest`, and the faults :class:`Crash` and :class:`Freeze` (where the
-  worker cannot be signalled); worker → coordinator: :class:`CutTaken`, :class:`Linked`,
-  :class:`Started`, :class:`Evicted`, :class:`Starved`, :class:`Failed`, :class:`Metrics`,
-  :class:`Checkpointed`, :class:`Savepointed`, :class:`Alive` (a keepalive);
+  :class:`SavepointRequest`, :class:`TakeOver`, and the faults :class:`Crash` and
+  :class:`Freeze` (where the worker cannot be signalled); worker → coordinator:
+  :class:`CutTaken`, :class:`Linked`, :class:`Started`, :class:`Evicted`,
+  :class:`Starved`, :class:`Failed`, :class:`Metrics`, :class:`Checkpointed`,
+  :class:`Savepointed`, :class:`Alive` (a keepalive);
 - last, worker → coordinator: :class:`Done`.
 
 Why dataclasses and not msgspec or pydantic structs: a message is one pickle on a
@@ -220,6 +221,14 @@ class Freeze(Message):
     ``for_s`` seconds (a child process you leave behind sends the SIGCONT)."""
 
     for_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TakeOver(Message):
+    """Replica ``rid`` of an owned sink (a Kafka sink's twin) becomes its partition's owner:
+    the owner was lost."""
+
+    rid: ReplicaId
 
 
 # -- during the run: worker -> coordinator ------------------------------------------------

@@ -290,6 +290,11 @@ class Replica:
         self._sink.mark(cut)
         self.core.request_cut(self.slot)
 
+    def take_over(self) -> None:
+        """An owned sink's replica standing by: become its partition's owner
+        (:meth:`tandem.sinks.Sink.take_over`)."""
+        self._sink.take_over()
+
     def roll(self, epoch: int) -> None:
         """A sink that commits at checkpoints, cut for the durable checkpoint at heartbeat
         ``epoch``: close the part holding its rows through the cut
@@ -398,7 +403,7 @@ class Replica:
         self.report.rows_in += batch.num_rows
         self._emit(batch)
 
-    def on_data(self, channel: int, batch: pa.RecordBatch) -> None:
+    def on_data(self, channel: int, batch: pa.RecordBatch, first_seq: int = 0) -> None:
         self.report.rows_in += batch.num_rows
         conform = self._conform[channel]
         if conform is not None:  # a union's input with a stricter nullability
@@ -407,7 +412,7 @@ class Replica:
             self._emit(self._inst.batch(batch, self.inputs[channel].input_index))
             return
         now = time.time_ns()
-        self._sink.write(batch)
+        self._sink.receive(channel, first_seq, batch)
         if self.report.first_receive_ns is None:
             self.report.first_receive_ns = now
         if self._latency is not None:

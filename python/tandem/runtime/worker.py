@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -18,6 +19,8 @@ from tandem.runtime.cuts import Resume, SlotCuts
 from tandem.runtime.priority import renice_threads
 from tandem.runtime.pumps import CREDIT_POLL_S, _LogSource, _Source
 from tandem.runtime.replica import Addresses, Replica, ReplicaId, ReplicaReport, failures
+
+log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 """How long a worker waits for input before checking on its KaZoo orderers again."""
@@ -159,6 +162,13 @@ class Worker:
         self.control.append(("cut", rid, token))
         self.core.wake()
 
+    def take_over(self, rid: ReplicaId) -> None:
+        """Replica ``rid`` of an owned sink (:attr:`tandem.sinks.Sink.owned`) becomes its
+        partition's owner: its lost owner's writer is fenced and it writes on from the
+        owner's last commit."""
+        self.control.append(("take_over", rid, None))
+        self.core.wake()
+
     def request_checkpoint(self, epoch: int) -> None:
         """Cut every hosted replica but the sinks right after it forwards heartbeat
         ``epoch`` (an aligned cut: ``_core.Worker.request_cut_at``) and hand each to
@@ -224,6 +234,11 @@ class Worker:
             rep = by_rid.get(req[1])
             if req[0] == "cut":
                 self.cuts.ask(req[1], rep, req[2])
+            elif req[0] == "take_over":
+                if rep is None or rep.done:
+                    log.warning("%s cannot take over: it has finished", req[1])
+                else:
+                    rep.take_over()
             else:  # "linked": dialled (or not) by the thread :meth:`link` started
                 _, up, down, dialed = req
                 try:
@@ -444,7 +459,7 @@ class Worker:
         """Run ``item`` for ``rep``; False if it failed the job (the worker stops)."""
         try:
             if item.kind == "data":
-                rep.on_data(item.channel, item.batch)
+                rep.on_data(item.channel, item.batch, item.first_seq)
             elif item.kind == "watermark":
                 rep.on_watermark(item.epoch)
             elif item.kind == "end":
