@@ -495,21 +495,47 @@ def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
 
 
 def test_a_dead_leaders_partitions_are_led_at_once_not_after_its_session_timeout(
-    zookeeper, kafka, order_readings
+    zookeeper, kafka, order_readings, monkeypatch
 ):
     """The engine knows a killed leader's worker is dead (it reaped the process), so it
     deletes that worker's election nodes: the followers lead within milliseconds, not
-    after the dead session's 5 s timeout — and nothing is lost or repeated."""
+    after the dead session's 5 s timeout — and nothing is lost or repeated. The killed
+    leader's last order, still in flight, lands after its successor's first (the test
+    publishes it under the dead leader's epoch once the successor has ordered): the new
+    leader fenced the log with its own epoch before ordering, so the live replica
+    ignores it as stale."""
+    runs: list[kazoo.KazooRun] = []
+    prepare = kazoo.prepare
+
+    def prepare_and_keep(*args, **kwargs) -> kazoo.KazooRun:
+        runs.append(prepare(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(kazoo, "prepare", prepare_and_keep)
     job = kazoo_job(kafka, name="kz-dead", session_timeout_s=5.0)
+    (count,) = [t.id for t in job.plan().tasks if t.name == "count"]
+    injected: dict = {}
+    late = threading.Thread(target=publish_as_deposed_leader, args=(runs, count, 0, injected))
+    late.start()
     faults = [td.Kill("count", partition=0, replica="leader", at=1.5)]
-    res = job.run(duration=5.0, faults=faults, progress=False)
-    assert_masked(res, order_readings)
+    try:
+        res = job.run(duration=5.0, faults=faults, progress=False)
+    finally:
+        late.join()
+    reading = assert_masked(res, order_readings)
     (kill,) = res.faults
     successor = [t for t in res.leaders["count[0]"] if t["from_s"] >= kill["injected_at"]]
     assert successor and successor[0]["replica"] != kill["victim"], res.leaders["count[0]"]
     took = successor[0]["from_s"] - kill["injected_at"]
     assert took < 1.0, f"the follower led {took:.3f} s after the kill (session timeout 5 s)"
     assert res.max_gap_ms < 1500, res.max_gap_ms
+    # The dead leader's late order: stale in the independent reading, and ignored by the
+    # live replica.
+    assert injected.get("order") and injected["error"] is None, injected
+    k = reading.at((count, 0), injected["offset"])
+    assert reading.logs[(count, 0)].verdicts[k] == "stale", reading.logs[(count, 0)].verdicts
+    live = 1 - kill["victim"]
+    assert (count, 0, live, injected["offset"]) in fenced(res), res.kazoo_sessions
 
 
 def test_the_releaser_deletes_only_the_dead_processes_election_node(zookeeper, kafka):

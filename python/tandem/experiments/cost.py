@@ -36,7 +36,11 @@ COST_CONFIGS["r2-single-sink"] = {**COST_CONFIGS["r2"], "sink_replication": 1}
 COST_CONFIGS["r2-checkpoints"] = {**COST_CONFIGS["r2"], "durable_ms": 1000}
 """``r2-checkpoints``: r2 writing a durable checkpoint every second (``Job(checkpoint_ms=1000,
 checkpoint_dir=...)``, into a temporary directory), what they cost beside."""
-COST_WORKLOADS = ("demo", "mib1")
+COST_WORKLOADS = ("demo", "mib1", "kafka")
+DEFAULT_WORKLOADS = ("demo", "mib1")
+"""``kafka``: MiB1 of length 3 into a Kafka sink (the broker `tandem services` runs, started
+for the command if it is not running): with ``r2`` beside ``r2-single-sink``, what a
+replicated Kafka sink's standby twins cost beside a single, restartable sink."""
 
 COST_TARGETS = {
     "r2_cpu_ratio": 2.3,
@@ -109,10 +113,17 @@ class CostRow:
         return self.zookeeper_cpu_s + self.kafka_cpu_s
 
 
-def cost_job(workload: str, config: str, rate: int, kazoo: td.KazooConfig | None) -> td.Job:
+def cost_job(
+    workload: str,
+    config: str,
+    rate: int,
+    kazoo: td.KazooConfig | None,
+    kafka_bootstrap: str | None = None,
+) -> td.Job:
     """The job of one cost run: the demo (:func:`tandem.experiments.demo.build`, no fault)
     or MiB1 of length 3 (keyed), each ending in a Collect sink so that the run is checked
-    row by row against the reference."""
+    row by row against the reference — or, ``kafka``, MiB1 into a Kafka sink on a topic
+    of its own at ``kafka_bootstrap`` (checked by reading the topic back)."""
     opts = dict(COST_CONFIGS[config])
     zoo = kazoo if opts["ordering"] == "kazoo" else None
     durable_ms = opts.pop("durable_ms", None)
@@ -121,13 +132,20 @@ def cost_job(workload: str, config: str, rate: int, kazoo: td.KazooConfig | None
         opts["checkpoint_dir"] = tempfile.mkdtemp(prefix="tandem-cost-checkpoints-")
     if workload == "demo":
         return demo.build(rate=rate, **opts, kazoo=zoo)
+    sink: td.sinks.Sink = td.sinks.Collect()
+    if workload == "kafka":
+        from tandem.testing import new_topic
+
+        if kafka_bootstrap is None:
+            raise td.ConfigError("cost: the kafka workload needs a broker (kafka_bootstrap=)")
+        sink = td.sinks.Kafka(new_topic(kafka_bootstrap, 2, "cost"), kafka_bootstrap)
     return mib1_job(
         3,
         opts["replication"],
         opts["ordering"],
         rate,
         zoo,
-        sink=td.sinks.Collect(),
+        sink=sink,
         sink_replication=opts.get("sink_replication"),
         checkpoint_ms=opts.get("checkpoint_ms"),
         checkpoint_dir=opts.get("checkpoint_dir"),
@@ -177,12 +195,13 @@ def _cost_row(
     warmup: float,
     kazoo: td.KazooConfig | None,
     log,
+    kafka_bootstrap: str | None = None,
 ) -> CostRow:
     """Run one configuration once and measure it."""
     from tandem.engines.local import process_cpu_s
 
     opts = COST_CONFIGS[config]
-    job = cost_job(workload, config, rate, kazoo)
+    job = cost_job(workload, config, rate, kazoo, kafka_bootstrap)
     plan = job.plan()
     steady_events = sum(
         plan.source_rows(t.id, p, duration) - plan.source_rows(t.id, p, warmup)
@@ -279,7 +298,7 @@ def _spinning(on: bool):
 
 def cost(
     configs=tuple(COST_CONFIGS),
-    workloads=COST_WORKLOADS,
+    workloads=DEFAULT_WORKLOADS,
     rate: int = 5_000,
     duration: float = 15.0,
     warmup: float = 5.0,
@@ -288,6 +307,7 @@ def cost(
     kazoo: td.KazooConfig | None = None,
     log=None,
     busy_neighbour: bool = False,
+    kafka_bootstrap: str | None = None,
 ) -> list[CostRow]:
     """What replication costs: every workload in every configuration at ``rate`` for
     ``duration`` seconds, then all again at ``idle_rate`` for ``idle_duration`` seconds
@@ -315,7 +335,9 @@ def cost(
                         file=log,
                         flush=True,
                     )
-                    row = _cost_row(workload, config, phase, r, d, w, kazoo, log)
+                    row = _cost_row(
+                        workload, config, phase, r, d, w, kazoo, log, kafka_bootstrap
+                    )
                     print(
                         f"  {row.processes} processes, p99 {row.p99_ms} ms, lost {row.lost}, "
                         f"duplicates {row.duplicates}, CPU {row.cpu_s:.2f} s "
@@ -564,7 +586,7 @@ both."""
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_names(p, "--configs", COST_CONFIGS)
-    common.add_names(p, "--workloads", COST_WORKLOADS, default="both")
+    common.add_names(p, "--workloads", COST_WORKLOADS, default=",".join(DEFAULT_WORKLOADS))
     common.add_rate(p, None, "the loaded runs' rate (default 5000)")
     common.add_seconds(p, "--duration", None, "the loaded runs' length (default 15)")
     common.add_seconds(p, "--warmup", None, "left out of latency and steady-state CPU (default 5)")
@@ -592,7 +614,7 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     configs = tuple(args.configs.split(",")) if args.configs else tuple(COST_CONFIGS)
-    workloads = tuple(args.workloads.split(",")) if args.workloads else COST_WORKLOADS
+    workloads = tuple(args.workloads.split(",")) if args.workloads else DEFAULT_WORKLOADS
     # Every option checked before the services start or anything runs.
     check_cost_options(
         configs,
@@ -610,7 +632,17 @@ def main(args: argparse.Namespace) -> int:
         + (", beside a process spinning on one core" if args.busy_neighbour else ""),
         measures="costs",
     )
-    with common.kazoo_services("r2-kazoo" in configs, args.session_timeout) as kazoo:
+    broker = None
+    if "kafka" in workloads:
+        from tandem._services import ensure_running
+
+        broker = ensure_running(zookeeper=False, kafka=True)
+    with (
+        common.kazoo_services("r2-kazoo" in configs, args.session_timeout) as kazoo,
+        contextlib.ExitStack() as stack,
+    ):
+        if broker is not None and broker.started:
+            stack.callback(broker.stop)
         rows = cost(
             configs=configs,
             workloads=workloads,
@@ -621,6 +653,7 @@ def main(args: argparse.Namespace) -> int:
             idle_duration=args.idle_duration,
             kazoo=kazoo,
             busy_neighbour=args.busy_neighbour,
+            kafka_bootstrap=None if broker is None else broker.kafka_bootstrap,
         )
     print()
     print(cost_markdown(rows))
