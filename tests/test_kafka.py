@@ -931,9 +931,7 @@ def test_kafka_to_kafka_on_spark_with_a_worker_killed(kafka, victim):
         spark.stop()
     assert result.lost == 0 and result.duplicates == 0 and result.digests_match
     if victim == "sink":
-        assert [(h["task"], h["from"], h["to"]) for h in result.sink_handovers] == [
-            ("out", 0, 1)
-        ]
+        assert [(h["task"], h["from"], h["to"]) for h in result.sink_handovers] == [("out", 0, 1)]
     assert result.events_in == len(rows)
     out = [json.loads(m.value()) for m in read_committed(b, out_topic, 2)]
     assert sorted(r["amount"] for r in out) == list(range(len(rows)))

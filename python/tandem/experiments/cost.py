@@ -335,9 +335,7 @@ def cost(
                         file=log,
                         flush=True,
                     )
-                    row = _cost_row(
-                        workload, config, phase, r, d, w, kazoo, log, kafka_bootstrap
-                    )
+                    row = _cost_row(workload, config, phase, r, d, w, kazoo, log, kafka_bootstrap)
                     print(
                         f"  {row.processes} processes, p99 {row.p99_ms} ms, lost {row.lost}, "
                         f"duplicates {row.duplicates}, CPU {row.cpu_s:.2f} s "
