@@ -379,31 +379,6 @@ class Registry:
             return "wait" if w in coord.running and w not in coord.rejoins else None
         twins = rj.twins
         with self._lock:
-            lost = self._latest.get(w)
-            suspect = (
-                lost is not None
-                and lost.cause not in (None, "killed")
-                and lost.executor == attempt.executor
-                and self.relaunch is not None
-                and not self.local
-                and len({a.executor for a in self._first.values()}) > 1
-            )
-        if suspect:
-            # Declared lost on a suspicion (silent, dropped as a straggler): its host may
-            # be cut off, frozen or throttled, so its replicas are not rebuilt there — a
-            # rebuild over a throttled link never catches up. Spark retried the task on
-            # that very executor once the fenced worker left; the start `replace` made on
-            # another executor claims the rebuild instead.
-            log.info(
-                "worker %d: Spark retried its task on executor %s (%s), where it was "
-                "declared lost (%s); it is rebuilt on another executor",
-                w,
-                attempt.executor_id,
-                attempt.node,
-                lost.cause,
-            )
-            return None
-        with self._lock:
             shared = sorted(
                 rid
                 for rid, twin in twins.items()
