@@ -559,14 +559,17 @@ class Job:
             )
         for task in plan.tasks:
             sink = task.sink
-            if task.kind == "sink" and not (sink.in_result or sink.commits_at_checkpoints):
+            if task.kind == "sink" and not (
+                sink.in_result or sink.commits_at_checkpoints or sink.restartable
+            ):
                 raise ConfigError(
                     f"job {self.name!r}: checkpoint_dir= does not take sink {task.name!r} "
-                    f"({sink.describe()}) yet: it writes outside the job as it goes, and the "
+                    f"({sink.describe()}): it writes outside the job as it goes, and the "
                     "rows it wrote between the newest checkpoint and a lost driver would be "
-                    "written again; file sinks (Parquet, Csv) commit at checkpoints and "
-                    "Collect and Latency keep their rows in the Result, and a job stopped "
-                    "with a savepoint resumes exactly with any sink"
+                    "written again; file sinks (Parquet, Csv) commit at checkpoints, Kafka "
+                    "stores its position with what it commits, Collect and Latency keep "
+                    "their rows in the Result, and a job stopped with a savepoint resumes "
+                    "exactly with any sink"
                 )
 
     def _resume_point(

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -483,7 +483,7 @@ def recover_positions(
     transactional_id: str,
     topic: str,
     partition: int,
-    run: int,
+    run: int | Iterable[int],
     extra: Mapping[str, Any] | None = None,
     timeout: float = TIMEOUT_S,
 ) -> dict[str, Any] | None:
@@ -509,13 +509,15 @@ def last_positions(
     bootstrap: str,
     topic: str,
     partition: int,
-    run: int,
+    run: int | Iterable[int],
     extra: Mapping[str, Any] | None = None,
     timeout: float = TIMEOUT_S,
 ) -> dict[str, Any] | None:
-    """The last positions record committed to ``topic[partition]`` in ``run``
-    (:func:`decode_positions`; None if there is none of that run). Only after every
+    """The last positions record committed to ``topic[partition]``, if it is of ``run``
+    (or of one of several runs: a job resumed from checkpoints, run after run)
+    (:func:`decode_positions`; None if it is not, or there is none). Only after every
     writer of the sink partition is fenced is it the last there will ever be."""
+    runs = {run} if isinstance(run, int) else set(run)
     _require()
     from confluent_kafka import TopicPartition
 
@@ -540,7 +542,7 @@ def last_positions(
             chunks.close()
         if last is not None:
             record = decode_positions(last)
-            return record if record["run"] == run else None
+            return record if record["run"] in runs else None
         if start == low:
             return None
         back *= 8
@@ -573,18 +575,18 @@ class TransactionalWriter:
     The last transaction (:meth:`close`) takes everything queued and stores no cut: the
     sink's input ended.
 
-    ``standby`` (a function turning a ``RecordBatch`` into records): a writer for a twin
-    of the sink partition's owner. It takes no ``transactional.id`` and writes nothing;
-    :meth:`receive` holds each batch with where it stands in its input channel, for the
-    last ``hold_s`` seconds. :meth:`take_over` makes it the owner: on its thread it takes
-    the id — which fences the lost owner, a zombie's commit fails, and has the broker
-    finish its open transaction — reads the owner's last positions record, drops every
-    held row at or before that record's cut (per input channel, by sequence number),
-    goes on counting from its totals, and writes the rest as an owner does. Rows that
-    arrive meanwhile, or before the twin's input has passed the cut, are dropped in the
-    same way, and no mark is committed until the input has passed it on every channel,
-    so the stored position never moves back. A takeover that finds the cut older than
-    what it still holds fails (``hold_s`` too short: the owner had not committed for
+    ``encode`` turns a ``RecordBatch`` into records, for :meth:`receive`. ``standby``: a
+    writer for a twin of the sink partition's owner. It takes no ``transactional.id`` and
+    writes nothing; :meth:`receive` holds each batch with where it stands in its input
+    channel, for the last ``hold_s`` seconds. :meth:`take_over` makes it the owner: on its
+    thread it takes the id — which fences the lost owner, a zombie's commit fails, and has
+    the broker finish its open transaction — reads the owner's last positions record,
+    drops every held row at or before that record's cut (per input channel, by sequence
+    number), goes on counting from its totals, and writes the rest as an owner does. Rows
+    that arrive meanwhile, or before the twin's input has passed the cut, are dropped in
+    the same way, and no mark is committed until the input has passed it on every
+    channel, so the stored position never moves back. A takeover that finds the cut older
+    than what it still holds fails (``hold_s`` too short: the owner had not committed for
     that long).
 
     ``commit_s``: at least this long between the starts of two transactions (0: the next
@@ -605,14 +607,15 @@ class TransactionalWriter:
         timeout: float = 30.0,
         positions: tuple[str, int, int] | None = None,
         commit_s: float = 0.0,
-        standby: Callable[[Any], list] | None = None,
+        encode: Callable[[Any], list] | None = None,
+        standby: bool = False,
         hold_s: float = 10.0,
     ) -> None:
         _require()
         from confluent_kafka import Producer
 
-        if standby is not None and positions is None:
-            raise ValueError("a standby writer needs positions (the owner's record)")
+        if standby and (positions is None or encode is None):
+            raise ValueError("a standby writer needs positions and encode")
         self.topic = topic
         self.commit_s = commit_s
         self.positions = positions
@@ -647,14 +650,20 @@ class TransactionalWriter:
         self._closing = False
         self._aborted = False
         # Standing by (a twin of the owner): what it holds, until it takes over.
-        self._encode = standby
-        self._standby = standby is not None
+        self._encode = encode
+        self._standby = standby
         self._promote = False  # take_over() was called
         self._hold_s = hold_s
         self._held: deque = deque()  # (t, channel, first_seq, batch)
         self._held_mark = 0  # how many of the held batches came before the latest mark
         self._trimmed: dict[int, int] = {}  # channel -> end seq of the rows dropped as old
         self._floor: list[int] | None = None  # per channel: the owner's committed position
+        # A run resumed from a checkpoint: what the lost run had committed (its totals and
+        # its position, below which every row is the lost run's): a takeover before this
+        # run's first commit starts from it.
+        self._baseline: dict[str, Any] | None = None
+        # when_committed(): (positions, callback) waiting for a commit through them
+        self._waiting: list[tuple[list[int], Callable[[], None]]] = []
         self.took_over_s: float | None = None  # how long the takeover took (fence to ready)
         self._thread = threading.Thread(
             target=self._run, name=f"tandem-kafka-tx-{transactional_id}", daemon=True
@@ -726,13 +735,33 @@ class TransactionalWriter:
                 self._promote = True
                 self._cond.notify_all()
 
-    def resume(self, committed: Mapping[str, Any]) -> None:
+    def resume(self, committed: Mapping[str, Any], floor: list[int] | None = None) -> None:
         """Go on counting from a predecessor's totals (what :func:`recover_positions`
         found), so that :meth:`close` and the sink's report cover both; call before the
-        first :meth:`put`."""
+        first :meth:`put`. ``floor``: the input position (per channel) through which the
+        predecessor had committed — a run resumed from a checkpoint gets its input again
+        from the checkpoint's cut on, and drops what is below it (see :meth:`receive`)."""
         self.committed_rows = committed["rows"]
         self.transactions = committed["transactions"]
         self.ranges = {int(p): (lo, hi) for p, (lo, hi) in committed["ranges"].items()}
+        if committed.get("ended"):  # the predecessor wrote everything there is
+            with self._cond:
+                self._ended = True
+        elif floor is not None:
+            with self._cond:
+                self._floor = list(floor)
+                self._baseline = {**committed, "floor": list(floor)}
+
+    def when_committed(self, cut: tuple, then: Callable[[], None]) -> None:
+        """Call ``then`` (on the writer's thread) once a transaction through ``cut`` — or
+        a later mark — has committed; at once for a writer standing by, which commits
+        nothing (its owner's commits count). A durable checkpoint waits for it."""
+        with self._cond:
+            if not self._standby and not self._ended:
+                self._waiting.append((list(cut[2][0]), then))
+                self._cond.notify_all()
+                return
+        then()
 
     @property
     def standing_by(self) -> bool:
@@ -821,6 +850,8 @@ class TransactionalWriter:
         transaction: the input had ended)."""
         topic, part, run = self.positions
         found = last_positions(self.bootstrap, topic, part, run, timeout=self.timeout)
+        if found is None and self._baseline is not None:
+            found = self._baseline  # nothing committed in this run: what the lost run had
         with self._cond:
             if found is not None:
                 self.resume(found)
@@ -828,7 +859,7 @@ class TransactionalWriter:
                 self._ended, self._standby = True, False
                 self._held.clear()
                 return False
-            floor = None if found is None else list(found["cut"][2][0])
+            floor = None if found is None else _floor_of(found)
             behind = {
                 c: end
                 for c, end in self._trimmed.items()
@@ -964,6 +995,23 @@ class TransactionalWriter:
         self.transactions += 1
         self._committed_at = time.monotonic()
         self._ended = cut is None and self._closing
+        with self._cond:
+            done = [
+                then
+                for positions, then in self._waiting
+                if cut is None or all(a >= b for a, b in zip(cut[2][0], positions, strict=True))
+            ]
+            self._waiting = [w for w in self._waiting if w[1] not in done]
+        for then in done:
+            then()
+
+
+def _floor_of(found: Mapping[str, Any]) -> list[int]:
+    """The per-channel input position a positions record (or a resumed baseline) says was
+    committed through."""
+    if "floor" in found:
+        return list(found["floor"])
+    return list(found["cut"][2][0])
 
 
 def _past(cut: tuple, floor: list[int]) -> bool:

@@ -577,8 +577,13 @@ class Plan:
         self._check_partition(task, partition)
         sink = copy.deepcopy(task.sink)
         sink.run, sink.replica, sink.replicas = run, replica, task.replication
-        # An owned sink's twins take over from the positions its owner stores.
-        sink.keep_positions = self.restarts_sink(task.id) or (sink.owned and task.replication > 1)
+        # An owned sink's twins take over from the positions its owner stores, and a run
+        # resumed from a durable checkpoint skips what the lost run had committed past it.
+        sink.keep_positions = (
+            self.restarts_sink(task.id)
+            or (sink.owned and task.replication > 1)
+            or (sink.restartable and self.durable_dir is not None)
+        )
         if self.durable_dir is not None and sink.commits_at_checkpoints:
             sink.parts_from = 0 if self.resumed is None else self.resumed.epoch
         sink.open(partition, task.parallelism, task.schema)

@@ -123,6 +123,10 @@ class Savepoint:
     tandem_version: str
     created: str
     partitions: list[dict] = field(default_factory=list, repr=False)
+    runs: tuple[int, ...] = ()
+    """The runs of the job this cut continues, each its t0 (ns), the one that took it last:
+    a run resumed from it finds there what they had written outside (a Kafka sink's
+    commits) that it must not write again."""
 
     @property
     def source_time_s(self) -> float:
@@ -164,6 +168,7 @@ class Savepoint:
                 str(doc["tandem_version"]),
                 str(doc["created"]),
                 list(doc["partitions"]),
+                tuple(int(r) for r in doc.get("runs", ())),
             )
             names = {t["name"] for t in sp.tasks}
             for part in sp.partitions:
@@ -208,6 +213,8 @@ class Resumed:
     path: str
     epoch: int
     cuts: dict[ReplicaId, Resume]
+    runs: tuple[int, ...] = ()
+    """The runs the savepoint continues (:attr:`Savepoint.runs`)."""
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -321,12 +328,16 @@ def settle(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[ReplicaId, Resume]
 
 
 def write(
-    path: str | os.PathLike, plan: Plan, epoch: int, cuts: dict[ReplicaId, Resume]
+    path: str | os.PathLike,
+    plan: Plan,
+    epoch: int,
+    cuts: dict[ReplicaId, Resume],
+    runs: tuple[int, ...] = (),
 ) -> Savepoint:
     """Write the savepoint of ``plan`` cut at heartbeat ``epoch`` (``cuts``: one per task
-    partition, each state in its file or in the cut) to ``path``, atomically (see the
-    module documentation); the :class:`Savepoint` written. Refuses a path that holds
-    anything (ConfigError)."""
+    partition, each state in its file or in the cut; ``runs``: the runs it continues, the
+    one cutting it last) to ``path``, atomically (see the module documentation); the
+    :class:`Savepoint` written. Refuses a path that holds anything (ConfigError)."""
     from tandem._core import __version__
 
     where = os.fspath(path)
@@ -370,6 +381,7 @@ def write(
             "tasks": _describe_tasks(plan),
             "sources": source_positions(plan, cuts),
             "partitions": partitions,
+            "runs": list(runs),
         }
         # The manifest last: a directory without one is a partial savepoint.
         with filesystem.open_output_stream(posixpath.join(target, MANIFEST)) as f:
@@ -515,6 +527,11 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
                 taken = Resume(cut, b"", file, keep_file=True, savepoint=True)
             else:
                 taken = Resume(cut, data, savepoint=True)
+        if task.kind == "sink" and task.sink.restartable and sp.runs:
+            # What the lost runs wrote past the cut (a Kafka sink commits as it goes): its
+            # writers fenced, their last commit found, for the resumed sink to skip.
+            state = task.sink.resumed(p, sp.runs)
+            taken = Resume(cut, state, savepoint=True)
         seen.add((task.id, p))
         for r in range(task.replication):
             cuts[(task.id, p, r)] = taken
@@ -525,7 +542,7 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
         raise ConfigError(
             f"the savepoint at {sp.path!r} is corrupt: it holds no cut of {', '.join(missing)}"
         )
-    return dataclasses.replace(plan, resumed=Resumed(sp.path, sp.epoch, cuts))
+    return dataclasses.replace(plan, resumed=Resumed(sp.path, sp.epoch, cuts, sp.runs))
 
 
 # -- durable checkpoints (Job(checkpoint_ms=..., checkpoint_dir=...), replication >= 2) -------

@@ -132,6 +132,13 @@ class Sink(abc.ABC):
         its lost owner fenced (the engine calls it once that owner is lost)."""
         raise TandemError(f"{self.describe()} has no owner to take over from")
 
+    def commit_through(self, cut: tuple, then) -> None:
+        """A durable checkpoint's cut of this sink (every input channel through its
+        heartbeat): call ``then`` once what it wrote through ``cut`` is durable outside —
+        at once, by default (a sink whose rows live in the Result, or that commits files
+        at checkpoints); a Kafka sink, once a transaction through it has committed."""
+        then()
+
     def close(self) -> Any:
         """Finish; return this partition's contribution to the Result (or None)."""
         return None
@@ -149,6 +156,13 @@ class Sink(abc.ABC):
         still write for it and return the last position it made durable with its rows in
         that run (None: none, it starts over from its first input) and what
         :meth:`restore` needs."""
+        raise ConfigError(_not_restartable(self))
+
+    def resumed(self, partition: int, runs: tuple[int, ...]) -> bytes:
+        """Restartable sinks, where the engine runs, before a job resumed from a
+        checkpoint starts: fence whatever of ``runs`` (the lost ones) may still write for
+        ``partition``, and return what :meth:`restore` needs to skip what they had made
+        durable past the checkpoint (b"": nothing)."""
         raise ConfigError(_not_restartable(self))
 
     def restore(self, state: bytes) -> int:
@@ -653,9 +667,9 @@ class Kafka(Sink):
             self.config,
             positions=positions,
             commit_s=self.commit_ms / 1000,
-            standby=self._records if standby else None,
+            encode=self._records,
+            standby=standby,
         )
-        self._standby = standby  # its rows go through the writer's receive(): held, or kept
 
     def mark(self, cut: tuple) -> None:
         self._writer.mark(cut)
@@ -687,21 +701,51 @@ class Kafka(Sink):
         import json
 
         committed = json.loads(state)
-        self._writer.resume(committed)
+        self._writer.resume(committed, committed.get("floor"))
         return committed["rows"]
+
+    def resumed(self, partition: int, runs: tuple[int, ...]) -> bytes:
+        """A run resumed from a checkpoint of the runs ``runs`` (the lost one last): fence
+        their writers of ``partition`` and return what :meth:`restore` needs to go on from
+        their last commit — their totals and the input position they had committed
+        through (every row below it was written; a checkpoint completes only once the
+        sink has committed through its cut, so that position is at or past it)."""
+        import json
+
+        from tandem.kafka import recover_positions
+
+        found = recover_positions(
+            self._bootstrap(),
+            f"{self.transactional_id}.{partition}",
+            self.positions_topic,
+            partition,
+            runs,
+            self.config,
+        )
+        if found is None:
+            return b""
+        if found["cut"] is None:  # the lost run wrote its last transaction: everything
+            return json.dumps({**found, "floor": None, "ended": True}).encode()
+        return json.dumps({**found, "floor": list(found["cut"][2][0])}).encode()
 
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows:
             self._writer.put(self._records(batch))
 
     def receive(self, channel: int, first_seq: int, batch: pa.RecordBatch) -> None:
-        if not self._standby:
+        # With positions, the writer sees where every row stands in its input: a twin
+        # holds them, and a resumed or taken-over owner drops those committed before.
+        if not self.keep_positions:
             self.write(batch)
         elif batch.num_rows:
             self._writer.receive(channel, first_seq, batch)
 
     def take_over(self) -> None:
         self._writer.take_over()
+
+    def commit_through(self, cut: tuple, then) -> None:
+        self._writer.mark(cut)
+        self._writer.when_committed(cut, then)
 
     def _records(self, batch: pa.RecordBatch) -> list[tuple[bytes, bytes | None, int | None]]:
         """The rows of ``batch`` as the writer's ``(value, key, partition)`` records."""

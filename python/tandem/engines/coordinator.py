@@ -1362,7 +1362,8 @@ class Coordinator:
             from tandem import savepoints
 
             try:
-                written = savepoints.write(ask.path, plan, saving.epoch, cuts)
+                runs = (() if plan.resumed is None else plan.resumed.runs) + (self.t0_ns,)
+                written = savepoints.write(ask.path, plan, saving.epoch, cuts, runs)
                 if ask.checkpoint:  # complete: its parts become the output
                     savepoints.publish_parts(plan, saving.epoch, cuts)
             except BaseException as exc:

@@ -301,6 +301,12 @@ class SlotCuts:
             except Exception:
                 log.exception("%s: taking a savepoint's cut failed", rep.name)
                 taken = None
+            if taken is not None and rep.task.kind == "sink":
+                # Counted once what the sink wrote through the cut is durable outside (a
+                # Kafka sink: once a transaction through it committed; the others at once).
+                me, at = rep.me, item.at
+                rep.commit_through(item.cut, lambda: self.on_savepoint(me, at, taken))
+                return
             self.on_savepoint(rep.me, item.at, taken)
             return
         if rep.task.kind == "sink":  # the sink's own (sinks are never cut for others)

@@ -273,6 +273,10 @@ class Replica:
                 # Restarted from what the lost sink committed (a savepoint's sink starts
                 # with no output, at its input positions there).
                 self.report.rows_in = self._sink.restore(self.resume.load())
+            elif self.resume is not None and self.resume.state:
+                # Resumed from a checkpoint: what the lost runs had written past it (a
+                # Kafka sink's last commit), which it does not write again.
+                self._sink.restore(self.resume.state)
             schema = self.task.schema
             if schema is not None and "event_time_ns" in schema.names:
                 self._latency = LatencyRecorder(t0_ns, t0_ns + round(warmup * 1e9))
@@ -289,6 +293,11 @@ class Replica:
             return
         self._sink.mark(cut)
         self.core.request_cut(self.slot)
+
+    def commit_through(self, cut: tuple, then) -> None:
+        """A sink cut for a durable checkpoint: ``then`` once its writes through ``cut``
+        are durable (:meth:`tandem.sinks.Sink.commit_through`)."""
+        self._sink.commit_through(cut, then)
 
     def take_over(self) -> None:
         """An owned sink's replica standing by: become its partition's owner
