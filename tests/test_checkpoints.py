@@ -224,11 +224,36 @@ events.key_by("key").process(td.CountPerKey(), parallelism=2, name="count").sink
 """
 
 
+def sigkill_after_checkpoint(proc, directory: Path, through_ms: float, timeout: float) -> float:
+    """SIGKILL the driver ``proc`` (`tandem run job.py`) once it has a complete checkpoint
+    at ``through_ms`` of source time or later; every process it started (workers, a Spark
+    JVM) must go with it. Returns how long they took to."""
+    import psutil
+
+    try:
+        deadline = time.monotonic() + timeout
+        while not complete(directory) or newest_epoch(directory) * 10 < through_ms:
+            assert time.monotonic() < deadline, "no checkpoint written"
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        spawned = psutil.Process(proc.pid).children(recursive=True)
+        assert spawned
+        killed_at = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    _, alive = psutil.wait_procs(spawned, timeout=30)
+    assert not alive, f"processes outlived the killed driver: {alive}"
+    return time.monotonic() - killed_at
+
+
 def test_tandem_run_sigkilled_then_resumed(input_file, tmp_path):
     """`tandem run job.py` SIGKILLed once it has a checkpoint: its workers go with it (no
     orphan), and `tandem run job.py --resume` goes on from the newest checkpoint, saying
     so — what follows the cut, once."""
-    import psutil
 
     from jobs import tandem_run
 
@@ -237,22 +262,7 @@ def test_tandem_run_sigkilled_then_resumed(input_file, tmp_path):
         period=PERIOD_MS, directory=str(directory), input_file=input_file, rate=RATE // 2
     )
     proc = tandem_run(tmp_path, script, "--no-progress")
-    try:
-        deadline = time.monotonic() + 60
-        while not complete(directory):
-            assert time.monotonic() < deadline, "no checkpoint written"
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.05)
-        workers = psutil.Process(proc.pid).children(recursive=True)
-        assert workers
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    _, alive = psutil.wait_procs(workers, timeout=15)
-    assert not alive, f"workers outlived the killed driver: {alive}"
+    sigkill_after_checkpoint(proc, directory, 0, timeout=60)
 
     newest = complete(directory)[-1]  # the one --resume starts from
     cut = td.Savepoint.read(str(newest))
@@ -326,7 +336,6 @@ def test_on_spark_a_driver_sigkilled_resumes_and_the_files_hold_every_row_once(
     Parquet sink's published parts — those of the lost run through the checkpoint, then
     the resumed run's — hold every input row exactly once, each key's counts 1..n across
     the loss (seed 002's driver failure: Structured Streaming writes 2,092 rows twice)."""
-    import psutil
 
     from jobs import tandem_run
 
@@ -340,23 +349,7 @@ def test_on_spark_a_driver_sigkilled_resumes_and_the_files_hold_every_row_once(
     )
     flags = ["--engine", "spark", "--master", "local[6,3]", "--no-progress"]
     proc = tandem_run(tmp_path, script, *flags)
-    try:
-        deadline = time.monotonic() + 120
-        while not complete(directory) or newest_epoch(directory) * 10 < 2 * PERIOD_MS:
-            assert time.monotonic() < deadline, "no checkpoint written"
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.05)
-        spawned = psutil.Process(proc.pid).children(recursive=True)  # the JVM, the workers
-        killed_at = time.monotonic()
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    _, alive = psutil.wait_procs(spawned, timeout=30)
-    assert not alive, f"processes outlived the killed driver: {alive}"
-    lost_after = time.monotonic() - killed_at
+    lost_after = sigkill_after_checkpoint(proc, directory, 2 * PERIOD_MS, timeout=120)
     published = sorted(p.name for p in out.glob("part-*.parquet"))
     assert published, "the lost run published no part at its checkpoints"
 

@@ -424,6 +424,19 @@ def test_a_replica_host_cut_off_is_declared_lost_and_the_job_ends(cluster, tmp_p
     assert after < 10, f"job.run returned {after:.1f} s after the stream's end"
 
 
+def cut_then_heal(cluster: Cluster, after_s: float, timers: list[threading.Timer]):
+    """A fault that cuts a host off and heals it ``after_s`` seconds later (the timer goes
+    to ``timers``: join them once the job is done)."""
+
+    def fault(host: str) -> None:
+        cluster.partition(host)
+        timer = threading.Timer(after_s, cluster.heal, [host])
+        timer.start()
+        timers.append(timer)
+
+    return fault
+
+
 def test_a_host_cut_off_for_10_s_and_healed_mid_run_changes_nothing_it_was_fenced_from(
     cluster, tmp_path
 ):
@@ -435,16 +448,9 @@ def test_a_host_cut_off_for_10_s_and_healed_mid_run_changes_nothing_it_was_fence
     ends on time with every row once."""
     duration = 22.0  # cut at ~3 s, healed at ~13 s: the job runs on for ~9 s after
     healer: list[threading.Timer] = []
-
-    def cut_then_heal(host: str) -> None:
-        cluster.partition(host)
-        timer = threading.Timer(10.0, cluster.heal, [host])
-        timer.start()
-        healer.append(timer)
-
     try:
         result, _, restored, gone, on_victim = _fault_a_replica_host(
-            cluster, tmp_path, "healed", cut_then_heal, duration
+            cluster, tmp_path, "healed", cut_then_heal(cluster, 10.0, healer), duration
         )
     finally:
         for timer in healer:
@@ -568,18 +574,12 @@ def test_kazoo_a_leader_host_cut_off_is_replaced_and_its_late_orders_fenced(clus
         leader.append(kazoo_leader(cluster, "kazoo"))
         return where[f"count[0]/{leader[0]}"]
 
-    def cut_then_heal(host: str) -> None:
-        cluster.partition(host)
-        timer = threading.Timer(6.0, cluster.heal, [host])
-        timer.start()
-        healer.append(timer)
-
     try:
         result, ended_after, restored, gone, on_victim = _fault_a_replica_host(
             cluster,
             tmp_path,
             "kazoo",
-            cut_then_heal,
+            cut_then_heal(cluster, 6.0, healer),
             duration,
             "--kazoo",
             svc,

@@ -210,6 +210,20 @@ def test_a_lost_leader_is_rebuilt_from_its_twin_and_leads_when_that_twin_is_lost
     assert after[0]["epoch"] >= 3, f"a third lock node, behind two earlier leaders: {terms}"
 
 
+def kept_runs(monkeypatch) -> list[kazoo.KazooRun]:
+    """The KaZoo runs the next jobs prepare, as they are prepared (their order log's name
+    is known only then)."""
+    runs: list[kazoo.KazooRun] = []
+    prepare = kazoo.prepare
+
+    def prepare_and_keep(*args, **kwargs) -> kazoo.KazooRun:
+        runs.append(prepare(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(kazoo, "prepare", prepare_and_keep)
+    return runs
+
+
 def publish_as_deposed_leader(runs: list, task: int, partition: int, out: dict) -> None:
     """Follow the orders of ``(task, partition)`` of the run ``kazoo.prepare`` put in
     ``runs``; as soon as a second leader has published, publish one more order of the
@@ -268,14 +282,7 @@ def test_a_frozen_leader_is_replaced_and_fenced_off_when_it_wakes(
     The woken leader publishes such an order only if its publishing thread runs before
     kazoo reports the lost session, a race it usually loses; so the test also publishes,
     under the deposed leader's epoch, the order it would send."""
-    runs: list[kazoo.KazooRun] = []
-    prepare = kazoo.prepare
-
-    def prepare_and_keep(*args, **kwargs) -> kazoo.KazooRun:
-        runs.append(prepare(*args, **kwargs))
-        return runs[-1]
-
-    monkeypatch.setattr(kazoo, "prepare", prepare_and_keep)
+    runs = kept_runs(monkeypatch)
     job = kazoo_job(kafka)
     (count,) = [t.id for t in job.plan().tasks if t.name == "count"]
     injected: dict = {}
@@ -504,14 +511,7 @@ def test_a_dead_leaders_partitions_are_led_at_once_not_after_its_session_timeout
     publishes it under the dead leader's epoch once the successor has ordered): the new
     leader fenced the log with its own epoch before ordering, so the live replica
     ignores it as stale."""
-    runs: list[kazoo.KazooRun] = []
-    prepare = kazoo.prepare
-
-    def prepare_and_keep(*args, **kwargs) -> kazoo.KazooRun:
-        runs.append(prepare(*args, **kwargs))
-        return runs[-1]
-
-    monkeypatch.setattr(kazoo, "prepare", prepare_and_keep)
+    runs = kept_runs(monkeypatch)
     job = kazoo_job(kafka, name="kz-dead", session_timeout_s=5.0)
     (count,) = [t.id for t in job.plan().tasks if t.name == "count"]
     injected: dict = {}
