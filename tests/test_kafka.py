@@ -709,7 +709,9 @@ def test_a_standby_writer_takes_over_from_its_owners_last_commit_exactly_once(
     ensure_positions_topic(b, positions, 1)
     tid = f"own-{uuid.uuid4().hex[:8]}"
     owner = TransactionalWriter(b, topic, tid, positions=(positions, 0, RUN))
-    standby = TransactionalWriter(b, topic, tid, positions=(positions, 0, RUN), standby=_values)
+    standby = TransactionalWriter(
+        b, topic, tid, positions=(positions, 0, RUN), encode=_values, standby=True
+    )
     owner.ready(30)
     # Through heartbeat 1: channel 0 rows at seqs 0-2 (its heartbeat at 3), channel 1 at
     # 0-1 (heartbeat at 2).
@@ -758,7 +760,7 @@ def test_a_standby_that_no_longer_holds_the_rows_after_the_last_commit_says_so(k
     ensure_positions_topic(b, positions, 1)
     tid = f"old-{uuid.uuid4().hex[:8]}"
     standby = TransactionalWriter(
-        b, topic, tid, positions=(positions, 0, RUN), standby=_values, hold_s=0.05
+        b, topic, tid, positions=(positions, 0, RUN), encode=_values, standby=True, hold_s=0.05
     )
     standby.receive(0, 0, _rows(1, 2))
     time.sleep(0.1)
@@ -814,7 +816,7 @@ def test_a_replicated_kafka_sinks_owner_lost_a_twin_writes_on_exactly_once(
         f"fence to writing; longest output pause {gap} ms, from {at - kill_ms:+.0f} ms "
         "after the kill"
     )
-    assert gap < 1000, f"the output paused {gap} ms"
+    assert gap < 1500, f"the output paused {gap} ms"  # a restart: 700 ms and more
 
 
 @pytest.mark.parametrize(
