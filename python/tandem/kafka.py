@@ -996,12 +996,8 @@ class TransactionalWriter:
         self._committed_at = time.monotonic()
         self._ended = cut is None and self._closing
         with self._cond:
-            done = [
-                then
-                for positions, then in self._waiting
-                if cut is None or all(a >= b for a, b in zip(cut[2][0], positions, strict=True))
-            ]
-            self._waiting = [w for w in self._waiting if w[1] not in done]
+            done = [then for floor, then in self._waiting if cut is None or _past(cut, floor)]
+            self._waiting = [w for w in self._waiting if cut is not None and not _past(cut, w[0])]
         for then in done:
             then()
 

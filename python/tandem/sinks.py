@@ -674,19 +674,24 @@ class Kafka(Sink):
     def mark(self, cut: tuple) -> None:
         self._writer.mark(cut)
 
-    def recover(self, partition: int, run: int) -> tuple[tuple | None, bytes]:
-        import json
-
+    def _last_commit(self, partition: int, runs: int | tuple[int, ...]) -> dict | None:
+        """Fence every writer of ``partition`` and read their last positions record, if
+        it is of ``runs`` (:func:`tandem.kafka.recover_positions`)."""
         from tandem.kafka import recover_positions
 
-        found = recover_positions(
+        return recover_positions(
             self._bootstrap(),
             f"{self.transactional_id}.{partition}",
             self.positions_topic,
             partition,
-            run,
+            runs,
             self.config,
         )
+
+    def recover(self, partition: int, run: int) -> tuple[tuple | None, bytes]:
+        import json
+
+        found = self._last_commit(partition, run)
         if found is None:
             return None, b""
         if found["cut"] is None:
@@ -712,16 +717,7 @@ class Kafka(Sink):
         sink has committed through its cut, so that position is at or past it)."""
         import json
 
-        from tandem.kafka import recover_positions
-
-        found = recover_positions(
-            self._bootstrap(),
-            f"{self.transactional_id}.{partition}",
-            self.positions_topic,
-            partition,
-            runs,
-            self.config,
-        )
+        found = self._last_commit(partition, runs)
         if found is None:
             return b""
         if found["cut"] is None:  # the lost run wrote its last transaction: everything

@@ -630,17 +630,17 @@ def main(args: argparse.Namespace) -> int:
         + (", beside a process spinning on one core" if args.busy_neighbour else ""),
         measures="costs",
     )
-    broker = None
-    if "kafka" in workloads:
-        from tandem._services import ensure_running
-
-        broker = ensure_running(zookeeper=False, kafka=True)
     with (
         common.kazoo_services("r2-kazoo" in configs, args.session_timeout) as kazoo,
         contextlib.ExitStack() as stack,
     ):
-        if broker is not None and broker.started:
-            stack.callback(broker.stop)
+        broker = None
+        if "kafka" in workloads:  # the broker the kafka workload writes to, if not running
+            from tandem._services import ensure_running
+
+            broker = ensure_running(zookeeper=False, kafka=True)
+            if broker.started:
+                stack.callback(broker.stop)
         rows = cost(
             configs=configs,
             workloads=workloads,
