@@ -85,6 +85,13 @@ CLAIM_WAIT_S = 5.0
 """How long a retried task waits for the coordinator to see its worker's loss (the
 connection of the attempt it replaces may not have dropped yet)."""
 
+ELSEWHERE_FIRST_S = 20.0
+"""How long the rebuild of a worker fenced on purpose (cut off, frozen, a straggler) is
+kept for the task started again on another executor: Spark's own retry of its task, on
+the executor it was fenced on — a host just cut off and healed, say — waits that long
+before it may claim the rebuild itself (a task on a busy cluster can take ten seconds
+to start its Python worker)."""
+
 
 @dataclass
 class Attempt:
@@ -201,6 +208,9 @@ class Registry:
         """Placement row → its tasks started by ``relaunch`` for its latest loss."""
         self._unkillable: dict[int, Attempt] = {}
         """Worker → its attempt fenced where it could not be killed (a cluster)."""
+        self._elsewhere: dict[int, tuple[str, float]] = {}
+        """Worker → (the executor it was fenced on, until when its rebuild waits for the
+        task started again elsewhere): see ELSEWHERE_FIRST_S."""
         self._closing = False
         # Every worker task checks in at about the same time: a backlog of one (the
         # default) would drop connections whose clients then wait for ever.
@@ -360,10 +370,12 @@ class Registry:
         deadline = time.monotonic() + CLAIM_WAIT_S
         while True:
             answer = self._ask(lambda: self._claim_on_coordinator(attempt, w))
-            if answer != "wait":
+            if answer == "elsewhere":
+                deadline = max(deadline, self._elsewhere[w][1] + CLAIM_WAIT_S)
+            elif answer != "wait":
                 return answer
             if time.monotonic() > deadline or self._closing:
-                log.warning("worker %d is not rebuilt: its worker still runs", w)
+                log.info("worker %d runs: Spark's retry of its task retires", w)
                 return None
             time.sleep(0.05)
 
@@ -377,6 +389,13 @@ class Registry:
         rj = coord.pending_rebuild(w)
         if rj is None:
             return "wait" if w in coord.running and w not in coord.rejoins else None
+        fenced_on = self._elsewhere.get(w)
+        if (
+            fenced_on is not None
+            and attempt.executor_id == fenced_on[0]
+            and time.monotonic() < fenced_on[1]
+        ):
+            return "elsewhere"  # the task started again on another executor comes first
         twins = rj.twins
         with self._lock:
             shared = sorted(
@@ -477,7 +496,9 @@ class Registry:
         again at once in a Spark job of its own on another executor (``relaunch``),
         whichever comes first claiming it: Spark retries a task only once it has noticed
         the loss — seconds after a host's crash, and not before it declares the executor
-        lost when the task was cut off or frozen (it could not be killed)."""
+        lost when the task was cut off or frozen (it could not be killed). A worker fenced
+        on purpose is rebuilt elsewhere first: Spark's retry on the executor it was fenced
+        on (a host healed after a cut) may claim the rebuild only ELSEWHERE_FIRST_S later."""
         lost = self._unkillable.pop(assign.worker, None) or self._latest.get(assign.worker)
         if lost is None or self.local or self.relaunch is None:
             return False
@@ -491,6 +512,14 @@ class Registry:
                 if v != assign.worker and any(rid[:2] in parts for rid in self.placement[v])
             }
         avoid = ({lost.executor_id} | twins) - {None}
+        if lost.cause not in (None, "killed") and lost.executor_id is not None:
+            # Fenced where it ran (cut off, frozen, too slow): rebuilt elsewhere if it can be.
+            self._elsewhere[assign.worker] = (
+                lost.executor_id,
+                time.monotonic() + ELSEWHERE_FIRST_S,
+            )
+        else:
+            self._elsewhere.pop(assign.worker, None)
         log.info(
             "worker %d is started again at once on an executor other than %s",
             assign.worker,
