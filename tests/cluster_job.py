@@ -36,10 +36,12 @@ import time
 import traceback
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 import tandem as td
 import tandem_spark
+from tandem.testing import new_topic, read_committed
 
 
 def announce(tag: str, what: str) -> None:
@@ -73,15 +75,50 @@ class PlacedCollect(td.sinks.Collect):
         announce(self.tag, f"sink[{partition}]/{self.replica}")
 
 
+class PlacedKafka(td.sinks.Kafka):
+    """The Kafka sink, saying where each replica of each partition runs when it opens."""
+
+    def __init__(self, tag: str, topic: str, bootstrap: str) -> None:
+        super().__init__(topic, bootstrap=bootstrap, columns=["id", "key", "count"])
+        self.tag = tag
+
+    def open(self, partition, parallelism=1, schema=None) -> None:
+        super().open(partition, parallelism, schema)
+        announce(self.tag, f"kafka[{partition}]/{self.replica}")
+
+
 def build(
-    path: str, rate: int, tag: str, restore: bool, replication: int = 2, kazoo=None
+    path: str,
+    rate: int,
+    tag: str,
+    restore: bool,
+    replication: int = 2,
+    kazoo=None,
+    kafka_topic: tuple[str, str] | None = None,
 ) -> td.Job:
     ordering = {} if kazoo is None else {"ordering": "kazoo", "kazoo": kazoo}
     job = td.Job(f"cluster-{tag}", replication=replication, restore=restore, workers=1, **ordering)
     rows = job.source(td.sources.Parquet(path, rate=rate), parallelism=2)
     counted = rows.key_by("key").process(PlacedCount(tag), parallelism=2, name="count")
     counted.sink(PlacedCollect(tag))
+    if kafka_topic is not None:
+        counted.sink(PlacedKafka(tag, *kafka_topic), name="kafka")
     return job
+
+
+def read_back(bootstrap: str, topic: str) -> pa.Table:
+    """What an outside read_committed consumer reads of the Kafka sink's topic: its rows
+    and each record's produce time (``produced_ms``)."""
+    records = read_committed(bootstrap, topic, 1)
+    values = [json.loads(m.value()) for m in records]
+    return pa.table(
+        {
+            "id": pa.array([v["id"] for v in values], pa.int64()),
+            "key": pa.array([v["key"] for v in values], pa.int64()),
+            "count": pa.array([v["count"] for v in values], pa.int64()),
+            "produced_ms": pa.array([m.timestamp()[1] for m in records], pa.int64()),
+        }
+    )
 
 
 def main() -> int:
@@ -108,6 +145,12 @@ def main() -> int:
         "ADDRESS (scripts/cluster.sh up N --services: ports 21810 and 19092)",
     )
     ap.add_argument("--session-timeout", type=float, default=1.0)
+    ap.add_argument(
+        "--kafka-sink",
+        metavar="ADDRESS",
+        help="write the counts to a new one-partition topic of the Kafka at ADDRESS:19092 too "
+        "(a second sink, 'kafka'), read back with read_committed into OUT/kafka.parquet",
+    )
     args = ap.parse_args()
     address = os.environ.get("TANDEM_CLUSTER_ADDRESS")
     if not args.master or not address:
@@ -135,6 +178,10 @@ def main() -> int:
             kafka_bootstrap=f"{args.kazoo}:19092",
             session_timeout_s=args.session_timeout,
         )
+    kafka_topic = None
+    if args.kafka_sink:
+        bootstrap = f"{args.kafka_sink}:19092"
+        kafka_topic = (new_topic(bootstrap, 1, f"cluster-{args.tag}"), bootstrap)
     job = build(
         str(Path(args.input).resolve()),
         args.rate,
@@ -142,6 +189,7 @@ def main() -> int:
         args.restore,
         args.replication,
         kazoo,
+        kafka_topic,
     )
     started = time.monotonic()
     # A run that hangs says where: every thread's stack in the driver log, well before the
@@ -202,6 +250,7 @@ def main() -> int:
             "fenced": [f for s in res.kazoo_sessions for f in s["fenced"]],
             "sessions_expired": sum(s["expired"] for s in res.kazoo_sessions),
             "cpu_s": res.workers_cpu_s,
+            "sink_handovers": res.sink_handovers,
             "hosts": hosts,
             "first_hosts": first_hosts,
             "session_s": ready - started,
@@ -210,6 +259,8 @@ def main() -> int:
             "t0": res.t0_ns / 1e9,
         }
         pq.write_table(res.output, out / "output.parquet")
+        if kafka_topic is not None:
+            pq.write_table(read_back(kafka_topic[1], kafka_topic[0]), out / "kafka.parquet")
         (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
         print(json.dumps({k: result[k] for k in ("rows", "lost", "duplicates", "run_s")}))
         return 0

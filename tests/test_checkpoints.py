@@ -388,8 +388,7 @@ def test_a_kafka_sink_across_a_lost_driver_writes_every_row_once(input_file, tmp
     read_committed consumer reads every row once, each key's counts 1..n across the loss."""
     from collections import Counter
 
-    from tandem.testing import new_topic
-    from test_kafka import read_committed
+    from tandem.testing import new_topic, read_committed
 
     b = kafka.kafka_bootstrap
     topic = new_topic(b, 2, "durable-out")

@@ -19,7 +19,7 @@ from collections import Counter, deque
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaException, Producer
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,7 @@ from tandem.kafka import (
     ensure_positions_topic,
     recover_positions,
 )
-from tandem.testing import new_topic
+from tandem.testing import new_topic, read_committed
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,33 +47,6 @@ def produce(bootstrap: str, topic: str, rows: list[dict], partitions: int) -> No
     for i, row in enumerate(rows):
         p.produce(topic, json.dumps(row).encode(), partition=i % partitions)
     assert p.flush(30) == 0
-
-
-def read_committed(bootstrap: str, topic: str, partitions: int) -> list:
-    """Every record of ``topic`` a ``read_committed`` consumer sees, partition by
-    partition (a plain consumer: what an outside reader gets)."""
-    c = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"check-{uuid.uuid4().hex}",
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-            "enable.auto.commit": False,
-        }
-    )
-    out = []
-    try:
-        for p in range(partitions):
-            c.assign([TopicPartition(topic, p, 0)])
-            while True:
-                m = c.poll(10)
-                assert m is not None, f"no end of partition {p} within 10 s"
-                if m.error() is not None:
-                    break  # end of the partition (read_committed: the last stable offset)
-                out.append(m)
-    finally:
-        c.close()
-    return out
 
 
 # -- the schedule: a pure function of the log ----------------------------------------------
@@ -817,6 +790,47 @@ def test_a_replicated_kafka_sinks_owner_lost_a_twin_writes_on_exactly_once(
         "after the kill"
     )
     assert gap < 1500, f"the output paused {gap} ms"  # a restart: 700 ms and more
+
+
+def test_a_frozen_kafka_sink_owner_is_declared_lost_and_its_twin_writes_on(
+    kafka, no_orphans, monkeypatch
+):
+    """The Kafka sink's owner frozen (SIGSTOP) mid-stream for 4 s, in a job that restores:
+    a silent owner stops every reader's output, so — unlike a silent copy of another sink,
+    whose twin writes on anyway — it is declared lost after failure_timeout_ms like an
+    operator, fenced, and its twin takes over its writes. Every row exactly once for an
+    outside read_committed consumer, and the output pauses for about the failure timeout,
+    not for the freeze."""
+    b = kafka.kafka_bootstrap
+    src_topic, out_topic = new_topic(b, 2, "frz-in"), new_topic(b, 2, "frz-out")
+    rows = [{"key": i % 11, "amount": i} for i in range(3_000)]
+    produce(b, src_topic, rows[:500], 2)
+    job = td.Job(
+        "kafka-sink-frozen", batch_rows=64, replication=2, restore=True, failure_timeout_ms=1000
+    )
+    counted = counted_from_kafka(job, b, src_topic)
+    sink = td.sinks.Kafka(out_topic, bootstrap=b, columns=["key", "amount", "count"])
+    counted.sink(sink, parallelism=2, name="out")
+
+    feeder, fed = feed_during_run(monkeypatch, b, src_topic, rows, 500, 50, 0.048)
+    freeze = td.Pause("out", 0, 0, at=1.0, for_s=4.0)
+    result = job.run(duration=6.0, faults=[freeze], progress=False)
+    feeder.join()
+    assert fed and fed[0] < 3.5, f"the input was not all written in time ({fed})"
+
+    assert ("out", 0, 0) in testing.lost_replicas(result)
+    causes = {r["cause"] for r in result.lost_replicas if r["task"] == "out"}
+    assert causes == {"silent"}, result.lost_replicas
+    assert {(h["partition"], h["from"], h["to"]) for h in result.sink_handovers} >= {(0, 0, 1)}
+    assert result.lost == 0 and result.duplicates == 0, (result.lost, result.duplicates)
+    out = read_committed(b, out_topic, 2)
+    assert_counted_once([json.loads(m.value()) for m in out], rows)
+    freeze_ms = result.t0_ns / 1e6 + 1000
+    stamps = sorted(m.timestamp()[1] for m in out)
+    assert stamps[0] < freeze_ms < stamps[-1]
+    gap, at = max((later - t, t) for t, later in itertools.pairwise(stamps))
+    print(f"frozen owner: longest output pause {gap} ms, from {at - freeze_ms:+.0f} ms")
+    assert gap < 3000, f"the output paused {gap} ms (the freeze was 4000 ms)"
 
 
 @pytest.mark.parametrize(

@@ -643,6 +643,39 @@ def new_topic(bootstrap: str, partitions: int, prefix: str = "t") -> str:
     return name
 
 
+def read_committed(bootstrap: str, topic: str, partitions: int, timeout: float = 10.0) -> list:
+    """Every record of ``topic`` a ``read_committed`` consumer sees, partition by
+    partition, as ``confluent_kafka`` messages (a plain consumer, no group offsets
+    committed: what an outside reader gets). Raises ``AssertionError`` if a partition's
+    end does not come within ``timeout`` seconds."""
+    import uuid
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"check-{uuid.uuid4().hex}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+        }
+    )
+    out = []
+    try:
+        for p in range(partitions):
+            c.assign([TopicPartition(topic, p, 0)])
+            while True:
+                m = c.poll(timeout)
+                assert m is not None, f"no end of partition {p} within {timeout:g} s"
+                if m.error() is not None:
+                    break  # end of the partition (read_committed: the last stable offset)
+                out.append(m)
+    finally:
+        c.close()
+    return out
+
+
 def read_order_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[bytes]:
     """Every message of a single-partition Kafka topic, in log order, read from its
     beginning to its current end with a plain ``confluent_kafka`` consumer (no group

@@ -749,7 +749,9 @@ class Coordinator:
         limit = self.plan.failure_timeout_ms / 1000
         now = time.monotonic()
         for w in sorted(self.running):
-            if now - self.heard.get(w, now) <= limit or self.hosts_sinks(w):
+            if now - self.heard.get(w, now) <= limit:
+                continue
+            if self.hosts_sinks(w) and not self._silent_owner_has_heirs(w, now, limit):
                 # Sinks are not rebuilt, so a suspicion would cost a copy for good (a last
                 # copy or an unreplicated sink: the job). A sink copy is lost when its
                 # process is known dead; a silent one that never ends is a straggler
@@ -762,6 +764,38 @@ class Coordinator:
                 self.plan.failure_timeout_ms,
             )
             self._kill_worker(w, now_s, "silent")
+
+    def _silent_owner_has_heirs(self, w: int, now: float, limit: float) -> bool:
+        """Whether silent worker ``w``, which hosts sink replicas, is declared lost anyway:
+        it runs the writing owner of an owned sink partition (a Kafka sink's), whose rows
+        stop for every reader while it is silent, and each sink replica on it has a twin
+        that carries its partition on — for an owned partition, a twin still running and
+        heard from within ``limit``, to take over its writes (:meth:`_hand_over`). A
+        silent copy of any other sink costs nothing while its twin writes."""
+        owns = False
+        for rid in self.placement[w]:
+            t, p, r = rid
+            if self.plan.tasks[t].kind != "sink" or rid in self.reports or rid in self.down:
+                continue
+            owner = self.owners.get((t, p)) == rid
+            owns = owns or owner
+            twins = [
+                (t, p, q)
+                for q in range(self.plan.tasks[t].replication)
+                if q != r and (t, p, q) not in self.down
+            ]
+            if not any(
+                (not owner and twin in self.reports)
+                or (
+                    twin not in self.reports
+                    and (v := self.worker_of[twin]) in self.running
+                    and v != w
+                    and now - self.heard.get(v, now) <= limit
+                )
+                for twin in twins
+            ):
+                return False
+        return owns
 
     def _late(self, now_s: float) -> None:
         """Declare lost the workers still running :data:`DRAIN_GRACE_S` after a replica of
