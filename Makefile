@@ -53,8 +53,9 @@ test-rust:
 fuzz:
 	bash scripts/fuzz.sh
 
+# --durations: the 40 slowest tests at the end of the log, to keep the suite's time in view.
 test-python: install java
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --durations=40
 
 # The documentation site (docs/, mkdocs.yml) into site/, warnings as errors: a broken link,
 # a page left out of the nav or a docstring mkdocstrings cannot render fails the build.
