@@ -386,7 +386,7 @@ def test_a_crashed_replica_host_is_masked(cluster, tmp_path):
     """Every process of a host running one replica group and a replica of the sink
     SIGKILLed mid-run: their twins carry the partitions and the sink's twin the output —
     nothing lost, nothing twice — the group's replicas are rebuilt on another host (r
-    restored; the sink goes on with its twin), and the job ends with its result."""
+    restored; the sink's copy too if there is time), and the job ends with its result."""
     duration = 12.0  # room for the rebuild: a Spark job started on another host
     result, ended_after, restored, gone, on_victim = _fault_a_replica_host(
         cluster, tmp_path, "crash", cluster.crash, duration
@@ -394,8 +394,10 @@ def test_a_crashed_replica_host_is_masked(cluster, tmp_path):
     assert gone == on_victim, result["lost_replicas"]
     assert {r["cause"] for r in result["lost_replicas"]} == {"crashed"}
     assert "sink[0]/0" in gone
-    # r restored on another host (a sink replica is not rebuilt: its twin has the output)
-    assert restored == {r for r in on_victim if not r.startswith("sink")}, restored
+    # r restored on another host: the operators' replicas, and the Collect sink's copy
+    # (rebuilt from its twin's) unless the stream ended first
+    operators = {r for r in on_victim if not r.startswith("sink")}
+    assert operators <= restored <= on_victim, restored
     assert ended_after < duration + 10, f"the job ended {ended_after:.1f} s after the crash"
 
 

@@ -75,19 +75,30 @@ def test_a_lost_worker_is_rebuilt_from_twins_and_then_masks_the_loss_of_those_tw
     assert res.workers_cpu_s is not None and 0 < res.workers_cpu_s <= res.cpu_s
 
 
-def test_a_worker_is_rebuilt_after_a_sink_copy_was_lost_for_good():
-    """The worker of the sink's replica 1 killed (sink copies are not rebuilt), then a
-    worker of replica group 0: the group is rebuilt — its new replicas do not wait
-    dialling the lost sink copy — and the sink's replica 0 has every row."""
+def test_a_lost_collect_sink_copy_is_rebuilt_from_its_twin_and_then_masks_the_twins_loss():
+    """The worker of the sink's replica 1 killed: the copy is rebuilt from replica 0's
+    (its rows so far, handed over at a heartbeat-cycle boundary; the rest replayed from
+    there), then the worker of replica 0 killed — the last copy that ran from the start
+    — and a worker of replica group 0 beside it: the rebuilt copy is published, with
+    every row once."""
     job = counting_job(restore=True)
-    sink_worker = len(job.plan().placement()) - 1  # the sink's replica 1
-    faults = [td.KillWorker(sink_worker, at=1.0), td.Kill("count", 0, 0, at=2.0)]
-    res = job.run(duration=6, faults=faults)
+    placement = job.plan().placement()
+    sink_workers = [w for w, rids in enumerate(placement) if rids[0][0] == 4]
+    assert len(sink_workers) == 2, placement
+    faults = [
+        td.KillWorker(sink_workers[1], at=1.0),
+        td.KillWorker(sink_workers[0], at=3.0),
+        td.Kill("count", 0, 0, at=3.0),
+    ]
+    res = job.run(duration=7, faults=faults)
     assert res.lost == 0 and res.duplicates == 0 and res.digests_match
+    assert res.output.num_rows == res.events_in
     lost = {(r["task"], r["partition"], r["replica"]) for r in res.lost_replicas}
     rebuilt = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
-    assert ("sink", 0, 1) in lost and ("count", 0, 0) in lost
-    assert rebuilt == lost - {("sink", 0, 1)}
+    assert {("sink", 0, 0), ("sink", 0, 1), ("count", 0, 0)} <= lost
+    assert rebuilt == lost, (rebuilt, lost)
+    (first,) = [r for r in res.restored_replicas if r["task"] == "sink" and r["replica"] == 1]
+    assert first["restored_s"] < 3.0, first  # back before its twin's loss
     for r in res.restored_replicas:
         assert r["restored_s"] < r["lost_s"] + 5, r
     assert res.max_gap_ms < 1000
@@ -140,12 +151,16 @@ def test_a_frozen_worker_is_declared_lost_fenced_and_rebuilt_while_its_twins_go_
 
 
 def test_chaos_kills_worker_after_worker_and_r_is_restored_before_each_next_kill():
+    """Chaos picks any worker, the sinks' too (a Collect copy is rebuilt from its twin's):
+    seed 7 draws the worker of the sink's replica 0 first."""
     chaos = td.Chaos(at=1.0, every_s=(2.5, 3.5), seed=7)
     res = counting_job(restore=True).run(duration=12, faults=[chaos])
     assert res.lost == 0 and res.duplicates == 0
     assert res.digests_match, res.determinism_errors
     kills = [f for f in res.faults if f["kind"] == "chaos"]
     assert len(kills) >= 2, res.faults
+    assert kills[0]["replicas"] == [{"task": "sink", "partition": 0, "replica": 0}], kills
+    assert res.output.num_rows == res.events_in
     restored = sorted({r["lost_s"] for r in res.restored_replicas})
     assert restored == sorted(f["injected_at"] for f in kills), (restored, kills)
     # Each kill came after the previous loss was rebuilt.

@@ -128,11 +128,13 @@ def test_an_executor_crash_is_rebuilt_on_another_executor_and_r_is_restored(loca
     assert res.lost == 0 and res.duplicates == 0
     assert res.digests_match, res.determinism_errors
     restored = {(r["task"], r["partition"], r["replica"]) for r in res.restored_replicas}
-    # The sink's replica 1, on the same executor, is lost and not rebuilt: its twin has
-    # every row, and one copy is all the job publishes.
+    # The sink's replica 1, on the same executor, is lost too: rebuilt from its twin's
+    # copy if there is time (its twin has every row, and one copy is all the job
+    # publishes).
     assert lost_replicas(res) == killed_replicas(res) | {("sink", 0, 1)}
-    assert restored == killed_replicas(res)
-    assert len(restored) == 4  # replica group 1: both partitions of the source and the map
+    assert killed_replicas(res) <= restored <= lost_replicas(res)
+    # replica group 1: both partitions of the source and the map
+    assert len(killed_replicas(res)) == 4
     run = engine.last_run
     (record,) = res.faults
     killed = next(a for a in run.attempts if a.cause == "killed")

@@ -272,8 +272,9 @@ class Chaos(Fault):
     from ``at`` until ``until`` (None: the end of the run), each kill only once every
     partition is back at its full replication: never the last live replica of a
     partition. Meant for jobs that rebuild lost replicas (``Job(restore=True)``); the
-    local engine injects it. It never picks a sinks' worker: sink copies are not rebuilt,
-    so a second pick would take the last one."""
+    local engine injects it. It picks a sinks' worker only if every sink replica there is
+    rebuilt from a twin's copy (:attr:`tandem.sinks.Sink.rebuildable`: ``Collect``); a
+    lost copy of another sink is not rebuilt, so a second pick could take the last one."""
 
     at: float = 2.0
     every_s: tuple[float, float] = (5.0, 10.0)

@@ -75,6 +75,13 @@ class Sink(abc.ABC):
     how): each replica keeps a copy of its partition's rows that nothing outside sees
     before :meth:`combine` publishes one, and :meth:`discard` removes the others. A sink
     with an effect outside as it writes (a database, a topic) is not."""
+    rebuildable: bool = False
+    """Whether a lost replica of this replicated sink is rebuilt from a live twin while the
+    job runs (``Job(restore=True)``), like an operator's: the twin, stopped at a
+    heartbeat-cycle boundary, hands its copy so far (:meth:`snapshot`) to the new replica
+    (:meth:`restore`), whose upstream replicas replay the rest from there. A sink whose
+    copy lives outside the process as it writes (staged files, a topic) is not: its
+    lost replica's partitions run on with their twins."""
     replica: int = 0
     """Set by the engine before :meth:`open`: which replica of its partition this is."""
     replicas: int = 1
@@ -171,6 +178,11 @@ class Sink(abc.ABC):
         durable (they count as written by this one)."""
         raise ConfigError(_not_restartable(self))
 
+    def snapshot(self) -> bytes:
+        """A :attr:`rebuildable` sink: its copy so far (every row written), for a replica
+        rebuilt from this one to :meth:`restore` after its :meth:`open`."""
+        raise TandemError(f"{self.describe()} cannot be rebuilt from a twin's copy")
+
     def roll(self, epoch: int) -> None:
         """A sink that :attr:`commits_at_checkpoints`: the rows written so far are this
         replica's rows through the durable checkpoint at heartbeat ``epoch``; close them as
@@ -232,6 +244,7 @@ class Collect(Sink):
     the driver takes one replica's rows per partition."""
 
     replicable = True
+    rebuildable = True
     in_result = True
 
     def open(self, partition: int, parallelism: int = 1, schema: pa.Schema | None = None) -> None:
@@ -241,6 +254,21 @@ class Collect(Sink):
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows:
             self.batches.append(batch)
+
+    def snapshot(self) -> bytes:
+        """The rows so far, as an Arrow IPC stream (no batches: no stream)."""
+        if not self.batches:
+            return b""
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, self.batches[0].schema) as writer:
+            for batch in self.batches:
+                writer.write_batch(batch)
+        return sink.getvalue().to_pybytes()
+
+    def restore(self, state: bytes) -> int:
+        """A replica rebuilt from a twin: its copy starts with the twin's rows so far."""
+        self.batches = list(pa.ipc.open_stream(state)) if state else []
+        return sum(b.num_rows for b in self.batches)
 
     def close(self) -> pa.Table:
         if self.batches:

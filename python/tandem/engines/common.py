@@ -207,15 +207,21 @@ def published_copies(
     record the run's latency; the other replicas' copies are discarded. The copies hold
     the same rows; choosing the least interrupted one measures what the first copy to
     arrive gives, as dedup does for operators: a copy on a host cut off and healed gets
-    its rows seconds late, all at once, and reports as soon as its twin."""
+    its rows seconds late, all at once, and reports as soon as its twin. A copy rebuilt
+    from a twin's comes after every copy that ran from the start."""
     chosen: dict[tuple[int, int], ReplicaId] = {}
-    gaps: dict[tuple[int, int], float] = {}
+    gaps: dict[tuple[int, int], tuple[bool, float]] = {}
     for rid, rep in reports.items():
         task = plan.tasks[rid[0]]
         if task.kind == "sink" and rep.ended:
             if task.sink.owned and task.replication > 1 and rep.sink_part is None:
                 continue  # a twin of an owned sink's owner: it wrote nothing
-            gap = 0.0 if rep.latency is None else latency.longest_gap_ms(rep.latency)
+            # A copy rebuilt from a twin's is whole, but its latency record starts at the
+            # rebuild: published only if no copy that ran from the start ended.
+            gap = (
+                rep.from_twin,
+                0.0 if rep.latency is None else latency.longest_gap_ms(rep.latency),
+            )
             if rid[:2] not in chosen or gap < gaps[rid[:2]]:
                 chosen[rid[:2]], gaps[rid[:2]] = rid, gap
     missing = [

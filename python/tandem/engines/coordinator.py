@@ -430,6 +430,14 @@ class Coordinator:
     def hosts_sinks(self, w: int) -> bool:
         return any(self.plan.tasks[t].kind == "sink" for t, _, _ in self.placement[w])
 
+    def rebuilds_sinks(self, w: int) -> bool:
+        """Every sink replica worker ``w`` hosts is rebuilt from a twin's copy when lost
+        (:attr:`tandem.sinks.Sink.rebuildable`: ``Collect``)."""
+        tasks = self.plan.tasks
+        return all(
+            tasks[t].sink.rebuildable for t, _, _ in self.placement[w] if tasks[t].kind == "sink"
+        )
+
     def lone_sinks(self, w: int) -> bool:
         """Worker ``w`` hosts unreplicated sinks: no twin takes over when it is lost."""
         tasks = self.plan.tasks
@@ -1018,9 +1026,9 @@ class Coordinator:
         if self.lone_sinks(w):
             self._restart_sinks(w, now_s)
             return
-        if self.hosts_sinks(w):
-            # Replicated sinks: their twins hold a copy each, and one copy is all the job
-            # publishes. (A sink replica is not rebuilt: a sink has no cut to rebuild from.)
+        if self.hosts_sinks(w) and not self.rebuilds_sinks(w):
+            # Replicated sinks whose copies live outside the process (files, a topic):
+            # their twins hold a copy each, and one copy is all the job publishes.
             log.info(
                 "%s hosted sink replicas (%s): their twins carry on, it is not rebuilt",
                 self.worker_name(w),
@@ -1726,12 +1734,13 @@ class Coordinator:
         if chaos.until is not None and now_s >= chaos.until:
             self.chaos = None
             return
-        # (A sink replica lost stays down: sinks are not rebuilt, and not chaos's victims.)
-        if now_s < self._chaos_at or self.rejoins or self._down_operators():
+        # (A lost replica of a sink that is not rebuilt stays down, and its workers are not
+        # chaos's victims.)
+        if now_s < self._chaos_at or self.rejoins or self._down_rebuilt():
             return
         if now_s > self.end_s() - REJOIN_MARGIN_S - chaos.every_s[0]:
             return
-        victims = sorted(w for w in self.running if not self.hosts_sinks(w))
+        victims = sorted(w for w in self.running if self.rebuilds_sinks(w))
         if not victims:
             return
         w = self._chaos_rng.choice(victims)
@@ -1747,8 +1756,10 @@ class Coordinator:
         self._kill_worker(w, now_s, "killed")
         self._chaos_at = now_s + self._chaos_rng.uniform(*chaos.every_s)
 
-    def _down_operators(self) -> list[ReplicaId]:
-        return [r for r in self.down if self.plan.tasks[r[0]].kind != "sink"]
+    def _down_rebuilt(self) -> list[ReplicaId]:
+        """The replicas down that are rebuilt (all but those of sinks not rebuildable)."""
+        tasks = self.plan.tasks
+        return [r for r in self.down if tasks[r[0]].kind != "sink" or tasks[r[0]].sink.rebuildable]
 
     def _replica_names(self, w: int) -> list[dict]:
         return [

@@ -309,8 +309,20 @@ class SlotCuts:
                 return
             self.on_savepoint(rep.me, item.at, taken)
             return
-        if rep.task.kind == "sink":  # the sink's own (sinks are never cut for others)
-            rep.mark(item.cut)
+        if rep.task.kind == "sink":
+            # A rebuild's cut of a rebuildable sink: its copy so far (in place: it is in
+            # memory already, and a copy of the output, not a state to fork for).
+            tokens = self.asked.pop(item.slot, [])
+            if tokens:
+                try:
+                    taken = rep.cut(item.cut, copy=True)
+                except Exception:
+                    log.exception("%s: taking a cut failed", rep.name)
+                    taken = None
+                for token in tokens:
+                    self.on_cut(rep.me, taken, token)
+            if rep.keeps_positions:  # the sink's own cut (a mark)
+                rep.mark(item.cut)
             return
         checkpoint = item.at is not None  # a checkpoint's aligned cut
         if checkpoint and self.checkpoints.get(item.slot) != item.at:

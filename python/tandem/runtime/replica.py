@@ -68,6 +68,9 @@ class ReplicaReport:
     """The replica consumed its whole input and finished (a sink: closed its copy). A sink
     replica cut off from its upstream (dropped as a straggler, its other senders lost)
     reports too when its worker stops, with ``ended`` False: its copy is not whole."""
+    from_twin: bool = False
+    """A sink replica rebuilt from a twin's copy (:attr:`tandem.sinks.Sink.rebuildable`):
+    its rows are whole, but its latency record covers only the rows it received itself."""
 
     def failure(self) -> TandemError | None:
         """The exception the run fails with because of this replica, if any."""
@@ -270,9 +273,11 @@ class Replica:
         else:
             self._sink = self.plan.open_sink(t, p, run=t0_ns, replica=r)
             if self.resume is not None and not self.resume.savepoint:
-                # Restarted from what the lost sink committed (a savepoint's sink starts
-                # with no output, at its input positions there).
+                # Restarted from what the lost sink committed, or rebuilt from a twin's
+                # copy (a savepoint's sink starts with no output, at its input positions
+                # there).
                 self.report.rows_in = self._sink.restore(self.resume.load())
+                self.report.from_twin = self._sink.rebuildable
             elif self.resume is not None and self.resume.state:
                 # Resumed from a checkpoint: what the lost runs had written past it (a
                 # Kafka sink's last commit), which it does not write again.
@@ -284,6 +289,11 @@ class Replica:
         self.slot = self.core.add_task(self.inbox, boxes, watermarks, resume=cut)
         if self._sink is not None and self._sink.keep_positions:
             self.core.request_cut(self.slot)  # see mark()
+
+    @property
+    def keeps_positions(self) -> bool:
+        """A sink that stores its input positions with its rows (:meth:`mark`)."""
+        return self._sink is not None and self._sink.keep_positions
 
     def mark(self, cut: tuple | None) -> None:
         """A sink that keeps its positions, cut at a heartbeat-cycle boundary: the rows
@@ -325,13 +335,17 @@ class Replica:
                 os.unlink(self.resume.state_file)
         self.resume = Resume(self.resume.cut, b"")  # the state lives in the operator now
 
-    def cut(self, cut: tuple | None) -> Resume | None:
+    def cut(self, cut: tuple | None, copy: bool = False) -> Resume | None:
         """This replica at the heartbeat-cycle boundary the worker stopped it at (``cut``,
         from the core; None: it cannot be cut): what a replica rebuilt from it needs. A log
         source's state is where its log continues after the marker it took as that
-        heartbeat, and the data rows it read before it."""
+        heartbeat, and the data rows it read before it; a rebuildable sink's, with
+        ``copy``, its copy so far (:meth:`tandem.sinks.Sink.snapshot`: a savepoint's sink
+        cut holds no rows)."""
         if cut is None:
             return None
+        if copy and self._sink is not None:
+            return Resume(cut, self._sink.snapshot())
         if self.log_reader is not None:
             position = self.log_positions.get(cut[0])
             if position is None:  # not a heartbeat it sent lately: try a later cut
