@@ -421,6 +421,16 @@ def counted_from_kafka(job: td.Job, bootstrap: str, topic: str):
     )
 
 
+def longest_pause(out: list, fault_ms: float) -> tuple[int, float]:
+    """The longest pause between the records' produce times (an outside reader's view of
+    the output), and where it began relative to ``fault_ms``; rows were committed on both
+    sides of the fault."""
+    stamps = sorted(m.timestamp()[1] for m in out)
+    assert stamps[0] < fault_ms < stamps[-1]
+    gap, at = max((later - t, t) for t, later in itertools.pairwise(stamps))
+    return gap, at - fault_ms
+
+
 def assert_counted_once(out: list[dict], rows: list[dict]) -> None:
     """``out`` holds every row of ``rows`` exactly once, with the counts 1..n of its key."""
     got = Counter((r["key"], r["amount"], r["count"]) for r in out)
@@ -781,12 +791,10 @@ def test_a_replicated_kafka_sinks_owner_lost_a_twin_writes_on_exactly_once(
     # Rows were committed on both sides of the kill, and the longest pause between the
     # records' produce times is the takeover.
     kill_ms = result.t0_ns / 1e6 + 1000
-    stamps = sorted(m.timestamp()[1] for m in out)
-    assert stamps[0] < kill_ms < stamps[-1]
-    gap, at = max((later - t, t) for t, later in itertools.pairwise(stamps))
+    gap, at = longest_pause(out, kill_ms)
     print(
         f"sink takeover: {[round(p['took_over_s'] * 1000) for p in parts]} ms from the "
-        f"fence to writing; longest output pause {gap} ms, from {at - kill_ms:+.0f} ms "
+        f"fence to writing; longest output pause {gap} ms, from {at:+.0f} ms "
         "after the kill"
     )
     assert gap < 1500, f"the output paused {gap} ms"  # a restart: 700 ms and more
@@ -826,10 +834,8 @@ def test_a_frozen_kafka_sink_owner_is_declared_lost_and_its_twin_writes_on(
     out = read_committed(b, out_topic, 2)
     assert_counted_once([json.loads(m.value()) for m in out], rows)
     freeze_ms = result.t0_ns / 1e6 + 1000
-    stamps = sorted(m.timestamp()[1] for m in out)
-    assert stamps[0] < freeze_ms < stamps[-1]
-    gap, at = max((later - t, t) for t, later in itertools.pairwise(stamps))
-    print(f"frozen owner: longest output pause {gap} ms, from {at - freeze_ms:+.0f} ms")
+    gap, at = longest_pause(out, freeze_ms)
+    print(f"frozen owner: longest output pause {gap} ms, from {at:+.0f} ms")
     assert gap < 3000, f"the output paused {gap} ms (the freeze was 4000 ms)"
 
 
@@ -877,12 +883,10 @@ def test_a_killed_kafka_sink_restarts_from_its_committed_position_exactly_once(
     # Rows were committed on both sides of the kill (the restart wrote some), and the
     # sinks' downtime shows as the longest pause between the records' produce times.
     kill_ms = result.t0_ns / 1e6 + 1000
-    stamps = sorted(m.timestamp()[1] for m in out)
-    assert stamps[0] < kill_ms < stamps[-1]
-    gap, at = max((later - t, t) for t, later in itertools.pairwise(stamps))
+    gap, at = longest_pause(out, kill_ms)
     print(
         f"sink restart: linked {[r['restore_ms'] for r in restarted.values()]} ms after the "
-        f"kill; longest output pause {gap} ms, from {at - kill_ms:+.0f} ms after the kill"
+        f"kill; longest output pause {gap} ms, from {at:+.0f} ms after the kill"
     )
 
 
