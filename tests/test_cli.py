@@ -50,6 +50,21 @@ def test_demo_masks_the_kill_and_writes_json_and_plot(tmp_path, capsys):
     assert "fault masked" in printed
 
 
+def test_demo_kills_a_sink_replica_and_masks_it(tmp_path, capsys):
+    """The demo's sink is replicated: ``--kill sink:0:0@1.5`` takes its worker down, and
+    the twin's copy is the output — every row once."""
+    out = tmp_path / "sink.json"
+    flags = ["--duration", "3", "--rate", "600", "--no-progress", "--plot", "none"]
+    code = main(["demo", "--kill", "sink:0:0@1.5", *flags, "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads(out.read_text())
+    assert result["lost"] == 0 and result["duplicates"] == 0 and result["digests_match"]
+    assert result["events_in"] == result["events_out"] == 1800
+    assert [(f["task"], f["replica"]) for f in result["faults"]] == [("sink", 0)]
+    assert "fault masked" in printed
+
+
 def test_chaos_demo_rebuilds_what_it_kills_and_marks_it_on_the_plot(tmp_path, capsys):
     out, png = tmp_path / "chaos.json", tmp_path / "chaos.png"
     flags = ["--duration", "10", "--rate", "1000", "--no-progress", "--json", str(out)]
