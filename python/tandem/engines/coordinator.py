@@ -782,28 +782,33 @@ class Coordinator:
         silent copy of any other sink costs nothing while its twin writes."""
         owns = False
         for rid in self.placement[w]:
-            t, p, r = rid
+            t, p, _ = rid
             if self.plan.tasks[t].kind != "sink" or rid in self.reports or rid in self.down:
                 continue
             owner = self.owners.get((t, p)) == rid
             owns = owns or owner
-            twins = [
-                (t, p, q)
+            heard = any(
+                (v := self.worker_of[h]) != w and now - self.heard.get(v, now) <= limit
+                for h in self._heirs(t, p)
+            )
+            finished = not owner and any(
+                (t, p, q) in self.reports and (t, p, q) not in self.down
                 for q in range(self.plan.tasks[t].replication)
-                if q != r and (t, p, q) not in self.down
-            ]
-            if not any(
-                (not owner and twin in self.reports)
-                or (
-                    twin not in self.reports
-                    and (v := self.worker_of[twin]) in self.running
-                    and v != w
-                    and now - self.heard.get(v, now) <= limit
-                )
-                for twin in twins
-            ):
+            )
+            if not (heard or finished):
                 return False
         return owns
+
+    def _heirs(self, t: int, p: int) -> list[ReplicaId]:
+        """The replicas of sink partition ``(t, p)`` that could write on for it: not down,
+        not finished, on a running worker (lowest replica first)."""
+        return [
+            (t, p, r)
+            for r in range(self.plan.tasks[t].replication)
+            if (t, p, r) not in self.down
+            and (t, p, r) not in self.reports
+            and self.worker_of[(t, p, r)] in self.running
+        ]
 
     def _late(self, now_s: float) -> None:
         """Declare lost the workers still running :data:`DRAIN_GRACE_S` after a replica of
@@ -961,13 +966,7 @@ class Coordinator:
         for (t, p), owner in sorted(self.owners.items()):
             if self.worker_of[owner] != w or owner in self.reports:
                 continue
-            heirs = [
-                (t, p, r)
-                for r in range(self.plan.tasks[t].replication)
-                if (t, p, r) not in self.down
-                and (t, p, r) not in self.reports
-                and self.worker_of[(t, p, r)] in self.running
-            ]
+            heirs = self._heirs(t, p)
             if not heirs:
                 raise TandemError(
                     f"{self.name(owner)}, the owner of {self.plan.tasks[t].describe()} "
