@@ -467,12 +467,42 @@ def test_xxh3_matches_xxhash_rust_vectors():
 
 def test_hash_channels_match_the_rust_golden_vectors():
     # tandem-core outbox tests: GOLDEN_INT_4 and GOLDEN_STR_3.
-    ints = [3, 3, 0, 3, 2, 0, 1, 0, 3, 0, 3, 0, 3, 3, 3, 0]
+    ints = [1, 1, 0, 0, 2, 2, 3, 3, 2, 0, 3, 3, 3, 3, 0, 0]
     assert hash_channels(pa.array(range(16), pa.int64()), 4).tolist() == ints
     assert hash_channels(pa.array(range(16), pa.int32()), 4).tolist() == ints
     strs = pa.array(["alice", "bob", None, "", "carol", "dave", "eve", "mallory"])
-    assert hash_channels(strs, 3).tolist() == [0, 1, 0, 1, 2, 1, 2, 1]
-    assert hash_channels(strs.cast(pa.large_string()), 3).tolist() == [0, 1, 0, 1, 2, 1, 2, 1]
+    assert hash_channels(strs, 3).tolist() == [1, 0, 0, 2, 0, 2, 1, 2]
+    assert hash_channels(strs.cast(pa.large_string()), 3).tolist() == [1, 0, 0, 2, 0, 2, 1, 2]
+
+
+def test_a_key_goes_to_the_partition_owning_its_key_group():
+    keys = pa.array(list(range(0, 300)) + [2**63 + 5, 2**64 - 1], pa.uint64())
+    signed = pa.array(list(range(-150, 150)), pa.int64())
+    strs = pa.array([f"user-{i}" for i in range(300)])
+    for groups in (1, 7, 128):
+        for n in range(1, min(groups, 9) + 1):
+            for array in (keys, signed, strs):
+                chans = hash_channels(array, n, key_groups=groups)
+                for value, c in zip(array.to_pylist(), chans.tolist(), strict=True):
+                    g = td.plan.key_group(value, groups)
+                    assert g in td.plan.key_group_range(c, n, groups)
+                    assert td.plan.key_group_channel(g, groups, n) == c
+            ranges = [td.plan.key_group_range(p, n, groups) for p in range(n)]
+            assert [g for r in ranges for g in r] == list(range(groups))
+    with pytest.raises(td.ConfigError, match=r"1\.5 \(float\) cannot be a key"):
+        td.plan.key_group(1.5, 128)
+
+
+def test_max_parallelism_bounds_a_keyed_tasks_parallelism():
+    job = td.Job("bounded", max_parallelism=4)
+    stream = job.source(td.sources.Synthetic(rate=10, keys=8, limit=10))
+    stream.key_by("key").process(td.CountPerKey(), parallelism=5).sink(td.sinks.Collect())
+    with pytest.raises(td.ConfigError, match=r"parallelism 5 is above the job's max_paral"):
+        job.plan()
+    with pytest.raises(td.ConfigError, match="max_parallelism"):
+        td.Job("zero", max_parallelism=0)
+    with pytest.raises(td.ConfigError, match="above 32768"):
+        td.Job("huge", max_parallelism=1 << 16)
 
 
 def test_router_rebalance_counts_rows_across_emits():

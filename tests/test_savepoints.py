@@ -19,6 +19,7 @@ import pytest
 import tandem as td
 from jobs import write_events
 from tandem import savepoints
+from tandem.plan import hash_channels
 from tandem.runtime import Resume
 
 ROWS = 6000
@@ -39,22 +40,27 @@ def keyed_job(
     replication: int = 2,
     count_parallelism: int = 2,
     with_map: bool = True,
+    source_parallelism: int = 2,
+    max_parallelism: int = 128,
+    counter: td.Operator | None = None,
+    sink: td.sinks.Sink | None = None,
 ) -> td.Job:
     """source (Parquet, 2 partitions) -> enrich (tag = 10 * key + plus) -> count per key ->
-    Collect, at ``replication``."""
+    ``sink`` (default Collect), at ``replication``."""
 
     def enrich(batch: pa.RecordBatch) -> pa.RecordBatch:
         tag = pc.add(pc.multiply(batch.column("key"), 10), plus)
         return batch.append_column("tag", tag)
 
-    job = td.Job(name, replication=replication)
-    stream = job.source(td.sources.Parquet(input_file, rate=RATE), parallelism=2, name="source")
+    job = td.Job(name, replication=replication, max_parallelism=max_parallelism)
+    source = td.sources.Parquet(input_file, rate=RATE)
+    stream = job.source(source, parallelism=source_parallelism, name="source")
     if with_map:
         stream = stream.map(enrich, name="enrich")
     counted = stream.key_by("key").process(
-        td.CountPerKey(), parallelism=count_parallelism, name="count"
+        counter or td.CountPerKey(), parallelism=count_parallelism, name="count"
     )
-    counted.sink(td.sinks.Collect())
+    counted.sink(sink or td.sinks.Collect())
     return job
 
 
@@ -118,6 +124,115 @@ def test_stop_with_a_savepoint_then_resume_with_new_code(input_file, stopped):
     common = last.index.intersection(first_after.index)
     assert len(common) > 0
     assert (first_after[common] == last[common] + 1).all()
+
+
+def check_continues(input_file: str, before: pd.DataFrame, after: pd.DataFrame) -> None:
+    """Every input row once across the stop, the old code's tag before it and the new
+    code's after, and the counts of every key 1..n over both runs (an expectation from
+    pandas over the input, not from tandem)."""
+    ids = np.concatenate([before["id"].to_numpy(), after["id"].to_numpy()])
+    assert len(ids) == ROWS and set(ids.tolist()) == set(range(ROWS))
+    assert (before["tag"] == before["key"] * 10).all()
+    assert (after["tag"] == after["key"] * 10 + 1).all()
+    assert pairs(pd.concat([before, after])).equals(
+        expected_counts(input_file).reset_index(drop=True)
+    )
+
+
+def test_resume_at_a_new_parallelism_and_replication_with_new_code(input_file, tmp_path):
+    """Parquet in and out: stopped with a savepoint at r = 2 and 2 partitions of the keyed
+    count; resumed with a changed map, 3 partitions and r = 3. Each new partition starts
+    with the key groups it owns, so the counts go on."""
+    path = str(tmp_path / "stop")
+    out1, out2 = tmp_path / "out-1", tmp_path / "out-2"
+    handle = keyed_job(input_file, sink=td.sinks.Parquet(out1)).start(progress=False)
+    first = handle.stop(timeout=120, savepoint=path)
+    saved = td.Savepoint.read(path)
+    assert saved.max_parallelism == 128
+    owned = [p["key_groups"] for p in saved.partitions if p["task"] == "count"]
+    assert owned == [[0, 64], [64, 128]]
+
+    second = keyed_job(
+        input_file, plus=1, sink=td.sinks.Parquet(out2), count_parallelism=3, replication=3
+    ).run(from_savepoint=path, progress=False, timeout=120)
+    assert first.digests_match and second.digests_match
+    before, after = pq.read_table(out1).to_pandas(), pq.read_table(out2).to_pandas()
+    assert 0 < len(before) < ROWS and len(after) == ROWS - len(before)
+    check_continues(input_file, before, after)
+    # The keys spread over all three new partitions (each took some saved counts on).
+    owners = hash_channels(pa.array(after["key"].unique()), 3)
+    assert sorted(set(owners.tolist())) == [0, 1, 2]
+
+
+def test_resume_at_fewer_partitions_merges_their_key_groups(input_file, tmp_path):
+    """3 partitions saved, resumed at 2 and stopped at once, then the second savepoint
+    resumed at 4: each time every key's count goes on."""
+    path, again = str(tmp_path / "three"), str(tmp_path / "two")
+    first = keyed_job(input_file, count_parallelism=3).start(progress=False)
+    first = first.stop(timeout=120, savepoint=path)
+    handle = keyed_job(input_file, count_parallelism=2).start(progress=False, from_savepoint=path)
+    second = handle.stop(timeout=120, savepoint=again)
+    # Stopped before its lease passed the cut it resumed from, the run still went one
+    # heartbeat on: its savepoint is a cut it took.
+    assert td.Savepoint.read(again).epoch == td.Savepoint.read(path).epoch + 1
+    third = keyed_job(input_file, count_parallelism=4, plus=1).run(
+        from_savepoint=again, progress=False, timeout=120
+    )
+    frames = [r.output.to_pandas() for r in (first, second, third)]
+    assert all(len(f) for f in frames)
+    both = pd.concat(frames)
+    ids = both["id"].to_numpy()
+    assert len(ids) == ROWS and set(ids.tolist()) == set(range(ROWS))
+    assert pairs(both).equals(expected_counts(input_file).reset_index(drop=True))
+
+
+class Tally(td.KeyedProcess):
+    """A keyed count that also keeps a running total under a key of its own: a state that
+    is not per key, which a rescale must refuse."""
+
+    schema = None
+
+    def process(self, batch: pa.RecordBatch, state: dict) -> pa.RecordBatch:
+        state["__rows__"] = state.get("__rows__", 0) + batch.num_rows
+        return batch
+
+
+class Opaque(td.KeyedProcess):
+    """A state of its own making (an overridden snapshot, no keyed_state)."""
+
+    def process(self, batch: pa.RecordBatch, state: dict) -> pa.RecordBatch:
+        return batch
+
+    def snapshot(self) -> bytes:
+        return b"opaque"
+
+    def restore(self, data: bytes) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("counter", "error"),
+    [
+        (Tally(), r"holds an entry for '__rows__', a key of partition \d"),
+        (Opaque(), r"keeps a state that is not per key \(keyed_state\(\) is None\)"),
+    ],
+    ids=["not-a-key", "not-keyed"],
+)
+def test_a_state_that_cannot_be_split_refuses_a_new_parallelism(
+    input_file, tmp_path, counter, error
+):
+    path = str(tmp_path / "sp")
+    handle = keyed_job(input_file, counter=counter).start(progress=False)
+    handle.stop(timeout=120, savepoint=path)
+    # Refused before anything starts, naming the task; the same parallelism resumes.
+    with pytest.raises(td.ConfigError, match=r"operator task 'count': .*" + error):
+        keyed_job(input_file, counter=counter, count_parallelism=3).run(
+            from_savepoint=path, progress=False
+        )
+    again = keyed_job(input_file, counter=counter).run(
+        from_savepoint=path, progress=False, timeout=120
+    )
+    assert again.digests_match
 
 
 def test_a_savepoint_while_running_leaves_the_output_alone(input_file, tmp_path):
@@ -200,8 +315,10 @@ def test_another_jobs_or_another_shapes_savepoint_is_refused(input_file, stopped
     path = stopped[0]
     with pytest.raises(td.ConfigError, match="is of job 'keyed', not of job 'other'"):
         keyed_job(input_file, name="other").run(from_savepoint=path, progress=False)
-    with pytest.raises(td.ConfigError, match="operator task 'count': parallelism 3 here, 2 in"):
-        keyed_job(input_file, count_parallelism=3).run(from_savepoint=path, progress=False)
+    with pytest.raises(td.ConfigError, match="source task 'source': parallelism 3 here, 2 in"):
+        keyed_job(input_file, source_parallelism=3).run(from_savepoint=path, progress=False)
+    with pytest.raises(td.ConfigError, match=r"max_parallelism=64, but the savepoint .* max_parallelism=128"):
+        keyed_job(input_file, max_parallelism=64).run(from_savepoint=path, progress=False)
     with pytest.raises(td.ConfigError, match="task 'enrich' \\(operator\\) of the savepoint"):
         keyed_job(input_file, with_map=False).run(from_savepoint=path, progress=False)
     with pytest.raises(td.ConfigError, match="check=True compares the output"):

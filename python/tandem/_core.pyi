@@ -397,7 +397,8 @@ class Outbox:
     ``tandem.ChannelClosed``.
 
     ``partitioner``: ``"forward"`` (exactly one channel: the downstream partition with this
-    partition's index), ``"hash"`` (needs ``key``: an int, string or binary column; nulls go
+    partition's index), ``"hash"`` (needs ``key``: an int, string or binary column; a key's
+    group ``xxh3(key) % key_groups`` goes to channel ``group * n // key_groups``; nulls go
     to channel 0), ``"rebalance"`` (row i → channel i % n), ``"broadcast"``.
     Construction dials every replica (retrying until ``connect_timeout`` seconds); raises
     ``tandem.AuthenticationError`` if refused, ``tandem.ChannelClosed`` if a channel has no
@@ -412,6 +413,7 @@ class Outbox:
         downstream: list[list[tuple[str, int]]],
         partitioner: Literal["forward", "hash", "rebalance", "broadcast"] = "forward",
         key: str | None = None,
+        key_groups: int = 128,
         batch_rows: int = 1024,
         connect_timeout: float = 10.0,
         queue_frames: int = 256,

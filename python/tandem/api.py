@@ -53,6 +53,8 @@ from tandem.engines.common import Stop
 from tandem.exceptions import ConfigError
 from tandem.faults import Fault, validate_faults
 from tandem.plan import (
+    DEFAULT_MAX_PARALLELISM,
+    MAX_KEY_GROUPS,
     ORDERINGS,
     Edge,
     Plan,
@@ -247,6 +249,11 @@ class Job:
     :data:`tandem.savepoints.KEEP_CHECKPOINTS` kept; when the process running the job
     dies, ``run(resume=True)`` (``tandem run --resume``) starts it from the newest
     complete one (local engine; sinks that keep their rows in the Result).
+    ``max_parallelism``: the key groups of every keyed (``key_by``) edge — a key's group is
+    its hash modulo this, and each partition of a keyed task owns a contiguous range of
+    groups — so the most partitions a keyed task can have, now or when it resumes from a
+    savepoint at another parallelism (it then takes whole groups of the old partitions'
+    state). Keep it the same across savepoints; 128 by default.
 
     The batch is the unit of determinism: every replica of a task partition is called
     with the same batches, so an operator function must be deterministic for a given input
@@ -271,6 +278,7 @@ class Job:
         failure_timeout_ms: float = 2000,
         checkpoint_ms: float | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
+        max_parallelism: int = DEFAULT_MAX_PARALLELISM,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Job name must be a non-empty string, got {name!r}")
@@ -345,6 +353,12 @@ class Job:
                     "ordering='kazoo' or drop them"
                 )
         self.kazoo = kazoo
+        self.max_parallelism = _positive_int(max_parallelism, f"Job {name!r}: max_parallelism")
+        if self.max_parallelism > MAX_KEY_GROUPS:
+            raise ConfigError(
+                f"Job {name!r}: max_parallelism={max_parallelism} is above {MAX_KEY_GROUPS}; "
+                "it is the number of key groups every keyed edge hashes into"
+            )
         self._nodes: list[_Node] = []
 
     def __repr__(self) -> str:
@@ -435,6 +449,13 @@ class Job:
             for up, input_index, key in n.inputs:
                 if key is not None:
                     part = "hash"
+                    if n.parallelism > self.max_parallelism:
+                        raise ConfigError(
+                            f"{n.kind} {n.name!r}: parallelism {n.parallelism} is above the "
+                            f"job's max_parallelism={self.max_parallelism}, the key groups "
+                            f"its keyed input is split into; raise "
+                            f"Job(max_parallelism=...) to at least {n.parallelism}"
+                        )
                 elif up.parallelism == n.parallelism:
                     part = "forward"
                 else:
@@ -486,6 +507,7 @@ class Job:
             checkpoint_ms=self.checkpoint_ms if self.checkpoint_dir is None else None,
             durable_ms=None if self.checkpoint_dir is None else self.checkpoint_ms,
             durable_dir=self.checkpoint_dir,
+            max_parallelism=self.max_parallelism,
         )
         plan.check_picklable()  # what cannot be shipped to the workers fails here
         return plan

@@ -151,6 +151,26 @@ class Operator:
                 f"{len(data)} bytes of state; override restore() if it has state"
             )
 
+    def keyed_state(self) -> dict | None:
+        """The state as one entry per key of the task's keyed input (key value → what
+        the operator keeps for it), so that a task resumed from a savepoint at another
+        parallelism can hand each entry to the partition that now owns its key's group.
+        Called on a copy the saved state was loaded into with :meth:`restore` (never
+        opened). None: the state is not kept per key, and a task with such a state
+        resumes only at the parallelism it was saved at — the default for an operator
+        with a :meth:`snapshot` of its own; ``{}`` for one without state."""
+        return {} if type(self).snapshot is Operator.snapshot else None
+
+    def restore_keyed(self, state: dict) -> None:
+        """Start from ``state``: the entries of :meth:`keyed_state` of every saved
+        partition whose keys this partition owns now, in saved-partition order. Override
+        with :meth:`keyed_state`."""
+        if state:
+            raise ConfigError(
+                f"{self.describe()} was handed {len(state)} keyed state entries but does not "
+                "implement restore_keyed(); override it with keyed_state()"
+            )
+
     def describe(self) -> str:
         """Short human name used in error messages."""
         return type(self).__name__
@@ -357,6 +377,16 @@ class KeyedProcess(Operator):
     def restore(self, data: bytes) -> None:
         self.__dict__["_state"] = pickle.loads(data) if data else {}
 
+    def keyed_state(self) -> dict | None:
+        """``state`` itself (its keys must be the input's key values) with the default
+        :meth:`snapshot`; None if :meth:`snapshot` is overridden (override this too)."""
+        if type(self).snapshot is not KeyedProcess.snapshot:
+            return super().keyed_state()
+        return self.state
+
+    def restore_keyed(self, state: dict) -> None:
+        self.__dict__["_state"] = dict(state)
+
     def state_size(self) -> int | None:
         """With the default :meth:`snapshot`: the size of a state of at most
         :data:`SIZED_KEYS` keys whose keys and values are scalars, strings, bytes or
@@ -534,6 +564,12 @@ class Join(Operator):
 
     def restore(self, data: bytes) -> None:
         self.rules = pickle.loads(data) if data else {}
+
+    def keyed_state(self) -> dict | None:
+        return self.rules
+
+    def restore_keyed(self, state: dict) -> None:
+        self.rules = dict(state)
 
 
 class Window(Operator):

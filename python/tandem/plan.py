@@ -100,6 +100,13 @@ class Edge:
     key: str | None = None
 
 
+DEFAULT_MAX_PARALLELISM = 128
+"""Key groups of a job's hash edges unless it sets its own (``Job(max_parallelism=...)``,
+tandem-core ``outbox::DEFAULT_KEY_GROUPS``)."""
+MAX_KEY_GROUPS = 1 << 15
+"""The most key groups a job may have (Flink's bound too)."""
+
+
 @dataclass(frozen=True)
 class InputChannel:
     """A logical input channel of a task partition."""
@@ -193,6 +200,11 @@ class Plan:
     durable_dir: str | None = None
     """Where durable checkpoints go (a directory or URI); a job resumed with
     ``resume=True`` starts from the newest complete one there."""
+    max_parallelism: int = DEFAULT_MAX_PARALLELISM
+    """Key groups of every hash edge (``Job(max_parallelism=...)``): a keyed task's keys
+    are hashed into this many groups, each partition owning a contiguous range of them
+    (:func:`key_group_range`), so the task can resume from a savepoint at any parallelism
+    up to this one with whole groups of its state."""
     resumed: Any = None
     """A job resumed from a savepoint (:class:`tandem.savepoints.Resumed`): the heartbeat
     epoch it continues after and every replica's cut; None: from the start."""
@@ -842,11 +854,50 @@ def hashable_key_type(typ: pa.DataType) -> bool:
     )
 
 
-def hash_channels(keys: pa.Array, n: int, cache: dict | None = None) -> np.ndarray:
-    """The output channel of every row under hash partitioning over ``n`` channels:
-    ``xxh3_64(canonical key bytes, HASH_SEED) % n``; integers hash their value as 8
-    little-endian bytes, strings/binaries their bytes, null keys go to channel 0.
-    ``cache`` (key value → channel, for this ``n`` and key type) saves rehashing keys."""
+def key_group_channel(group: int, key_groups: int, n: int) -> int:
+    """The channel (partition) key group ``group`` of ``key_groups`` goes to among ``n``:
+    the groups split into ``n`` contiguous ranges (tandem-core ``key_group_channel``)."""
+    return group * n // key_groups
+
+
+def key_group_range(partition: int, n: int, key_groups: int) -> range:
+    """The key groups partition ``partition`` of ``n`` owns (:func:`key_group_channel`'s
+    inverse): ``range(ceil(p·G/n), ceil((p+1)·G/n))``."""
+    return range(-(-partition * key_groups // n), -(-(partition + 1) * key_groups // n))
+
+
+def key_group(value: Any, key_groups: int) -> int:
+    """The key group of one key value as the hash partitioner computes it: an integer
+    hashes as 8 little-endian bytes (signed, or unsigned at 2**63 and above), a string its
+    UTF-8 bytes, bytes themselves. ConfigError for anything else (a value that cannot be
+    a key column's)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        v = int(value)
+        data = struct.pack("<q", v) if v < (1 << 63) else struct.pack("<Q", v)
+    elif isinstance(value, str):
+        data = value.encode()
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+    else:
+        raise ConfigError(
+            f"{value!r} ({type(value).__name__}) cannot be a key: a key column holds "
+            "integers, strings or bytes"
+        )
+    return xxh3_64(data, HASH_SEED) % key_groups
+
+
+def hash_channels(
+    keys: pa.Array,
+    n: int,
+    cache: dict | None = None,
+    key_groups: int = DEFAULT_MAX_PARALLELISM,
+) -> np.ndarray:
+    """The output channel of every row under hash partitioning over ``n`` channels: its
+    key group ``xxh3_64(canonical key bytes, HASH_SEED) % key_groups``, and the group's
+    channel ``group * n // key_groups`` (:func:`key_group_channel`); integers hash their
+    value as 8 little-endian bytes, strings/binaries their bytes, null keys go to channel
+    0. ``cache`` (key value → channel, for this ``n``, ``key_groups`` and key type) saves
+    rehashing keys."""
     import pyarrow.compute as pc
 
     if isinstance(keys, pa.ChunkedArray):
@@ -863,7 +914,8 @@ def hash_channels(keys: pa.Array, n: int, cache: dict | None = None) -> np.ndarr
     for u in uniques:
         c = cache.get(u)
         if c is None:
-            c = cache[u] = xxh3_64(_key_bytes(u, keys.type), HASH_SEED) % n
+            group = xxh3_64(_key_bytes(u, keys.type), HASH_SEED) % key_groups
+            c = cache[u] = key_group_channel(group, key_groups, n)
         chosen.append(c)
     table = np.array([*chosen, NULL_KEY_CHANNEL], dtype=np.int64)
     codes = enc.indices.fill_null(len(uniques)).to_numpy(zero_copy_only=False)
@@ -876,9 +928,12 @@ class Router:
     channel's piece of a batch leaves as frames of at most ``batch_rows`` rows, cut at
     multiples of ``batch_rows`` within the piece."""
 
-    def __init__(self, edge: OutputEdge, batch_rows: int) -> None:
+    def __init__(
+        self, edge: OutputEdge, batch_rows: int, key_groups: int = DEFAULT_MAX_PARALLELISM
+    ) -> None:
         self.edge = edge
         self.batch_rows = batch_rows
+        self.key_groups = key_groups
         self.rows_emitted = 0
         self._hash_cache: dict = {}
 
@@ -905,7 +960,9 @@ class Router:
         if p == "rebalance":
             targets = (start + np.arange(rows, dtype=np.int64)) % n
         else:
-            targets = hash_channels(batch.column(self.edge.key), n, self._hash_cache)
+            targets = hash_channels(
+                batch.column(self.edge.key), n, self._hash_cache, self.key_groups
+            )
         out = []
         for c in range(n):
             idx = np.flatnonzero(targets == c)
@@ -935,6 +992,9 @@ __all__ = [
     "TaskInstance",
     "WatermarkTracker",
     "hash_channels",
+    "key_group",
+    "key_group_channel",
+    "key_group_range",
     "xxh3_64",
 ]
 

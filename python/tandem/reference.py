@@ -127,7 +127,7 @@ class _Emitter:
             for p in edge.partitions:
                 key = (task.id, partition, edge.downstream, p)
                 lists.append(chans.setdefault(key, []))
-            self.targets.append((Router(edge, plan.batch_rows), lists))
+            self.targets.append((Router(edge, plan.batch_rows, plan.max_parallelism), lists))
 
     def data(self, batch: pa.RecordBatch | None) -> None:
         if batch is None or batch.num_rows == 0:

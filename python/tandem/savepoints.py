@@ -13,12 +13,20 @@ schedule through heartbeat ``K``, its operators load their states, its sinks sta
 their input positions at the cut, so the output continues where the savepoint's ends —
 nothing lost, nothing twice.
 
+A job may resume with another parallelism of any operator task whose state is kept per
+key (:meth:`tandem.operators.Operator.keyed_state`, a ``KeyedProcess``'s ``state``, a
+join's rules): a key's group is its hash modulo ``max_parallelism``, every partition owns
+one contiguous range of groups, so each new partition takes the entries of the groups it
+owns from the saved partitions that owned them (:func:`rescale`). The edges into and out
+of such a task start their sequence numbers again at the cut.
+
 The format (``FORMAT_VERSION``), a directory on any filesystem :mod:`pyarrow.fs` opens:
 
 - ``manifest.json``: the format and its version, the job's name, the tandem version that
-  wrote it, when, the epoch and heartbeat period, the plan's tasks (name, kind,
-  parallelism, replication, inputs), every source partition's position at the cut, and
-  per task partition its cut (JSON) with the name, size and SHA-256 of its state file;
+  wrote it, when, the epoch and heartbeat period, the job's ``max_parallelism`` (its key
+  groups), the plan's tasks (name, kind, parallelism, replication, inputs), every source
+  partition's position at the cut, and per task partition its cut (JSON), the key groups
+  it owned (a keyed task's) and the name, size and SHA-256 of its state file;
 - ``states/<task>-<partition>.state``: an operator partition's state, as its
   ``snapshot()`` returned it (``<task>``: the task's index in the manifest).
 
@@ -42,12 +50,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.exceptions import ConfigError, TandemError
-from tandem.plan import Plan
+from tandem.plan import (
+    DEFAULT_MAX_PARALLELISM,
+    Plan,
+    Task,
+    key_group,
+    key_group_channel,
+    key_group_range,
+)
 from tandem.runtime.cuts import Resume
 
 FORMAT = "tandem-savepoint"
-FORMAT_VERSION = 1
-"""The version of the savepoint format this tandem writes and reads."""
+FORMAT_VERSION = 2
+"""The version of the savepoint format this tandem writes and reads (2: keys routed by key
+group, ``max_parallelism`` in the manifest; a version 1 savepoint routed them by
+``hash % parallelism`` and cannot be resumed)."""
 
 MANIFEST = "manifest.json"
 STATES = "states"
@@ -127,6 +144,8 @@ class Savepoint:
     """The runs of the job this cut continues, each its t0 (ns), the one that took it last:
     a run resumed from it finds there what they had written outside (a Kafka sink's
     commits) that it must not write again."""
+    max_parallelism: int = DEFAULT_MAX_PARALLELISM
+    """The key groups the job's keyed edges hashed keys into (``Job(max_parallelism=)``)."""
 
     @property
     def source_time_s(self) -> float:
@@ -169,6 +188,7 @@ class Savepoint:
                 str(doc["created"]),
                 list(doc["partitions"]),
                 tuple(int(r) for r in doc.get("runs", ())),
+                int(doc["max_parallelism"]),
             )
             names = {t["name"] for t in sp.tasks}
             for part in sp.partitions:
@@ -366,6 +386,9 @@ def write(
                 "state": None,
             }
             if task.kind == "operator":
+                if _keyed(task):
+                    groups = key_group_range(p, task.parallelism, plan.max_parallelism)
+                    entry["key_groups"] = [groups.start, groups.stop]
                 name = f"{STATES}/{index[t]}-{p}.state"
                 size, digest = _copy_state(resume, filesystem, posixpath.join(target, name))
                 entry.update(state=name, bytes=size, sha256=digest)
@@ -378,6 +401,7 @@ def write(
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "epoch": epoch,
             "heartbeat_ms": plan.heartbeat_ms,
+            "max_parallelism": plan.max_parallelism,
             "tasks": _describe_tasks(plan),
             "sources": source_positions(plan, cuts),
             "partitions": partitions,
@@ -396,6 +420,11 @@ def write(
             filesystem.delete_dir(target)
         raise
     return Savepoint.read(path, verify=False)
+
+
+def _keyed(task: Task) -> bool:
+    """Whether a task's input is keyed (hash-partitioned): its partitions own key groups."""
+    return any(e.partitioner == "hash" for e in task.inputs)
 
 
 def _copy_state(resume: Resume, filesystem, dest: str) -> tuple[int, str]:
@@ -423,7 +452,8 @@ def check_compatible(sp: Savepoint, plan: Plan) -> None:
     """Raise ConfigError, naming the task and what differs, unless ``plan`` can resume
     from ``sp``: the same job, the same tasks by name (none missing, none new), each of
     the same kind, parallelism and inputs, and the same heartbeat period. Operator code
-    may change (a state is data), and so may replication."""
+    may change (a state is data), and so may replication and the parallelism of an
+    operator task (whether its state can be split is checked by :func:`rescale`)."""
     where = sp.path
     if sp.job != plan.job:
         raise ConfigError(
@@ -439,6 +469,14 @@ def check_compatible(sp: Savepoint, plan: Plan) -> None:
         raise ConfigError(
             f"job {plan.job!r}: ordering='kazoo' cannot resume from a savepoint (its cut is "
             "a place in the order log)"
+        )
+    keyed = [t.name for t in plan.tasks if _keyed(t)]
+    if keyed and sp.max_parallelism != plan.max_parallelism:
+        raise ConfigError(
+            f"job {plan.job!r}: max_parallelism={plan.max_parallelism}, but the savepoint at "
+            f"{where!r} was cut with max_parallelism={sp.max_parallelism}: the keyed tasks "
+            f"({', '.join(keyed)}) hold their state in that many key groups; keep "
+            f"Job(max_parallelism={sp.max_parallelism})"
         )
     saved = {t["name"]: t for t in sp.tasks}
     new = {t.name: t for t in plan.tasks}
@@ -461,11 +499,16 @@ def check_compatible(sp: Savepoint, plan: Plan) -> None:
                 f"task {name!r} is a {task.kind} in job {plan.job!r} but a {old['kind']} in "
                 f"the savepoint at {where!r}"
             )
-        if old["parallelism"] != task.parallelism:
+        if old["parallelism"] != task.parallelism and task.kind != "operator":
+            what = (
+                "a source's partitions are the shape of its input"
+                if task.kind == "source"
+                else "a sink's partitions are where its output goes"
+            )
             raise ConfigError(
                 f"{task.describe()}: parallelism {task.parallelism} here, "
-                f"{old['parallelism']} in the savepoint at {where!r}; a savepoint resumes "
-                "at the parallelism it was taken with (rescaling is not supported yet)"
+                f"{old['parallelism']} in the savepoint at {where!r}; {what}, so it resumes "
+                f"at parallelism {old['parallelism']} (operator tasks may change theirs)"
             )
         inputs = [
             {
@@ -500,19 +543,22 @@ def _inputs(inputs: list[dict]) -> str:
 def resume(path: str | os.PathLike, plan: Plan) -> Plan:
     """``plan`` resumed from the savepoint at ``path``: read and verified, checked against
     the plan (:func:`check_compatible`), every replica of every partition given its
-    partition's cut (``Plan.resumed``). ConfigError, before anything starts, if it cannot
-    be."""
+    partition's cut (``Plan.resumed``), the partitions of a task whose parallelism
+    changed built from the saved ones (:func:`rescale`). ConfigError, before anything
+    starts, if it cannot be."""
     sp = Savepoint.read(path, verify=False)
     check_compatible(sp, plan)
     filesystem, root = _open(path)
     local = type(filesystem).__name__ == "LocalFileSystem"
+    saved = _saved_shape(sp, plan)
+    changed = {t.id for t in plan.tasks if t.parallelism != saved.tasks[t.id].parallelism}
     by_name = {t.name: t for t in plan.tasks}
-    cuts: dict[ReplicaId, Resume] = {}
-    seen = set()
+    parts: dict[tuple[int, int], Resume] = {}
+    states: dict[tuple[int, int], bytes] = {}
     for part in sp.partitions:
-        task = by_name[part["task"]]
+        task = saved.tasks[by_name[part["task"]].id]
         p = int(part["partition"])
-        if not 0 <= p < task.parallelism:
+        if not 0 <= p < task.parallelism or (task.id, p) in parts:
             raise ConfigError(f"the savepoint at {sp.path!r} is corrupt: {part['task']}[{p}]")
         try:
             cut = _decode(part["cut"])
@@ -522,27 +568,241 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
             taken = Resume(cut, b"", savepoint=True)
         else:
             data = sp._state(filesystem, root, part)  # checked against the manifest
-            if local:  # each worker reads it there (never removed: keep_file)
+            if task.id in changed:
+                states[(task.id, p)] = data
+                taken = Resume(cut, b"", savepoint=True)
+            elif local:  # each worker reads it there (never removed: keep_file)
                 file = posixpath.join(root, part["state"])
                 taken = Resume(cut, b"", file, keep_file=True, savepoint=True)
             else:
                 taken = Resume(cut, data, savepoint=True)
-        if task.kind == "sink" and task.sink.restartable and sp.runs:
-            # What the lost runs wrote past the cut (a Kafka sink commits as it goes): its
-            # writers fenced, their last commit found, for the resumed sink to skip.
-            state = task.sink.resumed(p, sp.runs)
-            taken = Resume(cut, state, savepoint=True)
-        seen.add((task.id, p))
-        for r in range(task.replication):
-            cuts[(task.id, p, r)] = taken
+        parts[(task.id, p)] = taken
     missing = [
-        f"{t.name}[{p}]" for t in plan.tasks for p in range(t.parallelism) if (t.id, p) not in seen
+        f"{t.name}[{p}]"
+        for t in saved.tasks
+        for p in range(t.parallelism)
+        if (t.id, p) not in parts
     ]
     if missing:
         raise ConfigError(
             f"the savepoint at {sp.path!r} is corrupt: it holds no cut of {', '.join(missing)}"
         )
+    if changed:
+        parts = rescale(plan, saved, parts, states, sp.path)
+    cuts: dict[ReplicaId, Resume] = {}
+    for (t, p), taken in parts.items():
+        task = plan.tasks[t]
+        if task.kind == "sink" and task.sink.restartable and sp.runs:
+            # What the lost runs wrote past the cut (a Kafka sink commits as it goes): its
+            # writers fenced, their last commit found, for the resumed sink to skip.
+            state = task.sink.resumed(p, sp.runs)
+            taken = Resume(taken.cut, state, savepoint=True)
+        for r in range(task.replication):
+            cuts[(t, p, r)] = taken
     return dataclasses.replace(plan, resumed=Resumed(sp.path, sp.epoch, cuts, sp.runs))
+
+
+def _saved_shape(sp: Savepoint, plan: Plan) -> Plan:
+    """``plan`` at the parallelism of every task in the savepoint (the two are compatible:
+    the same tasks and edges), to read the saved cuts' channels."""
+    saved = {t["name"]: int(t["parallelism"]) for t in sp.tasks}
+    tasks = tuple(dataclasses.replace(t, parallelism=saved[t.name]) for t in plan.tasks)
+    return dataclasses.replace(plan, tasks=tasks, resumed=None)
+
+
+# -- rescaling: a task resumed at another parallelism ---------------------------------------
+
+
+def rescale(
+    plan: Plan,
+    saved: Plan,
+    parts: dict[tuple[int, int], Resume],
+    states: dict[tuple[int, int], bytes],
+    where: str,
+) -> dict[tuple[int, int], Resume]:
+    """The cuts of ``plan``'s partitions from those of the savepoint (``parts``, in the
+    shape of ``saved``; ``states``: the saved states of every task whose parallelism
+    changed). A changed task's new partition ``q`` gets every saved key entry whose key
+    group it owns (:func:`tandem.plan.key_group_range`), restored into its operator with
+    ``restore_keyed`` and snapshotted. Every edge into or out of a changed task starts its
+    sequence numbers again, at 0, on both ends: that the saved cut had nothing in flight
+    on it (each consumer had taken exactly what its producer had sent through the cut) is
+    checked, and ConfigError raised where it had not (or where a state cannot be split)."""
+    changed = {t.id for t in plan.tasks if t.parallelism != saved.tasks[t.id].parallelism}
+    renumbered = {
+        (e.upstream, t.id, e.input_index)
+        for t in plan.tasks
+        for e in t.inputs
+        if e.upstream in changed or t.id in changed
+    }
+    _check_nothing_in_flight(saved, parts, renumbered, where)
+    for t in sorted(changed):
+        for down, _ in plan.consumers(t):
+            if down.kind == "sink" and down.sink.restartable:
+                raise ConfigError(
+                    f"{plan.tasks[t].describe()} cannot change its parallelism: it feeds "
+                    f"{down.describe()}, whose commits store where its input stood; resume "
+                    f"at parallelism {saved.tasks[t].parallelism}"
+                )
+    epoch = _common_epoch(saved, parts, changed, renumbered, where)
+    out = dict(parts)
+    for t in changed:
+        task = plan.tasks[t]
+        for p in range(saved.tasks[t].parallelism):
+            del out[(t, p)]
+        new_states = _split_states(plan, saved, task, states, where)
+        for q in range(task.parallelism):
+            out[(t, q)] = Resume(_fresh_cut(plan, t, q, epoch), new_states[q], savepoint=True)
+    for (t, p), resume in parts.items():
+        if t in changed:
+            continue
+        cut = resume.cut
+        edges = plan.output_edges(t, p)
+        outboxes = tuple(
+            ((0,) * len(edge.partitions), rows)
+            if (t, edge.downstream, edge.input_index) in renumbered
+            else (seqs, rows)
+            for edge, (seqs, rows) in zip(edges, cut[3], strict=True)
+        )
+        inbox, epochs = cut[2], cut[1]
+        if inbox is not None and any((up, t, i) in renumbered for up, _, i in _inputs_of(plan, t)):
+            inbox, epochs = _renumbered_inbox(plan, saved, t, p, cut, changed, epoch)
+        out[(t, p)] = dataclasses.replace(resume, cut=(cut[0], epochs, inbox, outboxes))
+    return out
+
+
+def _inputs_of(plan: Plan, t: int) -> list[tuple[int, int, int]]:
+    return [(e.upstream, t, e.input_index) for e in plan.tasks[t].inputs]
+
+
+def _sent(saved: Plan, parts: dict, up: int, u: int, down: int, index: int, d: int) -> int:
+    """The sequence number saved partition ``up[u]`` had sent through on its channel to
+    ``down[d]`` (input ``index``) at its cut."""
+    edges = saved.output_edges(up, u)
+    e = next(
+        i for i, edge in enumerate(edges) if edge.downstream == down and edge.input_index == index
+    )
+    return parts[(up, u)].cut[3][e][0][edges[e].partitions.index(d)]
+
+
+def _check_nothing_in_flight(saved: Plan, parts: dict, renumbered: set, where: str) -> None:
+    for up, down, index in sorted(renumbered):
+        for d in range(saved.tasks[down].parallelism):
+            cut = parts[(down, d)].cut
+            for c, chan in enumerate(saved.input_channels(down, d)):
+                if (chan.task, chan.input_index) != (up, index):
+                    continue
+                taken = cut[2][0][c]
+                sent = _sent(saved, parts, up, chan.partition, down, index, d)
+                if taken != sent:
+                    raise ConfigError(
+                        f"the savepoint at {where!r} cannot resume "
+                        f"{saved.tasks[down].describe()} or its input at another "
+                        f"parallelism: its partition {d} had taken its input from "
+                        f"{saved.tasks[up].name}[{chan.partition}] through sequence number "
+                        f"{taken}, which had sent through {sent} at the cut (rows in "
+                        "flight); resume at the saved parallelism"
+                    )
+
+
+def _common_epoch(saved: Plan, parts: dict, changed: set, renumbered: set, where: str) -> int:
+    """The heartbeat every cut on a renumbered edge was taken after (they must agree: the
+    edge's sequence numbers and heartbeats start again there)."""
+    touched = changed | {t for edge in renumbered for t in edge[:2]}
+    epochs = {parts[(t, p)].cut[0] for t in touched for p in range(saved.tasks[t].parallelism)}
+    if len(epochs) != 1:
+        raise ConfigError(
+            f"the savepoint at {where!r} cannot resume at another parallelism: its cuts "
+            f"around the rescaled tasks were taken at heartbeats {sorted(epochs)}, not at one"
+        )
+    return epochs.pop()
+
+
+def _fresh_cut(plan: Plan, t: int, q: int, epoch: int) -> tuple:
+    """A new partition's cut at heartbeat ``epoch``: every input channel at sequence number
+    0 having delivered ``epoch``, every output channel at 0."""
+    channels = len(plan.input_channels(t, q))
+    inbox = ((0,) * channels, 0, epoch, (False,) * channels, (), None)
+    outboxes = tuple(((0,) * len(e.partitions), 0) for e in plan.output_edges(t, q))
+    return (epoch, (epoch,) * channels, inbox, outboxes)
+
+
+def _renumbered_inbox(
+    plan: Plan, saved: Plan, t: int, p: int, cut: tuple, changed: set, epoch: int
+) -> tuple[tuple, tuple]:
+    """An unchanged partition's inbox and per-channel epochs with the channels from a
+    changed task replaced by the new partitions' (at 0, having delivered ``epoch``)."""
+    old = {
+        (c.task, c.partition, c.input_index): i for i, c in enumerate(saved.input_channels(t, p))
+    }
+    positions, _, gen, ended, orders, log = cut[2]
+    new_positions, new_ended, new_epochs = [], [], []
+    for chan in plan.input_channels(t, p):
+        if chan.task in changed:
+            new_positions.append(0)
+            new_ended.append(False)
+            new_epochs.append(epoch)
+        else:
+            i = old[(chan.task, chan.partition, chan.input_index)]
+            new_positions.append(positions[i])
+            new_ended.append(ended[i])
+            new_epochs.append(cut[1][i])
+    inbox = (tuple(new_positions), 0, gen, tuple(new_ended), tuple(orders), log)
+    return inbox, tuple(new_epochs)
+
+
+def _split_states(plan: Plan, saved: Plan, task: Task, states: dict, where: str) -> list[bytes]:
+    """Per new partition of ``task``, its state: the saved partitions' key entries whose
+    group it owns, restored with ``restore_keyed`` and snapshotted."""
+    import copy
+
+    groups = plan.max_parallelism
+    was, now = saved.tasks[task.id].parallelism, task.parallelism
+    entries: list[dict] = [{} for _ in range(now)]
+    for p in range(was):
+        data = states.get((task.id, p), b"")
+        op = copy.deepcopy(task.operator)
+        try:
+            op.restore(data)
+            kv = op.keyed_state()
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(
+                f"{task.describe()}: the state of its partition {p} in the savepoint at "
+                f"{where!r} does not restore ({type(exc).__name__}: {exc})"
+            ) from exc
+        if kv is None:
+            raise ConfigError(
+                f"{task.describe()}: parallelism {now} here, {was} in the savepoint at "
+                f"{where!r}, but {op.describe()} keeps a state that is not per key "
+                f"(keyed_state() is None), so it resumes only at parallelism {was}; "
+                "implement keyed_state() and restore_keyed() to rescale it"
+            )
+        if kv and not _keyed(task):
+            raise ConfigError(
+                f"{task.describe()}: parallelism {now} here, {was} in the savepoint at "
+                f"{where!r}, but its input is not keyed: its per-key state cannot follow its "
+                "keys to other partitions; key_by() its input or keep parallelism "
+                f"{was}"
+            )
+        for k, v in kv.items():
+            g = None if k is None else key_group(k, groups)
+            owner = 0 if g is None else key_group_channel(g, groups, was)
+            if owner != p:
+                raise ConfigError(
+                    f"{task.describe()}: the saved state of its partition {p} holds an entry "
+                    f"for {k!r}, a key of partition {owner} (key group {g}): keyed_state() "
+                    "must return entries keyed by the input's key values"
+                )
+            q = 0 if g is None else key_group_channel(g, groups, now)
+            entries[q][k] = v
+    out = []
+    for q in range(now):
+        op = copy.deepcopy(task.operator)
+        op.restore_keyed(entries[q])
+        out.append(op.snapshot())
+    return out
 
 
 # -- durable checkpoints (Job(checkpoint_ms=..., checkpoint_dir=...), replication >= 2) -------

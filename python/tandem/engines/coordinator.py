@@ -538,6 +538,14 @@ class Coordinator:
             if self.natural_ns is not None and self.until_ns >= self.natural_ns:
                 self.until_ns, self.final = self.natural_ns, True
             self.final |= self.stop_token.requested
+        if self.final and self.stop_token.requested:
+            # A run stopped before its lease passed its start still runs one heartbeat
+            # past it: a stop's savepoint is a cut after a heartbeat the run forwarded (a
+            # run resumed from heartbeat K never forwards K).
+            floor = self.resumed_ns + hb
+            if self.natural_ns is not None:
+                floor = min(floor, self.natural_ns)
+            self.until_ns = max(self.until_ns, floor)
         for w in self.running:
             self.host.send(w, self.current[w], Until(self.until_ns, self.final))
 

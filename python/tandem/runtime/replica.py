@@ -135,6 +135,7 @@ class _Output:
             targets,
             partitioner=partitioner,
             key=None if single else edge.key,
+            key_groups=plan.max_parallelism,
             batch_rows=plan.batch_rows,
             name=name,
             evict_after_ms=plan.evict_after_ms,

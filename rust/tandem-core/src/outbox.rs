@@ -47,6 +47,10 @@ pub const HASH_SEED: u64 = 0x7461_6e64_656d_0001; // "tandem" + version 1
 /// The channel rows with a null key go to.
 pub const NULL_KEY_CHANNEL: usize = 0;
 
+/// Key groups of a hash edge unless the job sets its own (`Job(max_parallelism=...)`):
+/// the most partitions a keyed task can be rescaled to.
+pub const DEFAULT_KEY_GROUPS: u32 = 128;
+
 /// Key column types the hash partitioner accepts.
 pub const HASHABLE_TYPES: &str =
     "Int8/16/32/64, UInt8/16/32/64, Utf8, LargeUtf8, Binary, LargeBinary";
@@ -60,11 +64,15 @@ pub enum Partitioner {
     /// outbox the links of that one downstream partition — so `Forward` requires exactly one
     /// output channel and rejects any other count as a configuration error.
     Forward,
-    /// Row → `xxh3(canonical key bytes, HASH_SEED) % channels`, deterministic across
-    /// processes, runs, machines and builds. Integers of every width hash their value as a
-    /// little-endian 8-byte integer (so an `Int32` 7 and an `Int64` 7 go to the same
-    /// channel), strings and binaries their bytes; null keys go to [`NULL_KEY_CHANNEL`].
-    Hash { column: String },
+    /// Row → its key group `g = xxh3(canonical key bytes, HASH_SEED) % key_groups`, and
+    /// key group `g` → channel `g * channels / key_groups`: each channel takes one
+    /// contiguous range of key groups, so a keyed task run at another parallelism takes
+    /// whole groups of the old partitions' state (Flink's key groups). Deterministic
+    /// across processes, runs, machines and builds. Integers of every width hash their
+    /// value as a little-endian 8-byte integer (so an `Int32` 7 and an `Int64` 7 go to the
+    /// same channel), strings and binaries their bytes; null keys go to
+    /// [`NULL_KEY_CHANNEL`].
+    Hash { column: String, key_groups: u32 },
     /// Row `i` of this task partition's output (a running counter over every emit) →
     /// channel `i % channels`.
     Rebalance,
@@ -73,11 +81,34 @@ pub enum Partitioner {
 }
 
 impl Partitioner {
+    /// Hash partitioning on `column` over [`DEFAULT_KEY_GROUPS`] key groups.
+    pub fn hash(column: &str) -> Self {
+        Partitioner::Hash {
+            column: column.to_owned(),
+            key_groups: DEFAULT_KEY_GROUPS,
+        }
+    }
+
+    /// This partitioner with `groups` key groups (a hash partitioner; the others have
+    /// none and are returned as they are). At least 1.
+    pub fn with_key_groups(self, groups: u32) -> Result<Self> {
+        match self {
+            Partitioner::Hash { column, .. } if groups >= 1 => Ok(Partitioner::Hash {
+                column,
+                key_groups: groups,
+            }),
+            Partitioner::Hash { .. } => {
+                Err(Error::Config("key_groups must be at least 1".to_owned()))
+            }
+            other => Ok(other),
+        }
+    }
+
     /// Parse the Python-facing name (`"forward"`, `"hash"`, `"rebalance"`, `"broadcast"`).
     /// `key` is required for `"hash"` and rejected otherwise.
     pub fn parse(name: &str, key: Option<&str>) -> Result<Self> {
         match (name, key) {
-            ("hash", Some(k)) if !k.is_empty() => Ok(Partitioner::Hash { column: k.to_owned() }),
+            ("hash", Some(k)) if !k.is_empty() => Ok(Partitioner::hash(k)),
             ("hash", _) => Err(Error::Config(
                 "partitioner 'hash' needs key=<column name> (got no key column)".to_owned(),
             )),
@@ -531,7 +562,7 @@ impl Outbox {
         let parts: Vec<(usize, RecordBatch)> = match &self.partitioner {
             Partitioner::Forward => vec![(0, batch.clone())],
             Partitioner::Broadcast => (0..n).map(|c| (c, batch.clone())).collect(),
-            Partitioner::Hash { column } if n == 1 => {
+            Partitioner::Hash { column, .. } if n == 1 => {
                 // Nothing to route, but a bad key is still a configuration error, whatever
                 // the downstream parallelism.
                 key_column(batch, column)?;
@@ -543,8 +574,8 @@ impl Outbox {
                 let targets = (0..rows).map(|i| ((start + i as u64) % n as u64) as usize);
                 scatter(batch, targets, n)?
             }
-            Partitioner::Hash { column } => {
-                let targets = hash_channels(batch, column, n)?;
+            Partitioner::Hash { column, key_groups } => {
+                let targets = hash_channels(batch, column, n, *key_groups)?;
                 scatter(batch, targets.iter().map(|&c| c as usize), n)?
             }
         };
@@ -1014,11 +1045,18 @@ fn closed_channel(c: usize) -> Error {
     ))
 }
 
-/// The output channel of every row of `batch` under hash partitioning on `column`.
-fn hash_channels(batch: &RecordBatch, column: &str, n: usize) -> Result<Vec<u32>> {
+/// The channel key group `group` of `key_groups` goes to among `channels`: groups are
+/// split into `channels` contiguous ranges, as even as they can be.
+pub fn key_group_channel(group: u32, key_groups: u32, channels: usize) -> u32 {
+    (u64::from(group) * channels as u64 / u64::from(key_groups)) as u32
+}
+
+/// The output channel of every row of `batch` under hash partitioning on `column` over
+/// `key_groups` key groups.
+fn hash_channels(batch: &RecordBatch, column: &str, n: usize, key_groups: u32) -> Result<Vec<u32>> {
     let array = key_column(batch, column)?;
-    let n = n as u64;
-    let pick = |h: u64| (h % n) as u32;
+    let groups = u64::from(key_groups);
+    let pick = |h: u64| key_group_channel((h % groups) as u32, key_groups, n);
     let mut out = Vec::with_capacity(array.len());
     fn ints<T: ArrowPrimitiveType>(
         a: &dyn Array,
@@ -1540,11 +1578,14 @@ mod tests {
     #[test]
     fn hash_partition_golden_vectors() {
         let ints = keyed(Arc::new(Int64Array::from_iter_values(0..16)));
-        let got = hash_channels(&ints, "k", 4).unwrap();
+        let got = hash_channels(&ints, "k", 4, DEFAULT_KEY_GROUPS).unwrap();
         assert_eq!(got, GOLDEN_INT_4, "int64 keys 0..16 over 4 channels");
         // Every integer width hashes the value, not the representation.
         let i32s = keyed(Arc::new(Int32Array::from_iter_values(0..16)));
-        assert_eq!(hash_channels(&i32s, "k", 4).unwrap(), GOLDEN_INT_4);
+        assert_eq!(
+            hash_channels(&i32s, "k", 4, DEFAULT_KEY_GROUPS).unwrap(),
+            GOLDEN_INT_4
+        );
         let strs = keyed(Arc::new(StringArray::from(vec![
             Some("alice"),
             Some("bob"),
@@ -1555,7 +1596,7 @@ mod tests {
             Some("eve"),
             Some("mallory"),
         ])));
-        let got = hash_channels(&strs, "k", 3).unwrap();
+        let got = hash_channels(&strs, "k", 3, DEFAULT_KEY_GROUPS).unwrap();
         assert_eq!(got, GOLDEN_STR_3, "utf8 keys over 3 channels");
         // large_utf8 and binary hash the same bytes.
         let large = keyed(Arc::new(LargeStringArray::from(vec![
@@ -1568,7 +1609,10 @@ mod tests {
             Some("eve"),
             Some("mallory"),
         ])));
-        assert_eq!(hash_channels(&large, "k", 3).unwrap(), GOLDEN_STR_3);
+        assert_eq!(
+            hash_channels(&large, "k", 3, DEFAULT_KEY_GROUPS).unwrap(),
+            GOLDEN_STR_3
+        );
         let bin = keyed(Arc::new(BinaryArray::from(vec![
             Some(&b"alice"[..]),
             Some(b"bob"),
@@ -1579,29 +1623,61 @@ mod tests {
             Some(b"eve"),
             Some(b"mallory"),
         ])));
-        assert_eq!(hash_channels(&bin, "k", 3).unwrap(), GOLDEN_STR_3);
+        assert_eq!(
+            hash_channels(&bin, "k", 3, DEFAULT_KEY_GROUPS).unwrap(),
+            GOLDEN_STR_3
+        );
         assert_eq!(
             GOLDEN_STR_3[2], NULL_KEY_CHANNEL as u32,
             "null key → fixed channel"
         );
     }
 
-    // Cross-checked against an independent implementation (python-xxhash 3.x):
-    //   xxhash.xxh3_64_intdigest(struct.pack("<q", i), seed=HASH_SEED) % 4
-    //   xxhash.xxh3_64_intdigest(s.encode(), seed=HASH_SEED) % 3
-    const GOLDEN_INT_4: [u32; 16] = [3, 3, 0, 3, 2, 0, 1, 0, 3, 0, 3, 0, 3, 3, 3, 0];
-    const GOLDEN_STR_3: [u32; 8] = [0, 1, 0, 1, 2, 1, 2, 1];
+    // Cross-checked against an independent implementation (python-xxhash 3.x), over the
+    // default 128 key groups:
+    //   xxhash.xxh3_64_intdigest(struct.pack("<q", i), seed=HASH_SEED) % 128 * 4 // 128
+    //   xxhash.xxh3_64_intdigest(s.encode(), seed=HASH_SEED) % 128 * 3 // 128
+    const GOLDEN_INT_4: [u32; 16] = [1, 1, 0, 0, 2, 2, 3, 3, 2, 0, 3, 3, 3, 3, 0, 0];
+    const GOLDEN_STR_3: [u32; 8] = [1, 0, 0, 2, 0, 2, 1, 2];
+
+    #[test]
+    fn key_groups_split_into_contiguous_ranges_one_per_channel() {
+        for groups in [1u32, 7, 128, 1000] {
+            for n in 1..=groups.min(130) as usize {
+                let chans: Vec<u32> = (0..groups)
+                    .map(|g| key_group_channel(g, groups, n))
+                    .collect();
+                assert!(chans.windows(2).all(|w| w[0] <= w[1]), "{groups}/{n}");
+                assert_eq!(chans[0], 0);
+                assert_eq!(*chans.last().unwrap() as usize, n - 1);
+                // Every channel takes at least floor(groups / n) groups, at most one more.
+                for c in 0..n as u32 {
+                    let size = chans.iter().filter(|&&x| x == c).count() as u32;
+                    assert!(size == groups / n as u32 || size == groups / n as u32 + 1);
+                }
+            }
+        }
+        // Fewer key groups than channels: some channels get none (the planner refuses it).
+        assert_eq!(key_group_channel(1, 2, 4), 2);
+        let p = Partitioner::hash("k").with_key_groups(16).unwrap();
+        assert_eq!(
+            p,
+            Partitioner::Hash {
+                column: "k".to_owned(),
+                key_groups: 16
+            }
+        );
+        assert!(Partitioner::hash("k").with_key_groups(0).is_err());
+        assert_eq!(
+            Partitioner::Rebalance.with_key_groups(16).unwrap(),
+            Partitioner::Rebalance
+        );
+    }
 
     #[test]
     fn hash_partition_routes_rows_and_keeps_emit_order_per_channel() {
         let links = mem(4, 1);
-        let mut ob = outbox(
-            Partitioner::Hash {
-                column: "k".to_owned(),
-            },
-            &links,
-            1024,
-        );
+        let mut ob = outbox(Partitioner::hash("k"), &links, 1024);
         let b = keyed(Arc::new(Int64Array::from_iter_values(0..16)));
         ob.emit(&b).unwrap();
         for (c, ch) in links.iter().enumerate() {
@@ -1616,13 +1692,7 @@ mod tests {
     #[test]
     fn hash_partition_config_errors_name_the_column_and_type() {
         let links = mem(2, 1);
-        let mut ob = outbox(
-            Partitioner::Hash {
-                column: "nope".to_owned(),
-            },
-            &links,
-            8,
-        );
+        let mut ob = outbox(Partitioner::hash("nope"), &links, 8);
         let msg = ob.emit(&batch(0..4)).unwrap_err().to_string();
         assert!(
             msg.contains("\"nope\"") && msg.contains("v (Int64)"),
@@ -1634,13 +1704,7 @@ mod tests {
             vec![Arc::new(arrow_array::Float64Array::from(vec![1.0, 2.0]))],
         )
         .unwrap();
-        let mut ob = outbox(
-            Partitioner::Hash {
-                column: "f".to_owned(),
-            },
-            &links,
-            8,
-        );
+        let mut ob = outbox(Partitioner::hash("f"), &links, 8);
         let msg = ob.emit(&floats).unwrap_err().to_string();
         assert!(
             msg.contains("\"f\"") && msg.contains("Float64") && msg.contains("Utf8"),
@@ -1648,13 +1712,7 @@ mod tests {
         );
         // One channel: nothing to route, the key is still checked.
         let one = mem(1, 1);
-        let mut ob = outbox(
-            Partitioner::Hash {
-                column: "f".to_owned(),
-            },
-            &one,
-            8,
-        );
+        let mut ob = outbox(Partitioner::hash("f"), &one, 8);
         assert!(matches!(ob.emit(&floats), Err(Error::Config(m)) if m.contains("Float64")));
         assert_eq!(ob.next_seqs(), &[0], "rejected rows take no seq");
     }
@@ -1825,9 +1883,7 @@ mod tests {
             .contains("shuffle"));
         assert_eq!(
             Partitioner::parse("hash", Some("k")).unwrap(),
-            Partitioner::Hash {
-                column: "k".to_owned()
-            }
+            Partitioner::hash("k")
         );
     }
 

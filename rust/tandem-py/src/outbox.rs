@@ -101,7 +101,7 @@ impl Outbox {
 impl Outbox {
     #[new]
     #[pyo3(signature = (job, secret, me, downstream, partitioner = "forward", key = None,
-                        batch_rows = 1024, connect_timeout = 10.0, queue_frames = 256,
+                        key_groups = 128, batch_rows = 1024, connect_timeout = 10.0, queue_frames = 256,
                         name = None, evict_after_ms = None, replay_cycles = None,
                         replay_bytes = 64 << 20, hold_orphans = false))]
     #[allow(clippy::too_many_arguments)]
@@ -113,6 +113,7 @@ impl Outbox {
         downstream: Vec<Vec<Bound<'_, PyAny>>>,
         partitioner: &str,
         key: Option<&str>,
+        key_groups: i64,
         batch_rows: i64,
         connect_timeout: f64,
         queue_frames: i64,
@@ -124,7 +125,10 @@ impl Outbox {
     ) -> PyResult<Self> {
         crate::logs::sync_level(py)?;
         let tag = replica_tag(Some(me), name)?;
-        let partitioner = Partitioner::parse(partitioner, key).py()?;
+        let key_groups = arg_u32("key_groups", key_groups)?;
+        let partitioner = Partitioner::parse(partitioner, key)
+            .and_then(|p| p.with_key_groups(key_groups))
+            .py()?;
         let me = Identity {
             job: job.to_owned(),
             task: arg_u32("me task", me.0)?,
