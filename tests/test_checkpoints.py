@@ -31,9 +31,9 @@ def input_file(tmp_path_factory) -> str:
     return write_events(tmp_path_factory.mktemp("input") / "events.parquet", ROWS, KEYS, 5)
 
 
-def keyed_job(input_file: str, directory, **options) -> td.Job:
-    """Parquet (2 partitions) -> count per key (2 partitions) -> Collect, r = 2, a durable
-    checkpoint every PERIOD_MS into ``directory``."""
+def keyed_job(input_file: str, directory, count_parallelism: int = 2, **options) -> td.Job:
+    """Parquet (2 partitions) -> count per key (``count_parallelism`` partitions) ->
+    Collect, r = 2, a durable checkpoint every PERIOD_MS into ``directory``."""
     job = td.Job(
         "durable",
         replication=2,
@@ -42,7 +42,8 @@ def keyed_job(input_file: str, directory, **options) -> td.Job:
         **options,
     )
     stream = job.source(td.sources.Parquet(input_file, rate=RATE), parallelism=2, name="source")
-    stream.key_by("key").process(td.CountPerKey(), parallelism=2, name="count").sink(
+    count = td.CountPerKey()
+    stream.key_by("key").process(count, parallelism=count_parallelism, name="count").sink(
         td.sinks.Collect()
     )
     return job
@@ -90,7 +91,8 @@ def check_continues(input_file: str, resumed: pa.Table, cut: td.Savepoint) -> No
 def test_a_job_killed_at_once_resumes_from_its_newest_checkpoint(input_file, tmp_path):
     """The running job's workers are killed at once (what a lost driver does to them):
     its newest complete checkpoint (of at most KEEP_CHECKPOINTS kept) is where
-    resume=True starts it again, and the output from there is exact."""
+    resume=True starts it again — here with 3 partitions of the keyed count where the lost
+    run had 2 — and the output from there is exact."""
     directory = tmp_path / "checkpoints"
     handle = keyed_job(input_file, directory).start(progress=False)
     # Once more checkpoints were written than are kept (they are a period apart).
@@ -107,7 +109,9 @@ def test_a_job_killed_at_once_resumes_from_its_newest_checkpoint(input_file, tmp
     # A partial checkpoint newer than the newest complete one: passed over, removed.
     partial = directory / f"checkpoint-{newest.epoch + 1:012d}"
     partial.mkdir()
-    second = keyed_job(input_file, directory).run(progress=False, resume=True, timeout=120)
+    second = keyed_job(input_file, directory, count_parallelism=3).run(
+        progress=False, resume=True, timeout=120
+    )
     assert not partial.exists()
     assert second.digests_match
     check_continues(input_file, second.output, newest)
@@ -318,11 +322,12 @@ def test_parts_chain_stays_every_row_once_when_a_replica_missed_a_roll(tmp_path)
 SPARK_DRIVER_JOB = """
 import tandem as td
 
-job = td.Job("spark-driver", replication=2, checkpoint_ms={period}, checkpoint_dir={directory!r})
-events = job.source(td.sources.Parquet({input_file!r}, rate={rate}), parallelism=2, name="source")
-events.key_by("key").process(td.CountPerKey(), parallelism=2, name="count").sink(
-    td.sinks.Parquet({out!r})
+job = td.Job(
+    "spark-driver", replication={replication}, checkpoint_ms={period}, checkpoint_dir={directory!r}
 )
+events = job.source(td.sources.Parquet({input_file!r}, rate={rate}), parallelism=2, name="source")
+counted = events.key_by("key").process(td.CountPerKey(), parallelism={count}, name="count")
+counted.sink(td.sinks.Parquet({out!r}))
 """
 
 
@@ -335,20 +340,27 @@ def test_on_spark_a_driver_sigkilled_resumes_and_the_files_hold_every_row_once(
     it): `--resume` goes on from the newest checkpoint on a new Spark session, and the
     Parquet sink's published parts — those of the lost run through the checkpoint, then
     the resumed run's — hold every input row exactly once, each key's counts 1..n across
-    the loss (seed 002's driver failure: Structured Streaming writes 2,092 rows twice)."""
+    the loss (seed 002's driver failure: Structured Streaming writes 2,092 rows twice).
+    The resumed job has a new shape: 3 partitions of the keyed count (the lost run had 2),
+    each starting with the key groups it owns, and r = 3."""
 
     from jobs import tandem_run
 
     directory, out = tmp_path / "checkpoints", tmp_path / "out"
-    script = SPARK_DRIVER_JOB.format(
-        period=PERIOD_MS,
-        directory=str(directory),
-        input_file=input_file,
-        rate=RATE // 2,
-        out=str(out),
-    )
-    flags = ["--engine", "spark", "--master", "local[6,3]", "--no-progress"]
-    proc = tandem_run(tmp_path, script, *flags)
+
+    def script(replication: int, count: int) -> str:
+        return SPARK_DRIVER_JOB.format(
+            period=PERIOD_MS,
+            directory=str(directory),
+            input_file=input_file,
+            rate=RATE // 2,
+            out=str(out),
+            replication=replication,
+            count=count,
+        )
+
+    flags = ["--engine", "spark", "--master", "local[7,3]", "--no-progress"]
+    proc = tandem_run(tmp_path, script(2, 2), *flags)
     lost_after = sigkill_after_checkpoint(proc, directory, 2 * PERIOD_MS, timeout=120)
     published = sorted(p.name for p in out.glob("part-*.parquet"))
     assert published, "the lost run published no part at its checkpoints"
@@ -356,7 +368,8 @@ def test_on_spark_a_driver_sigkilled_resumes_and_the_files_hold_every_row_once(
     newest = complete(directory)[-1]  # the one --resume starts from
     cut = td.Savepoint.read(str(newest))
     started = time.monotonic()
-    done = tandem_run(tmp_path, script, *flags, "--resume", "--json", str(tmp_path / "r.json"))
+    resume = ["--resume", "--json", str(tmp_path / "r.json")]
+    done = tandem_run(tmp_path, script(3, 3), *flags, *resume)
     stdout, stderr = done.communicate(timeout=240)
     assert done.returncode == 0, stdout + stderr[-4000:]
     assert f"resuming job 'spark-driver' from {newest} (heartbeat {cut.epoch}" in stdout, stdout

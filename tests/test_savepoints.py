@@ -317,7 +317,8 @@ def test_another_jobs_or_another_shapes_savepoint_is_refused(input_file, stopped
         keyed_job(input_file, name="other").run(from_savepoint=path, progress=False)
     with pytest.raises(td.ConfigError, match="source task 'source': parallelism 3 here, 2 in"):
         keyed_job(input_file, source_parallelism=3).run(from_savepoint=path, progress=False)
-    with pytest.raises(td.ConfigError, match=r"max_parallelism=64, but the savepoint .* max_parallelism=128"):
+    refused = r"max_parallelism=64, but the savepoint .* max_parallelism=128"
+    with pytest.raises(td.ConfigError, match=refused):
         keyed_job(input_file, max_parallelism=64).run(from_savepoint=path, progress=False)
     with pytest.raises(td.ConfigError, match="task 'enrich' \\(operator\\) of the savepoint"):
         keyed_job(input_file, with_map=False).run(from_savepoint=path, progress=False)

@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import posixpath
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -347,17 +348,34 @@ def settle(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[ReplicaId, Resume]
     return out
 
 
+def staging(path: str | os.PathLike) -> str:
+    """A new directory for the cuts of the savepoint to be written at ``path``: on a local
+    disk the hidden sibling it is written in and renamed from (:func:`write`), so that the
+    workers write its states in place — one write of each, its SHA-256 taken on the way —
+    and on the disk the savepoint's path names (one path the driver and every executor of
+    a cluster reach); elsewhere a local temporary directory."""
+    filesystem, root = _open(path)
+    if type(filesystem).__name__ != "LocalFileSystem":
+        return tempfile.mkdtemp(prefix="tandem-savepoint-")
+    parent, name = posixpath.split(root.rstrip("/"))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+
+
 def write(
     path: str | os.PathLike,
     plan: Plan,
     epoch: int,
     cuts: dict[ReplicaId, Resume],
     runs: tuple[int, ...] = (),
+    staged: str | None = None,
 ) -> Savepoint:
     """Write the savepoint of ``plan`` cut at heartbeat ``epoch`` (``cuts``: one per task
     partition, each state in its file or in the cut; ``runs``: the runs it continues, the
     one cutting it last) to ``path``, atomically (see the module documentation); the
-    :class:`Savepoint` written. Refuses a path that holds anything (ConfigError)."""
+    :class:`Savepoint` written. ``staged``: the directory from :func:`staging` the states
+    were written into; a state file there whose SHA-256 is known is moved, not copied.
+    Refuses a path that holds anything (ConfigError)."""
     from tandem._core import __version__
 
     where = os.fspath(path)
@@ -368,7 +386,11 @@ def write(
     if local:
         parent, name = posixpath.split(root.rstrip("/"))
         filesystem.create_dir(parent, recursive=True)
-        target = posixpath.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+        sibling = staged is not None and posixpath.dirname(staged) == parent
+        if sibling and posixpath.basename(staged).startswith(f".{name}.tmp-"):
+            target = staged
+        else:
+            target = posixpath.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     else:
         target = root
     filesystem.create_dir(posixpath.join(target, STATES), recursive=True)
@@ -390,7 +412,18 @@ def write(
                     groups = key_group_range(p, task.parallelism, plan.max_parallelism)
                     entry["key_groups"] = [groups.start, groups.stop]
                 name = f"{STATES}/{index[t]}-{p}.state"
-                size, digest = _copy_state(resume, filesystem, posixpath.join(target, name))
+                dest = posixpath.join(target, name)
+                file = resume.state_file
+                if (
+                    local
+                    and file is not None
+                    and resume.sha256 is not None
+                    and (posixpath.dirname(os.path.abspath(file)) == target)
+                ):
+                    os.replace(file, dest)  # written here by its worker, hashed on the way
+                    size, digest = os.path.getsize(dest), resume.sha256
+                else:
+                    size, digest = _copy_state(resume, filesystem, dest)
                 entry.update(state=name, bytes=size, sha256=digest)
             partitions.append(entry)
         doc = {
@@ -407,6 +440,10 @@ def write(
             "partitions": partitions,
             "runs": list(runs),
         }
+        if local:  # what else the workers left there (other replicas' cuts)
+            for leftover in os.scandir(target):
+                if leftover.is_file():
+                    os.unlink(leftover.path)
         # The manifest last: a directory without one is a partial savepoint.
         with filesystem.open_output_stream(posixpath.join(target, MANIFEST)) as f:
             f.write(json.dumps(doc, indent=1).encode())

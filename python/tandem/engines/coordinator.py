@@ -93,7 +93,7 @@ from tandem.ordering import kazoo
 from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
 from tandem.result import Result
-from tandem.runtime import ReplicaId, ReplicaReport, Resume
+from tandem.runtime import CHILD_NICE, ReplicaId, ReplicaReport, Resume, thread_nice
 from tandem.runtime.replica import failure_error
 
 log = logging.getLogger("tandem")
@@ -1334,7 +1334,7 @@ class Coordinator:
                         f"{task.describe()} partition {p} has no live replica to cut"
                     )
                 rids += live if rolls else live[:1]
-        folder = tempfile.mkdtemp(prefix="tandem-savepoint-")
+        folder = savepoints.staging(ask.path)  # where the workers write the states
         by_worker: dict[int, list[ReplicaId]] = {}
         for rid in rids:
             by_worker.setdefault(self.worker_of[rid], []).append(rid)
@@ -1410,9 +1410,14 @@ class Coordinator:
         def write() -> None:
             from tandem import savepoints
 
+            # At the lowest priority: a state to copy and hash (a remote savepoint's) takes
+            # a core only when the job's processes leave one.
+            thread_nice(CHILD_NICE)
             try:
                 runs = (() if plan.resumed is None else plan.resumed.runs) + (self.t0_ns,)
-                written = savepoints.write(ask.path, plan, saving.epoch, cuts, runs)
+                written = savepoints.write(
+                    ask.path, plan, saving.epoch, cuts, runs, staged=saving.folder
+                )
                 if ask.checkpoint:  # complete: its parts become the output
                     savepoints.publish_parts(plan, saving.epoch, cuts)
             except BaseException as exc:

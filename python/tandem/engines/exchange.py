@@ -61,6 +61,7 @@ from tandem.ordering.kazoo import KazooRun
 from tandem.plan import Plan
 from tandem.runtime import (
     CATCH_UP_NICE,
+    CHILD_NICE,
     ReplicaId,
     ReplicaReport,
     Resume,
@@ -209,14 +210,16 @@ def serve(
 
     checkpoints: dict[int, str] = {}  # checkpoint epoch -> its folder
 
-    def write_cut(folder, rid, taken, what: str):
-        """Write ``rid``'s cut into ``folder``; the file's path, or None (nothing taken,
-        no folder, or the write failed: logged, naming ``what``)."""
+    def write_cut(folder, rid, taken, what: str, digest: bool = False):
+        """Write ``rid``'s cut into ``folder`` (``digest``: with its SHA-256); the file's
+        path, or None (nothing taken, no folder, or the write failed: logged, naming
+        ``what``)."""
         if taken is None or folder is None:
             return None
         try:
             os.makedirs(folder, exist_ok=True)
-            return taken.checkpointed(os.path.join(folder, "{}-{}-{}.state".format(*rid)))
+            path = os.path.join(folder, "{}-{}-{}.state".format(*rid))
+            return taken.checkpointed(path, digest=digest)
         except OSError as exc:
             log.warning("%s of %s not written: %s", what, rid, exc)
             return None
@@ -241,7 +244,10 @@ def serve(
         folder = savepoints.get(epoch)
 
         def run() -> None:
-            written = write_cut(folder, rid, taken, "the savepoint's cut")
+            # At the lowest priority: a large state's write and hash take a core only when
+            # the replicas leave one (their twins serve the output meanwhile).
+            thread_nice(CHILD_NICE)  # (Linux keeps a niceness per thread)
+            written = write_cut(folder, rid, taken, "the savepoint's cut", digest=True)
             send(Savepointed(epoch, rid, written))
 
         thread = threading.Thread(target=run, name="tandem-savepoint", daemon=True)

@@ -6,6 +6,11 @@ engine.
   group holding ``state[0]`` replica 0 SIGKILLed and rebuilt from its twins; per size the
   time to restore r, the per-second p99 before the kill and during the rebuild, lost and
   duplicates.
+* ``savepoint`` — what a savepoint costs the running job, against state size: the same
+  keyed task with 1, 10 and 100 MiB per partition, a savepoint written a third of the way
+  in (:func:`savepoint`); per size the time to write it, the per-second p99 of the
+  seconds around the cut against a run without a savepoint (same size, same run of the
+  command), and the resumed run's time to its first output.
 * ``fault`` — the paper's fault experiment as ``tandem bench paper`` runs it (its cases,
   runner and figure, :mod:`tandem.experiments.paper`): MiB1 of length 3, one replica of
   ``map2[0]`` SIGKILLed at half time, in ``passive`` (ours: one replica, checkpoints,
@@ -32,7 +37,7 @@ import pyarrow as pa
 import tandem as td
 from tandem.experiments import common, paper
 
-EXPERIMENTS = ("restore", "fault")
+EXPERIMENTS = ("restore", "savepoint", "fault")
 FAULT_CONFIGS = tuple(paper.FAULT_VARIANTS)
 """The configurations the fault experiment runs: r1 (no fault), passive, liverobin, kazoo."""
 
@@ -192,6 +197,157 @@ def restore(
     return rows
 
 
+# -- savepoint: what a savepoint of the running job costs, against state size -------------
+
+
+@dataclass
+class SavepointRow:
+    """One size of :func:`savepoint`: a run of ``state_mb`` MiB per stateful partition with
+    a savepoint asked for at ``at_s``, beside a run without one. ``write_ms``: from the
+    request to the savepoint written (cut at ``cut_s`` of source time; ``state_mb_written``
+    in its state files); ``p99_without_ms``/``p99_with_ms``: the worst per-second p99 of
+    the seconds from the request to a second after the cut, in the run without and the
+    run with the savepoint, and ``ratio`` the second over the first; ``resume_load_ms``:
+    reading and checking the savepoint and building the resumed plan;
+    ``resume_first_output_ms``: the resumed run, from its engine's start to its first
+    output row; ``resumed_rows``: the rows it delivered, and ``rows_exact`` whether those
+    are exactly the rows after the cut (the run with the savepoint's, less those before
+    it); ``lost``/``duplicates``: of the run with the savepoint, against the reference."""
+
+    state_mb: float
+    rate: int
+    at_s: float
+    cut_s: float
+    write_ms: float
+    state_mb_written: float
+    p99_without_ms: float
+    p99_with_ms: float
+    ratio: float
+    resume_load_ms: float
+    resume_first_output_ms: float | None
+    resumed_rows: int
+    rows_exact: bool
+    lost: int | None
+    duplicates: int | None
+    digests_match: bool
+
+
+def savepoint_job(state_mb: float, rate: int) -> td.Job:
+    job = td.Job("savepoint", replication=2)
+    events = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=5), parallelism=2)
+    (
+        events.key_by("key")
+        .process(Ballast(state_mb), parallelism=2, name="state")
+        .sink(td.sinks.Collect())
+    )
+    return job
+
+
+def _worst(series: list, lo: float, hi: float) -> float:
+    values = [v for v in series[int(lo) : int(hi) + 1] if v is not None]
+    return max(values) if values else float("nan")
+
+
+def savepoint(
+    sizes=(1, 10, 100),
+    rate: int = 5_000,
+    duration: float = 12.0,
+    at: float = 4.0,
+    log=None,
+) -> list[SavepointRow]:
+    """Per state size: a run without a savepoint, a run with one asked for at ``at``
+    seconds of source time (the job going on to ``duration``), and that savepoint resumed
+    to ``duration``; every run of the first two is checked against the reference."""
+    import tempfile
+
+    from tandem import savepoints
+    from tandem.engines.common import STARTUP_S
+
+    log = log or sys.stderr
+    rows = []
+    for mb in sizes:
+        print(f"savepoint: {mb:g} MiB of state per partition ...", file=log, flush=True)
+        without = savepoint_job(mb, rate).run(duration=duration, progress=False)
+        with tempfile.TemporaryDirectory(prefix="tandem-bench-savepoint-") as folder:
+            path = os.path.join(folder, "sp")
+            handle = savepoint_job(mb, rate).start(duration=duration, progress=False)
+            time.sleep(STARTUP_S + at)  # about ``at`` of source time: a guess, the cut says
+            asked = time.monotonic()
+            sp = handle.savepoint(path, timeout=120)
+            write_ms = (time.monotonic() - asked) * 1000
+            with_sp = handle.result()
+            written = sum(p.get("bytes", 0) for p in sp.partitions) / 2**20
+            t = time.monotonic()
+            savepoints.resume(path, savepoint_job(mb, rate).plan())
+            load_ms = (time.monotonic() - t) * 1000
+            resumed = savepoint_job(mb, rate).run(
+                duration=duration, from_savepoint=path, progress=False
+            )
+        cut = sp.source_time_s
+        emitted = sum(p["rows"] for parts in sp.sources.values() for p in parts)
+        lo, hi = cut - write_ms / 1000, cut + 1
+        base = _worst(without.per_second_p99_ms, lo, hi)
+        worst = _worst(with_sp.per_second_p99_ms, lo, hi)
+        first = resumed.first_output_s
+        rows.append(
+            SavepointRow(
+                mb,
+                rate,
+                at,
+                round(cut, 2),
+                round(write_ms, 1),
+                round(written, 1),
+                round(base, 1),
+                round(worst, 1),
+                round(worst / base, 2) if base > 0 else float("nan"),
+                round(load_ms, 1),
+                None if first is None else round(first * 1000, 1),
+                resumed.events_out,
+                resumed.events_out == with_sp.events_out - emitted,
+                with_sp.lost,
+                with_sp.duplicates,
+                with_sp.digests_match and resumed.digests_match,
+            )
+        )
+    return rows
+
+
+def savepoint_table(rows: list[SavepointRow]) -> list[str]:
+    """The savepoint rows as the lines of a Markdown section."""
+    r0 = rows[0]
+    out = [
+        "### A savepoint of the running job against state size",
+        "",
+        f"{r0.rate:,} ev/s, r = 2, a keyed task of 2 partitions; a savepoint asked for at "
+        f"about {r0.at_s:g} s of source time while the job runs, beside a run without one. "
+        "p99: the worst per-second p99 from the request to a second after the cut, "
+        "without and with the savepoint; resume: loading the savepoint (read, checked, the "
+        "plan built) and the resumed run's first output from its engine's start.",
+        "",
+        "| state per partition | written | write ms | p99 without | p99 with | ratio "
+        "| resume load ms | first output ms | resumed rows exact | lost | dup | digests |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
+    ]
+    cell = paper._cell
+    for r in rows:
+        cells = [
+            f"{r.state_mb:g} MiB",
+            f"{r.state_mb_written:.1f} MiB",
+            cell(r.write_ms, 0),
+            cell(r.p99_without_ms),
+            cell(r.p99_with_ms),
+            cell(r.ratio, 2, "x"),
+            cell(r.resume_load_ms, 0),
+            cell(r.resume_first_output_ms, 0),
+            "yes" if r.rows_exact else "NO",
+            cell(r.lost),
+            cell(r.duplicates),
+            "match" if r.digests_match else "DIFFER",
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 # -- the invocation ----------------------------------------------------------------------
 
 
@@ -211,16 +367,34 @@ def estimate_s(settings: Settings, experiments, configs) -> float:
     total = 0.0
     if "restore" in experiments:
         total += len(settings.sizes) * (settings.duration_s + paper.OVERHEAD_S + 2)
+    if "savepoint" in experiments:
+        total += len(settings.sizes) * 3 * (settings.duration_s + paper.OVERHEAD_S + 1)
     if "fault" in experiments:
         total += sum(paper.estimate_s(c) for c in fault_cases(settings, configs))
     return total
 
 
-def failures(restore_rows: list[RecoveryRow], fault_rows: list[paper.Row]) -> list[str]:
+def failures(
+    restore_rows: list[RecoveryRow],
+    fault_rows: list[paper.Row],
+    savepoint_rows: list[SavepointRow] = (),
+) -> list[str]:
     """What makes the run fail: a restore row that lost or repeated rows, whose digests
-    differed or in which nothing was rebuilt; a fault row that failed as
-    :func:`tandem.paper.failures` says. Never timings."""
+    differed or in which nothing was rebuilt; a savepoint row that lost or repeated rows,
+    whose digests differed or whose resumed run did not deliver exactly the rows after
+    the cut; a fault row that failed as :func:`tandem.paper.failures` says. Never
+    timings."""
     out = []
+    for r in savepoint_rows:
+        where = f"savepoint {r.state_mb:g} MiB"
+        if r.lost or r.duplicates:
+            out.append(f"{where}: lost {r.lost}, duplicates {r.duplicates}")
+        if not r.digests_match:
+            out.append(f"{where}: the replicas' output digests differed")
+        if not r.rows_exact:
+            out.append(
+                f"{where}: the resumed run delivered {r.resumed_rows} rows, not those after the cut"
+            )
     for r in restore_rows:
         where = f"restore {r.state_mb:g} MiB"
         if r.lost or r.duplicates:
@@ -268,12 +442,19 @@ def restore_table(rows: list[RecoveryRow]) -> list[str]:
     return out
 
 
-def markdown(restore_rows: list[RecoveryRow], fault_rows: list[paper.Row], meta: dict) -> str:
-    """The report: the restore table, then the fault experiment's (``tandem bench
-    paper``'s table for it)."""
+def markdown(
+    restore_rows: list[RecoveryRow],
+    fault_rows: list[paper.Row],
+    meta: dict,
+    savepoint_rows: list[SavepointRow] = (),
+) -> str:
+    """The report: the restore table, the savepoint table, then the fault experiment's
+    (``tandem bench paper``'s table for it)."""
     out = [paper.headline(meta)]
     if restore_rows:
         out += ["", *restore_table(restore_rows)]
+    if savepoint_rows:
+        out += ["", *savepoint_table(savepoint_rows)]
     if fault_rows:
         out += ["", paper.LEGEND, "Downtime: the longest gap between two outputs."]
         out += ["", *paper.experiment_table(fault_rows, "fault")]
@@ -309,6 +490,15 @@ def recovery(
             kill_at=settings.kill_at_s,
             log=log,
         )
+    savepoint_rows: list[SavepointRow] = []
+    if "savepoint" in experiments:
+        savepoint_rows = savepoint(
+            sizes=settings.sizes,
+            rate=settings.rate,
+            duration=settings.duration_s,
+            at=settings.kill_at_s,
+            log=log,
+        )
     fault_rows: list[paper.Row] = []
     if "fault" in experiments:
         fault_rows = paper.run_all(fault_cases(settings, configs), kazoo, log)
@@ -321,15 +511,16 @@ def recovery(
         "experiments": list(experiments),
         "configs": list(configs) if "fault" in experiments else [],
         "restore_rows": [asdict(r) for r in restore_rows],
+        "savepoint_rows": [asdict(r) for r in savepoint_rows],
         "fault_rows": [asdict(r) for r in fault_rows],
-        "failures": failures(restore_rows, fault_rows),
+        "failures": failures(restore_rows, fault_rows, savepoint_rows),
         "figures": [],
     }
     if plot_path and any(r.status == "ok" for r in fault_rows) and paper.can_plot(log):
         os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
         paper.plot_over_time(fault_rows, "fault", str(plot_path))
         doc["figures"].append(str(plot_path))
-    doc["markdown"] = markdown(restore_rows, fault_rows, meta)
+    doc["markdown"] = markdown(restore_rows, fault_rows, meta, savepoint_rows)
     if json_path:
         import json
 
@@ -340,17 +531,17 @@ def recovery(
 
 
 HELP = (
-    "time to restore r against state size, and the fault experiment (passive, LiveRobin, "
-    "KaZoo) in the same run: a Markdown table, JSON and a PNG"
+    "time to restore r and the cost of a savepoint against state size, and the fault "
+    "experiment (passive, LiveRobin, KaZoo) in the same run: Markdown tables, JSON and a PNG"
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    common.add_names(p, "--experiments", EXPERIMENTS, default="both")
+    common.add_names(p, "--experiments", EXPERIMENTS)
     p.add_argument(
         "--sizes",
         metavar="MIB,...",
-        help="restore: MiB of state per partition, comma-separated (default 1,10,100)",
+        help="restore, savepoint: MiB of state per partition, comma-separated (default 1,10,100)",
     )
     common.add_names(p, "--configs", FAULT_CONFIGS)
     common.add_rate(p, None, "every run's rate (default 5000)")
@@ -358,8 +549,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p,
         "--duration",
         None,
-        "every run's length (default 12 for the state sizes, kill at 4 s or a third; 30 "
-        "for the fault runs, kill at half)",
+        "every run's length (default 12 for the state sizes, kill or savepoint at 4 s or a "
+        "third; 30 for the fault runs, kill at half)",
     )
     common.add_seconds(p, "--warmup", None, "the fault runs' warm-up, left out of latency (5)")
     common.add_session_timeout(p)
@@ -400,8 +591,11 @@ def main(args: argparse.Namespace) -> int:
         args, "recovery", "quick", "experiments", "sizes", "configs", "rate"
     ) + common.command(args, "", "duration", "warmup", "json", "plot")
     parts = []
+    sizes = ", ".join(f"{mb:g}" for mb in settings.sizes)
     if "restore" in experiments:
-        parts.append(f"restore r with {', '.join(f'{mb:g}' for mb in settings.sizes)} MiB")
+        parts.append(f"restore r with {sizes} MiB")
+    if "savepoint" in experiments:
+        parts.append(f"savepoints of {sizes} MiB")
     if "fault" in experiments:
         parts.append(f"the fault experiment in {', '.join(configs)}")
     expected = estimate_s(settings, experiments, configs)

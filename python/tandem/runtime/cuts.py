@@ -5,6 +5,7 @@ that writes a large one to a file (:func:`fork_cuts`) while the worker goes on."
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -26,8 +27,12 @@ FORK_CUTS = sys.platform == "linux"
 #: How long a slot cut for a rebuild waits, held, for the other slots of its worker asked
 #: for in the same rebuild, so that one fork writes every state (:meth:`SlotCuts.take`).
 HOLD_CUTS_S = 0.02
-#: The niceness of a child writing a cut's state (``os.nice``; 0: its parent's).
+#: The niceness of a child writing a cut's state (``os.nice``; 0: its parent's), and of a
+#: worker's thread writing a savepoint's.
 CHILD_NICE = 19
+#: The pieces a state is hashed and written in (:meth:`Resume.checkpointed`).
+WRITE_CHUNK = 1 << 20
+
 #: A rebuild's cut of a state known to be at most this large (``Operator.state_size``)
 #: is snapshotted in place rather than in a forked child: the fork of a worker costs it
 #: 3.5-4 ms here (its page tables, whatever the state), then copy-on-write faults while
@@ -94,6 +99,9 @@ class Resume:
     """Cut from a savepoint (:mod:`tandem.savepoints`), for a job resumed from it: an
     operator is created and its state loaded as it starts; a sink starts with no output,
     its input positions at the cut's."""
+    sha256: str | None = None
+    """The SHA-256 (hex) of ``state_file``, when it was computed as the file was written
+    (:meth:`checkpointed` with ``digest``): a savepoint's manifest takes it as it is."""
 
     def written(self, inline_below: int = 0, timeout: float = WRITER_TIMEOUT_S) -> Resume | None:
         """Wait for the child writing the state file; this cut without it — a state under
@@ -141,22 +149,37 @@ class Resume:
                 os.unlink(path)
             raise
 
-    def checkpointed(self, path: str) -> Resume:
-        """This cut with its state written to ``path``, a checkpoint's file, which stays."""
-        return self._to_file(path, keep=True)
+    def checkpointed(self, path: str, digest: bool = False) -> Resume:
+        """This cut with its state written to ``path``, a checkpoint's file, which stays;
+        ``digest``: its SHA-256 computed as it is written (:attr:`sha256`)."""
+        return self._to_file(path, keep=True, digest=digest)
 
-    def _to_file(self, path: str, keep: bool) -> Resume:
+    def _to_file(self, path: str, keep: bool, digest: bool = False) -> Resume:
         # Written whole under a temporary name first: a file that exists is complete.
         part = path + ".part"
+        sha = hashlib.sha256() if digest else None
         try:
             with open(part, "wb") as f:
-                f.write(self.state)
+                if sha is None:
+                    f.write(self.state)
+                else:  # in pieces: the GIL is free while each is hashed and written
+                    view = memoryview(self.state)
+                    for at in range(0, len(view), WRITE_CHUNK):
+                        piece = view[at : at + WRITE_CHUNK]
+                        sha.update(piece)
+                        f.write(piece)
             os.replace(part, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(part)
             raise
-        return Resume(self.cut, b"", path, keep_file=keep)
+        return Resume(
+            self.cut,
+            b"",
+            path,
+            keep_file=keep,
+            sha256=None if sha is None else sha.hexdigest(),
+        )
 
     def load(self) -> bytes:
         """The state: in the message, or read from its file."""
