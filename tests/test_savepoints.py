@@ -6,7 +6,11 @@ are refused with their reasons (tandem.savepoints)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -466,3 +470,113 @@ def test_savepoint_on_stop_needs_a_run_until_stopped(tmp_path):
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(td.ConfigError):
         job.run(savepoint_on_stop=str(tmp_path / "full"))
+
+
+def tandem_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``tandem ARGS`` as a user types it in another shell."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(td.__file__).parents[1]), env.get("PYTHONPATH", "")]
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_tandem_savepoint_asks_the_running_job_from_another_shell(tmp_path):
+    """`tandem run job.py` runs until stopped and says it listens; `tandem savepoint PATH`
+    from another shell writes a savepoint while it runs, `tandem savepoint PATH --stop`
+    stops it at another, `--show` describes it, and `--from-savepoint` goes on from it."""
+    from jobs import tandem_run
+
+    running, stopped = tmp_path / "running", tmp_path / "stopped"
+    first_json, second_json = tmp_path / "first.json", tmp_path / "second.json"
+    # Nothing listens yet: said, with what to do.
+    nobody = tandem_cli(tmp_path, "savepoint", str(running), "--job", "onstop")
+    assert nobody.returncode == 2 and "no `tandem run` of a job named 'onstop'" in nobody.stderr
+    proc = tandem_run(tmp_path, ON_STOP_JOB, "--no-progress", "--json", str(first_json))
+    try:
+        assert proc.stdout is not None
+        assert "until stopped" in proc.stdout.readline()
+        assert "tandem savepoint PATH" in proc.stdout.readline()
+        time.sleep(1.5)
+        taken = tandem_cli(tmp_path, "savepoint", str(running), "--job", "onstop")
+        assert taken.returncode == 0, taken.stdout + taken.stderr
+        assert f"written to {running}: heartbeat" in taken.stdout
+        assert proc.poll() is None  # the job goes on
+        # A savepoint is never overwritten: refused, the job untouched.
+        again = tandem_cli(tmp_path, "savepoint", str(running))
+        assert again.returncode == 2 and "already" in again.stderr, again.stderr
+        last = tandem_cli(tmp_path, "savepoint", str(stopped), "--stop")
+        assert last.returncode == 0, last.stdout + last.stderr
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stdout + stderr
+    assert f"stopped at a savepoint: {stopped}" in stdout
+    first, second = td.Savepoint.read(running), td.Savepoint.read(stopped)
+    assert 0 < first.epoch < second.epoch
+    emitted = sum(p["rows"] for p in second.sources["source"])
+    assert json.loads(first_json.read_text())["events_out"] == emitted
+
+    shown = tandem_cli(tmp_path, "savepoint", "--show", str(stopped))
+    assert shown.returncode == 0, shown.stderr
+    assert f"savepoint of job 'onstop' at {stopped}" in shown.stdout
+    assert f"cut after heartbeat {second.epoch}" in shown.stdout
+    assert f"{emitted:,} rows emitted" in shown.stdout
+
+    duration = second.source_time_s + 1.0
+    done = tandem_run(
+        tmp_path,
+        ON_STOP_JOB,
+        "--no-progress",
+        "--from-savepoint",
+        str(stopped),
+        "--duration",
+        f"{duration}",
+        "--json",
+        str(second_json),
+    )
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, out + err
+    assert json.loads(second_json.read_text())["events_out"] == round(1000 * duration) - emitted
+
+
+@pytest.mark.spark
+def test_on_spark_a_running_job_takes_savepoints_and_stops_at_one(input_file, tmp_path):
+    """The Spark engine runs a job until stopped: a savepoint while it runs, then a stop at
+    another; the stop's resumed on Spark with a changed map, 3 partitions of the count and
+    r = 3, the running one's on the local engine — both exact."""
+    from tandem_spark import SparkEngine
+
+    running, stopped = str(tmp_path / "running"), str(tmp_path / "stopped")
+    handle = keyed_job(input_file).start(engine=SparkEngine(master="local[8,3]"), progress=False)
+    mid = handle.savepoint(running, timeout=120)
+    first = handle.stop(timeout=180, savepoint=stopped)
+    assert first.lost == 0 and first.duplicates == 0 and first.digests_match
+    assert 0 <= mid.epoch < td.Savepoint.read(stopped).epoch
+
+    second = keyed_job(input_file, plus=1, count_parallelism=3, replication=3).run(
+        engine=SparkEngine(master="local[8,3]"), from_savepoint=stopped, progress=False
+    )
+    assert second.digests_match
+    check_continues(input_file, first.output.to_pandas(), second.output.to_pandas())
+
+    # The savepoint Spark took while running resumes on the local engine: the rows after
+    # its cut, each key's count going on from the rows of that key before it.
+    local = keyed_job(input_file).run(from_savepoint=running, progress=False, timeout=120)
+    after = local.output.to_pandas()
+    emitted = sum(p["rows"] for p in mid.sources["source"])
+    assert len(after) == ROWS - emitted and after["id"].is_unique
+    frame = pq.read_table(input_file).to_pandas()
+    before = frame[~frame["id"].isin(after["id"])]
+    for key, rows in after.groupby("key"):
+        n = int((before["key"] == key).sum())
+        assert sorted(rows["count"].tolist()) == list(range(n + 1, n + len(rows) + 1)), key

@@ -687,6 +687,7 @@ class Job:
         from_savepoint: str | os.PathLike | None = None,
         savepoint_on_stop: str | os.PathLike | None = None,
         resume: bool = False,
+        control: bool = False,
         **options: Any,
     ) -> Result:
         """Run the job on an engine (``"local"``, the default, or an engine object with
@@ -737,7 +738,12 @@ class Job:
         checkpoint_dir=PATH)``) starts from the newest complete checkpoint in PATH, as
         ``from_savepoint=`` would — after its driver was killed, say — or from the
         beginning when there is none yet; a run without ``resume`` refuses a
-        ``checkpoint_dir`` that holds checkpoints (it would write beside them)."""
+        ``checkpoint_dir`` that holds checkpoints (it would write beside them).
+
+        ``control``: with no ``duration``, listen on a Unix socket of this user's (see
+        :mod:`tandem.control`) for ``tandem savepoint PATH`` from another shell: a
+        savepoint written while the job runs, or (``--stop``) the job stopped at one, as
+        ``RunningJob.savepoint`` and ``stop(savepoint=...)`` do. ``tandem run`` listens."""
         if savepoint_on_stop is not None:
             from tandem import savepoints
 
@@ -749,7 +755,9 @@ class Job:
                 )
             savepoints.check_target(savepoint_on_stop)
         from_savepoint = self._resume_point(resume, from_savepoint)
-        result = self._run(duration, faults, engine, options, from_savepoint, savepoint_on_stop)
+        result = self._run(
+            duration, faults, engine, options, from_savepoint, savepoint_on_stop, control
+        )
         for observe in list(RUN_OBSERVERS):
             observe(self, result)
         return result
@@ -762,6 +770,7 @@ class Job:
         options: dict,
         from_savepoint: str | os.PathLike | None = None,
         savepoint_on_stop: str | os.PathLike | None = None,
+        control: bool = False,
     ) -> Result:
         if duration is not None:
             plan, runner, faults, duration = self._prepare(
@@ -815,6 +824,11 @@ class Job:
             )
             raise KeyboardInterrupt
 
+        server = None
+        if control:
+            from tandem.control import ControlServer
+
+            server = ControlServer(self.name, stop.savepoint, on_stop=saved.append)
         for s in signals:
             signal.signal(s, on_signal)
         try:
@@ -822,6 +836,8 @@ class Job:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if server is not None:
+                server.close()
         if saved:
             result.savepoint = saved[0].result()  # raises if it could not be cut
         return result
@@ -1137,7 +1153,10 @@ class Stream:
         )
 
     def key_by(self, column: str) -> Stream:
-        """Hash-partition the next operator's input on ``column``."""
+        """Hash-partition the next operator's input on ``column``: a key's group is its
+        hash modulo the job's ``max_parallelism``, and each partition of the next operator
+        owns a contiguous range of groups (so it can resume from a savepoint at another
+        parallelism with whole groups of its state)."""
         field_ = self._column(column, f"key_by({column!r}) after {self._head_names()}")
         if not hashable_key_type(field_.type):
             raise ConfigError(

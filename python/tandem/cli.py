@@ -291,6 +291,63 @@ def _run_file(args: argparse.Namespace) -> int:
         tandem.api.LOCAL_DEFAULTS.pop("metrics_port", None)
 
 
+def _savepoint(args: argparse.Namespace) -> int:
+    """`tandem savepoint PATH`: ask the running job for one; `--show`: describe one."""
+    if args.show:
+        if args.stop or args.job:
+            raise tandem.ConfigError("--show reads a savepoint; --stop and --job ask a job")
+        print(describe_savepoint(tandem.Savepoint.read(args.path)))
+        return 0
+    from tandem import control, savepoints
+
+    savepoints.check_target(args.path)  # here first: a usage error, the job untouched
+    what = "and stopping it there" if args.stop else "while it runs"
+    print(f"asking for a savepoint at {args.path} {what} ...", flush=True)
+    reply = control.ask(args.path, job=args.job, stop=args.stop)
+    print(
+        f"savepoint of job {reply['job']!r} (pid {reply['pid']}) written to {reply['path']}: "
+        f"heartbeat {reply['epoch']}, {reply['source_time_s']:.2f} s of source time"
+    )
+    print(f"continue from it with: tandem run JOB.py --from-savepoint {reply['path']}")
+    return 0
+
+
+def describe_savepoint(sp: tandem.Savepoint) -> str:
+    """What ``tandem savepoint --show`` prints: the job, the cut, and per task its shape,
+    its state and, a keyed task, the key groups of each partition."""
+    lines = [
+        f"savepoint of job {sp.job!r} at {sp.path}",
+        f"  cut after heartbeat {sp.epoch} ({sp.source_time_s:.2f} s of source time, "
+        f"heartbeat {sp.heartbeat_ms:g} ms); written {sp.created} by tandem {sp.tandem_version}",
+        f"  max_parallelism {sp.max_parallelism}",
+    ]
+    width = max(len(t["name"]) for t in sp.tasks)
+    for t in sp.tasks:
+        parts = [p for p in sp.partitions if p["task"] == t["name"]]
+        state = sum(p.get("bytes", 0) for p in parts)
+        line = (
+            f"  {t['name']:<{width}}  {t['kind']:<8}  parallelism {t['parallelism']}, "
+            f"replication {t['replication']}"
+        )
+        if t["kind"] == "operator":
+            line += f", state {_size(state)}"
+        groups = [p.get("key_groups") for p in sorted(parts, key=lambda p: p["partition"])]
+        if any(groups):
+            line += ", key groups " + " ".join(f"[{g[0]},{g[1]})" for g in groups if g)
+        if t["kind"] == "source":
+            rows = sum(p["rows"] for p in sp.sources.get(t["name"], []))
+            line += f", {rows:,} rows emitted"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def _report_script_runs(runs: list, args: argparse.Namespace) -> int:
     """The summary of every run a script made itself; 0 if each one's output checked."""
     given = [
@@ -359,6 +416,7 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
     if args.master and args.engine != "spark":
         raise tandem.ConfigError(f"--master is for --engine spark, not --engine {args.engine}")
     options = {"master": args.master} if args.master else {}
+    engine = engines.get(args.engine, **options)
     run_options: dict = {"check": False} if getattr(args, "no_check", False) else {}
     from_savepoint = getattr(args, "from_savepoint", None)
     if from_savepoint is not None:
@@ -389,6 +447,12 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
             "what is in flight; bounded sources end it by themselves)",
             flush=True,
         )
+        if engines.stoppable(engine):
+            run_options["control"] = True
+            print(
+                "  savepoints: `tandem savepoint PATH` from another shell (--stop: and stop here)",
+                flush=True,
+            )
     if job.checkpoint_dir is not None:
         print(
             f"  checkpoints every {job.checkpoint_ms / 1000:g} s into {job.checkpoint_dir} "
@@ -398,7 +462,7 @@ def _run_and_report(job: tandem.Job, args, faults: list, plot_path: str | None) 
     result = job.run(
         duration=args.duration,
         faults=faults,
-        engine=engines.get(args.engine, **options),
+        engine=engine,
         warmup=args.warmup,
         progress=False if args.no_progress else None,  # None: when stderr is a terminal
         **run_options,
@@ -648,6 +712,25 @@ def build_parser() -> argparse.ArgumentParser:
         "was killed, say — or from the beginning when there is none yet",
     )
     run.set_defaults(func=_run_file)
+
+    sp = sub.add_parser(
+        "savepoint",
+        help="write a savepoint of a job `tandem run` runs until stopped, or --show one",
+        description="Ask the job that `tandem run job.py` (no --duration) runs on this "
+        "machine for a savepoint at PATH while it goes on (--stop: and stop it there); "
+        "`tandem run job.py --from-savepoint PATH` continues from it, with new code, "
+        "replication or parallelism of its keyed tasks. --show prints what a savepoint at "
+        "PATH holds.",
+        epilog=EXIT_CODES,
+        formatter_class=_Help,
+    )
+    sp.add_argument("path", help="where the savepoint goes (a new directory or a URI)")
+    sp.add_argument("--job", metavar="NAME", help="the job, when several run (default: the one)")
+    sp.add_argument("--stop", action="store_true", help="stop the job at the savepoint")
+    sp.add_argument(
+        "--show", action="store_true", help="print what the savepoint at PATH holds instead"
+    )
+    sp.set_defaults(func=_savepoint)
 
     beats = sub.add_parser(
         "heartbeats",

@@ -14,7 +14,7 @@ them:
 * :class:`Edge` — ``upstream`` task id, ``input_index`` (0, or 1 for a join's rule side),
   ``partitioner``: ``forward`` (same parallelism, no key: partition p feeds partition p
   only), ``rebalance`` (row i of an upstream partition's output → downstream partition
-  ``i % n``), ``hash`` on ``key`` (xxh3 of the key, see :func:`hash_channels`).
+  ``i % n``), ``hash`` on ``key`` (the key group of its xxh3, see :func:`hash_channels`).
 * Input channels of a task partition (:meth:`Plan.input_channels`): the logical channels
   ``(upstream task, upstream partition, input index)`` ordered by (input index, upstream
   task id, upstream partition). That order is the channel index every replica's merge uses.

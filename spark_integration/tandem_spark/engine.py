@@ -114,6 +114,7 @@ class SparkEngine:
 
     name = "spark"
     savepoints = True  # a run may resume from a savepoint and write durable checkpoints
+    until_stopped = True  # run(duration=None, stop=...): until stopped, savepoints meanwhile
 
     def __init__(
         self,
@@ -136,18 +137,55 @@ class SparkEngine:
     def run(
         self,
         plan: Plan,
-        duration: float,
+        duration: float | None,
         faults: list[Any] = (),
         *,
         progress: bool | None = None,
         warmup: float = 0.0,
         check: bool = True,
         timeout: float | None = None,
+        stop: Stop | None = None,
     ) -> Result:
-        """Run ``plan`` for ``duration`` seconds of source time; the options mean what
-        they mean for the local engine (``progress`` is Spark's own console progress bar,
-        ``spark.ui.showConsoleProgress``, so it is not drawn again here)."""
+        """Run ``plan`` for ``duration`` seconds of source time, or (None) until ``stop``
+        is requested — its savepoints taken meanwhile — or the bounded sources end; the
+        options mean what they mean for the local engine (``progress`` is Spark's own
+        console progress bar, ``spark.ui.showConsoleProgress``, so it is not drawn again
+        here)."""
         del progress
+        if duration is None and stop is None and plan.natural_end_ns() is None:
+            raise ConfigError(
+                "the spark engine runs a job with no duration until it is stopped: give "
+                "stop= (job.start() and handle.stop() do), or a duration"
+            )
+        faults = list(faults)
+        self.check(plan, duration, faults, warmup=warmup)
+        if self.spark is not None:
+            return self._run(plan, duration, faults, warmup, check, timeout, stop)
+        from pyspark import SparkContext
+
+        owned = SparkContext._active_spark_context is None  # else getOrCreate reuses it
+        self.spark = local_session(len(plan.placement()), self.master, self.spare_slots)
+        try:
+            return self._run(plan, duration, faults, warmup, check, timeout, stop)
+        finally:
+            if owned:
+                self.spark.stop()
+            self.spark, self._output = None, None
+
+    def check(
+        self,
+        plan: Plan,
+        duration: float | None,
+        faults: list[Any] = (),
+        *,
+        progress: bool | None = None,
+        warmup: float = 0.0,
+        check: bool = True,
+        timeout: float | None = None,
+        stop: Stop | None = None,
+    ) -> None:
+        """Raise ConfigError for arguments :meth:`run` cannot honour, before anything
+        starts (``Job.start`` calls it before its thread does)."""
         faults = list(faults)
         check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause))
         if plan.checkpointing:
@@ -162,33 +200,21 @@ class SparkEngine:
                     f"the spark engine does not restart a lost sink ({f}); the local engine "
                     "restarts a Kafka sink from its last commit"
                 )
-        if self.spark is not None:
-            return self._run(plan, duration, faults, warmup, check, timeout)
-        from pyspark import SparkContext
 
-        owned = SparkContext._active_spark_context is None  # else getOrCreate reuses it
-        self.spark = local_session(len(plan.placement()), self.master, self.spare_slots)
-        try:
-            return self._run(plan, duration, faults, warmup, check, timeout)
-        finally:
-            if owned:
-                self.spark.stop()
-            self.spark, self._output = None, None
-
-    def _run(self, plan, duration, faults, warmup, check, timeout) -> Result:
+    def _run(self, plan, duration, faults, warmup, check, timeout, stop) -> Result:
         # KaZoo: the run's order topics, deleted once the result (which reads them) is in.
         zoo = kazoo.prepare(plan) if plan.ordered_partitions() else None
         # Kafka sources: their heartbeat generators run on the driver, for the whole job.
         generators = Generators(plan, env=child_env())
         try:
             generators.start()
-            return self._run_with(plan, duration, faults, warmup, check, timeout, zoo)
+            return self._run_with(plan, duration, faults, warmup, check, timeout, zoo, stop)
         finally:
             generators.stop()
             if zoo is not None:
                 kazoo.cleanup(zoo)
 
-    def _run_with(self, plan, duration, faults, warmup, check, timeout, zoo) -> Result:
+    def _run_with(self, plan, duration, faults, warmup, check, timeout, zoo, stop) -> Result:
         sc = self.spark.sparkContext
         placement = plan.placement()
         check_cluster(self.spark, len(placement), self.spare_slots)
@@ -222,17 +248,22 @@ class SparkEngine:
             local=local,
             relaunch=rebuilds,
         )
-        job = _SparkJob(sc, tag)
+        # The caller's stop, if any, is the job's too: a Spark job that fails kills the run.
+        job = _SparkJob(sc, tag, stop)
+        # With a stop to honour, even a run with a duration goes by stop points (ending at
+        # its duration unless stopped before), as on the local engine.
+        cap_ns = None if duration is None or stop is None else round(duration * 1e9)
         coordinator = Coordinator(
             plan,
             registry,
-            duration,
+            duration if stop is None else None,
             faults,
             secret=secret,
             zoo=zoo,
             warmup=warmup,
             startup_timeout=reg.REGISTER_TIMEOUT_S,
             stop=job.stop,
+            cap_ns=cap_ns,
         )
         registry.coordinator = coordinator
         udf = _worker_main(plan, secret, registry.address, host, zoo, logs.driver_level())
@@ -244,11 +275,14 @@ class SparkEngine:
             job.start(
                 self._placement(plan, placement).mapInArrow(udf, spark_schema),
                 f"tandem {plan.job}: {len(placement)} workers hosting "
-                f"{len(plan.replicas())} replicas for {duration} s",
+                f"{len(plan.replicas())} replicas "
+                + (f"for {duration} s" if duration is not None else "until stopped"),
             )
             try:
                 coordinator.start()
-                coordinator.watch(timeout or duration + 60.0)
+                if timeout is None:
+                    timeout = 60.0 if coordinator.duration is None else duration + 60.0
+                coordinator.watch(timeout)
             except TandemError as exc:
                 failure = registry.log.failure or job.failure(plan.job)
                 registry.fail(failure or exc)
@@ -361,9 +395,9 @@ class _SparkJob:
     executor lost — is cancelled with the job after ``END_GRACE_S``. A job that fails
     first stops the coordinator (``stop``)."""
 
-    def __init__(self, sc, tag: str) -> None:
+    def __init__(self, sc, tag: str, stop: Stop | None = None) -> None:
         self.sc, self.tag = sc, tag
-        self.stop = Stop()
+        self.stop = stop if stop is not None else Stop()
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
 
