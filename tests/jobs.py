@@ -7,6 +7,7 @@ It lives beside the tests, not in :mod:`tandem.testing`: building a job imports
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -56,6 +57,18 @@ def write_events(path: Path, rows: int, keys: int, seed: int) -> str:
     )
     pq.write_table(table, path)
     return str(path)
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen):
+    """``proc`` for the block; killed and waited for if it still runs when the block ends
+    (an assertion failed, a timeout expired), so no test leaves a job running."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def tandem_run(tmp_path: Path, script: str, *flags: str) -> subprocess.Popen:

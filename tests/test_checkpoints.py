@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tandem as td
-from jobs import write_events
+from jobs import reaped, write_events
 from tandem import savepoints
 
 ROWS = 9000
@@ -234,7 +234,7 @@ def sigkill_after_checkpoint(proc, directory: Path, through_ms: float, timeout: 
     JVM) must go with it. Returns how long they took to."""
     import psutil
 
-    try:
+    with reaped(proc):
         deadline = time.monotonic() + timeout
         while not complete(directory) or newest_epoch(directory) * 10 < through_ms:
             assert time.monotonic() < deadline, "no checkpoint written"
@@ -245,10 +245,6 @@ def sigkill_after_checkpoint(proc, directory: Path, through_ms: float, timeout: 
         killed_at = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     _, alive = psutil.wait_procs(spawned, timeout=30)
     assert not alive, f"processes outlived the killed driver: {alive}"
     return time.monotonic() - killed_at

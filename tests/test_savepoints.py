@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tandem as td
-from jobs import write_events
+from jobs import reaped, write_events
 from tandem import savepoints
 from tandem.plan import hash_channels
 from tandem.runtime import Resume
@@ -112,17 +112,10 @@ def test_stop_with_a_savepoint_then_resume_with_new_code(input_file, stopped):
     before, after = first.output.to_pandas(), second.output.to_pandas()
     assert len(after) == ROWS - emitted
 
-    # Every input row exactly once across the stop.
-    ids = np.concatenate([before["id"].to_numpy(), after["id"].to_numpy()])
-    assert len(ids) == ROWS and set(ids.tolist()) == set(range(ROWS))
-    # The old code before the cut, the new one after it.
-    assert (before["tag"] == before["key"] * 10).all()
-    assert (after["tag"] == after["key"] * 10 + 1).all()
-    # Counts continue: per key 1..n over both runs, and every count after the stop is
-    # above every count before it.
-    assert pairs(pd.concat([before, after])).equals(
-        expected_counts(input_file).reset_index(drop=True)
-    )
+    # Every input row exactly once across the stop, the old code before the cut and the
+    # new one after it, the counts per key 1..n over both runs; and every count after the
+    # stop is above every count before it.
+    check_continues(input_file, before, after)
     last = before.groupby("key")["count"].max()
     first_after = after.groupby("key")["count"].min()
     common = last.index.intersection(first_after.index)
@@ -401,6 +394,20 @@ events.key_by("key").process(td.CountPerKey(), parallelism=2, name="count").sink
 """
 
 
+def check_resumed_run(tmp_path, saved: td.Savepoint, report: Path) -> None:
+    """`tandem run` of ON_STOP_JOB from ``saved`` for a second more of source time
+    delivers exactly the rows after the cut (the source's 1,000 a second)."""
+    from jobs import tandem_run
+
+    emitted = sum(p["rows"] for p in saved.sources["source"])
+    duration = saved.source_time_s + 1.0
+    flags = ["--no-progress", "--from-savepoint", saved.path, "--duration", f"{duration}"]
+    done = tandem_run(tmp_path, ON_STOP_JOB, *flags, "--json", str(report))
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, out + err
+    assert json.loads(report.read_text())["events_out"] == round(1000 * duration) - emitted
+
+
 def test_tandem_run_stops_at_a_savepoint_on_sigterm_and_resumes_from_it(tmp_path):
     """`tandem run job.py --savepoint-on-stop PATH`, a job with no end: SIGTERM stops it at
     a savepoint in PATH, and the summary says how to go on; `--from-savepoint PATH` then
@@ -421,17 +428,13 @@ def test_tandem_run_stops_at_a_savepoint_on_sigterm_and_resumes_from_it(tmp_path
         "--json",
         str(first_json),
     )
-    try:
+    with reaped(proc):
         assert proc.stdout is not None
         line = proc.stdout.readline()  # printed as the run starts
         assert "until stopped" in line, line
         time.sleep(3.0)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, stdout + stderr
     assert f"SIGTERM: stopping job 'onstop' at a savepoint in {path}" in stderr
     assert f"stopped at a savepoint: {path}" in stdout
@@ -443,22 +446,7 @@ def test_tandem_run_stops_at_a_savepoint_on_sigterm_and_resumes_from_it(tmp_path
     assert first["lost"] == 0 and first["duplicates"] == 0
 
     # Resumed: source time goes on from the cut to --duration.
-    duration = saved.source_time_s + 1.0
-    done = tandem_run(
-        tmp_path,
-        ON_STOP_JOB,
-        "--no-progress",
-        "--from-savepoint",
-        str(path),
-        "--duration",
-        f"{duration}",
-        "--json",
-        str(second_json),
-    )
-    out, err = done.communicate(timeout=120)
-    assert done.returncode == 0, out + err
-    second = json.loads(second_json.read_text())
-    assert second["events_out"] == round(1000 * duration) - emitted
+    check_resumed_run(tmp_path, saved, second_json)
 
 
 def test_savepoint_on_stop_needs_a_run_until_stopped(tmp_path):
@@ -500,7 +488,7 @@ def test_tandem_savepoint_asks_the_running_job_from_another_shell(tmp_path):
     nobody = tandem_cli(tmp_path, "savepoint", str(running), "--job", "onstop")
     assert nobody.returncode == 2 and "no `tandem run` of a job named 'onstop'" in nobody.stderr
     proc = tandem_run(tmp_path, ON_STOP_JOB, "--no-progress", "--json", str(first_json))
-    try:
+    with reaped(proc):
         assert proc.stdout is not None
         assert "until stopped" in proc.stdout.readline()
         assert "tandem savepoint PATH" in proc.stdout.readline()
@@ -515,10 +503,6 @@ def test_tandem_savepoint_asks_the_running_job_from_another_shell(tmp_path):
         last = tandem_cli(tmp_path, "savepoint", str(stopped), "--stop")
         assert last.returncode == 0, last.stdout + last.stderr
         stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, stdout + stderr
     assert f"stopped at a savepoint: {stopped}" in stdout
     first, second = td.Savepoint.read(running), td.Savepoint.read(stopped)
@@ -532,21 +516,7 @@ def test_tandem_savepoint_asks_the_running_job_from_another_shell(tmp_path):
     assert f"cut after heartbeat {second.epoch}" in shown.stdout
     assert f"{emitted:,} rows emitted" in shown.stdout
 
-    duration = second.source_time_s + 1.0
-    done = tandem_run(
-        tmp_path,
-        ON_STOP_JOB,
-        "--no-progress",
-        "--from-savepoint",
-        str(stopped),
-        "--duration",
-        f"{duration}",
-        "--json",
-        str(second_json),
-    )
-    out, err = done.communicate(timeout=120)
-    assert done.returncode == 0, out + err
-    assert json.loads(second_json.read_text())["events_out"] == round(1000 * duration) - emitted
+    check_resumed_run(tmp_path, second, second_json)
 
 
 @pytest.mark.spark
@@ -580,3 +550,40 @@ def test_on_spark_a_running_job_takes_savepoints_and_stops_at_one(input_file, tm
     for key, rows in after.groupby("key"):
         n = int((before["key"] == key).sum())
         assert sorted(rows["count"].tolist()) == list(range(n + 1, n + len(rows) + 1)), key
+
+
+def window_job(input_file: str, parallelism: int) -> td.Job:
+    """source (Parquet, 2 partitions) -> per key, 250 ms tumbling windows (rows, sum of
+    ids) -> Collect."""
+    job = td.Job("windows", replication=2)
+    events = job.source(td.sources.Parquet(input_file, rate=RATE), parallelism=2, name="source")
+    agg = {"rows": ("id", "count"), "ids": ("id", "sum")}
+    events.key_by("key").window(250, agg, parallelism=parallelism, name="win").sink(
+        td.sinks.Collect()
+    )
+    return job
+
+
+def test_a_keyed_window_resumes_at_a_new_parallelism_with_its_open_windows(input_file, tmp_path):
+    """The open windows' rows follow their keys to the new partitions: the windows of the
+    run stopped and resumed at 3 partitions are exactly those of a run never stopped."""
+    path = str(tmp_path / "sp")
+    whole = window_job(input_file, 2).run(progress=False, timeout=120)
+    first = window_job(input_file, 2).start(progress=False).stop(timeout=120, savepoint=path)
+    second = window_job(input_file, 3).run(from_savepoint=path, progress=False, timeout=120)
+    assert first.output.num_rows > 0 and second.output.num_rows > 0
+
+    def windows(*results: td.Result) -> pd.DataFrame:
+        """Every window's (key, index from the run's t0, rows, sum of ids), sorted: the
+        resumed run's t0 is the stopped run's, moved so its source time goes on."""
+        frames = []
+        for r in results:
+            frame = r.output.to_pandas()
+            frame["index"] = (frame["window_start_ns"] - r.t0_ns) // 250_000_000
+            frames.append(frame[["key", "index", "rows", "ids"]])
+        frame = pd.concat(frames).sort_values(["key", "index"])
+        return frame.reset_index(drop=True)
+
+    got, want = windows(first, second), windows(whole)
+    assert got.equals(want)
+    assert int(got["rows"].sum()) == ROWS

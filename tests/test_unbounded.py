@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tandem as td
-from jobs import tandem_run
+from jobs import reaped, tandem_run
 from tandem import testing
 from tandem.cli import main
 from tandem.engines import local
@@ -289,7 +289,7 @@ def test_tandem_run_stops_cleanly_on_sigterm_and_serves_metrics_meanwhile(tmp_pa
         "--metrics-port",
         str(port),
     )
-    try:
+    with reaped(proc):
         workers = wait_for_workers(proc.pid)
         # The script runs its job itself: its run serves the metrics --metrics-port asks for.
         scraped: list[dict[str, float]] = []
@@ -313,10 +313,6 @@ def test_tandem_run_stops_cleanly_on_sigterm_and_serves_metrics_meanwhile(tmp_pa
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, stdout + stderr
     assert "SIGTERM: stopping job 'plain'" in stderr
     assert "the script got" in stdout and "job 'plain':" in stdout
@@ -333,17 +329,13 @@ def test_tandem_run_stops_cleanly_on_sigterm_and_serves_metrics_meanwhile(tmp_pa
 
 def test_a_second_signal_kills_the_workers_at_once(tmp_path):
     proc = tandem_run(tmp_path, SCRIPT.format(out=str(tmp_path / "out")))
-    try:
+    with reaped(proc):
         workers = wait_for_workers(proc.pid)
         time.sleep(1.5)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 130, stdout + stderr
     assert "SIGINT again: killing the workers of job 'plain' at once" in stderr
     deadline = time.monotonic() + 5

@@ -705,6 +705,47 @@ class Window(Operator):
         self.closed_before, self.late_rows, ipc = pickle.loads(data)
         self.pending = list(pa.ipc.open_stream(ipc)) if ipc else []
 
+    def keyed_state(self) -> dict | None:
+        """Per key of the open windows (a keyed window): ``(closed_before, late_rows,
+        rows)``, its rows as Arrow IPC, with the window index the task has closed windows
+        before (the same in every partition: each sees every heartbeat); the partition's
+        late-row count goes with its first key (and is dropped with no open window). Rows
+        with a null key are kept under ``None`` (they all reach partition 0). None for a
+        window without a key (one global window: nothing to split)."""
+        if self.key is None:
+            return None
+        out: dict = {}
+        if not self.pending:
+            return out
+        table = pa.Table.from_batches(self.pending).combine_chunks()
+        codes, keys = _group_codes(table.column(self.key))
+
+        def ipc(rows: pa.Table) -> bytes:
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, rows.schema) as w:
+                w.write_table(rows)
+            return sink.getvalue().to_pybytes()
+
+        late = self.late_rows
+        for code, key in [(-1, None), *enumerate(keys)]:
+            rows = table.filter(pa.array(codes == code))
+            if rows.num_rows:
+                out[key] = (self.closed_before, late, ipc(rows))
+                late = 0
+        return out
+
+    def restore_keyed(self, state: dict) -> None:
+        """The open windows' rows of the keys this partition owns, in saved-partition
+        order (each key's rows in their input order)."""
+        closed = [c for c, _, _ in state.values()]
+        self.closed_before = max(closed) if closed else -(1 << 63)
+        self.late_rows = sum(late for _, late, _ in state.values())
+        batches = []
+        for _, _, ipc in state.values():
+            if ipc:
+                batches += [b for b in pa.ipc.open_stream(ipc) if b.num_rows]
+        self.pending = batches
+
 
 def validate_aggregates(agg: Any, schema: pa.Schema, what: str) -> dict[str, tuple[str, str]]:
     """Check a window's ``agg`` mapping against its input schema."""

@@ -315,37 +315,48 @@ def savepoint(
 def savepoint_table(rows: list[SavepointRow]) -> list[str]:
     """The savepoint rows as the lines of a Markdown section."""
     r0 = rows[0]
-    out = [
-        "### A savepoint of the running job against state size",
-        "",
+    cell = paper._cell
+    return _section(
+        "A savepoint of the running job against state size",
         f"{r0.rate:,} ev/s, r = 2, a keyed task of 2 partitions; a savepoint asked for at "
         f"about {r0.at_s:g} s of source time while the job runs, beside a run without one. "
         "p99: the worst per-second p99 from the request to a second after the cut, "
         "without and with the savepoint; resume: loading the savepoint (read, checked, the "
         "plan built) and the resumed run's first output from its engine's start.",
-        "",
         "| state per partition | written | write ms | p99 without | p99 with | ratio "
         "| resume load ms | first output ms | resumed rows exact | lost | dup | digests |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
+        [
+            [
+                f"{r.state_mb:g} MiB",
+                f"{r.state_mb_written:.1f} MiB",
+                cell(r.write_ms, 0),
+                cell(r.p99_without_ms),
+                cell(r.p99_with_ms),
+                cell(r.ratio, 2, "x"),
+                cell(r.resume_load_ms, 0),
+                cell(r.resume_first_output_ms, 0),
+                "yes" if r.rows_exact else "NO",
+                cell(r.lost),
+                cell(r.duplicates),
+                "match" if r.digests_match else "DIFFER",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _section(title: str, intro: str, header: str, align: str, rows: list[list[str]]) -> list[str]:
+    """A Markdown section: its title, a paragraph, and a table of ``rows``."""
+    return [
+        f"### {title}",
+        "",
+        intro,
+        "",
+        header,
+        align,
+        *("| " + " | ".join(cells) + " |" for cells in rows),
     ]
-    cell = paper._cell
-    for r in rows:
-        cells = [
-            f"{r.state_mb:g} MiB",
-            f"{r.state_mb_written:.1f} MiB",
-            cell(r.write_ms, 0),
-            cell(r.p99_without_ms),
-            cell(r.p99_with_ms),
-            cell(r.ratio, 2, "x"),
-            cell(r.resume_load_ms, 0),
-            cell(r.resume_first_output_ms, 0),
-            "yes" if r.rows_exact else "NO",
-            cell(r.lost),
-            cell(r.duplicates),
-            "match" if r.digests_match else "DIFFER",
-        ]
-        out.append("| " + " | ".join(cells) + " |")
-    return out
 
 
 # -- the invocation ----------------------------------------------------------------------
@@ -411,35 +422,33 @@ def failures(
 def restore_table(rows: list[RecoveryRow]) -> list[str]:
     """The restore rows as the lines of a Markdown section."""
     r0 = rows[0]
-    out = [
-        "### Restoring r against state size",
-        "",
+    cell = paper._cell
+    return _section(
+        "Restoring r against state size",
         f"{r0.rate:,} ev/s, r = 2, a keyed task of 2 partitions; the replica group holding "
         f"`state[0]` replica 0 SIGKILLed at {r0.kill_at_s:g} s and rebuilt from its twins. "
         "restore: from the kill to the rebuilt replicas receiving their input. p99 before: "
         "median per-second p99 before the kill; during: the worst second from the kill "
         "until 2 s after the rebuild.",
-        "",
         "| state per partition | restore ms | rebuilt | p99 before | p99 during | ratio "
         "| longest gap | lost | dup | digests |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    cell = paper._cell
-    for r in rows:
-        cells = [
-            f"{r.state_mb:g} MiB",
-            cell(r.restore_ms, 0),
-            cell(r.rebuilt),
-            cell(r.p99_before_ms),
-            cell(r.p99_during_ms),
-            cell(r.during_vs_before, 2, "x"),
-            cell(r.max_gap_ms, 0),
-            cell(r.lost),
-            cell(r.duplicates),
-            "match" if r.digests_match else "DIFFER",
-        ]
-        out.append("| " + " | ".join(cells) + " |")
-    return out
+        [
+            [
+                f"{r.state_mb:g} MiB",
+                cell(r.restore_ms, 0),
+                cell(r.rebuilt),
+                cell(r.p99_before_ms),
+                cell(r.p99_during_ms),
+                cell(r.during_vs_before, 2, "x"),
+                cell(r.max_gap_ms, 0),
+                cell(r.lost),
+                cell(r.duplicates),
+                "match" if r.digests_match else "DIFFER",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def markdown(
