@@ -824,7 +824,14 @@ def _split_states(plan: Plan, saved: Plan, task: Task, states: dict, where: str)
                 f"{was}"
             )
         for k, v in kv.items():
-            g = None if k is None else key_group(k, groups)
+            try:
+                g = None if k is None else key_group(k, groups)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"{task.describe()}: the saved state of its partition {p} holds an entry "
+                    f"that is no key of its input: {exc}; keyed_state() must return entries "
+                    "keyed by the input's key values"
+                ) from None
             owner = 0 if g is None else key_group_channel(g, groups, was)
             if owner != p:
                 raise ConfigError(

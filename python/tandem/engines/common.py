@@ -78,6 +78,12 @@ class Stop:
             self.request()
         return ask.future
 
+    def stops_at_savepoint(self) -> bool:
+        """Whether a savepoint that stops the run is asked for and not taken yet: the
+        engine then stops the run there, not at once."""
+        with self._lock:
+            return any(ask.stop for ask in self._savepoints)
+
     def next_savepoint(self) -> SavepointAsk | None:
         """The engine's side: the oldest savepoint asked for and not taken yet."""
         with self._lock:

@@ -518,34 +518,35 @@ class Coordinator:
     def _extend(self, now_s: float) -> None:
         """A run with no duration: move the point the sources may reach on, to
         ``STOP_LEAD_S`` ahead of ``now_s`` (a whole number of heartbeats), or make the
-        current one final when a stop was requested or the bounded sources end there."""
+        current one final when a stop was requested or the bounded sources end there. A
+        stop at a savepoint is made final by the savepoint (:meth:`_start_savepoint`):
+        one heartbeat past the lease, its cuts asked for first."""
         if self.final:
             return
         hb = self.plan.heartbeat_ns
-        if self.stop_token.requested and self.until_ns > 0:
-            self.final = True
-            log.info(
-                "stopping job %r: its sources end at %.2f s of source time, then what is in "
-                "flight drains to the sinks",
-                self.plan.job,
-                self.until_ns / 1e9,
-            )
-        else:
-            if self.until_ns / 1e9 - now_s > STOP_LEAD_S / 2 and self.until_ns > 0:
-                return
-            target = round((max(now_s, 0.0) + STOP_LEAD_S) * 1e9)
-            self.until_ns = max(self.until_ns, -(-target // hb) * hb)
-            if self.natural_ns is not None and self.until_ns >= self.natural_ns:
-                self.until_ns, self.final = self.natural_ns, True
-            self.final |= self.stop_token.requested
-        if self.final and self.stop_token.requested:
-            # A run stopped before its lease passed its start still runs one heartbeat
-            # past it: a stop's savepoint is a cut after a heartbeat the run forwarded (a
-            # run resumed from heartbeat K never forwards K).
-            floor = self.resumed_ns + hb
-            if self.natural_ns is not None:
-                floor = min(floor, self.natural_ns)
-            self.until_ns = max(self.until_ns, floor)
+        stopping = self.stop_token.requested and not self.stop_token.stops_at_savepoint()
+        if stopping and self.until_ns > 0:
+            self._finalize(self.until_ns)
+            return
+        if self.until_ns / 1e9 - now_s > STOP_LEAD_S / 2 and self.until_ns > 0:
+            return
+        target = round((max(now_s, 0.0) + STOP_LEAD_S) * 1e9)
+        self.until_ns = max(self.until_ns, -(-target // hb) * hb)
+        if self.natural_ns is not None and self.until_ns >= self.natural_ns:
+            self.until_ns, self.final = self.natural_ns, True
+        self.final |= stopping
+        for w in self.running:
+            self.host.send(w, self.current[w], Until(self.until_ns, self.final))
+
+    def _finalize(self, until_ns: int) -> None:
+        """Stop the run at ``until_ns`` of source time: the sources end there."""
+        self.until_ns, self.final = until_ns, True
+        log.info(
+            "stopping job %r: its sources end at %.2f s of source time, then what is in "
+            "flight drains to the sinks",
+            self.plan.job,
+            self.until_ns / 1e9,
+        )
         for w in self.running:
             self.host.send(w, self.current[w], Until(self.until_ns, self.final))
 
@@ -585,7 +586,10 @@ class Coordinator:
                     )
             if self.checkpointing:
                 self._checkpoint_step(now_s)
+            was_final = self.final
             self._savepoint_step(now_s)
+            if self.final and not was_final:  # a stop at a savepoint: from its stop point
+                deadline = time.monotonic() + max(0.0, self.end_s() - now_s) + timeout
             self._draw(now_s)
             wait_s = (pending[0].at - now_s) if pending else 0.2
             if not self.final:  # a stop is seen within 0.1 s
@@ -1301,10 +1305,19 @@ class Coordinator:
         if logs:
             raise savepoints.failed(f"source {logs[0]!r} reads a log (not supported yet)")
         hb = self.plan.heartbeat_ns
-        if ask.stop:
-            if not self.final:
-                self._extend(now_s)  # the stop asked with it: the lease becomes final
+        finalize = False
+        if ask.stop and self.final:  # the sources end there anyway (bounded, or stopped)
             epoch = self.until_ns // hb
+        elif ask.stop:
+            # One heartbeat past the lease: the sources never pass the lease, so no replica
+            # has forwarded it, and the cuts are asked for before the sources may (the
+            # lease is made final after the requests, on the same connections). At the
+            # lease itself a replica may have forwarded it already — when the coordinator
+            # was slow to move it on — and could not be cut.
+            epoch = self.until_ns // hb + 1
+            if self.natural_ns is not None:
+                epoch = min(epoch, self.natural_ns // hb)
+            finalize = True
         else:
             lead = max(3 * hb / 1e9, CHECKPOINT_LEAD_S)
             epoch = int((max(now_s, 0.0) + lead) * 1e9 / hb) + 1
@@ -1344,6 +1357,8 @@ class Coordinator:
                 self.current[w],
                 SavepointRequest(epoch, folder, tuple(asked), roll=ask.checkpoint),
             )
+        if finalize:
+            self._finalize(epoch * hb)
         saving = _Saving(ask, epoch, folder, set(rids), time.monotonic() + CHECKPOINT_TIMEOUT_S)
         if self.checkpointing:  # no checkpoint meanwhile: one aligned cut a slot
             saving.checkpoint_at, self._checkpoint_at = self._checkpoint_at, math.inf
