@@ -120,7 +120,7 @@ def test_both_engines_are_checked_against_the_engine_protocol():
     assert isinstance(LocalEngine(), engines.StoppableEngine)
     assert engines.stoppable(LocalEngine())
     spark = tandem_spark.SparkEngine(master="local[2,2]")
-    assert isinstance(spark, engines.Engine) and not engines.stoppable(spark)
+    assert isinstance(spark, engines.StoppableEngine) and engines.stoppable(spark)
     job = td.Job("not-an-engine")
     job.source(td.sources.Synthetic(rate=10)).sink(td.sinks.Collect())
     with pytest.raises(td.ConfigError, match=r"an engine object \(a name and a run\(\) method"):
