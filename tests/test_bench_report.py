@@ -55,3 +55,20 @@ def test_the_check_fails_below_the_ratio_or_without_a_pair(tmp_path, capsys):
     assert report.main(["report.py", str(path), "--min-ratio", "10"]) == 1
     assert report.main(["report.py", str(path), "--min-ratio", "10", "--known-short", "b"]) == 0
     assert "known short b" in capsys.readouterr().out
+
+
+def test_a_group_may_have_a_minimum_of_its_own(tmp_path, capsys):
+    fast = [_bench("test_a_rust", "a", 0.01, 0.01), _bench("test_a_python", "a", 1.0, 1.0)]
+    slow = [_bench("test_b_rust", "b", 0.1, 0.1), _bench("test_b_python", "b", 0.7, 0.7)]
+    lines = report.check(_data(*fast, *slow), 10, group_ratios={"b": 6})
+    assert lines[0].startswith("ok a") and lines[1] == (
+        "ok b: Rust is 7.0x the Python reference (best of rounds), at least 6x"
+    )
+    assert report.check(_data(*fast, *slow), 10, group_ratios={"b": 8})[1].startswith("FAIL b")
+    assert report.check(_data(*fast), 10, group_ratios={"gone": 6})[0].startswith("FAIL gone")
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_data(*fast, *slow)))
+    argv = ["report.py", str(path), "--min-ratio", "10"]
+    assert report.main([*argv, "--min-ratio-for", "b=6"]) == 0
+    assert report.main([*argv, "--min-ratio-for", "b=8"]) == 1
+    capsys.readouterr()
