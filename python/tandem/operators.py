@@ -718,6 +718,8 @@ class Window(Operator):
         if not self.pending:
             return out
         table = pa.Table.from_batches(self.pending).combine_chunks()
+        if not table.num_rows:
+            return out
         codes, keys = _group_codes(table.column(self.key))
 
         def ipc(rows: pa.Table) -> bytes:
@@ -726,12 +728,15 @@ class Window(Operator):
                 w.write_table(rows)
             return sink.getvalue().to_pybytes()
 
+        # One stable sort: the null key's rows (code -1) first, then each key's in order of
+        # first appearance, each key's rows in their input order.
+        order = np.argsort(codes, kind="stable")
         late = self.late_rows
-        for code, key in [(-1, None), *enumerate(keys)]:
-            rows = table.filter(pa.array(codes == code))
-            if rows.num_rows:
-                out[key] = (self.closed_before, late, ipc(rows))
-                late = 0
+        for rows in np.split(order, np.flatnonzero(np.diff(codes[order])) + 1):
+            code = int(codes[rows[0]])
+            key = None if code < 0 else keys[code]
+            out[key] = (self.closed_before, late, ipc(table.take(pa.array(rows))))
+            late = 0
         return out
 
     def restore_keyed(self, state: dict) -> None:

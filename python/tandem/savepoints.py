@@ -332,13 +332,7 @@ def settle(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[ReplicaId, Resume]
         epochs, positions, ended = list(cut[1]), list(inbox[0]), list(inbox[3])
         for c, chan in enumerate(plan.input_channels(t, p)):
             up = by_part[(chan.task, chan.partition)].cut
-            edges = plan.output_edges(chan.task, chan.partition)
-            e = next(
-                i
-                for i, edge in enumerate(edges)
-                if edge.downstream == t and edge.input_index == chan.input_index
-            )
-            seq = up[3][e][0][edges[e].partitions.index(p)]
+            seq = _sent(plan, by_part, chan.task, chan.partition, t, chan.input_index, p)
             if not ended[c] and not (sink and positions[c] > seq):
                 continue
             positions[c], ended[c], epochs[c] = seq, False, min(epochs[c], up[0])
@@ -702,14 +696,11 @@ def rescale(
             for edge, (seqs, rows) in zip(edges, cut[3], strict=True)
         )
         inbox, epochs = cut[2], cut[1]
-        if inbox is not None and any((up, t, i) in renumbered for up, _, i in _inputs_of(plan, t)):
+        inputs = ((e.upstream, t, e.input_index) for e in plan.tasks[t].inputs)
+        if inbox is not None and any(edge in renumbered for edge in inputs):
             inbox, epochs = _renumbered_inbox(plan, saved, t, p, cut, changed, epoch)
         out[(t, p)] = dataclasses.replace(resume, cut=(cut[0], epochs, inbox, outboxes))
     return out
-
-
-def _inputs_of(plan: Plan, t: int) -> list[tuple[int, int, int]]:
-    return [(e.upstream, t, e.input_index) for e in plan.tasks[t].inputs]
 
 
 def _sent(saved: Plan, parts: dict, up: int, u: int, down: int, index: int, d: int) -> int:

@@ -53,7 +53,7 @@ from typing import Any
 import pyarrow as pa
 
 from tandem import logs
-from tandem.engines.common import Stop, check_options
+from tandem.engines.common import Stop, check_options, stop_points
 from tandem.engines.coordinator import Coordinator
 from tandem.engines.exchange import REJOIN_TIMEOUT_S, serve
 from tandem.engines.process import child_env
@@ -250,13 +250,11 @@ class SparkEngine:
         )
         # The caller's stop, if any, is the job's too: a Spark job that fails kills the run.
         job = _SparkJob(sc, tag, stop)
-        # With a stop to honour, even a run with a duration goes by stop points (ending at
-        # its duration unless stopped before), as on the local engine.
-        cap_ns = None if duration is None or stop is None else round(duration * 1e9)
+        length, cap_ns = stop_points(duration, stop)
         coordinator = Coordinator(
             plan,
             registry,
-            duration if stop is None else None,
+            length,
             faults,
             secret=secret,
             zoo=zoo,

@@ -111,6 +111,15 @@ class Stop:
         return self._killed.is_set()
 
 
+def stop_points(duration: float | None, stop: Stop | None) -> tuple[float | None, int | None]:
+    """The duration and the cap (ns after t0) a coordinator runs with for a run of
+    ``duration`` seconds that honours ``stop``: with a stop to honour, even a run with a
+    duration goes by stop points, ending at its duration unless stopped before."""
+    if stop is None or duration is None:
+        return duration, None
+    return None, round(duration * 1e9)
+
+
 def check_options(
     engine: str,
     duration: float | None,

@@ -36,7 +36,7 @@ import cloudpickle
 import psutil
 
 from tandem.engines import spare
-from tandem.engines.common import STARTUP_S, Stop, check_options
+from tandem.engines.common import STARTUP_S, Stop, check_options, stop_points
 from tandem.engines.coordinator import STOP_LEAD_S, Coordinator, Event, Exited, Received
 from tandem.engines.exchange import state_folder
 from tandem.engines.process import child_env
@@ -304,14 +304,12 @@ class LocalEngine:
         # Kafka sources: the heartbeat generators run from before the workers start until
         # every worker has stopped (their markers before t0 are ignored).
         generators = Generators(plan, env=child_env())
-        # With a stop to honour, even a run with a duration goes by stop points (ending
-        # at its duration unless stopped before).
-        cap_ns = None if duration is None or stop is None else round(duration * 1e9)
+        length, cap_ns = stop_points(duration, stop)
         lh = LocalHost(plan, host, relay=progress)
         run = Coordinator(
             plan,
             lh,
-            duration if stop is None else None,
+            length,
             list(faults),
             secret=os.urandom(32),
             zoo=zoo,
