@@ -1,4 +1,4 @@
-"""Durable checkpoints (``Job(checkpoint_ms=..., checkpoint_dir=...)`` at replication >= 2):
+"""Durable checkpoints (``Job(checkpoint_ms=..., checkpoint_dir=...)``, at any replication):
 the job writes a savepoint-format checkpoint every period and keeps the newest few; when
 the process running it dies, ``resume=True`` (``tandem run --resume``) starts it again
 from the newest complete one — every row after the cut once, keyed state going on across
@@ -31,12 +31,14 @@ def input_file(tmp_path_factory) -> str:
     return write_events(tmp_path_factory.mktemp("input") / "events.parquet", ROWS, KEYS, 5)
 
 
-def keyed_job(input_file: str, directory, count_parallelism: int = 2, **options) -> td.Job:
+def keyed_job(
+    input_file: str, directory, count_parallelism: int = 2, replication: int = 2, **options
+) -> td.Job:
     """Parquet (2 partitions) -> count per key (``count_parallelism`` partitions) ->
-    Collect, r = 2, a durable checkpoint every PERIOD_MS into ``directory``."""
+    Collect, at ``replication``, a durable checkpoint every PERIOD_MS into ``directory``."""
     job = td.Job(
         "durable",
-        replication=2,
+        replication=replication,
         checkpoint_ms=PERIOD_MS,
         checkpoint_dir=str(directory),
         **options,
@@ -117,6 +119,28 @@ def test_a_job_killed_at_once_resumes_from_its_newest_checkpoint(input_file, tmp
     check_continues(input_file, second.output, newest)
 
 
+def test_at_r1_a_lost_worker_rolls_back_and_a_lost_job_resumes(input_file, tmp_path):
+    """At replication 1 the passive checkpoints roll a lost worker back within the run
+    while the durable ones are written beside them; the job killed at once then resumes
+    from its newest durable one (at 3 partitions), exact from the cut on."""
+    directory = tmp_path / "checkpoints"
+    first = keyed_job(input_file, directory, replication=1).run(
+        progress=False, timeout=120, faults=[td.Kill("count", 0, 0, at=2.0)]
+    )
+    assert first.lost == 0 and first.duplicates == 0 and first.output.num_rows == ROWS
+    assert first.checkpoints["rollbacks"] == 1 and first.checkpoints["completed"] > 0
+    assert 1 <= len(complete(directory)) <= savepoints.KEEP_CHECKPOINTS
+
+    directory = tmp_path / "lost"
+    handle = keyed_job(input_file, directory, replication=1).start(progress=False)
+    kill_after_checkpoints(handle, directory, 2 * PERIOD_MS)
+    newest = td.Savepoint.read(str(complete(directory)[-1]))
+    second = keyed_job(input_file, directory, count_parallelism=3, replication=1).run(
+        progress=False, resume=True, timeout=120
+    )
+    check_continues(input_file, second.output, newest)
+
+
 def test_checkpoints_leave_the_output_alone(input_file, tmp_path):
     """A run that writes checkpoints emits what the reference executor does."""
     directory = tmp_path / "checkpoints"
@@ -138,8 +162,8 @@ def test_resume_with_no_checkpoint_yet_starts_from_the_beginning(input_file, tmp
 def test_durable_checkpoint_mistakes_are_refused_before_anything_starts(input_file, tmp_path):
     with pytest.raises(td.ConfigError, match=r"checkpoint_dir= .* checkpoint_ms= how often"):
         td.Job("j", checkpoint_dir=str(tmp_path))
-    with pytest.raises(td.ConfigError, match="needs replication >= 2"):
-        td.Job("j", replication=1, checkpoint_ms=500, checkpoint_dir=str(tmp_path))
+    with pytest.raises(td.ConfigError, match="drop restore=True"):
+        td.Job("j", replication=1, restore=True, checkpoint_ms=500, checkpoint_dir=str(tmp_path))
     with pytest.raises(td.ConfigError, match="ordering='kazoo'"):
         td.Job("j", ordering="kazoo", checkpoint_ms=500, checkpoint_dir=str(tmp_path))
     with pytest.raises(td.ConfigError, match="checkpoint_dir=PATH with checkpoint_ms"):

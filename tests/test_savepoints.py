@@ -566,8 +566,7 @@ def test_on_spark_a_running_job_takes_savepoints_and_stops_at_one(input_file, tm
 
 def window_job(input_file: str, parallelism: int) -> td.Job:
     """source (Parquet, 2 partitions) -> per key, 250 ms tumbling windows (rows, sum of
-    ids) -> Collect. (A stop at a savepoint would flush its open windows as the stream
-    ends, then go on with them in the resumed run: see docs/guide/savepoints.md.)"""
+    ids) -> Collect."""
     job = td.Job("windows", replication=2)
     events = job.source(td.sources.Parquet(input_file, rate=RATE), parallelism=2, name="source")
     agg = {"rows": ("id", "count"), "ids": ("id", "sum")}
@@ -575,6 +574,18 @@ def window_job(input_file: str, parallelism: int) -> td.Job:
         td.sinks.Collect()
     )
     return job
+
+
+def windows(*results: td.Result) -> pd.DataFrame:
+    """Every window's (key, index from the run's t0, rows, sum of ids), sorted: a resumed
+    run's t0 is the stopped run's, moved so its source time goes on."""
+    frames = []
+    for r in results:
+        frame = r.output.to_pandas()
+        frame["index"] = (frame["window_start_ns"] - r.t0_ns) // 250_000_000
+        frames.append(frame[["key", "index", "rows", "ids"]])
+    frame = pd.concat(frames).sort_values(["key", "index"])
+    return frame.reset_index(drop=True)
 
 
 def test_a_keyed_window_resumes_at_a_new_parallelism_with_its_open_windows(input_file, tmp_path):
@@ -588,21 +599,28 @@ def test_a_keyed_window_resumes_at_a_new_parallelism_with_its_open_windows(input
     resumed = window_job(input_file, 3).run(from_savepoint=path, progress=False, timeout=120)
     assert whole.lost == 0 and whole.duplicates == 0 and resumed.digests_match
 
-    def windows(*results: td.Result) -> pd.DataFrame:
-        """Every window's (key, index from the run's t0, rows, sum of ids), sorted: the
-        resumed run's t0 is the stopped run's, moved so its source time goes on."""
-        frames = []
-        for r in results:
-            frame = r.output.to_pandas()
-            frame["index"] = (frame["window_start_ns"] - r.t0_ns) // 250_000_000
-            frames.append(frame[["key", "index", "rows", "ids"]])
-        frame = pd.concat(frames).sort_values(["key", "index"])
-        return frame.reset_index(drop=True)
-
     # The window open at the cut (it ends after it) and every later one.
     first_open = int(saved.source_time_s * 1000) // 250
     want = windows(whole)
     want = want[want["index"] >= first_open].reset_index(drop=True)
     got = windows(resumed)
     assert len(got) > 0 and got.equals(want)
+    assert int(got["rows"].sum()) == ROWS
+
+
+def test_a_stop_at_a_savepoint_leaves_the_open_windows_to_the_resumed_run(input_file, tmp_path):
+    """A stop at a savepoint does not drain: the windows open at the stop are emitted once,
+    whole, by the resumed run (at 3 partitions) — the two runs' windows are those of one
+    run with no stop, none cut short and none twice."""
+    path = str(tmp_path / "sp")
+    handle = window_job(input_file, 2).start(progress=False)
+    time.sleep(0.5)
+    first = handle.stop(timeout=120, savepoint=path)
+    assert first.lost == 0 and first.duplicates == 0  # against a reference that stops too
+    saved = td.Savepoint.read(path)
+    assert 0 < saved.source_time_s < ROWS / RATE - 0.5
+    resumed = window_job(input_file, 3).run(from_savepoint=path, progress=False, timeout=120)
+    whole = window_job(input_file, 2).run(progress=False, timeout=120)
+    got = windows(first, resumed)
+    assert got.equals(windows(whole)), got.merge(windows(whole), how="outer", indicator=True)
     assert int(got["rows"].sum()) == ROWS

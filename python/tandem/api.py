@@ -177,12 +177,11 @@ def _check_checkpoint(
                 f"Job {name!r}: checkpoint_dir must be a directory path or a URI, got "
                 f"{checkpoint_dir!r}"
             )
-        if replication < 2:
+        if replication == 1 and restore:
             raise ConfigError(
-                f"Job {name!r}: checkpoint_dir= (durable checkpoints a job resumes from) "
-                "needs replication >= 2 in this version; at replication=1, checkpoint_ms "
-                "alone is the passive configuration, its checkpoints on local disk for the "
-                "run's own recovery"
+                f"Job {name!r}: restore=True rebuilds lost replicas from live twins "
+                "(replication >= 2); at replication=1 checkpoint_ms rolls them back to a "
+                "checkpoint: drop restore=True"
             )
         if ordering == "kazoo":
             raise ConfigError(
@@ -242,13 +241,13 @@ class Job:
     checkpoint and are replayed from there (``replay_ms`` then defaults to ``2 *
     checkpoint_ms + 3000``, so the replay windows reach back to it); a lost Kafka sink
     restarts from its last commit, as with ``restore``. ``checkpoint_dir`` (with
-    ``checkpoint_ms``, ``replication >= 2``): durable checkpoints — every ``checkpoint_ms``
-    a savepoint of the whole job (one live replica of every partition cut at one
-    heartbeat, the job going on) is written to a directory of its own in
-    ``checkpoint_dir`` (a local path or a URI ``pyarrow.fs`` opens), the newest
-    :data:`tandem.savepoints.KEEP_CHECKPOINTS` kept; when the process running the job
-    dies, ``run(resume=True)`` (``tandem run --resume``) starts it from the newest
-    complete one (local engine; sinks that keep their rows in the Result).
+    ``checkpoint_ms``, any replication; at 1 beside the passive ones): durable
+    checkpoints — every ``checkpoint_ms`` a savepoint of the whole job (one live replica
+    of every partition cut at one heartbeat, the job going on) is written to a directory
+    of its own in ``checkpoint_dir`` (a local path or a URI ``pyarrow.fs`` opens), the
+    newest :data:`tandem.savepoints.KEEP_CHECKPOINTS` kept; when the process running the
+    job dies, ``run(resume=True)`` (``tandem run --resume``) starts it from the newest
+    complete one (either engine).
     ``max_parallelism``: the key groups of every keyed (``key_by``) edge — a key's group is
     its hash modulo this, and each partition of a keyed task owns a contiguous range of
     groups — so the most partitions a keyed task can have, now or when it resumes from a
@@ -325,7 +324,10 @@ class Job:
         )
         self.checkpoint_ms = checkpoint_ms
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
-        passive = checkpoint_ms is not None and checkpoint_dir is None
+        # At r = 1 the passive checkpoints roll a lost worker back within the run, and
+        # with checkpoint_dir the durable ones are written beside them (Plan.durable_dir).
+        passive = checkpoint_ms is not None and (checkpoint_dir is None or self.replication == 1)
+        self._passive = passive
         if replay_ms is None:
             replay_ms = 2 * checkpoint_ms + 3000 if passive else 3000
         if _number(replay_ms, f"Job {name!r}: replay_ms") <= 0:
@@ -504,7 +506,7 @@ class Job:
             restore=self.restore,
             replay_ms=self.replay_ms,
             failure_timeout_ms=self.failure_timeout_ms,
-            checkpoint_ms=self.checkpoint_ms if self.checkpoint_dir is None else None,
+            checkpoint_ms=self.checkpoint_ms if self._passive else None,
             durable_ms=None if self.checkpoint_dir is None else self.checkpoint_ms,
             durable_dir=self.checkpoint_dir,
             max_parallelism=self.max_parallelism,

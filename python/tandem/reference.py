@@ -160,6 +160,7 @@ def run(
     t0_ns: int = 0,
     orders: dict[tuple[int, int], list[tuple[int, int]]] | None = None,
     in_memory: bool = False,
+    drain: bool = True,
 ) -> Result:
     """Run ``plan`` for ``duration`` seconds of source time; return its Result.
 
@@ -168,7 +169,9 @@ def run(
     consume in that order instead of LiveRobin's, so the result is the one output that run
     must have produced. ``in_memory``: every sink is a :class:`~tandem.sinks.Collect`, so
     that every output is a table of the sink's input rows and nothing is written anywhere
-    (what an oracle needs: a file sink would overwrite the files of the run it checks)."""
+    (what an oracle needs: a file sink would overwrite the files of the run it checks).
+    ``drain``: the operators emit their final output at the end (False: a run stopped at
+    a savepoint, which leaves it to the resumed run)."""
     chans: dict[ChannelKey, list[Item]] = {}
     events_in = 0
     events_out = 0
@@ -199,7 +202,7 @@ def run(
                         out.control("end")
         elif task.kind == "operator":
             for p in range(task.parallelism):
-                _run_operator(plan, task, p, t0_ns, chans, (orders or {}).get((task.id, p)))
+                _run_operator(plan, task, p, t0_ns, chans, (orders or {}).get((task.id, p)), drain)
         else:
             parts = []
             proto = Collect() if in_memory else task.sink
@@ -275,7 +278,13 @@ def log_entries(steps: Iterable[LogStep]) -> Iterator[tuple]:
 
 
 def _run_operator(
-    plan: Plan, task: Task, partition: int, t0_ns: int, chans: dict, orders: list | None
+    plan: Plan,
+    task: Task,
+    partition: int,
+    t0_ns: int,
+    chans: dict,
+    orders: list | None,
+    drain: bool = True,
 ) -> None:
     inst = plan.instantiate(task.id, partition, replica=0, t0_ns=t0_ns)
     inputs, queues = _queues(plan, task, partition, chans)
@@ -294,7 +303,8 @@ def _run_operator(
                     out.data(inst.watermark(plan.watermark_ns(k, t0_ns)))
                     out.control("heartbeat", k)
         else:
-            out.data(inst.finish())
+            if drain:
+                out.data(inst.finish())
             out.control("end")
 
 

@@ -154,8 +154,11 @@ def assemble_result(
     lost_replicas: Iterable[tuple[ReplicaId, str]] = (),
     rss_mb: dict[str, float] | None = None,
     kazoo: KazooRun | None = None,
+    drained: bool = True,
 ) -> Result:
-    """The :class:`Result` of a run of ``plan`` for ``duration`` seconds from ``t0_ns``.
+    """The :class:`Result` of a run of ``plan`` for ``duration`` seconds from ``t0_ns``
+    (``drained``: its operators emitted their final output at the end — not when it
+    stopped at a savepoint).
 
     ``reports`` holds the report of every replica that finished (the sinks' included);
     ``faults`` the faults injected (dicts); ``lost_replicas`` the replicas that died, each
@@ -204,7 +207,7 @@ def assemble_result(
     _digests(res, plan, reports)
     _leaders(res, plan, reports)
     if check:
-        _check(res, plan, duration, reports, chosen, kazoo)
+        _check(res, plan, duration, reports, chosen, kazoo, drained)
     else:  # not measured: say so rather than report a reassuring zero
         res.lost = res.duplicates = None
     return res
@@ -333,6 +336,7 @@ def _check(
     reports: Mapping[ReplicaId, ReplicaReport],
     chosen: Mapping[tuple[int, int], ReplicaId],
     zoo: KazooRun | None,
+    drained: bool = True,
 ) -> None:
     """Lost and duplicated rows: every sink's output against the reference run, as
     multisets of rows — read back from the files for file sinks (:meth:`Sink.rows`); by
@@ -344,7 +348,9 @@ def _check(
         channels = {tp: len(plan.input_channels(*tp)) for tp in plan.ordered_partitions()}
         orders = kazoo.read_orders(zoo, channels)
     # In memory: the reference must not write over the sinks' files before they are read.
-    ref = reference.run(plan, duration, t0_ns=res.t0_ns, orders=orders, in_memory=True)
+    ref = reference.run(
+        plan, duration, t0_ns=res.t0_ns, orders=orders, in_memory=True, drain=drained
+    )
     lost = dups = 0
     for task in plan.sinks():
         want: pa.Table = ref.outputs[task.name]

@@ -333,6 +333,9 @@ class Coordinator:
         # A run with no duration: the source time the sources may reach (ns after t0), and
         # whether the run stops there; the end of the bounded sources, if all are.
         self.until_ns, self.final = 0, duration is not None
+        # False once the run stops at a savepoint: the operators' final output (a window's
+        # open windows) is left to the resumed run, which has their state.
+        self.drain = True
         self.natural_ns = plan.natural_end_ns() if duration is None else None
         if cap_ns is not None:
             self.natural_ns = min(cap_ns, self.natural_ns or cap_ns)
@@ -536,7 +539,7 @@ class Coordinator:
             self.until_ns, self.final = self.natural_ns, True
         self.final |= stopping
         for w in self.running:
-            self.host.send(w, self.current[w], Until(self.until_ns, self.final))
+            self.host.send(w, self.current[w], Until(self.until_ns, self.final, self.drain))
 
     def _finalize(self, until_ns: int) -> None:
         """Stop the run at ``until_ns`` of source time: the sources end there."""
@@ -548,7 +551,7 @@ class Coordinator:
             self.until_ns / 1e9,
         )
         for w in self.running:
-            self.host.send(w, self.current[w], Until(self.until_ns, self.final))
+            self.host.send(w, self.current[w], Until(self.until_ns, self.final, self.drain))
 
     # -- the run --------------------------------------------------------------------------
 
@@ -1358,6 +1361,7 @@ class Coordinator:
                 SavepointRequest(epoch, folder, tuple(asked), roll=ask.checkpoint),
             )
         if finalize:
+            self.drain = False
             self._finalize(epoch * hb)
         saving = _Saving(ask, epoch, folder, set(rids), time.monotonic() + CHECKPOINT_TIMEOUT_S)
         if self.checkpointing:  # no checkpoint meanwhile: one aligned cut a slot
@@ -1547,7 +1551,7 @@ class Coordinator:
         if self.metrics is not None:
             self.host.send(w, inc, MetricsEvery(self.metrics.every_s))
         if self.duration is None:
-            self.host.send(w, inc, Until(self.until_ns, self.final))
+            self.host.send(w, inc, Until(self.until_ns, self.final, self.drain))
         self.current[w] = inc
         self.killed_workers.discard(w)
         self.running.add(w)
@@ -1954,6 +1958,7 @@ class Coordinator:
             lost_replicas=self.lost,
             rss_mb=getattr(self.host, "rss_mb", {}),
             kazoo=self.zoo,
+            drained=self.drain,
         )
         result.restored_replicas = list(self.restored)
         result.workers_cpu_s = sum(self.cpu_s.values()) if self.cpu_s else None

@@ -318,7 +318,7 @@ def _requests(
         elif isinstance(msg, Link):
             worker.link(msg.up, msg.down, msg.address, msg.epoch)
         elif isinstance(msg, Until):
-            worker.extend(msg.until_ns, msg.final)
+            worker.extend(msg.until_ns, msg.final, msg.drain)
         elif isinstance(msg, MetricsEvery):
             worker.metrics_every = msg.every_s
         elif isinstance(msg, CheckpointRequest) and checkpoints is not None:

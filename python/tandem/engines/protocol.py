@@ -171,10 +171,12 @@ class Link(Message):
 @dataclass(frozen=True, slots=True)
 class Until(Message):
     """A run with no duration: the sources may go up to ``until_ns`` of source time
-    (``final``: and end there)."""
+    (``final``: and end there; ``drain``: and the operators emit their final output at
+    the end — not at a stop at a savepoint)."""
 
     until_ns: int
     final: bool
+    drain: bool = True
 
 
 @dataclass(frozen=True, slots=True)

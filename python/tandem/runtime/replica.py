@@ -445,9 +445,10 @@ class Replica:
     def on_watermark(self, epoch: int) -> None:
         self._emit(self._inst.watermark(self.plan.watermark_ns(epoch, self.t0_ns)))
 
-    def on_end(self) -> None:
-        """Every input ended (sources: the schedule did): final output, end markers."""
-        if self._inst is not None:
+    def on_end(self, drain: bool = True) -> None:
+        """Every input ended (sources: the schedule did): final output (``drain``: not at
+        a stop at a savepoint, whose resumed run emits it), end markers."""
+        if self._inst is not None and drain:
             self._emit(self._inst.finish())
         if self._sink is not None:
             self.report.sink_part = self._sink.close()

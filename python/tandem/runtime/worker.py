@@ -32,6 +32,10 @@ them (:mod:`tandem.metrics`)."""
 #: catches up (:attr:`Worker.caught_up_nice`).
 CATCH_UP_NICE = 10
 
+DRAIN_WORD_S = 30.0
+"""How long an operator whose input ended waits for the engine's word on whether the stop
+drains (:meth:`Worker.drains`); it comes before the end, but by another connection."""
+
 
 def _warm_up() -> None:
     """Pay pyarrow's lazy imports now, while the job starts, not on the first batch after
@@ -111,6 +115,9 @@ class Worker:
         self.until: tuple[int, bool] | None = None
         """A run with no duration: the source time its sources may emit through (ns after
         t0) and whether the run stops there (:meth:`extend`)."""
+        self._stopping = threading.Event()
+        self._drains = True
+        self._until_mode = False
         self._sources: list[_Source | _LogSource] = []
         self.on_metrics = None
         """Called (from the worker thread) with a :meth:`metrics` snapshot every
@@ -207,12 +214,35 @@ class Worker:
         name = "tandem-dial-{}.{}.{}".format(*down)
         threading.Thread(target=dial, name=name, daemon=True).start()
 
-    def extend(self, until_ns: int, final: bool) -> None:
+    def extend(self, until_ns: int, final: bool, drain: bool = True) -> None:
         """A run with no duration (``run(duration=None)``): the hosted sources may emit
         what falls due through ``until_ns`` ns after t0; ``final``: the run stops there
-        (see :class:`_Source`). The engine only ever moves it forward."""
+        (see :class:`_Source`). The engine only ever moves it forward. ``drain`` (with
+        ``final``): the operators' final output is emitted at the end, as at the end of
+        a stream; False at a stop at a savepoint, whose resumed run goes on with the
+        state that output would have come from (:meth:`drains`)."""
+        if final:
+            self._drains = drain
+            self._stopping.set()
         self.control.append(("until", until_ns, final))
         self.core.wake()
+
+    def drains(self) -> bool:
+        """Whether an operator's end emits its final output (``finish()``). The same for
+        every replica of the run: the end reaches an operator only after its sources had
+        the final word of :meth:`extend`, and the engine sends that word to every worker
+        with the same ``drain`` — so in a run with no duration this waits for it, should
+        the end have come first by another connection."""
+        if not self._until_mode:
+            return True
+        if not self._stopping.wait(DRAIN_WORD_S):
+            log.warning(
+                "an operator's input ended with no word of the stop from the engine in "
+                "%.0f s: its final output is emitted",
+                DRAIN_WORD_S,
+            )
+            return True
+        return self._drains
 
     def _serve_control(self, by_rid: dict[ReplicaId, Replica]) -> None:
         while self.control:
@@ -293,6 +323,7 @@ class Worker:
         stops (:meth:`extend`). ``warmup``: seconds after ``t0_ns`` the sinks leave out of
         their latency record."""
         local = {r.me: r.inbox for r in self.replicas if r.inbox is not None}
+        self._until_mode = duration is None
         try:
             for r in self.replicas:
                 try:
@@ -454,8 +485,7 @@ class Worker:
         self.core.retire(rep.slot)
         self.cuts.retire(rep)
 
-    @staticmethod
-    def _dispatch(rep: Replica, item) -> bool:
+    def _dispatch(self, rep: Replica, item) -> bool:
         """Run ``item`` for ``rep``; False if it failed the job (the worker stops)."""
         try:
             if item.kind == "data":
@@ -463,7 +493,7 @@ class Worker:
             elif item.kind == "watermark":
                 rep.on_watermark(item.epoch)
             elif item.kind == "end":
-                rep.on_end()
+                rep.on_end(drain=self.drains())
             else:
                 rep.fail(item.error)
         except Exception as exc:
