@@ -159,6 +159,31 @@ def test_resume_at_a_new_parallelism_and_replication_with_new_code(input_file, t
     # The keys spread over all three new partitions (each took some saved counts on).
     owners = hash_channels(pa.array(after["key"].unique()), 3)
     assert sorted(set(owners.tolist())) == [0, 1, 2]
+    assert sorted(os.listdir(tmp_path)) == ["out-1", "out-2", "stop"]  # no rescaled states
+
+
+def test_rescaled_states_go_to_the_workers_as_files_not_in_the_plan(input_file, stopped):
+    """A resumed plan's new partitions read their states from files beside the savepoint,
+    so the plan every worker gets stays small whatever the state's size; the files go
+    when the run ends (savepoints.release, which the engine calls)."""
+    import cloudpickle
+
+    from tandem import savepoints
+
+    path, _ = stopped
+    plan = keyed_job(input_file, count_parallelism=3).plan()
+    resumed = savepoints.resume(path, plan)
+    count = plan.task("count").id
+    cuts = {(t, q): c for (t, q, _), c in resumed.resumed.cuts.items() if t == count}
+    assert cuts and all(c.state == b"" and c.state_file for c in cuts.values())
+    _, scratch = resumed.resumed.scratch
+    assert os.path.dirname(scratch) == os.path.dirname(path) and os.path.isdir(scratch)
+    loaded = {c.state_file: c.load() for c in cuts.values()}
+    assert len(loaded) == 3 and all(len(state) > 0 for state in loaded.values())
+    assert len(cloudpickle.dumps(resumed)) < len(cloudpickle.dumps(plan)) + 64 * 1024
+    savepoints.release(resumed)
+    assert not os.path.exists(scratch)
+    savepoints.release(resumed)  # again: nothing to do
 
 
 def test_resume_at_fewer_partitions_merges_their_key_groups(input_file, tmp_path):

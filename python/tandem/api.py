@@ -49,6 +49,7 @@ from typing import Any
 import pyarrow as pa
 
 from tandem import operators as ops
+from tandem import savepoints
 from tandem.engines.common import Stop
 from tandem.exceptions import ConfigError
 from tandem.faults import Fault, validate_faults
@@ -602,7 +603,6 @@ class Job:
         """Where a run starts from: ``from_savepoint``, or with ``resume`` the newest
         complete checkpoint in ``checkpoint_dir`` (None: none yet, from the beginning). A
         run that does not resume is refused when ``checkpoint_dir`` holds checkpoints."""
-        from tandem import savepoints
 
         if not isinstance(resume, bool):
             raise ConfigError(f"resume must be True or False, got {resume!r}")
@@ -656,7 +656,6 @@ class Job:
     ) -> Plan:
         """``plan`` resumed from the savepoint at ``path`` (:func:`tandem.savepoints.resume`):
         refused with a ConfigError naming what differs, before anything starts."""
-        from tandem import savepoints
 
         if not getattr(runner, "savepoints", False):
             raise ConfigError(
@@ -747,8 +746,6 @@ class Job:
         savepoint written while the job runs, or (``--stop``) the job stopped at one, as
         ``RunningJob.savepoint`` and ``stop(savepoint=...)`` do. ``tandem run`` listens."""
         if savepoint_on_stop is not None:
-            from tandem import savepoints
-
             if duration is not None:
                 raise ConfigError(
                     f"job {self.name!r}: savepoint_on_stop= is for a run until stopped "
@@ -774,16 +771,26 @@ class Job:
         savepoint_on_stop: str | os.PathLike | None = None,
         control: bool = False,
     ) -> Result:
-        if duration is not None:
-            plan, runner, faults, duration = self._prepare(
-                duration, faults, engine, from_savepoint, options
-            )
-            _check_options(runner, options)
-            options = _local_defaults(runner, options)
-            return runner.run(plan, duration=duration, faults=faults, **options)
         plan, runner, faults, duration = self._prepare(
-            None, faults, engine, from_savepoint, options
+            duration, faults, engine, from_savepoint, options
         )
+        try:
+            return self._run_prepared(
+                plan, runner, faults, duration, options, savepoint_on_stop, control
+            )
+        finally:  # the run's rescaled states (the engine removes them too, as it ends)
+            savepoints.release(plan)
+
+    def _run_prepared(
+        self,
+        plan: Plan,
+        runner: Any,
+        faults: list,
+        duration: float | None,
+        options: dict,
+        savepoint_on_stop: str | os.PathLike | None,
+        control: bool,
+    ) -> Result:
         _check_options(runner, options)
         options = _local_defaults(runner, options)
         if duration is not None:  # an engine that cannot stop: bounded sources, to their end
@@ -870,9 +877,13 @@ class Job:
                 f"job {self.name!r}: the {runner.name} engine cannot "
                 "stop a run it started; call job.run(duration=...) instead of job.start()"
             )
-        # The engine's options, here rather than in its thread.
-        _check_options(runner, options)
-        runner.check(plan, duration, faults, **options)
+        try:
+            # The engine's options, here rather than in its thread.
+            _check_options(runner, options)
+            runner.check(plan, duration, faults, **options)
+        except BaseException:
+            savepoints.release(plan)
+            raise
         handle = RunningJob(self.name)
         handle._start(runner, plan, duration, faults, options)
         return handle
@@ -943,6 +954,7 @@ class RunningJob:
                 self._stop.close_savepoints(
                     f"savepoint not taken: job {self.name!r} ended before it was cut"
                 )
+                savepoints.release(plan)
 
         self._thread = threading.Thread(target=body, name=f"tandem-job-{self.name}", daemon=True)
         self._thread.start()
@@ -967,7 +979,6 @@ class RunningJob:
         if savepoint is None:
             self._stop.request()
             return self.wait(timeout)
-        from tandem import savepoints
 
         savepoints.check_target(savepoint)
         asked = self._stop.savepoint(os.fspath(savepoint), stop=True)
@@ -984,7 +995,6 @@ class RunningJob:
         ``path`` holds anything (a savepoint is never overwritten), TandemError if the
         savepoint could not be taken (the job ended first, a replica was lost while
         cut), TimeoutError after ``timeout`` seconds (None: no limit)."""
-        from tandem import savepoints
 
         if not self.running:
             raise savepoints.failed(f"job {self.name!r} is not running")

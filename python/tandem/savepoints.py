@@ -39,10 +39,12 @@ refused when read, and a path that holds anything is never written over.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import tempfile
@@ -60,6 +62,8 @@ from tandem.plan import (
     key_group_range,
 )
 from tandem.runtime.cuts import Resume
+
+log = logging.getLogger(__name__)
 
 FORMAT = "tandem-savepoint"
 FORMAT_VERSION = 2
@@ -236,6 +240,9 @@ class Resumed:
     cuts: dict[ReplicaId, Resume]
     runs: tuple[int, ...] = ()
     """The runs the savepoint continues (:attr:`Savepoint.runs`)."""
+    scratch: tuple[Any, str] | None = None
+    """The filesystem and directory the states of partitions built at a new parallelism
+    were written to for the run (:func:`release` removes it); None: there are none."""
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -602,11 +609,10 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
             if task.id in changed:
                 states[(task.id, p)] = data
                 taken = Resume(cut, b"", savepoint=True)
-            elif local:  # each worker reads it there (never removed: keep_file)
+            else:  # each worker reads it there (never removed: keep_file), not the plan
                 file = posixpath.join(root, part["state"])
-                taken = Resume(cut, b"", file, keep_file=True, savepoint=True)
-            else:
-                taken = Resume(cut, data, savepoint=True)
+                on = None if local else filesystem
+                taken = Resume(cut, b"", file, keep_file=True, savepoint=True, filesystem=on)
         parts[(task.id, p)] = taken
     missing = [
         f"{t.name}[{p}]"
@@ -618,8 +624,10 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
         raise ConfigError(
             f"the savepoint at {sp.path!r} is corrupt: it holds no cut of {', '.join(missing)}"
         )
+    scratch = None
     if changed:
         parts = rescale(plan, saved, parts, states, sp.path)
+        scratch = _to_scratch(filesystem, root, parts, changed)
     cuts: dict[ReplicaId, Resume] = {}
     for (t, p), taken in parts.items():
         task = plan.tasks[t]
@@ -630,7 +638,61 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
             taken = Resume(taken.cut, state, savepoint=True)
         for r in range(task.replication):
             cuts[(t, p, r)] = taken
-    return dataclasses.replace(plan, resumed=Resumed(sp.path, sp.epoch, cuts, sp.runs))
+    return dataclasses.replace(
+        plan, resumed=Resumed(sp.path, sp.epoch, cuts, sp.runs, scratch=scratch)
+    )
+
+
+def _to_scratch(
+    filesystem, root: str, parts: dict[tuple[int, int], Resume], changed: set[int]
+) -> tuple[Any, str] | None:
+    """Write the states of the rescaled tasks' new partitions (``parts``, changed in place)
+    to files in a hidden directory beside the savepoint — where every worker reads the
+    savepoint, so on a cluster too — for each worker to read its own, rather than every
+    worker getting them all in the plan. The directory, or None where none can be made
+    (a savepoint store that is read-only): the states then travel in the plan. It goes
+    when the run ends (:func:`release`)."""
+    parent, name = posixpath.split(root.rstrip("/"))
+    scratch = posixpath.join(parent, f".{name}.rescaled-{uuid.uuid4().hex[:12]}")
+    try:
+        filesystem.create_dir(scratch)
+        for (t, q), taken in sorted(parts.items()):
+            if t not in changed or not taken.state:
+                continue
+            file = posixpath.join(scratch, f"{t}-{q}.state")
+            with filesystem.open_output_stream(file) as f:
+                f.write(taken.state)
+            local = type(filesystem).__name__ == "LocalFileSystem"
+            parts[(t, q)] = dataclasses.replace(
+                taken,
+                state=b"",
+                state_file=file,
+                keep_file=True,
+                filesystem=None if local else filesystem,
+            )
+    except OSError as exc:
+        log.warning(
+            "the rescaled states go in the plan: no directory for them beside %s (%s)", root, exc
+        )
+        with contextlib.suppress(OSError):
+            filesystem.delete_dir(scratch)
+        return None
+    return filesystem, scratch
+
+
+def release(plan: Plan) -> None:
+    """The run of a plan resumed at a new parallelism has ended (or never started): its
+    rescaled states' files go (:func:`_to_scratch`)."""
+    resumed = plan.resumed
+    if resumed is None or resumed.scratch is None:
+        return
+    filesystem, scratch = resumed.scratch
+    try:
+        filesystem.delete_dir(scratch)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("the rescaled states in %s not removed: %s", scratch, exc)
 
 
 def _saved_shape(sp: Savepoint, plan: Plan) -> Plan:

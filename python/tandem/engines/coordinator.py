@@ -1909,6 +1909,9 @@ class Coordinator:
                 self.releaser.close()
             if self._checkpoint_dir is not None:
                 shutil.rmtree(self._checkpoint_dir, ignore_errors=True)
+            from tandem import savepoints
+
+            savepoints.release(self.plan)  # a rescaled resume's states
 
     def _draw(self, elapsed: float, done: bool = False) -> None:
         """The progress bar (tqdm, on stderr): source time run so far, and the workers

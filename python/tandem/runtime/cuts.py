@@ -102,6 +102,9 @@ class Resume:
     sha256: str | None = None
     """The SHA-256 (hex) of ``state_file``, when it was computed as the file was written
     (:meth:`checkpointed` with ``digest``): a savepoint's manifest takes it as it is."""
+    filesystem: Any = None
+    """The ``pyarrow.fs`` filesystem ``state_file`` is on, when it is not the local one (a
+    savepoint's state read where the savepoint is); None: a local path."""
 
     def written(self, inline_below: int = 0, timeout: float = WRITER_TIMEOUT_S) -> Resume | None:
         """Wait for the child writing the state file; this cut without it — a state under
@@ -185,6 +188,9 @@ class Resume:
         """The state: in the message, or read from its file."""
         if self.state_file is None:
             return self.state
+        if self.filesystem is not None:
+            with self.filesystem.open_input_stream(self.state_file) as f:
+                return f.read()
         with open(self.state_file, "rb") as f:
             return f.read()
 
