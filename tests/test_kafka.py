@@ -477,6 +477,78 @@ def test_a_lost_kafka_source_replica_is_rebuilt_from_its_twins_log_position(kafk
     assert_counted_once([json.loads(m.value()) for m in read_committed(b, out_topic, 2)], rows)
 
 
+@pytest.mark.parametrize("marker_ms", [None, 50])
+def test_a_kafka_source_stops_at_a_savepoint_and_resumes_from_its_log_position(
+    kafka, no_orphans, tmp_path, marker_ms
+):
+    """A Kafka source's cut is a place in its log: stopped at a savepoint while its input
+    still arrives, the job resumes — at 3 partitions of the keyed count — from the record
+    after the marker each source partition took as the cut's heartbeat, with what arrived
+    while it was stopped: every row once across the two runs, each key's counts 1..n.
+    ``marker_ms=50``: one generator of our own marks the log every 5 of the job's 10 ms
+    heartbeats, so the cut mostly falls inside the heartbeats one marker sends: the
+    resumed source sends the rest of them first, as the stopped one did."""
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 2, "sp-in")
+    rows = [{"key": i % 11, "amount": i} for i in range(3_000)]
+    produce(b, topic, rows[:300], 2)
+    marking = threading.Event()
+    if marker_ms is not None:
+        threading.Thread(
+            target=heartbeat.generate, args=(b, [topic], marker_ms), kwargs={"stop": marking}
+        ).start()
+    generators = {} if marker_ms is None else {"generators": 0}
+
+    def job(parallelism: int) -> td.Job:
+        j = td.Job("kafka-savepoint", replication=2, batch_rows=64)
+        source = td.sources.Kafka(topic, bootstrap=b, schema=SCHEMA, **generators)
+        events = j.source(source, name="in")
+        events.key_by("key").process(td.CountPerKey(), parallelism=parallelism, name="count").sink(
+            td.sinks.Collect()
+        )
+        return j
+
+    def feed() -> None:  # rows 300..2000 over about 6.8 s: the stop comes amid them
+        p = Producer({"bootstrap.servers": b, "linger.ms": 0})
+        for i in range(300, 2_000, 50):
+            time.sleep(0.2)
+            for j in range(i, i + 50):
+                p.produce(topic, json.dumps(rows[j]).encode(), partition=j % 2)
+            p.poll(0)
+        assert p.flush(30) == 0
+
+    path = str(tmp_path / "sp")
+    handle = job(2).start(progress=False)
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    time.sleep(4.0)  # the job starts, then runs a while
+    first = handle.stop(timeout=120, savepoint=path)
+    feeder.join()
+    produce(b, topic, rows[2_000:], 2)  # while the job is stopped
+    saved = td.Savepoint.read(path)
+    positions = saved.sources["in"]
+    assert [p["partition"] for p in positions] == [0, 1]
+    assert all(p["offset"] > 0 for p in positions)
+    assert 300 < sum(p["rows"] for p in positions) == first.events_in < 2_000
+    for part in saved.partitions:
+        if part["task"] == "in":  # the marker its log goes on after: the cut's, or later
+            _, _, marker = part["log_position"]
+            assert marker >= part["epoch"] == saved.epoch
+            print(f"in[{part['partition']}]: cut at {saved.epoch}, marker {marker}")
+
+    try:
+        second = job(3).run(
+            from_savepoint=path, duration=saved.source_time_s + 3.0, progress=False, timeout=120
+        )
+    finally:
+        marking.set()
+    assert first.digests_match and second.digests_match
+    # Its sources count the rows before the cut in (they start there), its sink does not.
+    assert second.events_in == len(rows) and second.events_out == len(rows) - first.events_in
+    out = first.output.to_pylist() + second.output.to_pylist()
+    assert_counted_once(out, rows)
+
+
 def test_raw_records_arrive_once_and_markers_never_reach_an_operator(kafka, no_orphans):
     b = kafka.kafka_bootstrap
     topic = new_topic(b, 2, "raw")

@@ -576,12 +576,6 @@ class Job:
                 f"job {self.name!r}: checkpoint_dir= runs on the local and the spark engine, "
                 f"not on {getattr(runner, 'name', runner)!r}"
             )
-        logs = [t.name for t in plan.sources() if plan.is_log_source(t.id)]
-        if logs:
-            raise ConfigError(
-                f"job {self.name!r}: checkpoint_dir= does not take source {logs[0]!r} yet (it "
-                "reads a log; a checkpoint of a Kafka source comes later)"
-            )
         for task in plan.tasks:
             sink = task.sink
             if task.kind == "sink" and not (

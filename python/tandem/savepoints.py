@@ -308,8 +308,13 @@ def source_positions(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[str, lis
         if task.kind != "source":
             continue
         epoch = resume.epoch
-        rows = plan.source_rows(t, p, epoch * plan.heartbeat_ns / 1e9)
-        out.setdefault(task.name, []).append({"partition": p, "epoch": epoch, "rows": rows})
+        if plan.is_log_source(t):  # where its log goes on after the marker it took there
+            offset, rows, *_ = json.loads(resume.load())
+            position = {"partition": p, "epoch": epoch, "rows": rows, "offset": offset}
+        else:
+            rows = plan.source_rows(t, p, epoch * plan.heartbeat_ns / 1e9)
+            position = {"partition": p, "epoch": epoch, "rows": rows}
+        out.setdefault(task.name, []).append(position)
     return out
 
 
@@ -426,6 +431,11 @@ def write(
                 else:
                     size, digest = _copy_state(resume, filesystem, dest)
                 entry.update(state=name, bytes=size, sha256=digest)
+            elif task.kind == "source" and plan.is_log_source(t):
+                # Where its log goes on: the offset after the marker it took as the cut's
+                # heartbeat (or sent it with), the data rows it had read before it, and
+                # that marker's heartbeat (Replica.log_resume).
+                entry["log_position"] = json.loads(resume.load())
             partitions.append(entry)
         doc = {
             "format": FORMAT,
@@ -562,11 +572,6 @@ def check_compatible(sp: Savepoint, plan: Plan) -> None:
                 f"{task.describe()}: its inputs differ from the savepoint at {where!r} "
                 f"({_inputs(inputs)} here, {_inputs(old['inputs'])} there)"
             )
-        if task.kind == "source" and plan.is_log_source(task.id):
-            raise ConfigError(
-                f"{task.describe()} reads a log: resuming a log source from a savepoint is "
-                "not supported yet"
-            )
 
 
 def _inputs(inputs: list[dict]) -> str:
@@ -602,7 +607,9 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
             cut = _decode(part["cut"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"the savepoint at {sp.path!r} is corrupt: a cut: {exc}") from exc
-        if part.get("state") is None:
+        if part.get("log_position") is not None:  # a log source: where its log goes on
+            taken = Resume(cut, json.dumps(part["log_position"]).encode(), savepoint=True)
+        elif part.get("state") is None:
             taken = Resume(cut, b"", savepoint=True)
         else:
             data = sp._state(filesystem, root, part)  # checked against the manifest

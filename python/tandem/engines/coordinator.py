@@ -1304,9 +1304,6 @@ class Coordinator:
             savepoints.check_target(ask.path)
         if self.plan.ordering == "kazoo":
             raise savepoints.failed("a KaZoo job's cut is a place in its order log")
-        logs = [t.name for t in self.plan.sources() if self.plan.is_log_source(t.id)]
-        if logs:
-            raise savepoints.failed(f"source {logs[0]!r} reads a log (not supported yet)")
         hb = self.plan.heartbeat_ns
         finalize = False
         if ask.stop and self.final:  # the sources end there anyway (bounded, or stopped)

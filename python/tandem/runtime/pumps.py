@@ -146,12 +146,17 @@ class _LogSource:
         self.final = duration is not None
         self.source = replica.task.source
         resume = None
+        self.offset: int | None = None  # where a resumed reader started
         if replica.resume is not None:  # rebuilt: its reader starts after the cut's marker
-            epoch, _, rows = replica.log_resume()
+            epoch, self.offset, rows = replica.log_resume()
             resume = (epoch, rows)
             replica.report.rows_in = rows
         self.schedule = replica.plan.log_schedule(t, p, duration, replica.t0_ns, resume)
         self.steps: deque = deque(self.schedule.feed(()))  # resumed at its end: the end
+        if resume is not None and resume[0] > replica.resume.epoch:
+            # Cut inside the heartbeats sent for one marker: the rest of them go first,
+            # as they did after the cut (nothing came between them).
+            self.steps.appendleft(LogStep("heartbeat", (), epoch=resume[0], rows=resume[1]))
 
     def pump(self, now_ns: int) -> float | None:
         """Emit the steps ready to go; how soon to look again without being woken (None:
@@ -188,7 +193,8 @@ class _LogSource:
                 # Where a replica rebuilt from a cut at this heartbeat would resume (the
                 # core takes a cut asked for as the heartbeat leaves).
                 positions = rep.log_positions
-                positions[step.epoch] = (self.source.next_offset(step.records[0]), step.rows)
+                offset = self.source.next_offset(step.records[0]) if step.records else self.offset
+                positions[step.epoch] = (offset, step.rows)
                 if len(positions) > LOG_POSITIONS_KEPT:
                     positions.popitem(last=False)
                 core.heartbeats_through(slot, step.epoch)

@@ -348,10 +348,14 @@ class Replica:
         if copy and self._sink is not None:
             return Resume(cut, self._sink.snapshot())
         if self.log_reader is not None:
-            position = self.log_positions.get(cut[0])
-            if position is None:  # not a heartbeat it sent lately: try a later cut
+            # The marker taken as the cut's heartbeat, or, for an aligned cut inside a
+            # run of heartbeats sent for one marker (the markers skipped epochs), that
+            # marker: the first heartbeat sent at or after the cut's.
+            at = next((k for k in self.log_positions if k >= cut[0]), None)
+            if at is None:  # not a heartbeat it sent lately: try a later cut
                 return None
-            return Resume(cut, json.dumps(position).encode())
+            offset, rows = self.log_positions[at]
+            return Resume(cut, json.dumps([offset, rows, at]).encode())
         state = self._inst.snapshot() if self._inst is not None else b""
         return Resume(cut, state)
 
@@ -382,9 +386,12 @@ class Replica:
         return fork_cuts([(self, cut, folder)])[0]
 
     def log_resume(self) -> tuple[int, int, int]:
-        """A rebuilt log source's ``(heartbeat, next offset, data rows before it)``."""
-        offset, rows = json.loads(self.resume.load())
-        return self.resume.epoch, offset, rows
+        """A rebuilt or resumed log source's ``(heartbeat, next offset, data rows before
+        it)``: the heartbeat of the marker its log goes on after, which is the cut's, or
+        a later one sent with it (:meth:`cut`: the heartbeats between are its to send
+        first)."""
+        offset, rows, *marker = json.loads(self.resume.load())
+        return (marker[0] if marker else self.resume.epoch), offset, rows
 
     def evicted(self) -> list[ReplicaId]:
         """The downstream replicas this replica's outboxes dropped as stragglers since the

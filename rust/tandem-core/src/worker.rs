@@ -169,7 +169,10 @@ impl Slot {
     }
 
     /// Send heartbeats `forwarded + 1 ..= epoch` on every outbox; how many were sent.
-    /// Takes the cut asked for, if any, once they are out.
+    /// Takes the cut asked for, if any, once they are out; an aligned cut at `k`
+    /// ([`Worker::request_cut_at`]) right after heartbeat `k` itself, before the later
+    /// ones of the same call: its outboxes' sequence numbers must be those of `k`, where
+    /// every consumer's cut at `k` stands.
     fn forward_through(&mut self, epoch: u64) -> Result<u64> {
         let from = self.forwarded;
         while self.forwarded < epoch {
@@ -182,6 +185,11 @@ impl Slot {
                 }
             }
             self.forwarded = k;
+            if self.cut_at == Some(k) {
+                self.cut_at = None;
+                self.aligned = Some((k, self.take_cut().cut()));
+                self.align(None);
+            }
         }
         if self.forwarded > from && self.cut_asked {
             match self.take_cut() {
@@ -192,15 +200,6 @@ impl Slot {
                     self.cut_asked = false;
                     self.cut = Some(taken.cut());
                 }
-            }
-        }
-        // The heartbeats of one call follow each other with nothing in between, so the
-        // state after the last of them is the state right after heartbeat `k` itself.
-        if let Some(k) = self.cut_at {
-            if from < k && self.forwarded >= k {
-                self.cut_at = None;
-                self.aligned = Some((k, self.take_cut().cut()));
-                self.align(None);
             }
         }
         Ok(self.forwarded - from)
@@ -870,10 +869,21 @@ mod tests {
         worker.request_cut_at(slot, 5).unwrap();
         worker.allow(slot, 3).unwrap();
         assert!(cuts(&drain(&mut worker)).is_empty(), "cut before epoch 5");
-        // Heartbeats 4..=8 leave in one go, nothing between them: the state after 8 is the
-        // state right after 5, and the cut says which heartbeat it follows.
+        // Heartbeats 4..=8 leave in one go: the cut is right after 5, before 6..=8 (its
+        // outboxes' seqs are those of heartbeat 5, where a consumer's cut at 5 stands).
         worker.allow(slot, 8).unwrap();
-        assert_eq!(cuts(&drain(&mut worker)), vec![(Some(5), Some(8))]);
+        let items = drain(&mut worker);
+        assert_eq!(cuts(&items), vec![(Some(5), Some(5))]);
+        let seqs: Vec<Vec<u64>> = items
+            .iter()
+            .filter_map(|w| match w {
+                Work::Cut { cut: Some(c), .. } => {
+                    Some(c.outboxes.iter().map(|o| o.seqs[0]).collect())
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(seqs, vec![vec![5]], "five heartbeats sent through the cut");
         // Taken once.
         worker.allow(slot, 12).unwrap();
         assert!(cuts(&drain(&mut worker)).is_empty());
@@ -907,9 +917,9 @@ mod tests {
         worker.request_cut_at(slot, 4).unwrap();
         worker.allow(slot, 6).unwrap();
         assert!(drain(&mut worker).is_empty());
-        // Let go, it forwards 3..=6 in one go: the aligned cut follows heartbeat 6.
+        // Let go, it forwards 3..=6 in one go: the aligned cut follows heartbeat 4.
         worker.hold(slot, false).unwrap();
-        assert_eq!(cuts(&drain(&mut worker)), vec![(Some(4), Some(6))]);
+        assert_eq!(cuts(&drain(&mut worker)), vec![(Some(4), Some(4))]);
     }
 
     #[test]
@@ -922,7 +932,7 @@ mod tests {
         worker.allow(slot, 5).unwrap();
         assert_eq!(
             cuts(&drain(&mut worker)),
-            vec![(None, Some(5)), (Some(4), Some(5))]
+            vec![(None, Some(5)), (Some(4), Some(4))]
         );
     }
 }
