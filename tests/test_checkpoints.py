@@ -456,3 +456,65 @@ def test_a_kafka_sink_across_a_lost_driver_writes_every_row_once(input_file, tmp
         f"the loss, {len(out)} in the topic after the resume",
         file=sys.stderr,
     )
+
+
+def test_a_kafka_source_across_a_lost_driver_reads_every_row_after_the_cut_once(tmp_path, kafka):
+    """A Kafka source in a job with durable checkpoints, its input still arriving: killed at
+    once after its checkpoints (what a lost driver does to its workers), resumed from the
+    newest — each source partition reads on from the offset its cut holds, with what the
+    topic got while nothing ran: exactly the rows after the cut, each key's counts going
+    on from those before it."""
+    import json
+    import threading
+
+    from confluent_kafka import Producer
+
+    from tandem.testing import new_topic
+
+    b = kafka.kafka_bootstrap
+    topic = new_topic(b, 2, "durable-in")
+    rows = [{"key": i % 7, "id": i} for i in range(2_400)]
+    directory = tmp_path / "checkpoints"
+
+    def produce(first: int, last: int, pause: float) -> None:
+        p = Producer({"bootstrap.servers": b, "linger.ms": 0})
+        for i in range(first, last, 50):
+            time.sleep(pause)
+            for j in range(i, i + 50):
+                p.produce(topic, json.dumps(rows[j]).encode(), partition=j % 2)
+            p.poll(0)
+        assert p.flush(30) == 0
+
+    def job() -> td.Job:
+        j = td.Job(
+            "durable-kafka-in",
+            replication=2,
+            batch_rows=64,
+            checkpoint_ms=PERIOD_MS,
+            checkpoint_dir=str(directory),
+        )
+        source = td.sources.Kafka(topic, bootstrap=b, schema={"key": "int64", "id": "int64"})
+        j.source(source, name="in").key_by("key").process(
+            td.CountPerKey(), parallelism=2, name="count"
+        ).sink(td.sinks.Collect())
+        return j
+
+    feeder = threading.Thread(target=produce, args=(0, 1_800, 0.15))  # about 5.4 s
+    handle = job().start(progress=False)
+    feeder.start()
+    kill_after_checkpoints(handle, directory, 3 * PERIOD_MS)
+    feeder.join()
+    produce(1_800, len(rows), 0)  # while nothing runs
+    cut = td.Savepoint.read(str(complete(directory)[-1]))
+    before = {p["partition"]: p["rows"] for p in cut.sources["in"]}
+    assert all(p["offset"] > 0 for p in cut.sources["in"]) and sum(before.values()) > 0
+
+    second = job().run(progress=False, resume=True, duration=cut.source_time_s + 3.0, timeout=120)
+    assert second.digests_match
+    # A partition's log holds its rows in id order: the first `before[p]` were read.
+    read = {r["id"] for p in (0, 1) for r in [x for x in rows if x["id"] % 2 == p][: before[p]]}
+    after = second.output.to_pandas()
+    assert sorted(after["id"]) == sorted(r["id"] for r in rows if r["id"] not in read)
+    for key, got in after.groupby("key"):
+        n = sum(1 for r in rows if r["key"] == key and r["id"] in read)
+        assert sorted(got["count"]) == list(range(n + 1, n + len(got) + 1)), key

@@ -82,6 +82,18 @@ pub trait Merge<P: Chunk>: Send {
     fn align_at(&mut self, _epoch: u64) {}
     /// The aligned cut is taken (or given up): take input as before.
     fn release(&mut self) {}
+    /// Append `count` input channels (numbered after the present ones) that join the
+    /// order once heartbeat `after_epoch` has ended its cycle — a task whose upstream
+    /// grows partitions at that heartbeat (a live rescale): the same point in every
+    /// replica, for it is defined by what the channels delivered, not by when this is
+    /// called. Refused once the merge has seen heartbeat `after_epoch` (too late to be
+    /// the same point everywhere), and by the merges that do not take new channels.
+    fn join(&mut self, count: usize, after_epoch: u64) -> Result<()> {
+        Err(Error::Config(format!(
+            "{count} channels joining after heartbeat {after_epoch}: this consumption order \
+             takes no new channels"
+        )))
+    }
     /// The merge's state now, if a replica rebuilt from it can start here (see
     /// [`MergeCut`]); None if it cannot be cut now (mid-cycle, or holding part of a batch)
     /// and the caller must try again later.
@@ -190,6 +202,10 @@ impl Ended {
     }
     pub(crate) fn flags(&self) -> Vec<bool> {
         self.ended.clone()
+    }
+    /// `count` more channels, none ended.
+    pub(crate) fn grow(&mut self, count: usize) {
+        self.ended.resize(self.ended.len() + count, false);
     }
     pub(crate) fn resumed(flags: &[bool]) -> Self {
         Self {

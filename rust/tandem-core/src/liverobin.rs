@@ -46,11 +46,21 @@
 //! * One input channel (`n == 1`): pass-through, heartbeats forwarded. Round-robin over a
 //!   single channel delivers every element as it comes anyway; the fast path skips the
 //!   bookkeeping (the paper ran the full merge even there).
+//!
+//! # Channels that join (a live rescale)
+//!
+//! [`Merge::join`] appends channels that take no turn until heartbeat `K` has ended its
+//! cycle: they become active with the first refill of `A` at which `gen >= K`. Every
+//! channel carries every epoch and leaves `A` at its heartbeat, so `gen` first reaches
+//! `K` inside cycle `K` and that refill is the cycle's end — a point set by what the
+//! channels delivered, the same in every replica however late or early each was told
+//! (before it saw `K`). Should every other channel end first, they join at that refill.
+//! While they wait the merge cannot be cut.
 
 use std::marker::PhantomData;
 
 use crate::consume::{Ended, HeartbeatGate, Inputs, Merge, MergeCut};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::item::{Chunk, Delivery, Item};
 
 /// See the module documentation. `P` is the payload of the batches it hands out (an Arrow
@@ -64,6 +74,9 @@ pub struct LiveRobin<P> {
     active_count: usize,
     ended: Ended,
     gate: HeartbeatGate,
+    /// Channels that joined ([`Merge::join`]) and wait for the refill after heartbeat
+    /// `after`: `(after, first of them)`; they are the channels from `first` on.
+    joining: Option<(u64, usize)>,
     /// Batches pass through untouched: no per-channel state depends on the payload.
     payload: PhantomData<fn() -> P>,
 }
@@ -78,6 +91,7 @@ impl<P: Chunk> LiveRobin<P> {
             active_count: channels,
             ended: Ended::new(channels),
             gate: HeartbeatGate::default(),
+            joining: None,
             payload: PhantomData,
         }
     }
@@ -94,8 +108,21 @@ impl<P: Chunk> LiveRobin<P> {
         }
         if self.active_count == 0 {
             // Every channel delivered this cycle's heartbeat: start the next cycle with all
-            // channels that have not ended.
-            for c in 0..self.active.len() {
+            // channels that have not ended (and joining ones, once their cycle is over).
+            let open = match self.joining {
+                Some((after, first)) => {
+                    let over = self.gate.gen().is_some_and(|g| g >= after)
+                        || (0..first).all(|c| self.ended.is_ended(c));
+                    if over {
+                        self.joining = None;
+                        self.active.len()
+                    } else {
+                        first
+                    }
+                }
+                None => self.active.len(),
+            };
+            for c in 0..open {
                 self.active[c] = !self.ended.is_ended(c);
             }
             self.active_count = self.active.iter().filter(|&&a| a).count();
@@ -152,7 +179,7 @@ impl<P: Chunk + Send> Merge<P> for LiveRobin<P> {
         if self.ended.all() {
             return Some(Delivery::End);
         }
-        if self.active.len() == 1 {
+        if self.active.len() == 1 && self.joining.is_none() {
             return self.pass_through(inputs);
         }
         loop {
@@ -203,8 +230,38 @@ impl<P: Chunk + Send> Merge<P> for LiveRobin<P> {
         }
     }
 
-    /// Only at a cycle boundary: every channel that has not ended is active again.
+    fn join(&mut self, count: usize, after_epoch: u64) -> Result<()> {
+        if self.joining.is_some() {
+            return Err(Error::Config(
+                "channels are joining already; one join at a time".to_owned(),
+            ));
+        }
+        if self.gate.gen().is_some_and(|g| g >= after_epoch) {
+            return Err(Error::Config(format!(
+                "channels cannot join after heartbeat {after_epoch}: the merge has seen it"
+            )));
+        }
+        if self.ended.all() {
+            return Err(Error::Config(
+                "channels cannot join a merge whose channels all ended".to_owned(),
+            ));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let first = self.active.len();
+        self.active.resize(first + count, false);
+        self.ended.grow(count);
+        self.joining = Some((after_epoch, first));
+        Ok(())
+    }
+
+    /// Only at a cycle boundary: every channel that has not ended is active again (and
+    /// none is waiting to join).
     fn cut(&self) -> Option<MergeCut> {
+        if self.joining.is_some() {
+            return None;
+        }
         let boundary = (0..self.active.len()).all(|c| self.active[c] != self.ended.is_ended(c));
         boundary.then(|| MergeCut {
             turn: self.current,
@@ -432,6 +489,79 @@ mod tests {
         assert_eq!(
             run(&mut m, &mut inp),
             vec![d(0, 0, 100), h(0, 3, true), h(0, 3, false), Delivery::End]
+        );
+    }
+
+    #[test]
+    fn joined_channels_take_turns_from_the_cycle_after_their_heartbeat() {
+        // Channels 0 and 1 carry heartbeats 1..=3; channel 2 joins after heartbeat 2, its
+        // data already queued, and first takes a turn once both delivered heartbeat 2.
+        let old = || {
+            vec![
+                data(0, 1),
+                hb(1, 1),
+                data(2, 1),
+                hb(3, 2),
+                data(4, 1),
+                hb(5, 3),
+            ]
+        };
+        let mut inp = inputs(vec![
+            old(),
+            old(),
+            vec![data(0, 2), hb(2, 3), Item::End { seq: 3 }],
+        ]);
+        inp[0].push_back(Item::End { seq: 6 });
+        inp[1].push_back(Item::End { seq: 6 });
+        let mut m = LiveRobin::<Rows>::new(2);
+        assert_eq!(m.next(&mut inp), Some(d(0, 0, 1)));
+        m.join(1, 2).unwrap();
+        assert!(m.cut().is_none(), "not while a channel waits to join");
+        let out = run(&mut m, &mut inp);
+        assert_eq!(
+            out,
+            vec![
+                d(1, 0, 1),
+                h(0, 1, true),
+                h(1, 1, false),
+                d(0, 2, 1),
+                d(1, 2, 1),
+                h(0, 2, true),
+                h(1, 2, false),
+                // Cycle 3 includes the joined channel, and the turn moves on from channel
+                // 1, whose heartbeat ended cycle 2: to channel 2.
+                d(2, 0, 2),
+                d(0, 4, 1),
+                d(1, 4, 1),
+                h(2, 3, true),
+                h(0, 3, false),
+                h(1, 3, false),
+                Delivery::End,
+            ]
+        );
+    }
+
+    #[test]
+    fn a_join_is_refused_once_its_heartbeat_was_seen() {
+        let mut inp = inputs(vec![vec![hb(0, 1), hb(1, 2)], vec![hb(0, 1), hb(1, 2)]]);
+        let mut m = LiveRobin::<Rows>::new(2);
+        assert_eq!(run(&mut m, &mut inp).len(), 4);
+        assert!(m.join(1, 2).is_err(), "heartbeat 2 is past");
+        assert!(m.join(1, 3).is_ok());
+        assert!(m.join(1, 4).is_err(), "one join at a time");
+    }
+
+    #[test]
+    fn joined_channels_join_when_every_other_channel_ended() {
+        let mut inp = inputs(vec![
+            vec![data(0, 1), Item::End { seq: 1 }],
+            vec![data(0, 3), Item::End { seq: 3 }],
+        ]);
+        let mut m = LiveRobin::<Rows>::new(1);
+        m.join(1, 5).unwrap();
+        assert_eq!(
+            run(&mut m, &mut inp),
+            vec![d(0, 0, 1), d(1, 0, 3), Delivery::End]
         );
     }
 

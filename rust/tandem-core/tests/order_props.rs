@@ -14,7 +14,7 @@ mod common;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use common::{channel_content, replica_stream, Rng};
+use common::{channel_content, replica_stream, Elem, Rng};
 use proptest::prelude::*;
 use tandem_core::dedup::{channel, channel_from, DedupReceiver, DedupSender, Offer};
 use tandem_core::item::Rows;
@@ -45,18 +45,35 @@ enum Ev {
 /// `gen` starts as "none"; an ended channel leaves for good and its end takes no turn.
 /// `channels[c]` is channel `c`'s complete element list, ending with its End.
 fn model(channels: &[Vec<Item<Rows>>]) -> Vec<Ev> {
+    model_joining(channels, None)
+}
+
+/// [`model`], the channels from `first` on joining after heartbeat `k` (`joining =
+/// Some((first, k))`): they take no turn before the first refill of A at which the
+/// highest epoch seen is `k` or more — or at which every other channel has ended.
+fn model_joining(channels: &[Vec<Item<Rows>>], joining: Option<(usize, u64)>) -> Vec<Ev> {
     let n = channels.len();
     let mut out = Vec::new();
     let mut pos = vec![0usize; n];
-    let mut active = vec![true; n];
+    let mut joined = joining.map_or(n, |(first, _)| first);
+    let mut active: Vec<bool> = (0..n).map(|c| c < joined).collect();
     let mut ended = vec![false; n];
     let mut gen: Option<u64> = None;
     let mut next = 0usize;
-    let leave = |active: &mut Vec<bool>, ended: &Vec<bool>, c: usize| {
+    let leave = |active: &mut Vec<bool>,
+                 ended: &Vec<bool>,
+                 joined: &mut usize,
+                 gen: Option<u64>,
+                 c: usize| {
         active[c] = false;
         if active.iter().all(|a| !a) {
-            for k in 0..n {
-                active[k] = !ended[k];
+            if let Some((first, k)) = joining {
+                if gen.is_some_and(|g| g >= k) || (0..first).all(|x| ended[x]) {
+                    *joined = n;
+                }
+            }
+            for x in 0..*joined {
+                active[x] = !ended[x];
             }
         }
     };
@@ -95,12 +112,12 @@ fn model(channels: &[Vec<Item<Rows>>]) -> Vec<Ev> {
                     epoch,
                     first,
                 });
-                leave(&mut active, &ended, c);
+                leave(&mut active, &ended, &mut joined, gen, c);
                 next = advance(&active, next);
             }
             Item::End { .. } => {
                 ended[c] = true;
-                leave(&mut active, &ended, c);
+                leave(&mut active, &ended, &mut joined, gen, c);
                 next = advance(&active, next);
             }
         }
@@ -168,6 +185,18 @@ fn workload(seed: u64, channels: usize, replicas: usize, crash: bool) -> Workloa
 /// Deliver the workload's arrivals to one downstream replica in an interleaving drawn from
 /// `seed`, running `merge` at random moments; returns what it delivered, up to End.
 fn consume(w: &Workload, merge: &mut dyn Merge<Rows>, seed: u64, capacity: usize) -> Vec<Ev> {
+    consume_joining(w, merge, seed, capacity, None)
+}
+
+/// [`consume`], the merge told `join = Some((count, k, at))` — `count` channels (the
+/// workload's last) join after heartbeat `k` — just before its delivery number `at`.
+fn consume_joining(
+    w: &Workload,
+    merge: &mut dyn Merge<Rows>,
+    seed: u64,
+    capacity: usize,
+    mut join: Option<(usize, u64, usize)>,
+) -> Vec<Ev> {
     let mut rng = Rng::new(seed);
     let bell = Arc::new(Doorbell::new());
     let (senders, mut receivers): (Vec<DedupSender<Rows>>, Vec<DedupReceiver<Rows>>) =
@@ -186,6 +215,12 @@ fn consume(w: &Workload, merge: &mut dyn Merge<Rows>, seed: u64, capacity: usize
             .filter(|&i| !pending[i].1.is_empty())
             .collect();
         if live.is_empty() || rng.chance(30) {
+            if let Some((count, k, at)) = join {
+                if out.len() == at {
+                    merge.join(count, k).expect("joined before heartbeat k");
+                    join = None;
+                }
+            }
             if let Some(d) = merge.next(&mut receivers) {
                 let end = d == Delivery::End;
                 record(d, &mut out);
@@ -320,6 +355,22 @@ fn orders_of(seq: &[Ev]) -> Vec<(usize, u64)> {
     orders
 }
 
+/// A channel joining after heartbeat `k`: rows and heartbeats `k + 1 ..= cycles`, as
+/// [`channel_content`] for the epochs after `k`.
+fn joined_content(rng: &mut Rng, k: u64, cycles: u64, max_rows: usize) -> Vec<Elem> {
+    let mut out = Vec::new();
+    for epoch in k + 1..=cycles {
+        for _ in 0..rng.below(max_rows + 1) {
+            out.push(Elem::Row);
+        }
+        out.push(Elem::Heartbeat(epoch));
+    }
+    for _ in 0..rng.below(max_rows + 1) {
+        out.push(Elem::Row);
+    }
+    out
+}
+
 /// Proptest cases per property: more in release, where they are cheap.
 const CASES: u32 = if cfg!(debug_assertions) { 200 } else { 2000 };
 
@@ -404,6 +455,44 @@ fn channel_events_of_batches(batches: &[Item<Rows>], c: usize) -> Vec<Ev> {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    /// A live rescale's new upstream partitions: channels that join after heartbeat `k`
+    /// (their content starts after it), told at any moment before the merge sees `k`,
+    /// take their first turn in the cycle after `k` — the same batches in the same order
+    /// whenever each replica was told.
+    #[test]
+    fn liverobin_joined_after_heartbeat_k_delivers_the_model_whenever_told(
+        seed in any::<u64>(),
+        channels in 1usize..=3,
+        joining in 1usize..=2,
+        k in 1u64..=4,
+        capacity in 1usize..=6,
+        arrival_a in any::<u64>(),
+        arrival_b in any::<u64>(),
+        told_a in any::<u64>(),
+        told_b in any::<u64>(),
+    ) {
+        let mut w = workload(seed, channels, 2, false);
+        let mut rng = Rng::new(seed ^ 0x5EED);
+        for _ in 0..joining {
+            let content = joined_content(&mut rng, k, 4, 8);
+            let batches = replica_stream(&mut rng, &content, 5);
+            w.streams.push(vec![batches.clone(); 2]);
+            w.batches.push(batches);
+        }
+        let reference = model_joining(&w.batches, Some((channels, k)));
+        // Told before the first delivery of a heartbeat k or later (the same in the model:
+        // the joined channels take no turn before).
+        let before = reference
+            .iter()
+            .position(|e| matches!(e, Ev::Heartbeat { epoch, .. } if *epoch >= k))
+            .unwrap_or(reference.len() - 1);
+        let told = |t: u64| Some((joining, k, (t % (before as u64 + 1)) as usize));
+        let a = consume_joining(&w, &mut LiveRobin::new(channels), arrival_a, capacity, told(told_a));
+        prop_assert_eq!(&a, &reference);
+        let b = consume_joining(&w, &mut LiveRobin::new(channels), arrival_b, capacity, told(told_b));
+        prop_assert_eq!(&a, &b, "replicas told at different moments delivered different batches");
+    }
 
     #[test]
     fn liverobin_delivers_the_reference_batches_under_any_interleaving(
