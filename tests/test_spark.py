@@ -343,6 +343,17 @@ def test_missing_spark_integration_names_the_install_command(monkeypatch):
         engines.get("spark")
 
 
+def test_replication_1_with_checkpoints_is_refused_on_spark_naming_what_runs(spark, tmp_path):
+    """At replication 1 checkpoint_ms is the passive rollback, which Spark does not run,
+    and checkpoint_dir= comes with it there: refused before anything starts, saying that
+    durable checkpoints alone run on Spark at replication >= 2."""
+    job = td.Job("r1", replication=1, checkpoint_ms=500, checkpoint_dir=str(tmp_path / "ck"))
+    job.source(td.sources.Synthetic(rate=100, limit=100)).sink(td.sinks.Collect())
+    with pytest.raises(td.ConfigError, match=r"durable checkpoints alone run on Spark at repl"):
+        job.run(engine=tandem_spark.SparkEngine(spark))
+    assert not (tmp_path / "ck").exists()
+
+
 def test_master_without_the_spark_engine_is_refused(capsys):
     assert main(["demo", "--master", "local[4,2]", "--duration", "1"]) == 2
     assert "--master is for --engine spark" in capsys.readouterr().err

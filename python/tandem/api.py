@@ -248,7 +248,7 @@ class Job:
     of its own in ``checkpoint_dir`` (a local path or a URI ``pyarrow.fs`` opens), the
     newest :data:`tandem.savepoints.KEEP_CHECKPOINTS` kept; when the process running the
     job dies, ``run(resume=True)`` (``tandem run --resume``) starts it from the newest
-    complete one (either engine).
+    complete one (the local engine; Spark at ``replication >= 2``).
     ``max_parallelism``: the key groups of every keyed (``key_by``) edge — a key's group is
     its hash modulo this, and each partition of a keyed task owns a contiguous range of
     groups — so the most partitions a keyed task can have, now or when it resumes from a

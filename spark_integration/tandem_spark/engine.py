@@ -189,9 +189,16 @@ class SparkEngine:
         faults = list(faults)
         check_options(self.name, duration, warmup, faults, kinds=(Kill, KillWorker, Pause))
         if plan.checkpointing:
+            durable = (
+                " (at replication=1 checkpoint_dir= comes with it; durable checkpoints alone "
+                "run on Spark at replication >= 2)"
+                if plan.durable_dir is not None
+                else ""
+            )
             raise ConfigError(
-                "the spark engine does not run Job(checkpoint_ms=...) (the passive "
-                "configuration: checkpoints and rollback); use the local engine"
+                "the spark engine does not run Job(checkpoint_ms=...) at replication=1 (the "
+                f"passive configuration: checkpoints and rollback){durable}; use the local "
+                "engine"
             )
         for f in faults:
             task = plan.task(f.task) if isinstance(f, Kill) else None
