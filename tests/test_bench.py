@@ -85,16 +85,22 @@ def test_recovery_runs_the_restore_rows_and_the_fault_experiment_in_one_invocati
     tmp_path, capsys
 ):
     """`tandem bench recovery --quick`: restore r with 1 MiB of state, a savepoint of a
-    running job with 1 MiB, then the fault experiment of `tandem bench paper` (passive and
-    LiveRobin here; KaZoo runs in tests/test_bench_paper.py), one report, one JSON, one
-    PNG."""
+    running job with 1 MiB, the driver SIGKILLed and resumed, then the fault experiment of
+    `tandem bench paper` (passive and LiveRobin here; KaZoo runs in
+    tests/test_bench_paper.py), one report, one JSON, one PNG."""
     doc_path, plot = tmp_path / "recovery.json", tmp_path / "fault.png"
     argv = ["bench", "recovery", "--quick", "--configs", "passive,liverobin"]
     code = main([*argv, "--json", str(doc_path), "--plot", str(plot)])
     printed = capsys.readouterr()
     assert code == 0, printed.out[-4000:] + printed.err[-4000:]
     doc = json.loads(doc_path.read_text())
-    assert doc["experiments"] == ["restore", "savepoint", "fault"] and doc["failures"] == []
+    assert doc["experiments"] == ["restore", "savepoint", "driver", "fault"]
+    assert doc["failures"] == []
+    lost = doc["driver_row"]
+    assert lost["cut_s"] < lost["killed_s"] and 0 < lost["rows_before_cut"] < lost["rows"]
+    assert lost["rows_reprocessed"] > 0 and lost["downtime_ms"] > 0
+    assert lost["rows_out"] == lost["rows"] and (lost["lost"], lost["duplicates"]) == (0, 0)
+    assert lost["counts_exact"]
     (saved,) = doc["savepoint_rows"]
     assert saved["state_mb"] == 1 and saved["state_mb_written"] >= 2  # 2 partitions
     assert saved["write_ms"] > 0 and saved["p99_with_ms"] > 0 and saved["ratio"] > 0
@@ -117,6 +123,7 @@ def test_recovery_runs_the_restore_rows_and_the_fault_experiment_in_one_invocati
     assert md in printed.out
     assert "### Restoring r against state size" in md and "| 1 MiB | " in md
     assert "### A savepoint of the running job against state size" in md
+    assert "### The driver lost: SIGKILL, then `tandem run --resume`" in md
     assert "| length 3 | passive | kill replica 0 | " in md
     assert "| length 3 | liverobin | kill replica 0 | " in md
     assert doc["figures"] == [str(plot)]

@@ -28,6 +28,8 @@ JSON_FIELDS = (
     "checkpoints",
     "leaders",
     "output",
+    "t0_ns",
+    "first_output_unix_ns",
 )
 
 
@@ -85,7 +87,8 @@ class Result:
     ``coordinator_cpu_s``, the CPU of the calling process while it started and watched
     the replicas (not the result assembly nor the reference check); ``wall_s``, seconds
     from the engine's ``run()`` call until every process had exited; ``first_output_s``,
-    seconds from the engine's ``run()`` call to the first row received by a sink.
+    seconds from the engine's ``run()`` call to the first row received by a sink, and
+    ``first_output_unix_ns`` when that was (the wall clock).
     ``workers_cpu_s`` (every engine, the Spark engine's only CPU figure): the CPU-seconds
     the worker processes said they used, each from its assignment to its ``Done``, or to
     its last keepalive if it was lost (a worker lost before either is not counted) — the
@@ -128,6 +131,7 @@ class Result:
     coordinator_cpu_s: float | None = None
     wall_s: float | None = None
     first_output_s: float | None = None
+    first_output_unix_ns: int | None = None
     workers_cpu_s: float | None = None
     sink_handovers: list[dict] = field(default_factory=list)
     savepoint: Any = None

@@ -208,6 +208,7 @@ class _CostMeter:
         firsts = [r.first_receive_ns for r in sink_reports if r.first_receive_ns is not None]
         if firsts:
             res.first_output_s = (min(firsts) - self.called_ns) / 1e9
+            res.first_output_unix_ns = min(firsts)
 
 
 class LocalEngine:

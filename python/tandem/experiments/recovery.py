@@ -37,7 +37,7 @@ import pyarrow as pa
 import tandem as td
 from tandem.experiments import common, paper
 
-EXPERIMENTS = ("restore", "savepoint", "fault")
+EXPERIMENTS = ("restore", "savepoint", "driver", "fault")
 FAULT_CONFIGS = tuple(paper.FAULT_VARIANTS)
 """The configurations the fault experiment runs: r1 (no fault), passive, liverobin, kazoo."""
 
@@ -312,6 +312,181 @@ def savepoint(
     return rows
 
 
+# -- driver: the process running the job SIGKILLed, then --resume ------------------------
+
+
+@dataclass
+class DriverRow:
+    """:func:`driver`: `tandem run job.py` (durable checkpoints every ``checkpoint_ms``)
+    SIGKILLed at ``killed_s`` of source time and at once `tandem run job.py --resume`, as
+    a supervisor restarts a lost driver. ``cut_s``: the checkpoint it resumed from;
+    ``rows_before_cut``: the input rows the sources had emitted there;
+    ``rows_reprocessed``: those the lost run had emitted after it, emitted again;
+    ``downtime_ms``: from the kill to the resumed run's first output row;
+    ``resume_to_output_ms``: from the resume command to that row (the process's start,
+    reading the checkpoint, the workers' start); ``resumed_wall_s``: the resumed run's
+    command, start to exit. ``rows_out``: rows in the Parquet output of both runs,
+    ``duplicates``/``lost`` against the input, and ``counts_exact`` whether every key's
+    counts there are 1..n (the state went on across the loss)."""
+
+    rate: int
+    rows: int
+    checkpoint_ms: float
+    killed_s: float
+    cut_s: float
+    rows_before_cut: int
+    rows_reprocessed: int
+    downtime_ms: float | None
+    resume_to_output_ms: float | None
+    resumed_wall_s: float
+    rows_out: int
+    lost: int
+    duplicates: int
+    counts_exact: bool
+
+
+DRIVER_JOB = """\
+import tandem as td
+
+job = td.Job("driver-loss", replication=2, checkpoint_ms={period}, checkpoint_dir={checkpoints!r})
+events = job.source(
+    td.sources.Synthetic(rate={rate}, limit={rows}, keys=1_000, seed=5), name="source"
+)
+events.key_by("key").process(td.CountPerKey(), parallelism=2, name="count").sink(
+    td.sinks.Parquet({out!r}), parallelism=2
+)
+"""
+
+
+def driver(
+    rate: int = 5_000,
+    duration: float = 12.0,
+    kill_at: float = 4.0,
+    checkpoint_ms: float = 1_000,
+    log=None,
+) -> DriverRow:
+    """The driver-loss experiment (see :class:`DriverRow`): ``duration`` seconds of input
+    at ``rate``, the driver SIGKILLed half a checkpoint period after its first checkpoint
+    at ``kill_at`` s of source time or later."""
+    import json
+    import signal
+    import subprocess
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from tandem import savepoints
+
+    log = log or sys.stderr
+    rows = int(rate * duration)
+    print(f"driver: {rows:,} rows at {rate:,} ev/s, killed after {kill_at:g} s ...", file=log)
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-driver-") as folder:
+        checkpoints, out = os.path.join(folder, "checkpoints"), os.path.join(folder, "out")
+        script = os.path.join(folder, "job.py")
+        with open(script, "w") as f:
+            f.write(
+                DRIVER_JOB.format(
+                    period=checkpoint_ms, checkpoints=checkpoints, rate=rate, rows=rows, out=out
+                )
+            )
+        command = [sys.executable, "-m", "tandem.cli", "run", script, "--no-progress"]
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "cwd": folder}
+        first = subprocess.Popen(command, **quiet)
+        try:
+            deadline = time.monotonic() + 60 + duration
+            while True:
+                newest = savepoints.latest_checkpoint(checkpoints, "driver-loss")
+                if newest is not None and newest.source_time_s >= kill_at:
+                    break
+                if first.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"bench recovery driver: no checkpoint past {kill_at:g} s: "
+                        + first.communicate()[1][-2000:]
+                    )
+                time.sleep(0.02)
+            time.sleep(checkpoint_ms / 2000)  # the kill half a period after the checkpoint
+            killed_ns = time.time_ns()
+            first.send_signal(signal.SIGKILL)
+            first.communicate(timeout=30)
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.communicate()
+        # The newest complete checkpoint: where --resume starts (the lost run wrote the
+        # manifests, so none completes after the kill).
+        cut = savepoints.latest_checkpoint(checkpoints, "driver-loss")
+        # At once, as a supervisor would: the lost run's workers exit as they find it gone.
+        result_file = os.path.join(folder, "resumed.json")
+        started_ns = time.time_ns()
+        resumed = subprocess.run(
+            [*command, "--resume", "--json", result_file], timeout=120 + duration, **quiet
+        )
+        resumed_wall = (time.time_ns() - started_ns) / 1e9
+        if resumed.returncode != 0:
+            raise RuntimeError(f"bench recovery driver: --resume failed: {resumed.stderr[-2000:]}")
+        with open(result_file) as f:
+            result = json.load(f)
+        output = pq.read_table(out).to_pandas()
+    lost_t0 = cut.runs[-1]
+    killed_s = (killed_ns - lost_t0) / 1e9
+    before = sum(p["rows"] for p in cut.sources["source"])
+    at_kill = min(rows, int(killed_s * rate) + 1)  # Synthetic: row i is due at i / rate
+    firsts = result.get("first_output_unix_ns")
+    seqs = output["source_seq"]
+    counts_exact = all(
+        sorted(group["count"]) == list(range(1, len(group) + 1))
+        for _, group in output.groupby("key")
+    )
+    return DriverRow(
+        rate,
+        rows,
+        checkpoint_ms,
+        round(killed_s, 2),
+        round(cut.source_time_s, 2),
+        before,
+        max(0, at_kill - before),
+        None if firsts is None else round((firsts - killed_ns) / 1e6, 0),
+        None if firsts is None else round((firsts - started_ns) / 1e6, 0),
+        round(resumed_wall, 2),
+        len(output),
+        rows - seqs.nunique(),
+        len(seqs) - seqs.nunique(),
+        counts_exact,
+    )
+
+
+def driver_table(row: DriverRow) -> list[str]:
+    """The driver row as the lines of a Markdown section."""
+    cell = paper._cell
+    return _section(
+        "The driver lost: SIGKILL, then `tandem run --resume`",
+        f"{row.rows:,} rows at {row.rate:,} ev/s, r = 2, Synthetic → keyed count (2 "
+        f"partitions) → Parquet; durable checkpoints every {row.checkpoint_ms:g} ms. `tandem "
+        "run job.py` SIGKILLed, then at once `tandem run job.py --resume`, as a supervisor "
+        "would. Downtime: from the kill to the resumed run's first output row; resume → "
+        "output: from the resume command to that row. Structured Streaming's driver kill "
+        "is in `tandem bench paper --experiments fault` (at-least-once there).",
+        "| killed at | cut at | rows before the cut | rows reprocessed | downtime ms "
+        "| resume → output ms | resumed run s | rows out | lost | dup | counts 1..n |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        [
+            [
+                f"{row.killed_s:g} s",
+                f"{row.cut_s:g} s",
+                f"{row.rows_before_cut:,}",
+                f"{row.rows_reprocessed:,}",
+                cell(row.downtime_ms, 0),
+                cell(row.resume_to_output_ms, 0),
+                cell(row.resumed_wall_s, 1),
+                f"{row.rows_out:,}",
+                cell(row.lost),
+                cell(row.duplicates),
+                "yes" if row.counts_exact else "NO",
+            ]
+        ],
+    )
+
+
 def savepoint_table(rows: list[SavepointRow]) -> list[str]:
     """The savepoint rows as the lines of a Markdown section."""
     r0 = rows[0]
@@ -380,6 +555,8 @@ def estimate_s(settings: Settings, experiments, configs) -> float:
         total += len(settings.sizes) * (settings.duration_s + paper.OVERHEAD_S + 2)
     if "savepoint" in experiments:
         total += len(settings.sizes) * 3 * (settings.duration_s + paper.OVERHEAD_S + 1)
+    if "driver" in experiments:
+        total += settings.duration_s + 2 * paper.OVERHEAD_S + 4
     if "fault" in experiments:
         total += sum(paper.estimate_s(c) for c in fault_cases(settings, configs))
     return total
@@ -389,13 +566,19 @@ def failures(
     restore_rows: list[RecoveryRow],
     fault_rows: list[paper.Row],
     savepoint_rows: list[SavepointRow] = (),
+    driver_row: DriverRow | None = None,
 ) -> list[str]:
     """What makes the run fail: a restore row that lost or repeated rows, whose digests
     differed or in which nothing was rebuilt; a savepoint row that lost or repeated rows,
     whose digests differed or whose resumed run did not deliver exactly the rows after
-    the cut; a fault row that failed as :func:`tandem.paper.failures` says. Never
-    timings."""
+    the cut; a driver row that lost or repeated rows or whose counts did not go on; a
+    fault row that failed as :func:`tandem.paper.failures` says. Never timings."""
     out = []
+    if driver_row is not None:
+        if driver_row.lost or driver_row.duplicates:
+            out.append(f"driver: lost {driver_row.lost}, duplicates {driver_row.duplicates}")
+        if not driver_row.counts_exact:
+            out.append("driver: a key's counts in the output are not 1..n")
     for r in savepoint_rows:
         where = f"savepoint {r.state_mb:g} MiB"
         if r.lost or r.duplicates:
@@ -456,14 +639,17 @@ def markdown(
     fault_rows: list[paper.Row],
     meta: dict,
     savepoint_rows: list[SavepointRow] = (),
+    driver_row: DriverRow | None = None,
 ) -> str:
-    """The report: the restore table, the savepoint table, then the fault experiment's
-    (``tandem bench paper``'s table for it)."""
+    """The report: the restore table, the savepoint table, the driver row, then the fault
+    experiment's (``tandem bench paper``'s table for it)."""
     out = [paper.headline(meta)]
     if restore_rows:
         out += ["", *restore_table(restore_rows)]
     if savepoint_rows:
         out += ["", *savepoint_table(savepoint_rows)]
+    if driver_row is not None:
+        out += ["", *driver_table(driver_row)]
     if fault_rows:
         out += ["", paper.LEGEND, "Downtime: the longest gap between two outputs."]
         out += ["", *paper.experiment_table(fault_rows, "fault")]
@@ -508,6 +694,11 @@ def recovery(
             at=settings.kill_at_s,
             log=log,
         )
+    driver_row = None
+    if "driver" in experiments:
+        driver_row = driver(
+            rate=settings.rate, duration=settings.duration_s, kill_at=settings.kill_at_s, log=log
+        )
     fault_rows: list[paper.Row] = []
     if "fault" in experiments:
         fault_rows = paper.run_all(fault_cases(settings, configs), kazoo, log)
@@ -521,15 +712,16 @@ def recovery(
         "configs": list(configs) if "fault" in experiments else [],
         "restore_rows": [asdict(r) for r in restore_rows],
         "savepoint_rows": [asdict(r) for r in savepoint_rows],
+        "driver_row": None if driver_row is None else asdict(driver_row),
         "fault_rows": [asdict(r) for r in fault_rows],
-        "failures": failures(restore_rows, fault_rows, savepoint_rows),
+        "failures": failures(restore_rows, fault_rows, savepoint_rows, driver_row),
         "figures": [],
     }
     if plot_path and any(r.status == "ok" for r in fault_rows) and paper.can_plot(log):
         os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
         paper.plot_over_time(fault_rows, "fault", str(plot_path))
         doc["figures"].append(str(plot_path))
-    doc["markdown"] = markdown(restore_rows, fault_rows, meta, savepoint_rows)
+    doc["markdown"] = markdown(restore_rows, fault_rows, meta, savepoint_rows, driver_row)
     if json_path:
         import json
 
