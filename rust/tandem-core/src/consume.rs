@@ -86,8 +86,9 @@ pub trait Merge<P: Chunk>: Send {
     /// order once heartbeat `after_epoch` has ended its cycle — a task whose upstream
     /// grows partitions at that heartbeat (a live rescale): the same point in every
     /// replica, for it is defined by what the channels delivered, not by when this is
-    /// called. Refused once the merge has seen heartbeat `after_epoch` (too late to be
-    /// the same point everywhere), and by the merges that do not take new channels.
+    /// called (LiveRobin refuses once it has seen heartbeat `after_epoch`: too late to be
+    /// the same point everywhere; first come, first served serves them at once). Refused
+    /// by the positional order, which follows its leader's orders.
     fn join(&mut self, count: usize, after_epoch: u64) -> Result<()> {
         Err(Error::Config(format!(
             "{count} channels joining after heartbeat {after_epoch}: this consumption order \

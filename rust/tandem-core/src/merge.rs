@@ -153,6 +153,20 @@ impl<P: Chunk> Merge<P> for Fcfs {
         self.barrier = None;
     }
 
+    /// First come, first served: the joined channels are served at once (their content
+    /// starts after `after_epoch`, which they count as delivered), and the merge ends once
+    /// they have ended too.
+    fn join(&mut self, count: usize, after_epoch: u64) -> Result<()> {
+        if self.ended.all() {
+            return Err(Error::Config(
+                "channels cannot join a merge whose channels all ended".to_owned(),
+            ));
+        }
+        self.ended.grow(count);
+        self.passed.resize(self.passed.len() + count, after_epoch);
+        Ok(())
+    }
+
     fn cut(&self) -> Option<MergeCut> {
         Some(MergeCut {
             turn: self.cursor,

@@ -592,6 +592,34 @@ proptest! {
     }
 
     #[test]
+    fn fcfs_with_joined_channels_loses_nothing(
+        seed in any::<u64>(),
+        channels in 1usize..=3,
+        joining in 1usize..=2,
+        k in 1u64..=4,
+        arrival in any::<u64>(),
+        told in 0usize..=1,
+    ) {
+        let mut w = workload(seed, channels, 2, false);
+        let mut rng = Rng::new(seed ^ 0x5EED);
+        for _ in 0..joining {
+            let content = joined_content(&mut rng, k, 4, 8);
+            let batches = replica_stream(&mut rng, &content, 5);
+            w.streams.push(vec![batches.clone(); 2]);
+            w.batches.push(batches);
+        }
+        // Told before its first or second delivery: the order is the arrivals', not a rule.
+        let got = consume_joining(&w, &mut Fcfs::new(channels), arrival, 4, Some((joining, k, told)));
+        for c in 0..channels + joining {
+            prop_assert_eq!(
+                channel_events(&got, c),
+                channel_events_of_batches(&w.batches[c], c)
+            );
+        }
+        prop_assert_eq!(got.last(), Some(&Ev::End));
+    }
+
+    #[test]
     fn fcfs_loses_nothing_and_keeps_each_channels_batches(
         seed in any::<u64>(),
         channels in 1usize..=3,
