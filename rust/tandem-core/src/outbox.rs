@@ -330,6 +330,13 @@ struct Channel {
     replay: Option<Replay>,
 }
 
+/// A change of the channel set armed for heartbeat `epoch` ([`Outbox::switch_at`]).
+struct Switch {
+    epoch: u64,
+    partitioner: Partitioner,
+    links: Vec<Vec<Box<dyn Link>>>,
+}
+
 /// One Data frame of an emit, encoded (if some link wants bytes) but not yet sent.
 struct Outgoing {
     first_seq: u64,
@@ -363,6 +370,13 @@ pub struct Outbox {
     evicted: Vec<(usize, String)>,
     /// A channel may have no live link for a while ([`Outbox::hold_orphans`]).
     orphans: bool,
+    /// The last heartbeat sent (None: none yet).
+    last_heartbeat: Option<u64>,
+    /// The channel set's change armed for a heartbeat ([`Outbox::switch_at`]).
+    switch: Option<Switch>,
+    /// The links a switch took off their channels: they deliver what they hold, take
+    /// nothing new, and go once their peer closes (or this outbox does).
+    retiring: Vec<Box<dyn Link>>,
 }
 
 impl Outbox {
@@ -418,7 +432,107 @@ impl Outbox {
             window: None,
             evicted: Vec::new(),
             orphans: false,
+            last_heartbeat: None,
+            switch: None,
+            retiring: Vec::new(),
         })
+    }
+
+    /// Change the channel set right after heartbeat `epoch` has left on every channel,
+    /// before anything else: from then on rows are routed by `partitioner` over
+    /// `links.len()` channels (a task downstream rescaled to that many partitions at that
+    /// heartbeat, a live rescale). Channel `c` of the present ones goes on — its seqs, its
+    /// digest and its replay window — with `links[c]` as its downstream replicas, its
+    /// present links retiring (they deliver what they hold, heartbeat `epoch` last, and
+    /// take nothing more); the channels after them are new, their seqs from 0, their
+    /// replay windows from `epoch` on. The set may only grow, and every channel needs a
+    /// link. Refused once heartbeat `epoch` was sent, or after the end.
+    pub fn switch_at(
+        &mut self,
+        epoch: u64,
+        partitioner: Partitioner,
+        links: Vec<Vec<Box<dyn Link>>>,
+    ) -> Result<()> {
+        self.check_open("switch_at")?;
+        if self.last_heartbeat.is_some_and(|h| h >= epoch) {
+            return Err(Error::Config(format!(
+                "switch at heartbeat {epoch}: this outbox has sent heartbeat {} already",
+                self.last_heartbeat.unwrap_or_default()
+            )));
+        }
+        if links.len() < self.channels.len() {
+            return Err(Error::Config(format!(
+                "switch to {} output channels from {}: the channel set may only grow",
+                links.len(),
+                self.channels.len()
+            )));
+        }
+        if let Some(c) = links.iter().position(Vec::is_empty) {
+            return Err(Error::Config(format!(
+                "switch: output channel {c} has no downstream replica; give every channel at \
+                 least one link"
+            )));
+        }
+        if partitioner == Partitioner::Forward && links.len() != 1 {
+            return Err(Error::Config(format!(
+                "switch: partitioner 'forward' needs exactly one output channel, got {}",
+                links.len()
+            )));
+        }
+        if let Partitioner::Hash { key_groups, .. } = &partitioner {
+            if links.len() > *key_groups as usize {
+                return Err(Error::Config(format!(
+                    "switch: {} output channels, more than the {key_groups} key groups",
+                    links.len()
+                )));
+            }
+        }
+        self.switch = Some(Switch {
+            epoch,
+            partitioner,
+            links,
+        });
+        Ok(())
+    }
+
+    /// Disarm the switch [`Outbox::switch_at`] armed, if it is still to come; whether one
+    /// was. The outbox then sends exactly what it would have with none armed.
+    pub fn cancel_switch(&mut self) -> bool {
+        self.switch.take().is_some()
+    }
+
+    /// The last heartbeat sent (None: none yet).
+    pub fn last_heartbeat(&self) -> Option<u64> {
+        self.last_heartbeat
+    }
+
+    fn apply_switch(&mut self, switch: Switch) {
+        let Switch {
+            epoch,
+            partitioner,
+            links,
+        } = switch;
+        for (c, mut new) in links.into_iter().enumerate() {
+            for link in &mut new {
+                link.defer(self.deferred);
+            }
+            if let Some(ch) = self.channels.get_mut(c) {
+                self.retiring.append(&mut ch.links);
+                ch.links = new;
+            } else {
+                self.channels.push(Channel {
+                    links: new,
+                    next_seq: 0,
+                    digest: CycleDigest::new(),
+                    replay: self.window.map(|_| Replay {
+                        after: epoch,
+                        ..Replay::default()
+                    }),
+                });
+                self.seqs.push(0);
+            }
+        }
+        self.partitioner = partitioner;
     }
 
     /// Name the replica this outbox sends for in its log lines (see [`crate::logs`]).
@@ -637,7 +751,13 @@ impl Outbox {
     /// emitted before it.
     pub fn heartbeat(&mut self, epoch: u64) -> Result<()> {
         self.check_open("heartbeat")?;
-        self.control(Some(epoch))
+        let sent = self.control(Some(epoch));
+        self.last_heartbeat = Some(epoch);
+        if self.switch.as_ref().is_some_and(|s| s.epoch == epoch) {
+            let switch = self.switch.take().expect("armed");
+            self.apply_switch(switch);
+        }
+        sent
     }
 
     /// Send the end marker on every channel (an empty frame; the digest of the rows sent
@@ -662,6 +782,9 @@ impl Outbox {
                 link.defer(on);
             }
         }
+        for link in &mut self.retiring {
+            link.defer(on);
+        }
         if !on {
             self.push();
         }
@@ -676,6 +799,9 @@ impl Outbox {
             }
             retain_live(self.me.as_ref(), c, &mut ch.links, |link| link.push());
         }
+        // A retiring link that fails has nothing more to deliver: it goes quietly.
+        self.retiring
+            .retain_mut(|link| link.push().is_ok() && !link.peer_closed());
     }
 
     /// Move what links queued of their own along, without blocking ([`Link::flush`]), and
@@ -689,6 +815,10 @@ impl Outbox {
                 evict_stragglers(self.me.as_ref(), &ev, c, &mut ch.links, &mut self.evicted);
             }
         }
+        for link in &mut self.retiring {
+            link.flush();
+        }
+        self.retiring.retain(|link| !link.peer_closed());
     }
 
     /// The largest [`Link::backlog`] over every live link (0 once closed) — or, when
@@ -739,18 +869,20 @@ impl Outbox {
     /// finish; closing without it looks to the receivers like a crash of this replica. A
     /// link that fails to close is logged.
     pub fn close(&mut self) {
+        let mut links = std::mem::take(&mut self.retiring);
         for ch in &mut self.channels {
-            for mut link in ch.links.drain(..) {
-                if let Err(e) = link.close() {
-                    log_replica!(
-                        failure_level(link.as_ref()),
-                        OUTBOX,
-                        self.me.as_ref(),
-                        "{}: closing the link to {} failed: {e}",
-                        who(self.me.as_ref()),
-                        link.describe()
-                    );
-                }
+            links.append(&mut ch.links);
+        }
+        for mut link in links {
+            if let Err(e) = link.close() {
+                log_replica!(
+                    failure_level(link.as_ref()),
+                    OUTBOX,
+                    self.me.as_ref(),
+                    "{}: closing the link to {} failed: {e}",
+                    who(self.me.as_ref()),
+                    link.describe()
+                );
             }
         }
         self.ended = true;
@@ -764,6 +896,9 @@ impl Outbox {
             for mut link in ch.links.drain(..) {
                 link.abort();
             }
+        }
+        for mut link in self.retiring.drain(..) {
+            link.abort();
         }
         self.ended = true;
     }
@@ -1227,6 +1362,121 @@ mod tests {
         (0..channels)
             .map(|_| (0..replicas).map(|_| MemLink::default()).collect())
             .collect()
+    }
+
+    fn boxed(links: &[Vec<MemLink>]) -> Vec<Vec<Box<dyn Link>>> {
+        links
+            .iter()
+            .map(|ch| {
+                ch.iter()
+                    .map(|l| Box::new(l.clone()) as Box<dyn Link>)
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The values of `v` a link received as data, in order.
+    fn values(link: &MemLink) -> Vec<i64> {
+        link.summary()
+            .into_iter()
+            .filter(|f| f.0 == 'D')
+            .flat_map(|f| f.3)
+            .collect()
+    }
+
+    #[test]
+    fn a_switch_at_a_heartbeat_routes_what_follows_over_the_new_channels() {
+        let old = mem(2, 1);
+        let mut ob = outbox(Partitioner::hash("v"), &old, 1024);
+        ob.keep_replay(Some(ReplayWindow {
+            cycles: 8,
+            bytes: 1 << 20,
+        }));
+        ob.emit(&batch(0..20)).unwrap();
+        ob.heartbeat(1).unwrap();
+        let new = mem(4, 1);
+        ob.switch_at(2, Partitioner::hash("v"), boxed(&new))
+            .unwrap();
+        ob.emit(&batch(20..40)).unwrap(); // before heartbeat 2: the old channels
+        let seqs_at_2: Vec<u64> = ob.next_seqs().iter().map(|s| s + 1).collect();
+        ob.heartbeat(2).unwrap();
+        assert_eq!(ob.channels(), 4);
+        ob.emit(&batch(40..100)).unwrap();
+        ob.heartbeat(3).unwrap();
+
+        let route = |range: std::ops::Range<i64>, n: usize| -> Vec<Vec<i64>> {
+            let b = batch(range.clone());
+            let to = hash_channels(&b, "v", n, DEFAULT_KEY_GROUPS).unwrap();
+            (0..n)
+                .map(|c| {
+                    range
+                        .clone()
+                        .zip(&to)
+                        .filter(|(_, &t)| t as usize == c)
+                        .map(|(v, _)| v)
+                        .collect()
+                })
+                .collect()
+        };
+        // The old links: every row up to heartbeat 2, heartbeat 2 last, nothing after.
+        let (before, after) = (route(0..40, 2), route(40..100, 4));
+        for c in 0..2 {
+            let mut want = route(0..20, 2)[c].clone();
+            want.extend(&route(20..40, 2)[c]);
+            assert_eq!(values(&old[c][0]), want, "old channel {c}");
+            assert_eq!(
+                old[c][0].summary().last().map(|f| (f.0, f.2)),
+                Some(('H', 2))
+            );
+            assert!(!before[c].is_empty() && !after[c].is_empty());
+        }
+        // The new links: the rows after it, routed over 4 channels by key group; channels
+        // 0 and 1 go on with their seqs, 2 and 3 start at 0; heartbeat 3 on each.
+        for c in 0..4 {
+            assert_eq!(values(&new[c][0]), after[c], "new channel {c}");
+            let first = new[c][0].summary()[0].1;
+            assert_eq!(
+                first,
+                if c < 2 { seqs_at_2[c] } else { 0 },
+                "channel {c}'s first seq"
+            );
+            assert_eq!(
+                new[c][0].summary().last().map(|f| (f.0, f.2)),
+                Some(('H', 3))
+            );
+        }
+        // A replica of a new channel rebuilt later is replayed from the switch on.
+        let late = MemLink::default();
+        ob.add_link(3, Box::new(late.clone()), 2).unwrap();
+        assert_eq!(values(&late), after[3]);
+        assert!(ob.add_link(3, Box::new(MemLink::default()), 1).is_err());
+    }
+
+    #[test]
+    fn a_switch_is_refused_after_its_heartbeat_and_when_it_shrinks_and_cancels_cleanly() {
+        let links = mem(2, 1);
+        let mut ob = outbox(Partitioner::hash("v"), &links, 1024);
+        ob.heartbeat(1).unwrap();
+        assert!(ob
+            .switch_at(1, Partitioner::hash("v"), boxed(&mem(3, 1)))
+            .is_err());
+        assert!(ob
+            .switch_at(2, Partitioner::hash("v"), boxed(&mem(1, 1)))
+            .is_err());
+        assert!(ob
+            .switch_at(2, Partitioner::hash("v"), vec![vec![], vec![]])
+            .is_err());
+        let unused = mem(3, 1);
+        ob.switch_at(2, Partitioner::hash("v"), boxed(&unused))
+            .unwrap();
+        assert!(ob.cancel_switch() && !ob.cancel_switch());
+        ob.emit(&batch(0..10)).unwrap();
+        ob.heartbeat(2).unwrap();
+        ob.emit(&batch(10..20)).unwrap();
+        assert_eq!(ob.channels(), 2);
+        assert!(unused.iter().all(|ch| ch[0].summary().is_empty()));
+        let got: usize = links.iter().map(|ch| values(&ch[0]).len()).sum();
+        assert_eq!(got, 20);
     }
 
     #[test]

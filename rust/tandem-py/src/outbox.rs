@@ -91,7 +91,10 @@ impl Outbox {
             let mut guard = self.inner.lock();
             let ob = guard.as_mut().ok_or_else(|| closed(what))?;
             let res = f(ob);
-            self.seqs.lock().clone_from_slice(ob.next_seqs());
+            // Refilled, not copied over: a switch (`Outbox::switch_at`) may grow the channels.
+            let mut seqs = self.seqs.lock();
+            seqs.clear();
+            seqs.extend_from_slice(ob.next_seqs());
             res.py()
         })
     }
