@@ -163,6 +163,11 @@ class _MergeBase:
         queued batch has one schema."""
     def pending(self) -> list[int]:
         """Elements pushed but not yet delivered, per channel."""
+    def join(self, count: int, after_epoch: int) -> int:
+        """Append ``count`` channels that join after heartbeat ``after_epoch`` (a live
+        rescale): LiveRobin gives them turns from the end of that epoch's cycle (or once
+        every other channel ended), Fcfs at once; Positional raises ConfigError. Returns
+        the first new channel's index."""
 
 class LiveRobin(_MergeBase):
     """LiveRobin (Algorithm 1 of the paper): deterministic round-robin over the channels

@@ -349,6 +349,20 @@ macro_rules! merge_class {
                 self.state.lock().inputs.iter().map(VecDeque::len).collect()
             }
 
+            /// Append `count` channels that join after heartbeat `after_epoch` (a live
+            /// rescale: LiveRobin gives them turns from the end of that epoch's cycle, Fcfs
+            /// at once, Positional refuses). Returns the first new channel's index.
+            fn join(&self, count: &Bound<'_, PyAny>, after_epoch: &Bound<'_, PyAny>) -> PyResult<usize> {
+                let count = arg_u64(count, "count")? as usize;
+                let after_epoch = arg_u64(after_epoch, "after_epoch")?;
+                let mut st = self.state.lock();
+                Merge::<RecordBatch>::join(&mut st.merge, count, after_epoch).py()?;
+                let first = st.inputs.len();
+                st.inputs.extend((0..count).map(|_| VecDeque::new()));
+                st.next_seq.extend((0..count).map(|_| Some(0)));
+                Ok(first)
+            }
+
             $($extra)*
         }
     };
