@@ -244,3 +244,147 @@ def test_a_local_link_fails_like_a_closed_connection():
     with pytest.raises(_core.ChannelClosed, match="no live downstream replica"):
         out.emit(rows(2))
     out.close()
+
+
+# -- the data plane of a live rescale: switch, join, park ----------------------------------
+
+
+def keyed(lo: int, hi: int) -> pa.RecordBatch:
+    return pa.record_batch({"x": pa.array(range(lo, hi), pa.int64())})
+
+
+def test_an_outbox_switches_to_more_hash_channels_right_after_a_heartbeat():
+    from tandem.plan import key_group, key_group_channel
+
+    groups = 16
+    w = _core.Worker()
+    inboxes = [_core.Inbox(JOB, SECRET, [(0, 0)], worker=w) for _ in range(3)]
+    slots = [w.add_task(ib, [], False) for ib in inboxes]
+    out = _core.Outbox(
+        JOB, SECRET, (0, 0, 0), [[ib] for ib in inboxes[:2]], "hash", "x", key_groups=groups
+    )
+    out.emit(keyed(0, 40))
+    out.switch_at(1, [[ib] for ib in inboxes], "hash", "x", key_groups=groups)
+    with pytest.raises(td.ConfigError, match="armed already"):
+        out.switch_at(1, [[ib] for ib in inboxes], "hash", "x", key_groups=groups)
+    out.emit(keyed(40, 80))  # before heartbeat 1: still two channels
+    seqs_before = out.next_seqs
+    out.heartbeat(1)
+    assert out.last_heartbeat == 1
+    assert len(out.next_seqs) == 3
+    assert out.next_seqs[:2] == [s + 1 for s in seqs_before], "the channels go on"
+    out.emit(keyed(80, 200))
+    out.heartbeat(2)
+    out.end()
+    items = drain(w, 2.0)
+    by_slot = {s: [] for s in slots}
+    for i in items:
+        if i.kind == "data":
+            by_slot[i.slot].extend(i.batch.column("x").to_pylist())
+    for c, s in enumerate(slots):
+        want = [
+            v
+            for v in range(80)
+            if c < 2 and key_group_channel(key_group(v, groups), groups, 2) == c
+        ]
+        want += [
+            v for v in range(80, 200) if key_group_channel(key_group(v, groups), groups, 3) == c
+        ]
+        assert by_slot[s] == want, f"channel {c}"
+    out.close()
+    for ib in inboxes:
+        ib.close()
+
+
+def test_a_cancelled_switch_sends_what_no_switch_sends():
+    w = _core.Worker()
+    inboxes = [_core.Inbox(JOB, SECRET, [(0, 0)], worker=w) for _ in range(3)]
+    for ib in inboxes:
+        w.add_task(ib, [], False)
+    out = _core.Outbox(JOB, SECRET, (0, 0, 0), [[ib] for ib in inboxes[:2]], "hash", "x")
+    out.switch_at(1, [[ib] for ib in inboxes], "hash", "x")
+    assert out.cancel_switch() and not out.cancel_switch()
+    out.heartbeat(1)
+    out.emit(keyed(0, 50))
+    out.end()
+    assert len(out.next_seqs) == 2
+    drain(w, 1.0)
+    assert inboxes[2].stats()["channels"][0]["next_seq"] == 0, "the third never fed"
+    out.close()
+    for ib in inboxes:
+        ib.close()
+
+
+def test_a_downstream_replica_joins_new_upstream_partitions_after_a_heartbeat():
+    w = _core.Worker()
+    inbox = _core.Inbox(JOB, SECRET, [(1, 0)], worker=w)
+    slot = w.add_task(inbox, [], False)
+    old = _core.Outbox(JOB, SECRET, (1, 0, 0), [[inbox]])
+    with pytest.raises(td.ConfigError, match="not an upstream"):
+        _core.Outbox(JOB, SECRET, (1, 1, 0), [[inbox]])
+    assert w.join_inputs(slot, [(1, 1)], 2) == (1, 2)
+    new = _core.Outbox(JOB, SECRET, (1, 1, 0), [[inbox]])
+    new.emit(keyed(100, 103))  # waits for the end of cycle 2
+    new.heartbeat(3)
+    new.end()
+    old.emit(keyed(0, 3))
+    old.heartbeat(1)
+    old.emit(keyed(3, 6))
+    old.heartbeat(2)
+    old.emit(keyed(6, 9))
+    old.heartbeat(3)
+    old.end()
+    items = drain(w, 2.0)
+    seen = [
+        (i.channel, v) for i in items if i.kind == "data" for v in i.batch.column("x").to_pylist()
+    ]
+    assert [v for c, v in seen if c == 0] == list(range(9))
+    assert [v for c, v in seen if c == 1] == [100, 101, 102]
+    assert seen.index((1, 100)) > seen.index((0, 5)), "no joined row before heartbeat 2 ended"
+    assert items[-1].kind == "end"
+    for o in (old, new):
+        o.close()
+    inbox.close()
+
+
+def test_a_join_is_taken_back_until_the_joined_channels_take_input():
+    w = _core.Worker()
+    inbox = _core.Inbox(JOB, SECRET, [(1, 0)], worker=w)
+    slot = w.add_task(inbox, [], False)
+    w.join_inputs(slot, [(1, 1)], 5)
+    w.cancel_join(slot)
+    assert len(inbox.stats()["channels"]) == 1
+    with pytest.raises(td.ConfigError, match="not an upstream"):
+        _core.Outbox(JOB, SECRET, (1, 1, 0), [[inbox]])
+    w.join_inputs(slot, [(1, 1)], 5)
+    new = _core.Outbox(JOB, SECRET, (1, 1, 0), [[inbox]])
+    new.emit(keyed(0, 2))
+    with pytest.raises(td.ConfigError, match="too late"):
+        w.cancel_join(slot)
+    new.close()
+    inbox.close()
+
+
+def test_a_parked_inbox_starts_at_the_cut_it_is_unparked_with():
+    w = _core.Worker()
+    inbox = _core.Inbox(JOB, SECRET, [(0, 0)], worker=w, parked=True)
+    assert inbox.parked
+    out = _core.Outbox(JOB, SECRET, (0, 0, 1), [[("127.0.0.1", inbox.port)]])
+    out.emit(keyed(0, 5))  # seqs 0..5
+    out.heartbeat(1)  # seq 5
+    out.emit(keyed(5, 8))  # seqs 6..9
+    out.end()
+    time.sleep(0.05)
+    assert inbox.stats()["channels"][0]["next_seq"] == 0, "held by the sender"
+    cut = ([6], 0, 1, [False], [], None)  # from seq 6, heartbeat 1 seen
+    with pytest.raises(td.ConfigError, match="parked inbox"):
+        w.add_task(inbox, [], False)
+    inbox.unpark(cut)
+    assert not inbox.parked
+    with pytest.raises(td.ConfigError, match="not parked"):
+        inbox.unpark(cut)
+    w.add_task(inbox, [], False, resume=(1, [1], cut, []))
+    items = drain(w, 2.0)
+    assert values(items) == [5, 6, 7]
+    out.close()
+    inbox.close()

@@ -258,6 +258,7 @@ class Inbox:
         name: str | None = None,
         resume: InboxCut | None = None,
         wait_orphaned: bool = False,
+        parked: bool = False,
     ) -> None:
         """``upstreams``: ``(task, partition)`` pairs; the position is the channel index.
         ``queue_capacity``: frames queued per channel before the readers stop reading (the
@@ -270,9 +271,17 @@ class Inbox:
         comes before is dropped as consumed) and the merge at the twin's state.
         ``wait_orphaned``: a channel whose every upstream replica is gone before its end
         waits for one to come back (replication 1, rolled back to a checkpoint) instead of
-        failing ``next()`` with ``InputStarved``."""
+        failing ``next()`` with ``InputStarved``. ``parked``: take nothing (the peers'
+        input waits, held by them) until ``unpark`` gives the cut to start from — a
+        partition a live rescale adds, set up before its state exists."""
     @property
     def port(self) -> int: ...
+    @property
+    def parked(self) -> bool:
+        """Bound with ``parked=True`` and not unparked yet."""
+    def unpark(self, cut: InboxCut) -> None:
+        """Start a parked inbox at ``cut`` (an inbox cut, ``SlotCut[2]``): each channel from
+        its position on, the merge from its state. Raises ConfigError if not parked."""
     def next(self, timeout: float | None = None) -> Delivery | None:
         """The next delivery, or None after ``timeout`` seconds (None = wait until one
         arrives). Releases the GIL while waiting; Ctrl-C interrupts. Raises
@@ -451,6 +460,25 @@ class Outbox:
         after that heartbeat (one write), then everything from now on. Raises if the link
         was attached before, or the window no longer reaches back to the cut ("needs a
         later cut")."""
+    def switch_at(
+        self,
+        epoch: int,
+        downstream: list[list[tuple[str, int] | Inbox]],
+        partitioner: Literal["forward", "hash", "rebalance", "broadcast"],
+        key: str | None = None,
+        key_groups: int = 128,
+    ) -> None:
+        """Change the channel set right after heartbeat ``epoch`` leaves (the downstream
+        task rescaled live): rows then go to ``len(downstream)`` channels routed by
+        ``partitioner``; present channels go on with their seqs and digests to the replicas
+        ``downstream[c]`` (their present links retire after heartbeat ``epoch``), the rest
+        are new, from seq 0. Dials first (GIL released, the outbox not held). Raises
+        ConfigError once heartbeat ``epoch`` was sent, or for fewer channels."""
+    def cancel_switch(self) -> bool:
+        """Disarm the switch ``switch_at`` armed, if still to come; whether one was."""
+    @property
+    def last_heartbeat(self) -> int | None:
+        """The last heartbeat epoch sent (None: none yet)."""
     def emit(self, batch: pa.RecordBatch) -> None:
         """Partition ``batch`` and send each channel's part now. A batch that cannot be
         encoded or digested is refused whole (nothing sent). Blocks (GIL released) while a
@@ -487,9 +515,17 @@ class Outbox:
         tb: TracebackType | None,
     ) -> None: ...
 
-InboxCut = tuple[list[int], int, int | None, list[bool]]
-"""``(positions, turn, gen, ended)``: per channel the first seq not consumed, and the
-merge's state."""
+InboxCut = tuple[
+    list[int],
+    int,
+    int | None,
+    list[bool],
+    list[tuple[int, int]],
+    tuple[int | None, int, list[int], int] | None,
+]
+"""``(positions, turn, gen, ended, orders, log)``: per channel the first seq not consumed,
+the merge's state (KaZoo: the followed orders not yet consumed) and, for KaZoo, the place
+in the order log ``(epoch, version, ordered, through)``."""
 
 SlotCut = tuple[int, list[int], InboxCut | None, list[tuple[list[int], int]]]
 """A replica's state at a heartbeat-cycle boundary, without its operator's: ``(epoch,
@@ -570,6 +606,16 @@ class Worker:
         """Whether the slot's downstream links have room (a source emits only then)."""
     def retire(self, slot: int) -> None:
         """Stop serving ``slot``."""
+    def join_inputs(
+        self, slot: int, upstreams: list[tuple[int, int]], after_epoch: int
+    ) -> tuple[int, int]:
+        """Give ``slot``'s inbox one input channel per upstream ``(task, partition)`` (new
+        partitions of an upstream task: a live rescale), taking turns after heartbeat
+        ``after_epoch`` (LiveRobin: from the end of that cycle); they count as having
+        delivered it. Returns the new channels' ``(start, stop)``."""
+    def cancel_join(self, slot: int) -> None:
+        """Take back the channels of the last ``join_inputs`` of ``slot`` (a live rescale
+        given up); raises ConfigError once they took input."""
     def wake(self) -> None:
         """Bring a waiting ``next()`` back early (it returns None once no slot has work),
         from any thread, without a lock: a source reading a log on a thread of its own

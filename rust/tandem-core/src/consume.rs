@@ -95,6 +95,15 @@ pub trait Merge<P: Chunk>: Send {
              takes no new channels"
         )))
     }
+    /// Take back the last `count` channels of a [`Merge::join`] that is given up (a live
+    /// rescale cancelled before its switch): the merge is again the one it was before the
+    /// join. Refused once any of them could have been served (LiveRobin: they were
+    /// activated; first come, first served: one delivered something).
+    fn cancel_join(&mut self, count: usize) -> Result<()> {
+        Err(Error::Config(format!(
+            "{count} channels to take back: this consumption order takes no new channels"
+        )))
+    }
     /// The merge's state now, if a replica rebuilt from it can start here (see
     /// [`MergeCut`]); None if it cannot be cut now (mid-cycle, or holding part of a batch)
     /// and the caller must try again later.
@@ -207,6 +216,11 @@ impl Ended {
     /// `count` more channels, none ended.
     pub(crate) fn grow(&mut self, count: usize) {
         self.ended.resize(self.ended.len() + count, false);
+    }
+    /// The first `len` channels only (the ones dropped must not have ended).
+    pub(crate) fn truncate(&mut self, len: usize) {
+        debug_assert!(self.ended[len.min(self.ended.len())..].iter().all(|e| !e));
+        self.ended.truncate(len);
     }
     pub(crate) fn resumed(flags: &[bool]) -> Self {
         Self {

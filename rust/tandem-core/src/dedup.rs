@@ -91,6 +91,8 @@ pub struct DedupReceiver<P> {
     /// Elements popped from the queue ahead of their turn (at most one per concurrent
     /// producer), kept until the element they follow arrives.
     reorder: Vec<Item<P>>,
+    /// A [`channel_parked`] channel not yet unparked: nothing was taken.
+    parked: bool,
 }
 
 /// Create one logical channel: a sender to clone into every upstream connection and the
@@ -140,8 +142,26 @@ pub fn channel_watched<P: Chunk + Send>(
             shared,
             delivered: start,
             reorder: Vec::new(),
+            parked: false,
         },
     )
+}
+
+/// A logical channel that takes nothing until [`DedupReceiver::unpark`] says where it
+/// starts: the channel of a replica that is set up before the cut it starts from is taken
+/// (a partition a live rescale adds, built at the switch from its predecessors' cuts). It
+/// has no capacity permit, so every offer is handed back ([`Offer::Full`], or
+/// [`Offer::Gap`] past seq 0) and held by its sender until the unpark rings the producer
+/// bell.
+pub fn channel_parked<P: Chunk + Send>(
+    capacity: usize,
+    consumer_bell: Arc<Doorbell>,
+    arrival_bell: Option<Arc<Doorbell>>,
+) -> (DedupSender<P>, DedupReceiver<P>) {
+    let (tx, mut rx) = channel_watched(0, capacity, consumer_bell, arrival_bell);
+    tx.shared.permits.store(0, Ordering::Release);
+    rx.parked = true;
+    (tx, rx)
 }
 
 impl<P: Chunk> DedupSender<P> {
@@ -271,6 +291,30 @@ impl<P: Chunk> DedupReceiver<P> {
         self.delivered
     }
 
+    /// Whether this is a [`channel_parked`] channel not yet unparked.
+    pub fn parked(&self) -> bool {
+        self.parked
+    }
+
+    /// Start a [`channel_parked`] channel at `start`: every seq before it counts as
+    /// delivered, the permits are granted and the senders holding elements are rung.
+    /// Refused on a channel that is not parked (it may have taken something already).
+    pub fn unpark(&mut self, start: u64) -> crate::Result<()> {
+        if !self.parked() {
+            return Err(crate::Error::Config(
+                "unpark of a channel that is not parked".to_owned(),
+            ));
+        }
+        self.shared.next.store(start, Ordering::Release);
+        self.delivered = start;
+        self.parked = false;
+        self.shared
+            .permits
+            .store(self.shared.queue.capacity(), Ordering::Release);
+        self.shared.producer_bell.ring();
+        Ok(())
+    }
+
     fn deliver(&mut self, item: Item<P>) -> Item<P> {
         self.delivered = item.first_seq().saturating_add(item.seq_len());
         item
@@ -393,6 +437,40 @@ mod tests {
             payload: Rows { start: 0, len: 5 },
         };
         assert!(matches!(tx.offer(huge), Offer::Gap { expected: 0, .. }));
+    }
+
+    #[test]
+    fn a_parked_channel_holds_everything_until_it_is_unparked_at_its_start() {
+        let bell = Arc::new(Doorbell::new());
+        let (tx, mut rx) = channel_parked::<Rows>(4, Arc::clone(&bell), None);
+        assert!(rx.parked());
+        assert_eq!(tx.offer(data(0, 3)), Offer::Full(data(0, 3)));
+        assert!(matches!(tx.offer(data(7, 2)), Offer::Gap { .. }));
+        assert_eq!(rx.pop(), None);
+        let rung = tx.producer_bell().generation();
+        rx.unpark(7).unwrap();
+        assert!(
+            tx.producer_bell().generation() > rung,
+            "the held senders are rung"
+        );
+        assert!(!rx.parked());
+        assert_eq!(
+            tx.offer(data(0, 3)),
+            Offer::Duplicate,
+            "before the start: delivered"
+        );
+        assert_eq!(tx.offer(data(7, 2)), Offer::Accepted { trimmed_rows: 0 });
+        for s in 9..12 {
+            assert!(matches!(tx.offer(data(s, 1)), Offer::Accepted { .. }));
+        }
+        assert_eq!(
+            tx.offer(data(12, 1)),
+            Offer::Full(data(12, 1)),
+            "the whole capacity"
+        );
+        assert_eq!(rx.pop(), Some(data(7, 2)));
+        assert_eq!(rx.next_seq(), 9);
+        assert!(rx.unpark(0).is_err(), "only once");
     }
 
     #[test]

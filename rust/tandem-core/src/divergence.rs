@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use log::Level;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::digest::{to_hex, Digest};
 #[cfg(doc)]
@@ -127,17 +127,32 @@ impl CycleDigests {
     }
 }
 
+/// What the check keeps of one logical channel.
+struct ChannelDigests {
+    upstream: (u32, u32),
+    digests: Mutex<CycleDigests>,
+    logged: AtomicBool,
+}
+
+impl ChannelDigests {
+    fn new(upstream: (u32, u32)) -> Self {
+        Self {
+            upstream,
+            digests: Mutex::default(),
+            logged: AtomicBool::new(false),
+        }
+    }
+}
+
 /// The determinism check of one inbox: per input channel, the first digest of each recent
 /// cycle; the divergences found; and what a divergence does ([`OnDivergence`]). Shared by
 /// the inbox's connections, its local links and its consumer.
 pub(crate) struct DivergenceCheck {
     on_divergence: OnDivergence,
-    /// The upstream partition of each logical channel.
-    upstreams: Vec<(u32, u32)>,
-    /// Per logical channel, its recent cycles' first digests (touched by heartbeats only).
-    cycle_digests: Vec<Mutex<CycleDigests>>,
-    /// Per logical channel, whether a divergence on it was logged already.
-    logged: Vec<AtomicBool>,
+    /// Per logical channel: its upstream partition, its recent cycles' first digests
+    /// (touched by heartbeats only) and whether a divergence on it was logged already.
+    /// Written only when channels join or are taken back.
+    channels: RwLock<Vec<ChannelDigests>>,
     divergences: Mutex<Vec<Divergence>>,
     count: AtomicU64,
     /// Wakes the consumer when a divergence must fail it.
@@ -156,12 +171,9 @@ impl DivergenceCheck {
         me: Option<ReplicaTag>,
         who: String,
     ) -> Self {
-        let n = upstreams.len();
         DivergenceCheck {
             on_divergence,
-            upstreams,
-            cycle_digests: (0..n).map(|_| Mutex::default()).collect(),
-            logged: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            channels: RwLock::new(upstreams.into_iter().map(ChannelDigests::new).collect()),
             divergences: Mutex::new(Vec::new()),
             count: AtomicU64::new(0),
             bell,
@@ -173,14 +185,17 @@ impl DivergenceCheck {
     /// Compare the digest of cycle `epoch` that `replica` sent on logical channel `idx` with
     /// the first copy's; record (and log or signal) a divergence.
     pub(crate) fn check(&self, idx: usize, replica: u32, epoch: u64, digest: Digest) {
-        let Some((first, first_digest)) =
-            self.cycle_digests[idx].lock().check(epoch, replica, digest)
+        let channels = self.channels.read();
+        let Some(channel) = channels.get(idx) else {
+            return;
+        };
+        let Some((first, first_digest)) = channel.digests.lock().check(epoch, replica, digest)
         else {
             return;
         };
         let d = Divergence {
             channel: idx,
-            upstream: self.upstreams[idx],
+            upstream: channel.upstream,
             epoch,
             replicas: (first, replica),
             digests: (first_digest, digest),
@@ -195,7 +210,7 @@ impl DivergenceCheck {
         match self.on_divergence {
             OnDivergence::Fail => self.bell.ring(),
             OnDivergence::Log => {
-                if !self.logged[idx].swap(true, Ordering::Relaxed) {
+                if !channel.logged.swap(true, Ordering::Relaxed) {
                     log_replica!(
                         Level::Warn,
                         INBOX,
@@ -209,6 +224,18 @@ impl DivergenceCheck {
                 }
             }
         }
+    }
+
+    /// Channels for `upstreams`, numbered after the present ones.
+    pub(crate) fn grow(&self, upstreams: &[(u32, u32)]) {
+        self.channels
+            .write()
+            .extend(upstreams.iter().copied().map(ChannelDigests::new));
+    }
+
+    /// The first `len` channels only.
+    pub(crate) fn truncate(&self, len: usize) {
+        self.channels.write().truncate(len);
     }
 
     /// Under [`OnDivergence::Fail`], once a divergence has been found: the error the

@@ -40,15 +40,16 @@
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener};
+use std::ops::Range;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use arrow_array::RecordBatch;
 use log::Level;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::dedup::{self, DedupReceiver, DedupSender, Offer};
 use crate::digest::Digest;
@@ -124,6 +125,9 @@ pub struct InboxConfig {
     /// A channel whose every upstream replica is gone before its end waits for one to come
     /// back (a replica rolled back to a checkpoint: replication 1) instead of failing.
     pub wait_orphaned: bool,
+    /// Take nothing until [`Inbox::unpark`] gives the cut to start from: a partition a live
+    /// rescale adds, whose upstreams connect before the switch its state is built at.
+    pub parked: bool,
 }
 
 /// Where an inbox stands at a heartbeat-cycle boundary: per logical channel the first
@@ -163,6 +167,7 @@ impl InboxConfig {
             reactor: None,
             resume: None,
             wait_orphaned: false,
+            parked: false,
         }
     }
 
@@ -194,6 +199,16 @@ impl InboxConfig {
         }
         if self.handshake_timeout.is_zero() {
             return Err(Error::Config("handshake_timeout must be > 0".to_owned()));
+        }
+        if self.parked && self.resume.is_some() {
+            return Err(Error::Config(
+                "a parked inbox gets its cut when it is unparked, not at bind".to_owned(),
+            ));
+        }
+        if self.parked && matches!(self.ordering, OrderingMode::Positional) {
+            return Err(Error::Config(
+                "a KaZoo (positional) inbox cannot be parked".to_owned(),
+            ));
         }
         Ok(())
     }
@@ -291,8 +306,6 @@ struct ConnCounters {
     /// in its handshake or on the reactor. Dropped when the connection ends, so the socket
     /// really closes then (the peer sees it at once) rather than when the inbox goes away.
     handle: Mutex<Option<Stream>>,
-    /// The logical channel the peer feeds, once its handshake is accepted (else `usize::MAX`).
-    channel: AtomicUsize,
 }
 
 struct Conn {
@@ -301,13 +314,35 @@ struct Conn {
     handshake: Option<JoinHandle<()>>,
 }
 
+/// One logical input channel as its feeders reach it: the upstream partition, the dedup
+/// channel's sending side and the counters. A connection or local link holds its
+/// channel's `Arc`, so the receive path indexes nothing and takes no lock.
+struct Chan {
+    upstream: (u32, u32),
+    sender: DedupSender<RecordBatch>,
+    counters: ChannelCounters,
+}
+
+impl Chan {
+    fn new(upstream: (u32, u32), sender: DedupSender<RecordBatch>) -> Arc<Self> {
+        Arc::new(Chan {
+            upstream,
+            sender,
+            counters: ChannelCounters {
+                wire_channel: AtomicU64::new(u64::MAX),
+                ..Default::default()
+            },
+        })
+    }
+}
+
 /// State shared by the accept threads, the handshake threads, the reactor and the consumer.
 struct Shared {
     job: String,
     secret: Vec<u8>,
-    upstreams: Vec<(u32, u32)>,
-    senders: Vec<DedupSender<RecordBatch>>,
-    channels: Vec<ChannelCounters>,
+    /// The logical channels in index order. Written only when channels join
+    /// ([`Inbox::join_channels`]); read by handshakes, which look their channel up.
+    chans: RwLock<Vec<Arc<Chan>>>,
     max_frame_bytes: u64,
     handshake_timeout: Duration,
     stop: AtomicBool,
@@ -324,9 +359,30 @@ struct Shared {
     who: String,
 }
 
+impl Shared {
+    /// The logical channel upstream partition `(task, partition)` feeds, and its index,
+    /// counted as fed by one more feeder — under the lock, so a join being taken back
+    /// ([`Inbox::cancel_join`]) sees it.
+    fn feed(&self, task: u32, partition: u32) -> Option<(usize, Arc<Chan>)> {
+        let chans = self.chans.read();
+        let (i, c) = chans
+            .iter()
+            .enumerate()
+            .find(|(_, c)| c.upstream == (task, partition))?;
+        c.counters.feed();
+        Some((i, Arc::clone(c)))
+    }
+
+    fn upstreams(&self) -> Vec<(u32, u32)> {
+        self.chans.read().iter().map(|c| c.upstream).collect()
+    }
+}
+
 /// The receiving side of one task partition replica. See the module documentation.
 pub struct Inbox {
     shared: Arc<Shared>,
+    /// The consumer's copy of `shared.chans` (it alone changes them).
+    chans: Vec<Arc<Chan>>,
     receivers: Vec<DedupReceiver<RecordBatch>>,
     merge: Box<dyn Merge<RecordBatch>>,
     /// The order log the positional (KaZoo) merge follows, and the bell rung when input
@@ -345,6 +401,11 @@ pub struct Inbox {
     held_since: Option<Instant>,
     /// See [`InboxConfig::wait_orphaned`].
     wait_orphaned: bool,
+    /// The channels of the last [`Inbox::join_channels`], which [`Inbox::cancel_join`]
+    /// may take back until they take input.
+    joined: Option<Range<usize>>,
+    /// Elements queued per channel ([`InboxConfig::queue_capacity`]), for joined channels.
+    queue_capacity: usize,
 }
 
 impl Inbox {
@@ -381,14 +442,24 @@ impl Inbox {
         let order_bell = positional.then(|| cfg.order_bell.clone().unwrap_or_default());
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..n)
             .map(|c| {
-                dedup::channel_watched(
-                    start(c),
-                    cfg.queue_capacity,
-                    Arc::clone(&bell),
-                    order_bell.clone(),
-                )
+                if cfg.parked {
+                    dedup::channel_parked(cfg.queue_capacity, Arc::clone(&bell), None)
+                } else {
+                    dedup::channel_watched(
+                        start(c),
+                        cfg.queue_capacity,
+                        Arc::clone(&bell),
+                        order_bell.clone(),
+                    )
+                }
             })
             .unzip();
+        let chans: Vec<Arc<Chan>> = cfg
+            .upstreams
+            .iter()
+            .zip(senders)
+            .map(|(&u, s)| Chan::new(u, s))
+            .collect();
         let who = cfg
             .me
             .as_ref()
@@ -403,14 +474,7 @@ impl Inbox {
         let shared = Arc::new(Shared {
             job: cfg.job,
             secret: cfg.secret,
-            upstreams: cfg.upstreams,
-            senders,
-            channels: (0..n)
-                .map(|_| ChannelCounters {
-                    wire_channel: AtomicU64::new(u64::MAX),
-                    ..Default::default()
-                })
-                .collect(),
+            chans: RwLock::new(chans.clone()),
             max_frame_bytes: cfg.max_frame_bytes,
             handshake_timeout: cfg.handshake_timeout,
             stop: AtomicBool::new(false),
@@ -460,11 +524,12 @@ impl Inbox {
         if let Some(cut) = &cfg.resume {
             merge.resume(&cut.merge, &cut.positions)?;
             for (c, &ended) in cut.merge.ended.iter().enumerate() {
-                shared.channels[c].ended.store(ended, Ordering::SeqCst);
+                chans[c].counters.ended.store(ended, Ordering::SeqCst);
             }
         }
         Ok(Inbox {
             shared,
+            chans,
             receivers,
             merge,
             orders,
@@ -476,12 +541,118 @@ impl Inbox {
             merge_wait: Duration::ZERO,
             held_since: None,
             wait_orphaned,
+            joined: None,
+            queue_capacity: cfg.queue_capacity,
         })
     }
 
     /// The number of logical input channels.
     pub fn channels(&self) -> usize {
         self.receivers.len()
+    }
+
+    /// Whether the inbox was bound parked ([`InboxConfig::parked`]) and is not unparked yet.
+    pub fn parked(&self) -> bool {
+        self.receivers.first().is_some_and(DedupReceiver::parked)
+    }
+
+    /// Start a parked inbox at `cut`: each channel takes its input from `cut.positions` on
+    /// (what its senders held back is offered again at once), the merge from `cut.merge`.
+    /// A cut built for the new partition from its predecessors' cuts: one live rescale.
+    pub fn unpark(&mut self, cut: &InboxCut) -> Result<()> {
+        if !self.parked() {
+            return Err(Error::Config(
+                "unpark of an inbox that is not parked (or unparked already)".to_owned(),
+            ));
+        }
+        let n = self.receivers.len();
+        if cut.positions.len() != n || cut.log.is_some() {
+            return Err(Error::Config(format!(
+                "a cut of {} input channels{} cannot start a parked inbox of {n}",
+                cut.positions.len(),
+                if cut.log.is_some() {
+                    " with an order log"
+                } else {
+                    ""
+                }
+            )));
+        }
+        self.merge.resume(&cut.merge, &cut.positions)?;
+        for (i, (r, c)) in self.receivers.iter_mut().zip(&self.chans).enumerate() {
+            r.unpark(cut.positions[i])?;
+            let ended = cut.merge.ended.get(i).copied().unwrap_or(false);
+            c.counters.ended.store(ended, Ordering::SeqCst);
+        }
+        self.bell.ring();
+        Ok(())
+    }
+
+    /// Append a logical channel for each of `upstreams` (new partitions of an upstream
+    /// task: a live rescale), each starting at seq 0, and have the merge take them after
+    /// heartbeat `after_epoch` ([`Merge::join`]). Peers of the new upstreams are accepted
+    /// from now on. Returns the new channels' indices. Nothing changes if it fails.
+    pub fn join_channels(
+        &mut self,
+        upstreams: &[(u32, u32)],
+        after_epoch: u64,
+    ) -> Result<Range<usize>> {
+        if self.orders.is_some() {
+            return Err(Error::Config(
+                "a KaZoo (positional) inbox takes no new channels".to_owned(),
+            ));
+        }
+        let mut all: Vec<(u32, u32)> = self.chans.iter().map(|c| c.upstream).collect();
+        all.extend_from_slice(upstreams);
+        let mut seen = all.clone();
+        seen.sort_unstable();
+        if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::Config(format!(
+                "upstream (task, partition) {:?} is a channel of this inbox already",
+                w[0]
+            )));
+        }
+        self.merge.join(upstreams.len(), after_epoch)?;
+        let first = self.chans.len();
+        let capacity = self.queue_capacity;
+        let mut chans = self.shared.chans.write();
+        for &u in upstreams {
+            let (tx, rx) = dedup::channel(capacity, Arc::clone(&self.bell));
+            let chan = Chan::new(u, tx);
+            chans.push(Arc::clone(&chan));
+            self.chans.push(chan);
+            self.receivers.push(rx);
+        }
+        self.shared.divergence.grow(upstreams);
+        drop(chans);
+        let joined = first..self.chans.len();
+        self.joined = Some(joined.clone());
+        Ok(joined)
+    }
+
+    /// Take back the channels of the last [`Inbox::join_channels`] (a live rescale given
+    /// up before its switch), so the inbox is the one it was before. Refused once any of
+    /// them took input or a connection for them was accepted.
+    pub fn cancel_join(&mut self) -> Result<()> {
+        let Some(joined) = self.joined.clone() else {
+            return Err(Error::Config("no channels joined to take back".to_owned()));
+        };
+        let touched = self.chans[joined.clone()]
+            .iter()
+            .any(|c| c.sender.next_seq() > 0 || c.counters.fed.load(Ordering::SeqCst));
+        if touched {
+            return Err(Error::Config(
+                "the joined channels took input already; too late to take them back".to_owned(),
+            ));
+        }
+        self.merge.cancel_join(joined.len())?;
+        let mut chans = self.shared.chans.write();
+        chans.truncate(joined.start);
+        self.shared.divergence.truncate(joined.start);
+        drop(chans);
+        self.chans.truncate(joined.start);
+        self.receivers.truncate(joined.start);
+        self.joined = None;
+        Ok(())
     }
 
     /// The channel `me`, a replica of an upstream partition living in this process, feeds
@@ -494,20 +665,18 @@ impl Inbox {
                 me.job, shared.job
             )));
         }
-        let idx = shared
-            .upstreams
-            .iter()
-            .position(|&(t, p)| t == me.task && p == me.partition)
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "(task {}, partition {}) is not an upstream of the inbox at {} (upstreams: \
-                     {:?})",
-                    me.task, me.partition, self.local_addr, shared.upstreams
-                ))
-            })?;
-        shared.channels[idx].feed();
+        let (idx, chan) = shared.feed(me.task, me.partition).ok_or_else(|| {
+            Error::Config(format!(
+                "(task {}, partition {}) is not an upstream of the inbox at {} (upstreams: {:?})",
+                me.task,
+                me.partition,
+                self.local_addr,
+                shared.upstreams()
+            ))
+        })?;
         Ok(Feeder {
             shared: Arc::clone(shared),
+            chan,
             idx,
         })
     }
@@ -522,6 +691,11 @@ impl Inbox {
     /// Under [`OnDivergence::Fail`], fails with [`Error::Determinism`] (naming the first
     /// divergence) as soon as one has been found, and on every call after.
     pub fn next(&mut self, timeout: Duration) -> Result<Option<Delivery<RecordBatch>>> {
+        if self.parked() {
+            return Err(Error::Config(
+                "inbox.next() on a parked inbox: unpark it with its cut first".to_owned(),
+            ));
+        }
         let deadline = Instant::now().checked_add(timeout);
         loop {
             // Read the generation before looking, so an arrival between the look and the
@@ -543,13 +717,12 @@ impl Inbox {
             }
             self.note_held();
             if let Some(c) = self
-                .shared
-                .channels
+                .chans
                 .iter()
-                .position(ChannelCounters::orphaned)
+                .position(|c| c.counters.orphaned())
                 .filter(|_| !self.wait_orphaned)
             {
-                let (task, partition) = self.shared.upstreams[c];
+                let (task, partition) = self.chans[c].upstream;
                 return Err(Error::Starved(format!(
                     "input channel {c} (upstream task {task} partition {partition}) lost every \
                      upstream replica feeding it before its end (gone, or they dropped this \
@@ -616,8 +789,8 @@ impl Inbox {
         let held = self
             .receivers
             .iter()
-            .zip(&self.shared.senders)
-            .any(|(r, s)| s.next_seq() > r.next_seq());
+            .zip(&self.chans)
+            .any(|(r, c)| c.sender.next_seq() > r.next_seq());
         match (held, self.held_since) {
             (true, None) => self.held_since = Some(Instant::now()),
             (false, Some(since)) => {
@@ -631,18 +804,17 @@ impl Inbox {
     /// Current counters.
     pub fn stats(&self) -> InboxStats {
         let channels = self
-            .shared
-            .channels
+            .chans
             .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let next_seq = self.shared.senders[i].next_seq();
+            .zip(&self.receivers)
+            .map(|(c, r)| {
+                let next_seq = c.sender.next_seq();
                 ChannelStats {
-                    upstream: self.shared.upstreams[i],
-                    accepted_rows: c.accepted_rows.load(Ordering::Relaxed),
-                    duplicate_rows: c.duplicate_rows.load(Ordering::Relaxed),
+                    upstream: c.upstream,
+                    accepted_rows: c.counters.accepted_rows.load(Ordering::Relaxed),
+                    duplicate_rows: c.counters.duplicate_rows.load(Ordering::Relaxed),
                     next_seq,
-                    queued_seqs: next_seq.saturating_sub(self.receivers[i].next_seq()),
+                    queued_seqs: next_seq.saturating_sub(r.next_seq()),
                 }
             })
             .collect();
@@ -748,6 +920,7 @@ impl Drop for Inbox {
 /// determinism check. Counted among the channel's feeders until [`Feeder::unfeed`].
 pub(crate) struct Feeder {
     shared: Arc<Shared>,
+    chan: Arc<Chan>,
     idx: usize,
 }
 
@@ -770,15 +943,13 @@ impl Feeder {
     /// handed back when there is no room or a gap before it (offer it again later).
     #[inline]
     pub(crate) fn offer(&self, item: Item<RecordBatch>) -> Option<Item<RecordBatch>> {
-        offer(&self.shared, self.idx, item)
+        offer(&self.chan, item)
     }
 
     /// No longer a feeder of the channel; the consumer is woken (it may now be waiting for
     /// what will never come).
     pub(crate) fn unfeed(&self) {
-        self.shared.channels[self.idx]
-            .feeders
-            .fetch_sub(1, Ordering::SeqCst);
+        self.chan.counters.feeders.fetch_sub(1, Ordering::SeqCst);
         self.shared.bell.ring();
     }
 }
@@ -791,7 +962,12 @@ pub(crate) struct Arrivals(Arc<Shared>);
 impl Arrivals {
     /// Per channel, the first sequence number not yet accepted.
     pub(crate) fn arrived(&self) -> Vec<u64> {
-        self.0.senders.iter().map(|s| s.next_seq()).collect()
+        self.0
+            .chans
+            .read()
+            .iter()
+            .map(|c| c.sender.next_seq())
+            .collect()
     }
 }
 
@@ -861,7 +1037,6 @@ fn start_connection(
         open: AtomicBool::new(true),
         error: Mutex::new(None),
         handle: Mutex::new(Some(handle)),
-        channel: AtomicUsize::new(usize::MAX),
     });
     let mut conns = shared.conns.lock();
     prune_closed(&mut conns);
@@ -878,16 +1053,18 @@ fn start_connection(
                 };
                 match handshake(&shared, stream, &counters) {
                     Ok(reading) => {
+                        let chan = Arc::clone(&reading.chan);
                         if let Err((source, e)) = reactor.register(Box::new(reading)) {
                             drop(source);
                             conn_ended(
                                 &shared,
                                 &counters,
+                                Some(&chan),
                                 ConnEnd::Failed(format!("cannot read the connection: {e}")),
                             );
                         }
                     }
-                    Err(end) => conn_ended(&shared, &counters, end),
+                    Err(end) => conn_ended(&shared, &counters, None, end),
                 }
             })?
     };
@@ -937,10 +1114,10 @@ enum ConnEnd {
 
 /// Account for the end of a connection (its socket already closed, but for `handle`): no
 /// longer a feeder of its channel, the consumer woken, the end logged and kept.
-fn conn_ended(shared: &Shared, counters: &ConnCounters, end: ConnEnd) {
-    let channel = counters.channel.load(Ordering::SeqCst);
-    if let Some(c) = shared.channels.get(channel) {
-        c.feeders.fetch_sub(1, Ordering::SeqCst);
+/// `chan`: the channel it fed, once its handshake was accepted.
+fn conn_ended(shared: &Shared, counters: &ConnCounters, chan: Option<&Chan>, end: ConnEnd) {
+    if let Some(c) = chan {
+        c.counters.feeders.fetch_sub(1, Ordering::SeqCst);
         shared.bell.ring(); // the consumer may now be waiting for what will never come
     }
     let peer = &counters.peer;
@@ -1009,21 +1186,6 @@ fn handshake(
         Err(_) if shared.stop.load(Ordering::SeqCst) => return Err(ConnEnd::Stopped),
         Err(e) => return Err(ConnEnd::Rejected(format!("handshake failed: {e}"))),
     };
-    let Some(idx) = shared
-        .upstreams
-        .iter()
-        .position(|&(t, p)| t == identity.task && p == identity.partition)
-    else {
-        return Err(ConnEnd::Rejected(format!(
-            "sender (task {}, partition {}) replica {} is not an upstream of this inbox (upstreams: \
-             {:?})",
-            identity.task, identity.partition, identity.replica, shared.upstreams
-        )));
-    };
-    let replica = identity.replica;
-    shared.channels[idx].feed();
-    counters.channel.store(idx, Ordering::SeqCst);
-    *counters.identity.lock() = Some(identity);
     // From here on the reactor reads only what is there; the FrameReader keeps a frame
     // cut short by `WouldBlock` and resumes it on the next turn.
     if let Err(e) = stream.inner.set_nonblocking(true) {
@@ -1031,6 +1193,18 @@ fn handshake(
             "cannot make the socket non-blocking: {e}"
         )));
     }
+    let Some((idx, chan)) = shared.feed(identity.task, identity.partition) else {
+        return Err(ConnEnd::Rejected(format!(
+            "sender (task {}, partition {}) replica {} is not an upstream of this inbox (upstreams: \
+             {:?})",
+            identity.task,
+            identity.partition,
+            identity.replica,
+            shared.upstreams()
+        )));
+    };
+    let replica = identity.replica;
+    *counters.identity.lock() = Some(identity);
     // Buffered: a sender writes a worker turn's frames in one go, and one read takes them
     // all (instead of two per frame: header, then body). A body larger than the buffer is
     // still read straight into its own allocation.
@@ -1038,6 +1212,7 @@ fn handshake(
     Ok(Reading {
         shared: Arc::clone(shared),
         counters: Arc::clone(counters),
+        chan,
         idx,
         replica,
         reader: FrameReader::new(stream, shared.max_frame_bytes),
@@ -1052,7 +1227,8 @@ fn handshake(
 struct Reading {
     shared: Arc<Shared>,
     counters: Arc<ConnCounters>,
-    /// The logical channel it feeds.
+    /// The logical channel it feeds, and its index.
+    chan: Arc<Chan>,
     idx: usize,
     /// The upstream replica it comes from.
     replica: u32,
@@ -1079,8 +1255,8 @@ impl Reading {
     /// Offer `item` once; if the channel cannot take it, hold it and note the producer
     /// bell's generation read before the offer (a ring after it unblocks the connection).
     fn offer(&mut self, item: Item<RecordBatch>) -> Step {
-        self.seen = self.shared.senders[self.idx].producer_bell().generation();
-        match offer(&self.shared, self.idx, item) {
+        self.seen = self.chan.sender.producer_bell().generation();
+        match offer(&self.chan, item) {
             None => Step::Taken,
             Some(back) => {
                 self.pending = Some(back);
@@ -1092,8 +1268,8 @@ impl Reading {
     /// Read and deliver the next frame, if a whole one is there.
     fn step(&mut self) -> std::result::Result<Step, ConnEnd> {
         let shared = &*self.shared;
-        let idx = self.idx;
-        let sender = &shared.senders[idx];
+        let chan = &*self.chan;
+        let sender = &chan.sender;
         // A Data frame whose every row is in already (the twin's copy came first) is
         // counted and dropped without decoding its Arrow body.
         let next = self
@@ -1103,8 +1279,8 @@ impl Reading {
             Ok(Some(Next::Frame(f))) => f,
             Ok(Some(Next::Skipped(h))) => {
                 self.counters.frames.fetch_add(1, Ordering::Relaxed);
-                check_wire_channel(&shared.channels[idx], h.channel).map_err(ConnEnd::Failed)?;
-                shared.channels[idx]
+                check_wire_channel(&chan.counters, h.channel).map_err(ConnEnd::Failed)?;
+                chan.counters
                     .duplicate_rows
                     .fetch_add(h.count, Ordering::Relaxed);
                 return Ok(Step::Taken);
@@ -1143,9 +1319,11 @@ impl Reading {
         let Some((wire_channel, item)) = frame.into_item() else {
             return Ok(Step::Taken);
         };
-        check_wire_channel(&shared.channels[idx], wire_channel).map_err(ConnEnd::Failed)?;
+        check_wire_channel(&chan.counters, wire_channel).map_err(ConnEnd::Failed)?;
         if let Some((epoch, digest)) = digest {
-            shared.divergence.check(idx, self.replica, epoch, digest);
+            shared
+                .divergence
+                .check(self.idx, self.replica, epoch, digest);
         }
         Ok(self.offer(item))
     }
@@ -1185,11 +1363,12 @@ impl Source for Reading {
 
     fn unblocked(&self) -> bool {
         self.shared.stop.load(Ordering::SeqCst)
-            || self.shared.senders[self.idx].producer_bell().generation() != self.seen
+            || self.chan.sender.producer_bell().generation() != self.seen
     }
 
     fn notify(&self, wake: Arc<dyn Wake>) -> bool {
-        self.shared.senders[self.idx]
+        self.chan
+            .sender
             .producer_bell()
             .notify_once(self.seen, wake)
     }
@@ -1198,12 +1377,18 @@ impl Source for Reading {
         let Reading {
             shared,
             counters,
+            chan,
             reader,
             end,
             ..
         } = *self;
         drop(reader); // closes the socket: the peer sees the end at once
-        conn_ended(&shared, &counters, end.unwrap_or(ConnEnd::Stopped));
+        conn_ended(
+            &shared,
+            &counters,
+            Some(&chan),
+            end.unwrap_or(ConnEnd::Stopped),
+        );
     }
 }
 
@@ -1236,14 +1421,14 @@ fn check_wire_channel(c: &ChannelCounters, wire_channel: u32) -> std::result::Re
 
 /// Offer `item` to the dedup channel once, counting its rows as accepted or duplicate;
 /// handed back when there is no room or a gap before it (offer it again later).
-fn offer(shared: &Shared, idx: usize, item: Item<RecordBatch>) -> Option<Item<RecordBatch>> {
-    let counters = &shared.channels[idx];
+fn offer(chan: &Chan, item: Item<RecordBatch>) -> Option<Item<RecordBatch>> {
+    let counters = &chan.counters;
     let rows = match &item {
         Item::Data { payload, .. } => payload.rows() as u64,
         Item::Heartbeat { .. } | Item::End { .. } => 0,
     };
     let end = matches!(item, Item::End { .. });
-    let offered = shared.senders[idx].offer(item);
+    let offered = chan.sender.offer(item);
     if end && matches!(offered, Offer::Accepted { .. } | Offer::Duplicate) {
         counters.ended.store(true, Ordering::SeqCst);
     }
@@ -1352,6 +1537,177 @@ mod tests {
             matches!(&e, Error::Starved(m) if m.contains("lost every upstream replica")),
             "{e}"
         );
+    }
+
+    /// A TCP outbox of upstream `(TASK, partition)` replica `replica` into `addr`.
+    fn tcp_outbox(addr: SocketAddr, partition: u32, replica: u32) -> Outbox {
+        let me = identity(partition, replica);
+        Outbox::new(
+            Partitioner::Forward,
+            vec![vec![link(addr, &me)]],
+            OutboxConfig::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn joined_channels_are_accepted_from_the_join_and_take_turns_after_their_heartbeat() {
+        let mut ib = inbox(1, OrderingMode::LiveRobin, 64);
+        let addr = ib.local_addr();
+        // Not an upstream yet: refused.
+        let cfg = LinkConfig {
+            connect_timeout: Duration::from_secs(5),
+            ..LinkConfig::default()
+        };
+        if let Ok(mut early) = TcpLink::connect(&addr.to_string(), &identity(1, 0), SECRET, &cfg) {
+            let _ = early.send(&end_at(0));
+        }
+        wait_for(&ib, "the early peer refused", |st| {
+            st.rejected_connections == 1
+        });
+        let mut old = tcp_outbox(addr, 0, 0);
+        old.emit(&rows(0..3)).unwrap();
+        old.heartbeat(1).unwrap();
+        old.emit(&rows(3..6)).unwrap();
+        assert_eq!(ib.join_channels(&[(TASK, 1)], 2).unwrap(), 1..2);
+        assert!(
+            ib.join_channels(&[(TASK, 0)], 2).is_err(),
+            "an upstream that is a channel already"
+        );
+        let mut new = tcp_outbox(addr, 1, 0);
+        // The new channel's rows arrive first; they wait for the end of cycle 2.
+        new.emit(&rows(100..103)).unwrap();
+        new.heartbeat(3).unwrap();
+        new.end().unwrap();
+        new.close();
+        wait_for(&ib, "the new channel's input", |st| {
+            st.channels[1].next_seq == 5
+        });
+        old.heartbeat(2).unwrap();
+        old.emit(&rows(6..9)).unwrap();
+        old.heartbeat(3).unwrap();
+        old.end().unwrap();
+        old.close();
+        let got = drain(&mut ib, Duration::from_secs(10));
+        let hb2 = got.iter().position(|e| *e == Ev::Hb(0, 2, true)).unwrap();
+        let first_new = got.iter().position(|e| matches!(e, Ev::Row(1, _))).unwrap();
+        assert!(
+            first_new > hb2,
+            "a joined row before heartbeat 2 ended: {got:?}"
+        );
+        assert_eq!(rows_of(&got, 0), (0..9).collect::<Vec<_>>());
+        assert_eq!(rows_of(&got, 1), vec![100, 101, 102]);
+        assert_eq!(got.last(), Some(&Ev::End));
+        let st = ib.stats();
+        assert_eq!(st.channels.len(), 2);
+        assert_eq!(st.channels[1].upstream, (TASK, 1));
+        assert_eq!(st.channels[1].accepted_rows, 3);
+        assert_eq!(st.rejected_connections, 1);
+    }
+
+    #[test]
+    fn a_join_taken_back_leaves_the_inbox_as_it_was() {
+        let mut ib = inbox(1, OrderingMode::LiveRobin, 64);
+        let addr = ib.local_addr();
+        ib.join_channels(&[(TASK, 1)], 4).unwrap();
+        ib.cancel_join().unwrap();
+        assert_eq!(ib.channels(), 1);
+        assert!(ib.cancel_join().is_err(), "nothing left to take back");
+        let cfg = LinkConfig {
+            connect_timeout: Duration::from_secs(5),
+            ..LinkConfig::default()
+        };
+        if let Ok(mut l) = TcpLink::connect(&addr.to_string(), &identity(1, 0), SECRET, &cfg) {
+            let _ = l.send(&end_at(0));
+        }
+        wait_for(&ib, "the taken-back upstream refused", |st| {
+            st.rejected_connections == 1
+        });
+        // Joined again, and a peer of the joined channel connected: too late to take back.
+        ib.join_channels(&[(TASK, 1)], 4).unwrap();
+        let mut new = tcp_outbox(addr, 1, 0);
+        new.emit(&rows(0..2)).unwrap();
+        wait_for(&ib, "the joined channel fed", |st| {
+            st.channels[1].next_seq == 2
+        });
+        assert!(ib.cancel_join().is_err());
+        // Channel 0 alone until cycle 4 (the joined channel still has its feeder: a lost
+        // one would starve the inbox, as for any channel).
+        let mut old = tcp_outbox(addr, 0, 0);
+        old.emit(&rows(0..3)).unwrap();
+        old.heartbeat(1).unwrap();
+        let mut got = Vec::new();
+        while got.len() < 4 {
+            if let Some(d) = ib.next(Duration::from_secs(10)).unwrap() {
+                flatten(d, &mut got);
+            }
+        }
+        assert_eq!(
+            got,
+            vec![
+                Ev::Row(0, 0),
+                Ev::Row(0, 1),
+                Ev::Row(0, 2),
+                Ev::Hb(0, 1, true)
+            ]
+        );
+        old.abort();
+    }
+
+    #[test]
+    fn a_parked_inbox_holds_its_peers_then_delivers_from_the_unpark_positions() {
+        let mut cfg = InboxConfig::new(JOB, SECRET, vec![(TASK, 0)]);
+        cfg.parked = true;
+        let mut ib = Inbox::bind(cfg).unwrap();
+        assert!(ib.parked());
+        assert!(
+            ib.next(Duration::from_millis(1)).is_err(),
+            "not before its cut"
+        );
+        // seqs: rows 0..5 = 0..5, heartbeat 1 = 5, rows 5..8 = 6..9, heartbeat 2 = 9, end 10.
+        let mut twins: Vec<Outbox> = (0..2).map(|r| tcp_outbox(ib.local_addr(), 0, r)).collect();
+        for ob in &mut twins {
+            ob.emit(&rows(0..5)).unwrap();
+            ob.heartbeat(1).unwrap();
+            ob.emit(&rows(5..8)).unwrap();
+            ob.heartbeat(2).unwrap();
+            ob.end().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            ib.stats().channels[0].next_seq,
+            0,
+            "a parked channel takes nothing"
+        );
+        assert_eq!(ib.stats().channels[0].accepted_rows, 0);
+        let cut = InboxCut {
+            positions: vec![6],
+            merge: MergeCut {
+                turn: 0,
+                gen: Some(1),
+                ended: vec![false],
+                orders: Vec::new(),
+            },
+            log: None,
+        };
+        ib.unpark(&cut).unwrap();
+        assert!(!ib.parked());
+        assert!(ib.unpark(&cut).is_err(), "only once");
+        let got = drain(&mut ib, Duration::from_secs(10));
+        assert_eq!(
+            got,
+            vec![
+                Ev::Row(0, 5),
+                Ev::Row(0, 6),
+                Ev::Row(0, 7),
+                Ev::Hb(0, 2, true),
+                Ev::End
+            ]
+        );
+        assert_eq!(ib.stats().channels[0].accepted_rows, 3);
+        for ob in &mut twins {
+            ob.close();
+        }
     }
 
     #[test]

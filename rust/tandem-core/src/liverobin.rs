@@ -256,6 +256,26 @@ impl<P: Chunk + Send> Merge<P> for LiveRobin<P> {
         Ok(())
     }
 
+    fn cancel_join(&mut self, count: usize) -> Result<()> {
+        match self.joining {
+            Some((_, first)) if first + count == self.active.len() => {
+                self.active.truncate(first);
+                self.ended.truncate(first);
+                self.joining = None;
+                Ok(())
+            }
+            Some((_, first)) => Err(Error::Config(format!(
+                "{count} channels to take back, but {} are joining",
+                self.active.len() - first
+            ))),
+            None if count == 0 => Ok(()),
+            None => Err(Error::Config(format!(
+                "{count} channels to take back, but none is joining (they have taken turns \
+                 already)"
+            ))),
+        }
+    }
+
     /// Only at a cycle boundary: every channel that has not ended is active again (and
     /// none is waiting to join).
     fn cut(&self) -> Option<MergeCut> {

@@ -167,6 +167,27 @@ impl<P: Chunk> Merge<P> for Fcfs {
         Ok(())
     }
 
+    /// Only while the joined channels have delivered nothing (no heartbeat, no end; data
+    /// is not seen here, so the caller checks that nothing arrived on them).
+    fn cancel_join(&mut self, count: usize) -> Result<()> {
+        let n = self.passed.len();
+        if count > n {
+            return Err(Error::Config(format!(
+                "{count} channels to take back from a merge of {n}"
+            )));
+        }
+        let first = n - count;
+        if first == 0 {
+            return Err(Error::Config(
+                "cannot take back every channel of a merge".to_owned(),
+            ));
+        }
+        self.ended.truncate(first);
+        self.passed.truncate(first);
+        self.cursor %= first;
+        Ok(())
+    }
+
     fn cut(&self) -> Option<MergeCut> {
         Some(MergeCut {
             turn: self.cursor,

@@ -454,6 +454,13 @@ impl Outbox {
         links: Vec<Vec<Box<dyn Link>>>,
     ) -> Result<()> {
         self.check_open("switch_at")?;
+        if let Some(armed) = &self.switch {
+            return Err(Error::Config(format!(
+                "switch at heartbeat {epoch}: a switch at heartbeat {} is armed already; \
+                 cancel it first (cancel_switch)",
+                armed.epoch
+            )));
+        }
         if self.last_heartbeat.is_some_and(|h| h >= epoch) {
             return Err(Error::Config(format!(
                 "switch at heartbeat {epoch}: this outbox has sent heartbeat {} already",

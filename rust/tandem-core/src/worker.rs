@@ -33,6 +33,7 @@
 //! one; the caller, which reads that input on another thread, brings a waiting `next`
 //! back early through a [`Waker`].
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -403,11 +404,18 @@ impl Worker {
             return Err(Error::Config("heartbeat_ns must be ≥ 1".to_owned()));
         }
         let channels = match &cfg.inbox {
-            Some(h) => h
-                .lock()
-                .as_ref()
-                .map(Inbox::channels)
-                .ok_or_else(|| Error::Closed("add_slot() with a closed inbox".to_owned()))?,
+            Some(h) => {
+                let ib = h.lock();
+                let ib = ib
+                    .as_ref()
+                    .ok_or_else(|| Error::Closed("add_slot() with a closed inbox".to_owned()))?;
+                if ib.parked() {
+                    return Err(Error::Config(
+                        "add_slot() with a parked inbox: unpark it with its cut first".to_owned(),
+                    ));
+                }
+                ib.channels()
+            }
             None => 0,
         };
         let (epochs, forwarded) = match &cfg.resume {
@@ -530,6 +538,49 @@ impl Worker {
         let s = self.slot(slot)?;
         s.held = on;
         self.bell.ring();
+        Ok(())
+    }
+
+    /// Give `slot`'s inbox a channel for each of `upstreams`, new partitions of an upstream
+    /// task that start after heartbeat `after_epoch` (a live rescale; see
+    /// [`Inbox::join_channels`]). They count as having delivered `after_epoch`, so the
+    /// slot's watermark waits for the other channels only until then. Returns the new
+    /// channels' indices.
+    pub fn join_inputs(
+        &mut self,
+        slot: usize,
+        upstreams: &[(u32, u32)],
+        after_epoch: u64,
+    ) -> Result<Range<usize>> {
+        let s = self.slot(slot)?;
+        let Some(h) = &s.cfg.inbox else {
+            return Err(Error::Config(format!(
+                "slot {slot} is a source: it has no inputs to join"
+            )));
+        };
+        let joined = h
+            .lock()
+            .as_mut()
+            .ok_or_else(|| Error::Closed("join_inputs() with a closed inbox".to_owned()))?
+            .join_channels(upstreams, after_epoch)?;
+        s.epochs.resize(joined.end, after_epoch);
+        self.bell.ring();
+        Ok(joined)
+    }
+
+    /// Take back the channels the last [`Worker::join_inputs`] of `slot` gave it (a live
+    /// rescale given up before its switch; see [`Inbox::cancel_join`]).
+    pub fn cancel_join(&mut self, slot: usize) -> Result<()> {
+        let s = self.slot(slot)?;
+        let Some(h) = &s.cfg.inbox else {
+            return Err(Error::Config(format!("slot {slot} is a source")));
+        };
+        let mut ib = h.lock();
+        let ib = ib
+            .as_mut()
+            .ok_or_else(|| Error::Closed("cancel_join() with a closed inbox".to_owned()))?;
+        ib.cancel_join()?;
+        s.epochs.truncate(ib.channels());
         Ok(())
     }
 

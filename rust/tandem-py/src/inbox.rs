@@ -147,7 +147,7 @@ impl Inbox {
                         max_frame_bytes = DEFAULT_MAX_FRAME_BYTES as i64, host = "127.0.0.1",
                         port = 0, handshake_timeout = 2.0, on_divergence = "fail",
                         worker = None, me = None, name = None, resume = None,
-                        wait_orphaned = false))]
+                        wait_orphaned = false, parked = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -166,6 +166,7 @@ impl Inbox {
         name: Option<String>,
         resume: Option<crate::cut::PyInboxCut>,
         wait_orphaned: bool,
+        parked: bool,
     ) -> PyResult<Self> {
         crate::logs::sync_level(py)?;
         let ordering = match ordering {
@@ -213,6 +214,7 @@ impl Inbox {
         cfg.me = replica_tag(me, name)?;
         cfg.resume = resume.map(crate::cut::inbox_from_py);
         cfg.wait_orphaned = wait_orphaned;
+        cfg.parked = parked;
         let inbox = py.detach(|| CoreInbox::bind(cfg)).py()?;
         let port = inbox.local_addr().port();
         Ok(Inbox {
@@ -225,6 +227,33 @@ impl Inbox {
     #[getter]
     fn port(&self) -> u16 {
         self.port
+    }
+
+    /// Whether the inbox was bound with `parked=True` and is not unparked yet.
+    #[getter]
+    fn parked(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| {
+            self.inner
+                .lock()
+                .as_ref()
+                .map(CoreInbox::parked)
+                .ok_or_else(|| closed("parked"))
+        })
+    }
+
+    /// Start an inbox bound with `parked=True` at `cut` (the inbox part of a cut,
+    /// `cut[2]`): each channel takes its input from the cut's positions on, the merge from
+    /// its state. Until then it takes nothing and its peers' input waits.
+    fn unpark(&self, py: Python<'_>, cut: crate::cut::PyInboxCut) -> PyResult<()> {
+        let cut = crate::cut::inbox_from_py(cut);
+        py.detach(|| {
+            self.inner
+                .lock()
+                .as_mut()
+                .ok_or_else(|| closed("unpark"))?
+                .unpark(&cut)
+                .py()
+        })
     }
 
     /// The next delivery, waiting at most `timeout` seconds (None = until one arrives).

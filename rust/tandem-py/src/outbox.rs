@@ -154,44 +154,7 @@ impl Outbox {
             connect_timeout: arg_seconds("connect_timeout", connect_timeout)?,
             ..LinkConfig::default()
         };
-        if downstream.is_empty() {
-            return Err(config_err(
-                "downstream is empty; give at least one channel of (host, port) replicas"
-                    .to_owned(),
-            ));
-        }
-        let mut targets = Vec::with_capacity(downstream.len());
-        for (c, replicas) in downstream.into_iter().enumerate() {
-            if replicas.is_empty() {
-                return Err(config_err(format!(
-                    "downstream[{c}] is empty; every channel needs at least one (host, port)"
-                )));
-            }
-            let mut ch = Vec::with_capacity(replicas.len());
-            for replica in replicas {
-                if let Ok(inbox) = replica.cast::<Inbox>() {
-                    ch.push(Target::Local(Arc::clone(&inbox.get().inner)));
-                    continue;
-                }
-                let (host, port): (String, i64) =
-                    replica.extract().map_err(|_| {
-                        config_err(format!(
-                        "downstream[{c}] holds {}; give (host, port) or an Inbox of this process",
-                        replica.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
-                    ))
-                    })?;
-                let port = u16::try_from(port)
-                    .ok()
-                    .filter(|&p| p != 0)
-                    .ok_or_else(|| {
-                        config_err(format!(
-                            "downstream[{c}] port must be in 1..=65535, got {port}"
-                        ))
-                    })?;
-                ch.push(Target::Remote(format!("{host}:{port}")));
-            }
-            targets.push(ch);
-        }
+        let targets = parse_targets(downstream)?;
         let window = match replay_cycles {
             None => None,
             Some(cycles) => Some(ReplayWindow {
@@ -255,6 +218,47 @@ impl Outbox {
         self.with(py, "attach", move |ob| {
             ob.add_link(channel, Box::new(link), after_epoch)
         })
+    }
+
+    /// Change the channel set right after heartbeat `epoch` leaves (a live rescale of the
+    /// downstream task): from then on rows go to `len(downstream)` channels, routed by
+    /// `partitioner` (with `key`, `key_groups`); channel `c` of the present ones goes on
+    /// with its seqs and digests to the replicas `downstream[c]` (its present links
+    /// retire after heartbeat `epoch`), the channels after them are new, from seq 0.
+    /// `downstream` as for the constructor; the remote replicas are dialled first (GIL
+    /// released, the outbox not held). Refused once heartbeat `epoch` was sent.
+    #[pyo3(signature = (epoch, downstream, partitioner, key = None, key_groups = 128))]
+    fn switch_at(
+        &self,
+        py: Python<'_>,
+        epoch: u64,
+        downstream: Vec<Vec<Bound<'_, PyAny>>>,
+        partitioner: &str,
+        key: Option<&str>,
+        key_groups: i64,
+    ) -> PyResult<()> {
+        let key_groups = arg_u32("key_groups", key_groups)?;
+        let partitioner = Partitioner::parse(partitioner, key)
+            .and_then(|p| p.with_key_groups(key_groups))
+            .py()?;
+        let targets = parse_targets(downstream)?;
+        let links = py
+            .detach(|| dial_all(&targets, &self.me, None, &self.secret, &self.link_cfg))
+            .py()?;
+        self.with(py, "switch_at", move |ob| {
+            ob.switch_at(epoch, partitioner, links)
+        })
+    }
+
+    /// Disarm the switch `switch_at` armed, if it is still to come; whether one was.
+    fn cancel_switch(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, "cancel_switch", |ob| Ok(ob.cancel_switch()))
+    }
+
+    /// The last heartbeat epoch sent (None: none yet).
+    #[getter]
+    fn last_heartbeat(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        self.with(py, "last_heartbeat", |ob| Ok(ob.last_heartbeat()))
     }
 
     /// Partition the rows of `batch` (a pyarrow.RecordBatch or anything with
@@ -363,6 +367,50 @@ impl Target {
             ),
         }
     }
+}
+
+/// `downstream` as the constructor and [`Outbox::switch_at`] take it: per channel, its
+/// replicas, each a `(host, port)` or an `Inbox` of this process.
+fn parse_targets(downstream: Vec<Vec<Bound<'_, PyAny>>>) -> PyResult<Vec<Vec<Target>>> {
+    if downstream.is_empty() {
+        return Err(config_err(
+            "downstream is empty; give at least one channel of (host, port) replicas".to_owned(),
+        ));
+    }
+    let mut targets = Vec::with_capacity(downstream.len());
+    for (c, replicas) in downstream.into_iter().enumerate() {
+        if replicas.is_empty() {
+            return Err(config_err(format!(
+                "downstream[{c}] is empty; every channel needs at least one (host, port)"
+            )));
+        }
+        let mut ch = Vec::with_capacity(replicas.len());
+        for replica in replicas {
+            if let Ok(inbox) = replica.cast::<Inbox>() {
+                ch.push(Target::Local(Arc::clone(&inbox.get().inner)));
+                continue;
+            }
+            let (host, port): (String, i64) = replica.extract().map_err(|_| {
+                config_err(format!(
+                    "downstream[{c}] holds {}; give (host, port) or an Inbox of this process",
+                    replica
+                        .repr()
+                        .map_or_else(|_| "?".to_owned(), |r| r.to_string())
+                ))
+            })?;
+            let port = u16::try_from(port)
+                .ok()
+                .filter(|&p| p != 0)
+                .ok_or_else(|| {
+                    config_err(format!(
+                        "downstream[{c}] port must be in 1..=65535, got {port}"
+                    ))
+                })?;
+            ch.push(Target::Remote(format!("{host}:{port}")));
+        }
+        targets.push(ch);
+    }
+    Ok(targets)
 }
 
 /// Link every downstream replica: the local ones directly, the remote ones dialled in

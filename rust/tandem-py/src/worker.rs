@@ -278,6 +278,28 @@ impl Worker {
         self.with(py, move |w| w.heartbeats_through(slot, epoch))
     }
 
+    /// Give `slot`'s inbox one input channel per upstream partition `(task, partition)` of
+    /// `upstreams` (new partitions of an upstream task: a live rescale), taking turns after
+    /// heartbeat `after_epoch`. Returns the new channels' `(start, stop)` indices.
+    fn join_inputs(
+        &self,
+        py: Python<'_>,
+        slot: usize,
+        upstreams: Vec<(u32, u32)>,
+        after_epoch: u64,
+    ) -> PyResult<(usize, usize)> {
+        self.with(py, move |w| {
+            w.join_inputs(slot, &upstreams, after_epoch)
+                .map(|r| (r.start, r.end))
+        })
+    }
+
+    /// Take back the channels the last `join_inputs` of `slot` gave it (a live rescale
+    /// given up before its switch); refused once they took input.
+    fn cancel_join(&self, py: Python<'_>, slot: usize) -> PyResult<()> {
+        self.with(py, move |w| w.cancel_join(slot))
+    }
+
     /// Whether `slot`'s downstream links have room (a source emits only then).
     fn ready(&self, py: Python<'_>, slot: usize) -> bool {
         py.detach(|| self.inner.lock().ready(slot))
