@@ -58,6 +58,7 @@ import pyarrow.compute as pc
 from tandem.exceptions import ConfigError
 from tandem.heartbeat import LogStep
 from tandem.plan import InputChannel, OutputEdge, Plan, Router, Task, WatermarkTracker
+from tandem.rescale import check, split_states
 from tandem.result import Result
 from tandem.sinks import Collect
 from tandem.testing import ReferenceLiveRobin
@@ -90,7 +91,7 @@ def live_robin(
             if merge.gen is not None and merge.gen >= after:
                 raise ConfigError(
                     f"reference executor: channels join after heartbeat {after}, but the "
-                    f"merge had seen heartbeat {merge.gen} when the previous join was done"
+                    f"merge had seen heartbeat {merge.gen} before it could join them"
                 )
             merge.join(count, after)
         step = merge.step(queues if merge.channels == len(queues) else queues[: merge.channels])
@@ -206,8 +207,6 @@ class _Rescales:
     partition does at those heartbeats."""
 
     def __init__(self, plan: Plan) -> None:
-        from tandem import rescale
-
         self.steps = plan.live_rescales
         plans = [plan]
         for step in reversed(self.steps):
@@ -220,12 +219,12 @@ class _Rescales:
                 )
             plans.insert(0, later.rescaled(step.task, step.was))
         for i, step in enumerate(self.steps):
-            if i and step.epoch <= self.steps[i - 1].epoch:
+            if step.epoch <= (self.steps[i - 1].epoch if i else 0):
                 raise ConfigError(
-                    f"reference executor: live rescales must be in heartbeat order, got "
-                    f"{[s.epoch for s in self.steps]}"
+                    f"reference executor: live rescales happen after heartbeats 1, 2, ... "
+                    f"in heartbeat order, got {[s.epoch for s in self.steps]}"
                 )
-            rescale.check(plans[i], step.task, step.now)
+            check(plans[i], step.task, step.now)
         self.plans = plans
         """``plans[i]``: the plan before rescale ``i`` (and after rescale ``i - 1``)."""
 
@@ -476,8 +475,6 @@ def _run_operator(
     before keeps its input channels (at the positions after the heartbeat) and its output
     channels (its output after the heartbeat continues them), a new one takes the new
     channels, which start after it."""
-    from tandem.rescale import split_states
-
     final, start = rescales.plans[-1], rescales.plans[0]
     parts = []
     for p in range(start.task(task.id).parallelism):
