@@ -176,6 +176,152 @@ def test_reference_step_over_record_batches_matches_the_rust_merge(chans, seed):
     assert as_values(got) == as_values(expected)
 
 
+@st.composite
+def joining_channels(draw):
+    """A live rescale as a merge sees it: ``old`` channels with heartbeats 1, 2, ... (some
+    ending before epoch ``k``), and ``new`` channels joined after heartbeat ``k``, whose
+    heartbeats go on from ``k + 1``. Elements as in :func:`raw_channels`."""
+    old, new, k = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+
+    def channel(c: int, epochs: range) -> list[tuple]:
+        elems, seq = [], 0
+        for epoch in [*epochs, None]:
+            for _ in range(draw(st.integers(0, 2))):
+                n = draw(st.integers(0, 3))
+                elems.append(("data", seq, batch([1000 * c + seq + i for i in range(n)])))
+                seq += n
+            if epoch is not None:
+                elems.append(("heartbeat", seq, epoch))
+                seq += 1
+        elems.append(("end", seq, None))
+        return elems
+
+    chans = [channel(c, range(1, 1 + draw(st.integers(0, k + 2)))) for c in range(old)]
+    later = range(old, old + new)
+    chans += [channel(c, range(k + 1, k + 1 + draw(st.integers(0, 3)))) for c in later]
+    return old, k, chans
+
+
+@settings(max_examples=200, deadline=None)
+@given(joining_channels(), st.integers(0, 2**16))
+def test_a_join_delivers_what_the_reference_join_delivers(case, seed):
+    """The channels a live rescale appends (``join(count, k)``), told to the Rust merge at
+    a random moment before it has seen heartbeat ``k`` and to the reference before its
+    first step: both deliver the same sequence, whatever the arrival interleaving."""
+    old, k, chans = case
+
+    def entry(kind, payload):
+        return ("end",) if kind == "end" else (kind, payload)
+
+    ref = ReferenceLiveRobin(old)
+    assert ref.join(len(chans) - old, k) == old
+    queues = [deque(entry(kind, p) for kind, _, p in elems) for elems in chans]
+    expected = []
+    while (d := ref.step(queues)) is not None:
+        expected.append(d)
+        if d == ("end",):
+            break
+    assert expected[-1:] == [("end",)], "complete inputs never leave the reference waiting"
+
+    # Before the join only the old channels' elements ahead of their first heartbeat at k
+    # or later (and of their end) may arrive: the merge must not have seen heartbeat k.
+    def early(elems: list[tuple]) -> int:
+        return next(
+            i
+            for i, (kind, _, p) in enumerate(elems)
+            if kind == "end" or (kind == "heartbeat" and p >= k)
+        )
+
+    rng = random.Random(seed)
+    bounds = [early(elems) for elems in chans[:old]] + [0] * (len(chans) - old)
+    join_after = rng.randint(0, sum(bounds))
+    lr = _core.LiveRobin(old)
+    cursors = [0] * len(chans)
+    got: list[tuple] = []
+    pushed, joined = 0, False
+    while any(cursors[c] < len(chans[c]) for c in range(len(chans))):
+        if not joined and pushed == join_after:
+            assert lr.join(len(chans) - old, k) == old
+            joined = True
+        limit = [len(e) for e in chans] if joined else bounds
+        c = rng.choice([c for c in range(len(chans)) if cursors[c] < limit[c]])
+        kind, seq, payload = chans[c][cursors[c]]
+        cursors[c] += 1
+        pushed += 1
+        if kind == "data":
+            lr.push(c, seq, payload)
+        elif kind == "heartbeat":
+            lr.push_heartbeat(c, seq, payload)
+        else:
+            lr.push_end(c, seq)
+        if rng.random() < 0.3 and got[-1:] != [("end",)]:
+            got.extend(lr.drain())
+    if got[-1:] != [("end",)]:
+        got.extend(lr.drain())
+    assert as_values(got) == as_values(expected)
+
+
+def test_joined_channels_take_turns_from_the_end_of_their_cycle():
+    # Channels 0 and 1 run cycles 1 and 2; channel 2, joined after heartbeat 1, waits out
+    # cycle 1 and takes turns in the ring from the refill that closes it.
+    ref = ReferenceLiveRobin(2)
+    assert ref.join(1, 1) == 2
+    queues = [
+        deque([("data", "a0"), ("heartbeat", 1), ("data", "a1"), ("heartbeat", 2), ("end",)]),
+        deque([("heartbeat", 1), ("data", "b1"), ("heartbeat", 2), ("end",)]),
+        deque([("data", "c1"), ("data", "c2"), ("heartbeat", 2), ("end",)]),
+    ]
+    steps = []
+    while (d := ref.step(queues)) != ("end",):
+        steps.append(d[:3] if d[0] == "data" else d)
+    assert steps == [
+        ("data", 0, "a0"),
+        ("heartbeat", 1, 1, True),
+        ("heartbeat", 0, 1, False),
+        ("data", 1, "b1"),
+        ("data", 2, "c1"),
+        ("data", 0, "a1"),
+        ("heartbeat", 1, 2, True),
+        ("data", 2, "c2"),
+        ("heartbeat", 0, 2, False),
+        ("heartbeat", 2, 2, False),
+    ]
+
+
+def test_joined_channels_take_turns_once_every_other_channel_ended():
+    ref = ReferenceLiveRobin(1)
+    ref.join(1, 5)
+    queues = [deque([("heartbeat", 1), ("end",)]), deque([("data", "late"), ("end",)])]
+    assert ref.step(queues) == ("heartbeat", 0, 1, True)
+    assert ref.step(queues) == ("data", 1, "late")
+    assert ref.step(queues) == ("end",)
+
+
+@pytest.mark.parametrize("merge", [ReferenceLiveRobin, _core.LiveRobin])
+def test_a_join_is_refused_past_its_epoch_while_another_waits_and_after_the_end(merge):
+    error = ValueError if merge is ReferenceLiveRobin else tandem.ConfigError
+    m = merge(1)
+    queues = [deque([("heartbeat", 3)])]
+    if merge is ReferenceLiveRobin:
+        m.step(queues)
+    else:
+        m.push_heartbeat(0, 0, 3)
+        m.drain()
+    with pytest.raises(error, match="cannot join after heartbeat 3"):
+        m.join(1, 3)
+    assert m.join(1, 4) == 1
+    with pytest.raises(error, match="one join at a time"):
+        m.join(1, 5)
+    done = merge(1)
+    if merge is ReferenceLiveRobin:
+        done.step([deque([("end",)])])
+    else:
+        done.push_end(0, 0)
+        done.drain()
+    with pytest.raises(error, match="whose channels all ended"):
+        done.join(1, 1)
+
+
 @settings(max_examples=60, deadline=None)
 @given(workloads(), st.integers(0, 2**16))
 def test_positional_follows_a_leaders_order_batch_for_batch(case, seed):

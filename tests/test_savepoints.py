@@ -48,6 +48,7 @@ def keyed_job(
     max_parallelism: int = 128,
     counter: td.Operator | None = None,
     sink: td.sinks.Sink | None = None,
+    sink_parallelism: int = 1,
 ) -> td.Job:
     """source (Parquet, 2 partitions) -> enrich (tag = 10 * key + plus) -> count per key ->
     ``sink`` (default Collect), at ``replication``."""
@@ -64,7 +65,7 @@ def keyed_job(
     counted = stream.key_by("key").process(
         counter or td.CountPerKey(), parallelism=count_parallelism, name="count"
     )
-    counted.sink(sink or td.sinks.Collect())
+    counted.sink(sink or td.sinks.Collect(), parallelism=sink_parallelism)
     return job
 
 

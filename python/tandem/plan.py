@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import os
 import struct
@@ -162,6 +163,21 @@ class SourceStep:
     epoch: int = 0
 
 
+@dataclass(frozen=True)
+class LiveRescale:
+    """A keyed operator task that changed its parallelism while the job ran: from ``was``
+    partitions to ``now``, right after heartbeat ``epoch`` (DESIGN: live rescale). Its
+    upstream tasks route the rows after their heartbeat ``epoch`` over ``now`` channels,
+    its old partitions are cut at that heartbeat, and its consumers take the new channels
+    from the end of heartbeat cycle ``epoch`` on (:func:`tandem.reference.run` replays
+    it)."""
+
+    task: str
+    epoch: int
+    was: int
+    now: int
+
+
 @dataclass
 class Plan:
     """The physical plan of a job. Tasks are in topological order (``tasks[i].id == i``)."""
@@ -208,6 +224,9 @@ class Plan:
     resumed: Any = None
     """A job resumed from a savepoint (:class:`tandem.savepoints.Resumed`): the heartbeat
     epoch it continues after and every replica's cut; None: from the start."""
+    live_rescales: tuple[LiveRescale, ...] = ()
+    """The live rescales this run went through, in epoch order; the tasks' parallelisms
+    are those after the last (:func:`tandem.rescale.after`)."""
 
     def __reduce_ex__(self, protocol: int):
         """Pickled (by cloudpickle, or pickle: the engines ship the plan to the workers)
@@ -258,6 +277,35 @@ class Plan:
                     return t
         names = [t.name for t in self.tasks]
         raise ConfigError(f"job {self.job!r} has no task {ref!r}; its tasks are {names}")
+
+    def rescaled(self, task: int | str, parallelism: int) -> Plan:
+        """This plan with task ``task`` at ``parallelism`` partitions, everything else
+        (the other tasks, the edges, the settings, :attr:`live_rescales`) the same.
+        ConfigError for a parallelism below 1 or above :attr:`max_parallelism`, and for a
+        task with a forward edge (which pairs partitions one to one, so both of its ends
+        keep one parallelism)."""
+        t = self.task(task)
+        if (
+            isinstance(parallelism, bool)
+            or not isinstance(parallelism, int)
+            or not 1 <= parallelism <= self.max_parallelism
+        ):
+            raise ConfigError(
+                f"{t.describe()}: parallelism must be an int from 1 to the job's "
+                f"max_parallelism={self.max_parallelism} (its key groups), got {parallelism!r}"
+            )
+        forward = [self.tasks[e.upstream].name for e in t.inputs if e.partitioner == "forward"]
+        forward += [d.name for d, e in self.consumers(t.id) if e.partitioner == "forward"]
+        if forward and parallelism != t.parallelism:
+            raise ConfigError(
+                f"{t.describe()} cannot change its parallelism: a forward edge links it to "
+                f"{forward[0]!r}, partition for partition, so both keep {t.parallelism}"
+            )
+        tasks = tuple(
+            dataclasses.replace(u, parallelism=parallelism) if u.id == t.id else u
+            for u in self.tasks
+        )
+        return dataclasses.replace(self, tasks=tasks)
 
     def sources(self) -> list[Task]:
         return [t for t in self.tasks if t.kind == "source"]
@@ -984,6 +1032,7 @@ __all__ = [
     "PARTITIONERS",
     "Edge",
     "InputChannel",
+    "LiveRescale",
     "OutputEdge",
     "Plan",
     "Router",

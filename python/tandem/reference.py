@@ -20,6 +20,17 @@ threads and no network, following exactly the rules a replicated run follows (se
   are forwarded right after ``on_watermark``; end of input calls
   ``on_watermark(WATERMARK_MAX)``.
 
+A plan's :attr:`~tandem.plan.Plan.live_rescales` (:mod:`tandem.rescale`) are replayed
+with the rules the replicas follow: right after emitting heartbeat ``K`` the tasks feeding
+the rescaled task route their rows over its new partitions; its old partitions run through
+heartbeat ``K`` and their states are split by key group over the new ones, which start
+there (turn 0, having seen ``K``), each with its old partition's channels if it had one,
+positions and sequence numbers going on, or else with the new channels; its consumers join
+the new partitions' channels after ``K`` (:meth:`ReferenceLiveRobin.join`). The plan given
+is the one after the rescales, and so is the layout of every channel: a partition that
+goes on through a rescale is one partition, its output before ``K`` and after it one
+channel; one added by the rescale has channels that start after ``K``.
+
 Tasks run one after the other in topological order; every channel's whole content is
 kept in memory, so this is meant for small jobs (tests, examples, oracles).
 
@@ -39,14 +50,15 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from tandem.exceptions import ConfigError
 from tandem.heartbeat import LogStep
-from tandem.plan import InputChannel, Plan, Router, Task, WatermarkTracker
+from tandem.plan import InputChannel, OutputEdge, Plan, Router, Task, WatermarkTracker
+from tandem.rescale import check, split_states
 from tandem.result import Result
 from tandem.sinks import Collect
 from tandem.testing import ReferenceLiveRobin
@@ -56,16 +68,33 @@ Item = tuple
 ChannelKey = tuple[int, int, int, int]  # upstream task, upstream partition, task, partition
 
 
-def live_robin(queues: list[deque]) -> Iterator[tuple]:
+def live_robin(
+    queues: list[deque], joins: Sequence[tuple[int, int]] = (), gen: int | None = None
+) -> Iterator[tuple]:
     """LiveRobin over fully known channel contents (each ending with ``("end",)``), one
     whole batch per turn. Yields ``("data", channel, batch)``, ``("heartbeat", channel,
-    epoch, first)`` and finally ``("end",)`` (empty batches take no turn)."""
+    epoch, first)`` and finally ``("end",)`` (empty batches take no turn).
+
+    ``joins``: ``(count, after_epoch)`` per live rescale upstream, in epoch order — the
+    last queues are channels that join the merge (:meth:`ReferenceLiveRobin.join`), each
+    join told as soon as the one before took its place and before the merge sees its
+    epoch. ``gen``: the highest heartbeat epoch a merge resumed at a cut had seen."""
     if not queues:
         yield ("end",)
         return
-    merge = ReferenceLiveRobin(len(queues))
+    pending = deque(joins)
+    merge = ReferenceLiveRobin(len(queues) - sum(count for count, _ in joins))
+    merge.gen = gen
     while True:
-        step = merge.step(queues)
+        if pending and not merge.waiting:
+            count, after = pending.popleft()
+            if merge.gen is not None and merge.gen >= after:
+                raise ConfigError(
+                    f"reference executor: channels join after heartbeat {after}, but the "
+                    f"merge had seen heartbeat {merge.gen} before it could join them"
+                )
+            merge.join(count, after)
+        step = merge.step(queues if merge.channels == len(queues) else queues[: merge.channels])
         if step is None:
             raise ConfigError(
                 f"reference executor: input channel {merge.next} ran dry before its end "
@@ -118,16 +147,28 @@ def positional(queues: list[deque], orders: list[tuple[int, int]]) -> Iterator[t
 
 class _Emitter:
     """The outputs of one task partition: a router per output edge, appending entries to
-    the downstream channels."""
+    the downstream channels. ``switches``: per heartbeat epoch, the plan a consumer's live
+    rescale goes to right after it — the edges to the rescaled task route the rows that
+    follow over its new partitions, the channels of the partitions that go on continuing."""
 
-    def __init__(self, plan: Plan, task: Task, partition: int, chans: dict) -> None:
-        self.targets = []
-        for edge in plan.output_edges(task.id, partition):
-            lists = []
-            for p in edge.partitions:
-                key = (task.id, partition, edge.downstream, p)
-                lists.append(chans.setdefault(key, []))
-            self.targets.append((Router(edge, plan.batch_rows, plan.max_parallelism), lists))
+    def __init__(
+        self,
+        plan: Plan,
+        task: Task,
+        partition: int,
+        chans: dict,
+        switches: dict[int, tuple[int, Plan]] | None = None,
+    ) -> None:
+        self.task, self.partition, self.chans = task, partition, chans
+        self.switches = switches or {}
+        self.targets = [self._target(plan, e) for e in plan.output_edges(task.id, partition)]
+
+    def _target(self, plan: Plan, edge: OutputEdge) -> tuple[Router, list[list]]:
+        lists = [
+            self.chans.setdefault((self.task.id, self.partition, edge.downstream, p), [])
+            for p in edge.partitions
+        ]
+        return Router(edge, plan.batch_rows, plan.max_parallelism), lists
 
     def data(self, batch: pa.RecordBatch | None) -> None:
         if batch is None or batch.num_rows == 0:
@@ -140,6 +181,12 @@ class _Emitter:
         for _, lists in self.targets:
             for items in lists:
                 items.append(entry)
+        if entry[0] == "heartbeat" and entry[1] in self.switches:
+            rescaled, plan = self.switches[entry[1]]
+            edges = plan.output_edges(self.task.id, self.partition)
+            for i, edge in enumerate(edges):
+                if edge.downstream == rescaled:
+                    self.targets[i] = self._target(plan, edge)
 
 
 def _queues(plan: Plan, task: Task, partition: int, chans: dict) -> tuple[list, list]:
@@ -152,6 +199,68 @@ def _queues(plan: Plan, task: Task, partition: int, chans: dict) -> tuple[list, 
             entries = [(e[0], conform(e[1])) if e[0] == "data" else e for e in entries]
         queues.append(deque(entries))
     return inputs, queues
+
+
+class _Rescales:
+    """A plan's :attr:`~tandem.plan.Plan.live_rescales` as the phases of the run: the plan
+    in force from the start and after each rescale's heartbeat, and what each task
+    partition does at those heartbeats."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.steps = plan.live_rescales
+        plans = [plan]
+        for step in reversed(self.steps):
+            later = plans[0]
+            if later.task(step.task).parallelism != step.now:
+                raise ConfigError(
+                    f"reference executor: the live rescale of {step.task!r} at heartbeat "
+                    f"{step.epoch} went to {step.now} partitions, but the plan after it has "
+                    f"{later.task(step.task).parallelism}"
+                )
+            plans.insert(0, later.rescaled(step.task, step.was))
+        for i, step in enumerate(self.steps):
+            if step.epoch <= (self.steps[i - 1].epoch if i else 0):
+                raise ConfigError(
+                    f"reference executor: live rescales happen after heartbeats 1, 2, ... "
+                    f"in heartbeat order, got {[s.epoch for s in self.steps]}"
+                )
+            check(plans[i], step.task, step.now)
+        self.plans = plans
+        """``plans[i]``: the plan before rescale ``i`` (and after rescale ``i - 1``)."""
+
+    def plan_after(self, epoch: int) -> Plan:
+        """The plan in force right after heartbeat ``epoch`` (0: from the start)."""
+        return self.plans[sum(1 for s in self.steps if s.epoch <= epoch)]
+
+    def of(self, task: Task) -> list[tuple[int, Plan]]:
+        """``task``'s own rescales: ``(epoch, plan after it)``."""
+        return [
+            (s.epoch, self.plans[i + 1]) for i, s in enumerate(self.steps) if s.task == task.name
+        ]
+
+    def switches(self, task: Task, since: int) -> dict[int, tuple[int, Plan]]:
+        """For an :class:`_Emitter` of ``task`` started after heartbeat ``since``: the
+        rescales of its consumers after it, by epoch (the rescaled task, the plan after)."""
+        consumers = {d.id for d, _ in self.plans[0].consumers(task.id)}
+        out = {}
+        for i, s in enumerate(self.steps):
+            t = self.plans[0].task(s.task).id
+            if s.epoch > since and t in consumers:
+                out[s.epoch] = (t, self.plans[i + 1])
+        return out
+
+    def joins(self, task: Task, partition: int, since: int) -> list[tuple[int, int]]:
+        """For the merge of ``task``'s partition started after heartbeat ``since``: the
+        ``(count, after_epoch)`` of the channels each later rescale of an upstream task
+        appends to its inputs."""
+        out = []
+        for i, s in enumerate(self.steps):
+            if s.epoch > since:
+                before = len(self.plans[i].input_channels(task.id, partition))
+                count = len(self.plans[i + 1].input_channels(task.id, partition)) - before
+                if count:
+                    out.append((count, s.epoch))
+        return out
 
 
 def run(
@@ -172,6 +281,7 @@ def run(
     (what an oracle needs: a file sink would overwrite the files of the run it checks).
     ``drain``: the operators emit their final output at the end (False: a run stopped at
     a savepoint, which leaves it to the resumed run)."""
+    rescales = _Rescales(plan)
     chans: dict[ChannelKey, list[Item]] = {}
     events_in = 0
     events_out = 0
@@ -180,7 +290,7 @@ def run(
     for task in plan.tasks:
         if task.kind == "source":
             for p in range(task.parallelism):
-                out = _Emitter(plan, task, p, chans)
+                out = _Emitter(rescales.plans[0], task, p, chans, rescales.switches(task, 0))
                 if plan.is_log_source(task.id):
                     steps = log_steps(plan, task.id, p, duration, t0_ns)
                     for entry in log_entries(steps):
@@ -201,8 +311,7 @@ def run(
                     else:
                         out.control("end")
         elif task.kind == "operator":
-            for p in range(task.parallelism):
-                _run_operator(plan, task, p, t0_ns, chans, (orders or {}).get((task.id, p)), drain)
+            _run_operator(rescales, task, t0_ns, chans, orders or {}, drain)
         else:
             parts = []
             proto = Collect() if in_memory else task.sink
@@ -213,7 +322,7 @@ def run(
                 else:
                     sink = plan.open_sink(task.id, p)
                 _, queues = _queues(plan, task, p, chans)
-                for step in live_robin(queues):
+                for step in live_robin(queues, rescales.joins(task, p, 0)):
                     if step[0] == "data":
                         events_out += step[2].num_rows
                         sink.write(step[2])
@@ -277,35 +386,118 @@ def log_entries(steps: Iterable[LogStep]) -> Iterator[tuple]:
             yield ("end",)
 
 
+class _Partition:
+    """One operator partition in the reference run: from the start (``since`` 0) or, a
+    partition of a task rescaled live, from that rescale's heartbeat ``since`` on with the
+    ``state`` split for it. Its merge starts over the channels of the plan in force then
+    (turn 0, having seen heartbeat ``since``: a cut at a cycle boundary) and joins the
+    channels later rescales upstream append; every channel counts as having delivered
+    ``since``, a joined one its join's epoch."""
+
+    def __init__(
+        self,
+        rescales: _Rescales,
+        task: Task,
+        partition: int,
+        t0_ns: int,
+        queues: list[deque],
+        out: _Emitter,
+        since: int = 0,
+        orders: list | None = None,
+        state: bytes | None = None,
+    ) -> None:
+        plan = rescales.plan_after(since)
+        self.t0_ns, self.plan = t0_ns, plan
+        self.inst = plan.instantiate(task.id, partition, replica=0, t0_ns=t0_ns)
+        if state is not None:
+            self.inst.restore(state)
+        self.inputs = rescales.plans[-1].input_channels(task.id, partition)
+        self.queues, self.out = queues, out
+        joins = rescales.joins(task, partition, since)
+        self.tracker = WatermarkTracker(len(self.inputs))
+        self.tracker.current = since
+        epochs = [since] * (len(self.inputs) - sum(count for count, _ in joins))
+        for count, epoch in joins:
+            epochs += [epoch] * count
+        self.tracker.epochs = epochs
+        self.merge = (
+            live_robin(queues, joins, gen=since or None)
+            if orders is None
+            else positional(queues, orders)
+        )
+
+    def run(self, until: int | None = None, drain: bool = True) -> None:
+        """Consume the input until the partition forwarded heartbeat ``until`` (where a
+        live rescale cuts it), or to its end (None; ``drain``: emit the final output)."""
+        inst, out = self.inst, self.out
+        for step in self.merge:
+            if step[0] == "data":
+                _, ch, batch = step
+                out.data(inst.batch(batch, self.inputs[ch].input_index))
+            elif step[0] == "heartbeat":
+                before = self.tracker.current
+                now = self.tracker.observe(step[1], step[2])
+                if now is None:
+                    continue
+                for k in range(before + 1, now + 1):
+                    out.data(inst.watermark(self.plan.watermark_ns(k, self.t0_ns)))
+                    out.control("heartbeat", k)
+                if until is not None and before < until <= now:
+                    if now != until:
+                        raise ConfigError(
+                            f"reference executor: {inst.where} passed heartbeats "
+                            f"{before + 1}..{now} at once, so it has no cut at heartbeat "
+                            f"{until} for its live rescale"
+                        )
+                    return
+            else:
+                if until is not None:
+                    raise ConfigError(
+                        f"reference executor: {inst.where} ended before heartbeat {until}, "
+                        "where its live rescale happens: the run ends before it"
+                    )
+                if drain:
+                    out.data(inst.finish())
+                out.control("end")
+
+
 def _run_operator(
-    plan: Plan,
+    rescales: _Rescales,
     task: Task,
-    partition: int,
     t0_ns: int,
     chans: dict,
-    orders: list | None,
+    orders: dict[tuple[int, int], list],
     drain: bool = True,
 ) -> None:
-    inst = plan.instantiate(task.id, partition, replica=0, t0_ns=t0_ns)
-    inputs, queues = _queues(plan, task, partition, chans)
-    out = _Emitter(plan, task, partition, chans)
-    tracker = WatermarkTracker(len(inputs))
-    merge = live_robin(queues) if orders is None else positional(queues, orders)
-    for step in merge:
-        if step[0] == "data":
-            _, ch, batch = step
-            out.data(inst.batch(batch, inputs[ch].input_index))
-        elif step[0] == "heartbeat":
-            before = tracker.current
-            now = tracker.observe(step[1], step[2])
-            if now is not None:
-                for k in range(before + 1, now + 1):
-                    out.data(inst.watermark(plan.watermark_ns(k, t0_ns)))
-                    out.control("heartbeat", k)
-        else:
-            if drain:
-                out.data(inst.finish())
-            out.control("end")
+    """Every partition of an operator task; at each live rescale of the task, its
+    partitions run through the rescale's heartbeat, their states are split by key group
+    over the new partitions, and those go on from there: a partition that was there
+    before keeps its input channels (at the positions after the heartbeat) and its output
+    channels (its output after the heartbeat continues them), a new one takes the new
+    channels, which start after it."""
+    final, start = rescales.plans[-1], rescales.plans[0]
+    parts = []
+    for p in range(start.task(task.id).parallelism):
+        _, queues = _queues(final, task, p, chans)
+        out = _Emitter(start, task, p, chans, rescales.switches(task, 0))
+        parts.append(_Partition(rescales, task, p, t0_ns, queues, out, 0, orders.get((task.id, p))))
+    for epoch, after in rescales.of(task):
+        for part in parts:
+            part.run(until=epoch)
+        now = after.task(task.id).parallelism
+        snapshots = [part.inst.snapshot() for part in parts]
+        states = split_states(task, snapshots, after.max_parallelism, now, epoch)
+        went_on = parts
+        parts = []
+        for q, state in enumerate(states):
+            if q < len(went_on):
+                queues, out = went_on[q].queues, went_on[q].out
+            else:
+                _, queues = _queues(final, task, q, chans)
+                out = _Emitter(after, task, q, chans, rescales.switches(task, epoch))
+            parts.append(_Partition(rescales, task, q, t0_ns, queues, out, epoch, state=state))
+    for part in parts:
+        part.run(drain=drain)
 
 
 def comparable(table: pa.Table) -> pa.Table:

@@ -57,10 +57,9 @@ from tandem.plan import (
     DEFAULT_MAX_PARALLELISM,
     Plan,
     Task,
-    key_group,
-    key_group_channel,
     key_group_range,
 )
+from tandem.rescale import split_entries
 from tandem.runtime.cuts import Resume
 
 log = logging.getLogger(__name__)
@@ -850,12 +849,12 @@ def _renumbered_inbox(
 
 def _split_states(plan: Plan, saved: Plan, task: Task, states: dict, where: str) -> list[bytes]:
     """Per new partition of ``task``, its state: the saved partitions' key entries whose
-    group it owns, restored with ``restore_keyed`` and snapshotted."""
+    group it owns (:func:`tandem.rescale.split_entries`), restored with ``restore_keyed``
+    and snapshotted."""
     import copy
 
-    groups = plan.max_parallelism
     was, now = saved.tasks[task.id].parallelism, task.parallelism
-    entries: list[dict] = [{} for _ in range(now)]
+    keyed: list[dict] = []
     for p in range(was):
         data = states.get((task.id, p), b"")
         op = copy.deepcopy(task.operator)
@@ -883,28 +882,11 @@ def _split_states(plan: Plan, saved: Plan, task: Task, states: dict, where: str)
                 "keys to other partitions; key_by() its input or keep parallelism "
                 f"{was}"
             )
-        for k, v in kv.items():
-            try:
-                g = None if k is None else key_group(k, groups)
-            except ConfigError as exc:
-                raise ConfigError(
-                    f"{task.describe()}: the saved state of its partition {p} holds an entry "
-                    f"that is no key of its input: {exc}; keyed_state() must return entries "
-                    "keyed by the input's key values"
-                ) from None
-            owner = 0 if g is None else key_group_channel(g, groups, was)
-            if owner != p:
-                raise ConfigError(
-                    f"{task.describe()}: the saved state of its partition {p} holds an entry "
-                    f"for {k!r}, a key of partition {owner} (key group {g}): keyed_state() "
-                    "must return entries keyed by the input's key values"
-                )
-            q = 0 if g is None else key_group_channel(g, groups, now)
-            entries[q][k] = v
+        keyed.append(kv)
     out = []
-    for q in range(now):
+    for entries in split_entries(task, keyed, plan.max_parallelism, now, "the saved state"):
         op = copy.deepcopy(task.operator)
-        op.restore_keyed(entries[q])
+        op.restore_keyed(entries)
         out.append(op.snapshot())
     return out
 

@@ -234,6 +234,11 @@ class ReferenceLiveRobin:
       nothing; the channel leaves ``A`` for good and the same :meth:`step` goes on with
       the next channel in turn. After every channel ended, ``("end",)``.
     * When ``A`` becomes empty the next cycle starts with every channel not ended.
+    * **Joining channels** (a live rescale, :meth:`join`): channels appended while the
+      merge runs wait, neither active nor ended, until the first time ``A`` is refilled
+      with ``gen`` at or past the epoch they join after — the end of that epoch's cycle —
+      or with every other channel ended; from that refill on they take their turns in
+      the round-robin like the others, in channel order.
     """
 
     channels: int
@@ -241,6 +246,10 @@ class ReferenceLiveRobin:
     gen: int | None = field(default=None, init=False)
     active: set[int] = field(default_factory=set, init=False)
     ended: set[int] = field(default_factory=set, init=False)
+    waiting: set[int] = field(default_factory=set, init=False)
+    """Joined channels not taking turns yet."""
+    join_after: int | None = field(default=None, init=False)
+    """The epoch whose cycle the :attr:`waiting` channels join after."""
 
     def __post_init__(self) -> None:
         if self.channels < 1:
@@ -257,10 +266,43 @@ class ReferenceLiveRobin:
             self.next = min(c for c in self.active if c > self.next)
 
     def _leave(self, channel: int) -> None:
-        """Lines 15-17: leave the cycle; an empty ``A`` starts the next cycle."""
+        """Lines 15-17: leave the cycle; an empty ``A`` starts the next cycle, with the
+        waiting channels once their epoch's cycle is over or nothing else is left."""
         self.active.discard(channel)
         if not self.active:
-            self.active = set(range(self.channels)) - self.ended
+            if self.waiting:
+                cycle_over = self.gen is not None and self.gen >= self.join_after
+                others = set(range(self.channels)) - self.waiting
+                if cycle_over or others <= self.ended:
+                    self.waiting, self.join_after = set(), None
+            self.active = set(range(self.channels)) - self.ended - self.waiting
+
+    def join(self, count: int, after_epoch: int) -> int:
+        """Append ``count`` channels that take turns from the end of heartbeat cycle
+        ``after_epoch`` on (or once every other channel ended): what a consumer of a task
+        rescaled live at ``after_epoch`` does with the new partitions' channels. Returns
+        the first new channel's index; :meth:`step` then takes that many more queues.
+        ValueError while channels are waiting to join already, once ``after_epoch`` was
+        seen (its cycle's end could have passed) and after every channel ended."""
+        if count < 0:
+            raise ValueError(f"count must be at least 0, got {count}")
+        if self.waiting:
+            raise ValueError(
+                f"channels {sorted(self.waiting)} are waiting to join already; one join at a time"
+            )
+        if self.gen is not None and self.gen >= after_epoch:
+            raise ValueError(
+                f"channels cannot join after heartbeat {after_epoch}: the merge has seen "
+                f"heartbeat {self.gen}"
+            )
+        if len(self.ended) == self.channels:
+            raise ValueError("channels cannot join a merge whose channels all ended")
+        first = self.channels
+        self.channels += count
+        if count:
+            self.waiting = set(range(first, self.channels))
+            self.join_after = after_epoch
+        return first
 
     def step(self, queues: Sequence[deque[tuple[Any, ...]]]) -> tuple[Any, ...] | None:
         """Dequeue the next element of ``queues[next]`` and return what is consumed, or
