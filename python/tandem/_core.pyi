@@ -471,9 +471,10 @@ class Outbox:
         """Change the channel set right after heartbeat ``epoch`` leaves (the downstream
         task rescaled live): rows then go to ``len(downstream)`` channels routed by
         ``partitioner``; present channels go on with their seqs and digests to the replicas
-        ``downstream[c]`` (their present links retire after heartbeat ``epoch``), the rest
-        are new, from seq 0. Dials first (GIL released, the outbox not held). Raises
-        ConfigError once heartbeat ``epoch`` was sent, or for fewer channels."""
+        ``downstream[c]`` (their present links retire after heartbeat ``epoch``; an empty
+        list keeps them), the rest are new, from seq 0. Dials first (GIL released, the
+        outbox not held). Raises ConfigError once heartbeat ``epoch`` was sent, or for
+        fewer channels."""
     def cancel_switch(self) -> bool:
         """Disarm the switch ``switch_at`` armed, if still to come; whether one was."""
     @property

@@ -51,7 +51,7 @@ import pyarrow as pa
 from tandem import operators as ops
 from tandem import savepoints
 from tandem.engines.common import Stop
-from tandem.exceptions import ConfigError
+from tandem.exceptions import ConfigError, TandemError
 from tandem.faults import Fault, validate_faults
 from tandem.plan import (
     DEFAULT_MAX_PARALLELISM,
@@ -1000,6 +1000,28 @@ class RunningJob:
             raise TimeoutError(
                 f"job {self.name!r}: the savepoint at {os.fspath(path)!r} was not written "
                 f"within {timeout:g} s"
+            ) from None
+
+    def rescale(self, task: str, parallelism: int, timeout: float | None = 60.0) -> dict:
+        """Change the parallelism of keyed operator task ``task`` while the job runs, with
+        nothing stopped, lost or doubled (the local engine; :mod:`tandem.rescale` says
+        which tasks can). The switch comes right after one heartbeat about a second
+        ahead: the tasks feeding ``task`` route what follows over ``parallelism``
+        partitions, its partitions are cut there and their keyed states split by key
+        group, and the new partitions start, in the processes that run the old ones.
+        Returns the rescale's record (as in :attr:`tandem.Result.rescales`) once the
+        switch is done. Raises ConfigError for a task that cannot be rescaled so (naming
+        why), TandemError if the rescale was given up (the job then runs on unchanged),
+        TimeoutError after ``timeout`` seconds."""
+        if not self.running:
+            raise TandemError(f"job {self.name!r} is not running")
+        asked = self._stop.rescale(task, parallelism)
+        try:
+            return asked.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"job {self.name!r}: the rescale of {task!r} to {parallelism} partitions was "
+                f"not done within {timeout:g} s"
             ) from None
 
     def kill(self, timeout: float | None = None) -> None:

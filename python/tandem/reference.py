@@ -23,9 +23,10 @@ threads and no network, following exactly the rules a replicated run follows (se
 A plan's :attr:`~tandem.plan.Plan.live_rescales` (:mod:`tandem.rescale`) are replayed
 with the rules the replicas follow: right after emitting heartbeat ``K`` the tasks feeding
 the rescaled task route their rows over its new partitions; its old partitions run through
-heartbeat ``K`` and their states are split by key group over the new ones, which start
-there (turn 0, having seen ``K``), each with its old partition's channels if it had one,
-positions and sequence numbers going on, or else with the new channels; its consumers join
+heartbeat ``K`` and their states are split by key group over the new ones. A partition
+that was there goes on where it stands — its channels, their positions and sequence
+numbers, its merge — with its share of the state; a new one starts there (its merge at
+turn 0, having seen ``K``) on the new channels, which start after ``K``; its consumers join
 the new partitions' channels after ``K`` (:meth:`ReferenceLiveRobin.join`). The plan given
 is the one after the rescales, and so is the layout of every channel: a partition that
 goes on through a rescale is one partition, its output before ``K`` and after it one
@@ -473,8 +474,8 @@ def _run_operator(
     partitions run through the rescale's heartbeat, their states are split by key group
     over the new partitions, and those go on from there: a partition that was there
     before keeps its input channels (at the positions after the heartbeat) and its output
-    channels (its output after the heartbeat continues them), a new one takes the new
-    channels, which start after it."""
+    channels (its output after the heartbeat continues them) and its merge where it stands,
+    a new one takes the new channels, which start after it, with a merge at turn 0."""
     final, start = rescales.plans[-1], rescales.plans[0]
     parts = []
     for p in range(start.task(task.id).parallelism):
@@ -491,10 +492,16 @@ def _run_operator(
         parts = []
         for q, state in enumerate(states):
             if q < len(went_on):
-                queues, out = went_on[q].queues, went_on[q].out
-            else:
-                _, queues = _queues(final, task, q, chans)
-                out = _Emitter(after, task, q, chans, rescales.switches(task, epoch))
+                # It goes on where it stands — its merge too (the turn after the cycle's
+                # end is where that merge's round robin is, not 0) — with its new state.
+                part = went_on[q]
+                part.plan = rescales.plan_after(epoch)
+                part.inst = part.plan.instantiate(task.id, q, replica=0, t0_ns=t0_ns)
+                part.inst.restore(state)
+                parts.append(part)
+                continue
+            _, queues = _queues(final, task, q, chans)
+            out = _Emitter(after, task, q, chans, rescales.switches(task, epoch))
             parts.append(_Partition(rescales, task, q, t0_ns, queues, out, epoch, state=state))
     for part in parts:
         part.run(drain=drain)

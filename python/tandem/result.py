@@ -30,6 +30,7 @@ JSON_FIELDS = (
     "output",
     "t0_ns",
     "first_output_unix_ns",
+    "rescales",
 )
 
 
@@ -98,6 +99,12 @@ class Result:
     was lost and which a twin took over — ``{"task", "partition", "from", "to", "at_s"}``
     (replicas, and seconds from t0).
 
+    ``rescales``: the live rescales of the run (:meth:`tandem.RunningJob.rescale`), each
+    ``{"task", "from", "to", "epoch", "asked_s", "committed_s", "switch_s", "switch_ms"}``
+    — partitions before and after, the heartbeat after which the switch came, when it was
+    asked, committed and due (seconds from t0), and the longest time a worker spent on
+    the switch (cutting the old partitions, splitting their states, starting the new).
+
     ``savepoint`` (not in JSON): the :class:`tandem.savepoints.Savepoint` the run stopped
     at (``Job.run(savepoint_on_stop=...)`` stopped by a signal), else None.
     """
@@ -134,6 +141,7 @@ class Result:
     first_output_unix_ns: int | None = None
     workers_cpu_s: float | None = None
     sink_handovers: list[dict] = field(default_factory=list)
+    rescales: list[dict] = field(default_factory=list)
     savepoint: Any = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -47,6 +47,16 @@ class SavepointAsk:
     checkpoint: bool = False
 
 
+@dataclass
+class RescaleAsk:
+    """A live rescale asked for through a :class:`Stop`: task ``task`` to ``parallelism``
+    partitions; the future gets what :meth:`tandem.RunningJob.rescale` returns."""
+
+    task: str | int
+    parallelism: int
+    future: Future = field(default_factory=Future)
+
+
 class Stop:
     """How the caller of an engine's ``run(duration=None, stop=...)`` ends the run, from
     any thread: :meth:`request` stops it gracefully — the engine picks a stop point later
@@ -59,6 +69,7 @@ class Stop:
         self._killed = threading.Event()
         self._lock = threading.Lock()
         self._savepoints: list[SavepointAsk] = []
+        self._rescales: list[RescaleAsk] = []
         self._closed: str | None = None
 
     def request(self) -> None:
@@ -78,6 +89,22 @@ class Stop:
             self.request()
         return ask.future
 
+    def rescale(self, task: str | int, parallelism: int) -> Future:
+        """Ask the engine to rescale ``task`` to ``parallelism`` partitions while the run
+        goes on (:mod:`tandem.rescale`); the future gets its record, or the error."""
+        ask = RescaleAsk(task, parallelism)
+        with self._lock:
+            if self._closed is not None:
+                ask.future.set_exception(TandemError(self._closed))
+                return ask.future
+            self._rescales.append(ask)
+        return ask.future
+
+    def next_rescale(self) -> RescaleAsk | None:
+        """The engine's side: the oldest rescale asked for and not started yet."""
+        with self._lock:
+            return self._rescales.pop(0) if self._rescales else None
+
     def stops_at_savepoint(self) -> bool:
         """Whether a savepoint that stops the run is asked for and not taken yet: the
         engine then stops the run there, not at once."""
@@ -94,6 +121,8 @@ class Stop:
         later."""
         with self._lock:
             self._closed, asks, self._savepoints = why, self._savepoints, []
+            asks += self._rescales
+            self._rescales = []
         for ask in asks:
             if not ask.future.done():
                 ask.future.set_exception(TandemError(why))

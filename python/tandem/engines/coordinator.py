@@ -48,7 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from tandem.engines.common import STARTUP_S, SavepointAsk, Stop, assemble_result
+from tandem.engines.common import STARTUP_S, RescaleAsk, SavepointAsk, Stop, assemble_result
 from tandem.engines.exchange import (
     REJOIN_ATTEMPTS,
     REJOIN_MARGIN_S,
@@ -75,6 +75,10 @@ from tandem.engines.protocol import (
     Metrics,
     MetricsEvery,
     Ready,
+    RescaleArm,
+    RescaleCancel,
+    Rescaled,
+    RescalePrepare,
     Restore,
     Savepointed,
     SavepointRequest,
@@ -115,6 +119,15 @@ DRAIN_GRACE_S = 5.0
 still running then is a straggler (its host's link throttled, say) whose output the sinks
 no longer need; it is declared lost (``late``), so a slow host never holds the end of a
 run back."""
+
+RESCALE_ARM_S = 0.8
+"""How long a live rescale may take to prepare and arm every worker while the sources'
+lease is held short of its heartbeat (the lease is about :data:`STOP_LEAD_S` ahead, so
+they never wait for it); past it the rescale is given up and the job goes on unchanged."""
+
+RESCALE_SWITCH_S = 10.0
+"""How long after its heartbeat's time a committed live rescale waits to hear every
+switch done before it says which workers did not."""
 
 DEFER_STEP_S = 0.05
 """How often a kill waiting for a rebuild (:class:`_Deferred`) looks again."""
@@ -281,6 +294,40 @@ class _Saving:
     """Replicas that could not be cut (a twin is asked instead)."""
 
 
+@dataclass
+class _Rescale:
+    """A live rescale (:mod:`tandem.runtime.rescaling`): ``task`` from ``was`` to ``now``
+    partitions right after heartbeat ``epoch``, going through ``state`` — ``"preparing"``,
+    ``"arming"`` (the lease held short of ``epoch`` meanwhile), ``"committed"`` (the
+    lease free: the switch happens in the data plane), ``"cancelling"`` (the lease held
+    until every worker undid its part)."""
+
+    id: int
+    ask: RescaleAsk
+    task: int
+    was: int
+    now: int
+    epoch: int
+    new_plan: Plan
+    state: str
+    waiting: set[int]
+    deadline: float
+    asked_s: float
+    addresses: dict[ReplicaId, tuple[str, int]] = field(default_factory=dict)
+    hosts: dict[ReplicaId, int] = field(default_factory=dict)
+    """New replica -> the worker that hosts it."""
+    switching: set[int] = field(default_factory=set)
+    """Workers hosting partitions of the task: they say when their switch is done."""
+    why: str = ""
+    switch_ms: float = 0.0
+    committed_s: float = 0.0
+
+    @property
+    def holds(self) -> bool:
+        """Whether the sources' lease must stay short of :attr:`epoch`."""
+        return self.state in ("preparing", "arming", "cancelling")
+
+
 @dataclass(frozen=True)
 class _Thaw:
     """The second half of a ``td.Pause``: thaw the frozen incarnation at ``at``."""
@@ -412,6 +459,10 @@ class Coordinator:
         self.sampler = None
         """Called with the time since t0 on every turn of the watch loop (the local
         engine's cost and memory readings)."""
+        self._rescaling: _Rescale | None = None  # the live rescale under way
+        self._rescale_ids = 0
+        self.rescales: list[dict] = []
+        """The live rescales done, in order (:attr:`tandem.Result.rescales`)."""
         self._saving: _Saving | None = None  # the savepoint being cut
         self._writing: list = []  # the threads writing savepoints whose cuts are in
         # Durable checkpoints (Plan.durable_dir): when the next is due (source time, s).
@@ -524,7 +575,7 @@ class Coordinator:
         current one final when a stop was requested or the bounded sources end there. A
         stop at a savepoint is made final by the savepoint (:meth:`_start_savepoint`):
         one heartbeat past the lease, its cuts asked for first."""
-        if self.final:
+        if self.final or (self._rescaling is not None and self._rescaling.holds):
             return
         hb = self.plan.heartbeat_ns
         stopping = self.stop_token.requested and not self.stop_token.stops_at_savepoint()
@@ -589,6 +640,7 @@ class Coordinator:
                     )
             if self.checkpointing:
                 self._checkpoint_step(now_s)
+            self._rescale_step(now_s)
             was_final = self.final
             self._savepoint_step(now_s)
             if self.final and not was_final:  # a stop at a savepoint: from its stop point
@@ -738,6 +790,8 @@ class Coordinator:
             self._on_checkpointed(msg.epoch, msg.rid, msg.taken, now_s)
         elif isinstance(msg, Savepointed):
             self._on_savepointed(msg.epoch, msg.rid, msg.taken)
+        elif isinstance(msg, Rescaled):
+            self._on_rescaled(w, msg)
         elif isinstance(msg, Done):
             self.reports.update(msg.reports or {})
             self.running.discard(w)
@@ -756,6 +810,7 @@ class Coordinator:
                 Metrics,
                 Checkpointed,
                 Savepointed,
+                Rescaled,
                 Done,
             )
 
@@ -1222,6 +1277,216 @@ class Coordinator:
 
     # -- savepoints (RunningJob.savepoint, RunningJob.stop(savepoint=...)) ---------------
 
+    # -- live rescale (RunningJob.rescale) ------------------------------------------------
+
+    def _rescale_step(self, now_s: float) -> None:
+        """Start the live rescale asked for next, or give the one under way up when it
+        could not be armed in time."""
+        rs = self._rescaling
+        if rs is not None:
+            gone = (rs.waiting | rs.switching) - self.running
+            rs.waiting &= self.running
+            rs.switching &= self.running
+            if gone and rs.state in ("preparing", "arming"):
+                names = ", ".join(self.worker_name(w) for w in sorted(gone))
+                self._cancel_rescale(rs, f"{names} was lost")
+                return
+            if rs.state == "cancelling" and not rs.waiting:
+                self._rescale_cancelled(rs)
+                return
+            if rs.state == "arming" and not rs.waiting:
+                self._commit_rescale(rs)
+                return
+            if rs.state == "committed" and not rs.switching:
+                self._rescale_done(rs)
+                return
+            late = time.monotonic() > rs.deadline
+            if rs.state in ("preparing", "arming") and late:
+                left = ", ".join(self.worker_name(w) for w in sorted(rs.waiting))
+                self._cancel_rescale(rs, f"not armed within {RESCALE_ARM_S:g} s ({left})")
+            elif rs.state == "committed" and late:
+                left = ", ".join(self.worker_name(w) for w in sorted(rs.switching))
+                log.warning("live rescale %d: no switch heard yet from %s", rs.id, left)
+                rs.deadline = math.inf
+            return
+        if not self.started or self.final:
+            return
+        busy = self._saving is not None or self._taking is not None or self.rejoins or self.down
+        if busy:
+            return  # the ask waits: one thing at a time (and every replica up)
+        ask = self.stop_token.next_rescale()
+        if ask is None:
+            return
+        try:
+            self._start_rescale(ask, now_s)
+        except Exception as exc:
+            if not ask.future.done():
+                ask.future.set_exception(exc)
+
+    def _start_rescale(self, ask: RescaleAsk, now_s: float) -> None:
+        """Check the rescale, move the lease on and hold it there, and have every worker
+        prepare for a switch right after the heartbeat one past it: no replica can have
+        forwarded that heartbeat, nor will any before every worker is armed."""
+        from tandem import rescale
+
+        if self.duration is not None:
+            raise ConfigError(
+                "a live rescale needs a run with no duration (Job.start(), or "
+                "run(duration=None)): its switch is placed past the sources' lease"
+            )
+        if not getattr(self.host, "live_rescale", False):
+            raise ConfigError(
+                f"the {getattr(self.host, 'name', 'this')} engine does not rescale a running "
+                "job; stop it with a savepoint and resume at the new parallelism"
+            )
+        t = self.plan.task(ask.task)
+        rescale.check(self.plan, t.id, ask.parallelism)
+        hb = self.plan.heartbeat_ns
+        self._extend_now(now_s)
+        epoch = self.until_ns // hb + 1
+        new_plan = rescale.after(self.plan, t.id, ask.parallelism, epoch)
+        if self.natural_ns is not None and epoch * hb >= self.natural_ns:
+            raise ConfigError(
+                f"job {self.plan.job!r} ends at {self.natural_ns / 1e9:.2f} s of source time, "
+                "before a live rescale could switch"
+            )
+        self._rescale_ids += 1
+        rs = _Rescale(
+            self._rescale_ids,
+            ask,
+            t.id,
+            t.parallelism,
+            ask.parallelism,
+            epoch,
+            new_plan,
+            "preparing",
+            set(self.running),
+            time.monotonic() + RESCALE_ARM_S,
+            now_s,
+        )
+        self._rescaling = rs
+        for w in sorted(self.running):
+            self.host.send(w, self.current[w], RescalePrepare(rs.id, t.id, rs.was, rs.now, epoch))
+        log.info(
+            "live rescale of %s from %d to %d partitions at heartbeat %d (%.2f s of source time)",
+            t.describe(),
+            rs.was,
+            rs.now,
+            epoch,
+            epoch * hb / 1e9,
+        )
+
+    def _extend_now(self, now_s: float) -> None:
+        """Move the lease on to ``STOP_LEAD_S`` ahead of ``now_s`` at once."""
+        hb = self.plan.heartbeat_ns
+        target = round((max(now_s, 0.0) + STOP_LEAD_S) * 1e9)
+        until = max(self.until_ns, -(-target // hb) * hb)
+        if self.natural_ns is not None:
+            until = min(until, self.natural_ns)
+        if until != self.until_ns:
+            self.until_ns = until
+            for w in self.running:
+                self.host.send(w, self.current[w], Until(self.until_ns, self.final, self.drain))
+
+    def _on_rescaled(self, w: int, msg: Rescaled) -> None:
+        rs = self._rescaling
+        if rs is None or rs.id != msg.id:
+            return
+        error = msg.details.get("error")
+        if msg.what == "cancelled":
+            rs.waiting.discard(w)
+            if rs.state == "cancelling" and not rs.waiting:
+                self._rescale_cancelled(rs)
+            return
+        if rs.state == "cancelling":
+            return
+        if error is not None:
+            self._cancel_rescale(rs, f"{self.worker_name(w)}: {error}")
+            return
+        if msg.what == "prepared" and rs.state == "preparing":
+            node = self.host.node(w, self.current[w])
+            for rid, port in msg.details["ports"].items():
+                rs.addresses[rid] = (node, port)
+                rs.hosts[rid] = w
+            if msg.details.get("olds"):
+                rs.switching.add(w)
+            rs.waiting.discard(w)
+            if not rs.waiting:
+                rs.state, rs.waiting = "arming", set(self.running)
+                for v in sorted(self.running):
+                    self.host.send(v, self.current[v], RescaleArm(rs.id, dict(rs.addresses)))
+        elif msg.what == "armed" and rs.state == "arming":
+            rs.waiting.discard(w)
+            if not rs.waiting:
+                self._commit_rescale(rs)
+        elif msg.what == "started" and rs.state == "committed":
+            rs.switching.discard(w)
+            rs.switch_ms = max(rs.switch_ms, msg.details.get("switch_ms", 0.0))
+            if not rs.switching:
+                self._rescale_done(rs)
+
+    def _commit_rescale(self, rs: _Rescale) -> None:
+        """Every worker is armed: the rescale is irrevocable. The lease is free again (the
+        switch happens as the replicas pass its heartbeat), and the job is the new plan's
+        from here on — its placement, its addresses, what a rebuilt worker runs."""
+        rs.state, rs.committed_s = "committed", self.now_s()
+        rs.deadline = (
+            time.monotonic() + max(0.0, rs.epoch * self.plan.heartbeat_ns / 1e9 - rs.committed_s)
+        ) + RESCALE_SWITCH_S
+        self.plan = rs.new_plan
+        placement = [list(rids) for rids in self.placement]
+        for rid, w in sorted(rs.hosts.items()):
+            placement[w].append(rid)
+            self.worker_of[rid] = w
+        self.placement = [tuple(rids) for rids in placement]
+        self.addresses |= rs.addresses
+        set_plan = getattr(self.host, "set_plan", None)
+        if set_plan is not None:
+            set_plan(self.plan)
+        if not rs.switching:
+            self._rescale_done(rs)
+
+    def _rescale_done(self, rs: _Rescale) -> None:
+        hb_s = self.plan.heartbeat_ns / 1e9
+        record = {
+            "task": self.plan.tasks[rs.task].name,
+            "from": rs.was,
+            "to": rs.now,
+            "epoch": rs.epoch,
+            "asked_s": rs.asked_s,
+            "committed_s": rs.committed_s,
+            "switch_s": rs.epoch * hb_s,
+            "switch_ms": rs.switch_ms,
+        }
+        self.rescales.append(record)
+        self._rescaling = None
+        log.info(
+            "live rescale of %r to %d partitions done at heartbeat %d (the switch took %.1f ms)",
+            record["task"],
+            rs.now,
+            rs.epoch,
+            rs.switch_ms,
+        )
+        if not rs.ask.future.done():
+            rs.ask.future.set_result(record)
+
+    def _cancel_rescale(self, rs: _Rescale, why: str) -> None:
+        """Give a rescale not yet committed up: every worker undoes its part, and the lease
+        stays held until each has said so."""
+        rs.state, rs.why, rs.waiting = "cancelling", why, set(self.running)
+        log.warning("live rescale %d given up: %s", rs.id, why)
+        for w in sorted(self.running):
+            self.host.send(w, self.current[w], RescaleCancel(rs.id))
+        if not rs.waiting:
+            self._rescale_cancelled(rs)
+
+    def _rescale_cancelled(self, rs: _Rescale) -> None:
+        self._rescaling = None
+        if not rs.ask.future.done():
+            rs.ask.future.set_exception(
+                TandemError(f"the live rescale was given up, the job runs on unchanged: {rs.why}")
+            )
+
     def _savepoint_step(self, now_s: float) -> None:
         """Start the savepoint asked for next through the run's :class:`Stop`, or give the
         one being cut up when a replica it waits for is lost or its time is over."""
@@ -1236,8 +1501,10 @@ class Coordinator:
                     f"not cut within {CHECKPOINT_TIMEOUT_S:g} s (no cut came from {waiting})"
                 )
             return
-        if not self.started or self._taking is not None:
-            return  # after the checkpoint in flight: the core keeps one aligned cut a slot
+        if not self.started or self._taking is not None or self._rescaling is not None:
+            # After the checkpoint in flight (the core keeps one aligned cut a slot), and
+            # after a live rescale (the plan changes).
+            return
         ask = self.stop_token.next_savepoint()
         if ask is None:
             ask = self._durable_ask(now_s)
@@ -1963,6 +2230,7 @@ class Coordinator:
         result.restored_replicas = list(self.restored)
         result.workers_cpu_s = sum(self.cpu_s.values()) if self.cpu_s else None
         result.sink_handovers = list(self.handovers)
+        result.rescales = list(self.rescales)
         if self.checkpointing:
             result.checkpoints = dict(self.checkpoint_stats)
         return result

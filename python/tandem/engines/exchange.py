@@ -45,6 +45,10 @@ from tandem.engines.protocol import (
     Metrics,
     MetricsEvery,
     Ready,
+    RescaleArm,
+    RescaleCancel,
+    Rescaled,
+    RescalePrepare,
     Restore,
     Savepointed,
     SavepointRequest,
@@ -71,6 +75,7 @@ from tandem.runtime import (
     thread_nice,
 )
 from tandem.runtime.replica import failures
+from tandem.runtime.rescaling import RescaleSpec
 
 log = logging.getLogger("tandem")
 
@@ -262,6 +267,7 @@ def serve(
     if plan.restore:
         worker.on_evicted = lambda up, down: send(Evicted(up, down))
     worker.on_starved = lambda rid, why: send(Starved(rid, why))
+    worker.on_rescale = lambda what, id, details: send(Rescaled(id, what, details))
     worker.on_failed = lambda failed: send(Failed(failed))
     threading.Thread(
         target=_requests,
@@ -333,6 +339,13 @@ def _requests(
             worker.request_savepoint(msg.epoch, msg.replicas, msg.roll)
         elif isinstance(msg, TakeOver):
             worker.take_over(msg.rid)
+        elif isinstance(msg, RescalePrepare):
+            spec = RescaleSpec(msg.id, msg.task, msg.was, msg.now, msg.epoch)
+            worker.rescale("prepare", spec)
+        elif isinstance(msg, RescaleArm):
+            worker.rescale("arm", msg.id, msg.addresses)
+        elif isinstance(msg, RescaleCancel):
+            worker.rescale("cancel", msg.id)
         elif isinstance(msg, Crash):
             crash(msg.unit)
         elif isinstance(msg, Freeze):
@@ -354,6 +367,9 @@ def _requests(
                     CheckpointRequest,
                     SavepointRequest,
                     TakeOver,
+                    RescalePrepare,
+                    RescaleArm,
+                    RescaleCancel,
                     Exit,
                     Crash,
                     Freeze,

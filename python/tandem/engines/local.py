@@ -369,6 +369,8 @@ class LocalHost:
 
     name = "local"
     starts_rebuilds = True
+    live_rescale = True
+    """Its coordinator rescales a running job (:mod:`tandem.runtime.rescaling`)."""
 
     def __init__(self, plan: Plan, bind: str, relay: bool) -> None:
         self.bind, self.relay = bind, relay
@@ -387,6 +389,10 @@ class LocalHost:
         self._state_dir: str | None = None  # where twins leave large states for newcomers
         self.rss_mb: dict[str, float] = {}
         self._rss_at = 0.0
+
+    def set_plan(self, plan: Plan) -> None:
+        """The job runs ``plan`` from now on (a live rescale): what a rebuilt worker gets."""
+        self.blob = cloudpickle.dumps(plan)
 
     def _assign(self, assign: Assign) -> Assign:
         return Assign(

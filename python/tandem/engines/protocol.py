@@ -21,11 +21,13 @@ The exchange, in order:
   (the port of every hosted replica's inbox) or :class:`StartFailed`;
 - during the run, coordinator → worker: :class:`CutRequest`, :class:`Link`,
   :class:`Until`, :class:`MetricsEvery`, :class:`CheckpointRequest`,
-  :class:`SavepointRequest`, :class:`TakeOver`, and the faults :class:`Crash` and
-  :class:`Freeze` (where the worker cannot be signalled); worker → coordinator:
-  :class:`CutTaken`, :class:`Linked`, :class:`Started`, :class:`Evicted`,
+  :class:`SavepointRequest`, :class:`TakeOver`, a live rescale's
+  :class:`RescalePrepare`, :class:`RescaleArm` and :class:`RescaleCancel`, and the faults
+  :class:`Crash` and :class:`Freeze` (where the worker cannot be signalled); worker →
+  coordinator: :class:`CutTaken`, :class:`Linked`, :class:`Started`, :class:`Evicted`,
   :class:`Starved`, :class:`Failed`, :class:`Metrics`, :class:`Checkpointed`,
-  :class:`Savepointed`, :class:`Alive` (a keepalive);
+  :class:`Savepointed`, :class:`Rescaled` (each step of a live rescale), :class:`Alive`
+  (a keepalive);
 - last, worker → coordinator: :class:`Done`.
 
 Why dataclasses and not msgspec or pydantic structs: a message is one pickle on a
@@ -42,7 +44,7 @@ from typing import Any, TypeVar
 
 from tandem.exceptions import ProtocolError
 
-VERSION = 1
+VERSION = 2
 """The version of this protocol; a coordinator and a worker of different versions refuse
 each other (a cluster whose executors run another tandem than the driver)."""
 
@@ -209,6 +211,36 @@ class SavepointRequest(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class RescalePrepare(Message):
+    """A live rescale (:mod:`tandem.runtime.rescaling`): task ``task`` goes from ``was`` to
+    ``now`` partitions right after heartbeat ``epoch``; set up what this worker hosts of
+    it (answered by :class:`Rescaled` ``"prepared"``)."""
+
+    id: int
+    task: int
+    was: int
+    now: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class RescaleArm(Message):
+    """Every worker is prepared: arm the switch, with the new partitions' ``addresses``
+    (answered by :class:`Rescaled` ``"armed"``, and ``"started"`` after the switch)."""
+
+    id: int
+    addresses: dict
+
+
+@dataclass(frozen=True, slots=True)
+class RescaleCancel(Message):
+    """Give the live rescale up (before the lease passes its heartbeat): undo it all
+    (answered by :class:`Rescaled` ``"cancelled"``)."""
+
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
 class Crash(Message):
     """A fault injected where the coordinator cannot signal the worker's process (a
     cluster's executors): SIGKILL yourself — ``unit="executor"``: the executor JVM above
@@ -310,6 +342,18 @@ class Savepointed(Message):
     epoch: int
     rid: ReplicaId
     taken: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Rescaled(Message):
+    """A step of live rescale ``id`` done by the worker: ``what`` is ``"prepared"``
+    (``details["ports"]``: the new partitions' inbox ports), ``"armed"``, ``"started"``
+    (``details["rids"]``, ``details["switch_ms"]``) or ``"cancelled"``;
+    ``details["error"]`` if the step failed."""
+
+    id: int
+    what: str
+    details: dict
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,9 +201,11 @@ class Replica:
         _, p, r = self.me
         return f"{self.task.kind} task {self.task.name!r} partition {p} replica {r}"
 
-    def bind(self, host: str = "127.0.0.1") -> int | None:
+    def bind(self, host: str = "127.0.0.1", parked: bool = False) -> int | None:
         """Listen for upstream replicas; the port, or None for a source (a log source
-        starts reading its partition now, while the job starts)."""
+        starts reading its partition now, while the job starts). ``parked``: the inbox
+        takes nothing until it is unparked at its cut (a partition a live rescale adds:
+        :mod:`tandem.runtime.rescaling`)."""
         if self.task.kind == "source":
             t, p, _ = self.me
             if self.plan.is_log_source(t):
@@ -230,6 +232,7 @@ class Replica:
             name=self.name,
             resume=resume,
             wait_orphaned=self.plan.checkpointing,
+            parked=parked,
         )
         if ordering == "kazoo":
             if self.kazoo is None:
@@ -254,12 +257,8 @@ class Replica:
         """Link the downstream replicas (``local``: the inboxes of this worker), open the
         operator or sink, take a worker slot. A sink leaves the rows it receives in the
         first ``warmup`` seconds after ``t0_ns`` out of its latency record."""
+        self.connect(addresses, local, t0_ns)
         t, p, r = self.me
-        self.t0_ns = t0_ns
-        self.outputs += [
-            _Output(self.plan, self.me, e, addresses, self.secret, local, self.name)
-            for e in self.plan.output_edges(t, p)
-        ]
         boxes = [o.outbox for o in self.outputs]
         cut = self.resume.cut if self.resume is not None else None
         if self.task.kind == "source":
@@ -290,6 +289,26 @@ class Replica:
         self.slot = self.core.add_task(self.inbox, boxes, watermarks, resume=cut)
         if self._sink is not None and self._sink.keep_positions:
             self.core.request_cut(self.slot)  # see mark()
+
+    def connect(
+        self, addresses: Addresses, local: dict[ReplicaId, _core.Inbox], t0_ns: int
+    ) -> None:
+        """Link the downstream replicas (dials the remote ones: blocking, so a live
+        rescale's new partition does it on a thread of its own)."""
+        t, p, _ = self.me
+        self.t0_ns = t0_ns
+        self.outputs += [
+            _Output(self.plan, self.me, e, addresses, self.secret, local, self.name)
+            for e in self.plan.output_edges(t, p)
+        ]
+
+    def take_slot(self, cut: tuple) -> None:
+        """A live rescale's new operator partition, its operator instance set and its
+        inbox unparked: take a worker slot starting at ``cut`` (its outputs from sequence
+        0 right after the cut's heartbeat)."""
+        watermarks = type(self._inst.op).on_watermark is not Operator.on_watermark
+        boxes = [o.outbox for o in self.outputs]
+        self.slot = self.core.add_task(self.inbox, boxes, watermarks, resume=cut)
 
     @property
     def keeps_positions(self) -> bool:

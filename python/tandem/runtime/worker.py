@@ -19,6 +19,7 @@ from tandem.runtime.cuts import Resume, SlotCuts
 from tandem.runtime.priority import renice_threads
 from tandem.runtime.pumps import CREDIT_POLL_S, _LogSource, _Source
 from tandem.runtime.replica import Addresses, Replica, ReplicaId, ReplicaReport, failures
+from tandem.runtime.rescaling import RescaleSpec, Rescaling
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,17 @@ class Worker:
         :attr:`metrics_every` seconds while the replicas run."""
         self.metrics_every: float | None = None
         """Set (from any thread) to have :attr:`on_metrics` called; None: never."""
+        self.on_rescale = None
+        """Called with ``(what, rescale id, details)`` as a live rescale goes
+        (:mod:`tandem.runtime.rescaling`): ``"prepared"`` (details: the new partitions'
+        ports, or ``{"error": ...}``), ``"armed"`` (``{}`` or ``{"error": ...}``),
+        ``"started"`` (the new partitions, the time the switch took)."""
+        self._rescaling: Rescaling | None = None
+        self._adopted: list[Replica] = []  # started by a rescale, for the loop to serve
+        self._secret = secret
+        self._host = "127.0.0.1"
+        self._addresses: Addresses = {}
+        self._t0_ns = 0
 
     @property
     def on_cut(self):
@@ -214,6 +226,13 @@ class Worker:
         name = "tandem-dial-{}.{}.{}".format(*down)
         threading.Thread(target=dial, name=name, daemon=True).start()
 
+    def rescale(self, what: str, *args) -> None:
+        """A step of a live rescale (:mod:`tandem.runtime.rescaling`), from the engine:
+        ``("prepare", RescaleSpec)``, ``("arm", rescale id, addresses)`` or
+        ``("cancel", rescale id)``; answered through :attr:`on_rescale`."""
+        self.control.append(("rescale_" + what, *args))
+        self.core.wake()
+
     def extend(self, until_ns: int, final: bool, drain: bool = True) -> None:
         """A run with no duration (``run(duration=None)``): the hosted sources may emit
         what falls due through ``until_ns`` ns after t0; ``final``: the run stops there
@@ -261,6 +280,9 @@ class Worker:
                     [r for r in self.replicas if r.me in asked], req[2], roll=req[3]
                 )
                 continue
+            if req[0].startswith("rescale_"):
+                self._rescale_control(req)
+                continue
             rep = by_rid.get(req[1])
             if req[0] == "cut":
                 self.cuts.ask(req[1], rep, req[2])
@@ -282,6 +304,88 @@ class Worker:
                 else:
                     self.on_link(up, down, None)
 
+    # -- a live rescale (the worker thread) ----------------------------------------------
+
+    def _rescale_control(self, req: tuple) -> None:
+        what, rs = req[0], self._rescaling
+        if what == "rescale_prepare":
+            spec: RescaleSpec = req[1]
+            if rs is not None and not rs.done:
+                rs.cancel()
+            try:
+                self._rescaling, ports = Rescaling.prepare(
+                    spec,
+                    self.plan,
+                    self.replicas,
+                    self._host,
+                    lambda rid, plan: Replica(plan, *rid, self._secret, self.core),
+                )
+            except Exception as exc:
+                self._rescaling = None
+                self.on_rescale("prepared", spec.id, {"error": f"{type(exc).__name__}: {exc}"})
+            else:
+                olds = len(self._rescaling.olds)
+                self.on_rescale("prepared", spec.id, {"ports": ports, "olds": olds})
+            return
+        if rs is None or rs.spec.id != req[1]:
+            if what == "rescale_cancel":
+                self.on_rescale("cancelled", req[1], {})
+            return
+        if what == "rescale_arm":
+            addresses = self._addresses = {**self._addresses, **req[2]}
+            local = {r.me: r.inbox for r in self.replicas if r.inbox is not None}
+            replicas = list(self.replicas)
+
+            def arm() -> None:  # it dials: off the worker thread
+                try:
+                    rs.arm_links(replicas, addresses, local, self._t0_ns)
+                except Exception as exc:
+                    self.control.append(("rescale_armed", rs.spec.id, exc))
+                else:
+                    self.control.append(("rescale_armed", rs.spec.id, None))
+                self.core.wake()
+
+            threading.Thread(target=arm, name="tandem-rescale-arm", daemon=True).start()
+        elif what == "rescale_armed":
+            error = req[2]
+            if rs.cancelled:  # cancelled while it dialled: it armed nothing after that
+                return
+            if error is None and not rs.done:
+                try:
+                    rs.ask_cuts()
+                except Exception as exc:
+                    error = exc
+            if error is not None:
+                self.on_rescale("armed", rs.spec.id, {"error": f"{type(error).__name__}: {error}"})
+            else:
+                self.on_rescale("armed", rs.spec.id, {})
+        elif what == "rescale_cancel":
+            if not rs.done:
+                rs.cancel()
+            self.on_rescale("cancelled", rs.spec.id, {})
+
+    def _rescale_cut(self, rep: Replica, item) -> bool:
+        """An old partition's cut at the rescale's heartbeat; False if it failed the job."""
+        rs = self._rescaling
+        try:
+            started = rs.on_cut(rep, item)
+        except Exception as exc:
+            rep.fail(exc)
+            return rep.report.error is None
+        if started is None:
+            return True
+        self.plan = rs.new_plan
+        for r in self.replicas:
+            r.plan = rs.new_plan
+        self._adopted += started
+        self.replicas += started
+        took_ms = (time.monotonic() - rs.cut_s) * 1e3
+        self._rescaling = None
+        self.on_rescale(
+            "started", rs.spec.id, {"rids": [r.me for r in started], "switch_ms": took_ms}
+        )
+        return True
+
     def metrics(self) -> dict:
         """A snapshot of every hosted replica's counters (:meth:`Replica.metrics`), taken on
         the worker thread (or after :meth:`run`): ``{"pid", "replicas": {rid: {...}}}``."""
@@ -296,6 +400,7 @@ class Worker:
         """Create every hosted replica's inbox, and start contending for the leadership of
         its ordered partitions; each replica's port (None for a source)."""
         _warm_up()
+        self._host = host
         ports = {r.me: r.bind(host) for r in self.replicas}
         if self.kazoo is not None:
             self.kazoo.start()
@@ -324,6 +429,7 @@ class Worker:
         their latency record."""
         local = {r.me: r.inbox for r in self.replicas if r.inbox is not None}
         self._until_mode = duration is None
+        self._addresses, self._t0_ns = dict(addresses), t0_ns
         try:
             for r in self.replicas:
                 try:
@@ -381,6 +487,10 @@ class Worker:
         while live:
             if control:
                 self._serve_control(by_rid)
+            while self._adopted:  # a live rescale's new partitions
+                rep = self._adopted.pop()
+                by_slot[rep.slot], by_rid[rep.me] = rep, rep
+                live += 1
             wait = IDLE_WAIT_S
             if self.cuts.held:
                 wait = min(wait, self.cuts.release_held())
@@ -438,6 +548,11 @@ class Worker:
             if item is not None:
                 rep = by_slot[item.slot]
                 if item.kind == "cut":
+                    rs = self._rescaling
+                    if rs is not None and rs.wants(rep, item):
+                        if not self._rescale_cut(rep, item):
+                            return
+                        continue
                     self.cuts.take(rep, item)
                     continue
                 if not self._dispatch(rep, item):

@@ -444,9 +444,11 @@ impl Outbox {
     /// heartbeat, a live rescale). Channel `c` of the present ones goes on — its seqs, its
     /// digest and its replay window — with `links[c]` as its downstream replicas, its
     /// present links retiring (they deliver what they hold, heartbeat `epoch` last, and
-    /// take nothing more); the channels after them are new, their seqs from 0, their
-    /// replay windows from `epoch` on. The set may only grow, and every channel needs a
-    /// link. Refused once heartbeat `epoch` was sent, or after the end.
+    /// take nothing more), or with its present links if `links[c]` is empty (the
+    /// downstream partition goes on in the same replicas); the channels after them are
+    /// new, their seqs from 0, their replay windows from `epoch` on. The set may only
+    /// grow, and every new channel needs a link. Refused once heartbeat `epoch` was sent,
+    /// or after the end.
     pub fn switch_at(
         &mut self,
         epoch: u64,
@@ -474,10 +476,15 @@ impl Outbox {
                 self.channels.len()
             )));
         }
-        if let Some(c) = links.iter().position(Vec::is_empty) {
+        if let Some(c) = links
+            .iter()
+            .skip(self.channels.len())
+            .position(Vec::is_empty)
+        {
             return Err(Error::Config(format!(
-                "switch: output channel {c} has no downstream replica; give every channel at \
-                 least one link"
+                "switch: new output channel {} has no downstream replica; give every new \
+                 channel at least one link",
+                self.channels.len() + c
             )));
         }
         if partitioner == Partitioner::Forward && links.len() != 1 {
@@ -524,8 +531,10 @@ impl Outbox {
                 link.defer(self.deferred);
             }
             if let Some(ch) = self.channels.get_mut(c) {
-                self.retiring.append(&mut ch.links);
-                ch.links = new;
+                if !new.is_empty() {
+                    self.retiring.append(&mut ch.links);
+                    ch.links = new;
+                }
             } else {
                 self.channels.push(Channel {
                     links: new,
@@ -1460,6 +1469,40 @@ mod tests {
     }
 
     #[test]
+    fn a_switch_keeps_the_present_links_of_a_channel_given_none() {
+        let old = mem(2, 1);
+        let mut ob = outbox(Partitioner::hash("v"), &old, 1024);
+        let added = mem(1, 1);
+        let links = vec![vec![], vec![], boxed(&added).remove(0)];
+        ob.switch_at(1, Partitioner::hash("v"), links).unwrap();
+        ob.emit(&batch(0..30)).unwrap();
+        ob.heartbeat(1).unwrap();
+        ob.emit(&batch(30..90)).unwrap();
+        ob.heartbeat(2).unwrap();
+        let to = hash_channels(&batch(30..90), "v", 3, DEFAULT_KEY_GROUPS).unwrap();
+        for (c, link) in [&old[0][0], &old[1][0], &added[0][0]]
+            .into_iter()
+            .enumerate()
+        {
+            let after: Vec<i64> = (30..90)
+                .zip(&to)
+                .filter(|(_, &t)| t as usize == c)
+                .map(|(v, _)| v)
+                .collect();
+            let got = values(link);
+            assert!(
+                got.ends_with(&after),
+                "channel {c}: {got:?} does not end with {after:?}"
+            );
+            assert_eq!(link.summary().last().map(|f| (f.0, f.2)), Some(('H', 2)));
+        }
+        assert!(
+            values(&added[0][0]).iter().all(|v| *v >= 30),
+            "nothing before the switch"
+        );
+    }
+
+    #[test]
     fn a_switch_is_refused_after_its_heartbeat_and_when_it_shrinks_and_cancels_cleanly() {
         let links = mem(2, 1);
         let mut ob = outbox(Partitioner::hash("v"), &links, 1024);
@@ -1470,9 +1513,11 @@ mod tests {
         assert!(ob
             .switch_at(2, Partitioner::hash("v"), boxed(&mem(1, 1)))
             .is_err());
-        assert!(ob
-            .switch_at(2, Partitioner::hash("v"), vec![vec![], vec![]])
-            .is_err());
+        assert!(
+            ob.switch_at(2, Partitioner::hash("v"), vec![vec![], vec![], vec![]])
+                .is_err(),
+            "a new channel with no link"
+        );
         let unused = mem(3, 1);
         ob.switch_at(2, Partitioner::hash("v"), boxed(&unused))
             .unwrap();

@@ -243,6 +243,71 @@ fn consume_joining(
     panic!("no End after a million steps; consumed so far: {out:?}");
 }
 
+/// [`consume`] with `count` channels joined after heartbeat `k` once `at.0` deliveries
+/// were made and taken back ([`Merge::cancel_join`]) once `at.1` were: a live rescale
+/// given up before its switch. The joined channels never carry anything.
+fn consume_join_cancelled(
+    w: &Workload,
+    merge: &mut dyn Merge<Rows>,
+    seed: u64,
+    capacity: usize,
+    (count, k): (usize, u64),
+    at: (usize, usize),
+) -> Vec<Ev> {
+    let mut rng = Rng::new(seed);
+    let bell = Arc::new(Doorbell::new());
+    let (senders, mut receivers): (Vec<DedupSender<Rows>>, Vec<DedupReceiver<Rows>>) =
+        (0..w.streams.len())
+            .map(|_| channel(capacity, Arc::clone(&bell)))
+            .unzip();
+    let old = receivers.len();
+    let mut pending: Vec<(usize, VecDeque<Item<Rows>>)> = w
+        .streams
+        .iter()
+        .enumerate()
+        .flat_map(|(c, reps)| reps.iter().map(move |s| (c, s.iter().cloned().collect())))
+        .collect();
+    let (mut joined, mut cancelled) = (false, false);
+    let mut out = Vec::new();
+    for _ in 0..1_000_000 {
+        let live: Vec<usize> = (0..pending.len())
+            .filter(|&i| !pending[i].1.is_empty())
+            .collect();
+        if live.is_empty() || rng.chance(30) {
+            if !joined && out.len() >= at.0 {
+                merge.join(count, k).expect("joined before heartbeat k");
+                receivers.extend((0..count).map(|_| channel(capacity, Arc::clone(&bell)).1));
+                joined = true;
+            }
+            if joined && !cancelled && out.len() >= at.1 {
+                merge
+                    .cancel_join(count)
+                    .expect("taken back before they took a turn");
+                receivers.truncate(old);
+                cancelled = true;
+            }
+            if let Some(d) = merge.next(&mut receivers) {
+                let end = d == Delivery::End;
+                record(d, &mut out);
+                if end {
+                    return out;
+                }
+            } else if live.is_empty() {
+                panic!("merge stalled with every arrival delivered; consumed so far: {out:?}");
+            }
+            continue;
+        }
+        let (c, queue) = &mut pending[live[rng.below(live.len())]];
+        let item = queue.pop_front().expect("live stream");
+        match senders[*c].offer(item) {
+            Offer::Accepted { .. } | Offer::Duplicate => {}
+            Offer::Full(back) => queue.push_front(back),
+            Offer::Gap { .. } => panic!("a FIFO replica stream can never open a gap"),
+        }
+    }
+    panic!("no End after a million steps; consumed so far: {out:?}");
+}
+
 /// Where a consumer stood at a cut: its merge's state, each channel's position, and how
 /// many deliveries came before.
 struct Cut {
@@ -492,6 +557,53 @@ proptest! {
         prop_assert_eq!(&a, &reference);
         let b = consume_joining(&w, &mut LiveRobin::new(channels), arrival_b, capacity, told(told_b));
         prop_assert_eq!(&a, &b, "replicas told at different moments delivered different batches");
+    }
+
+    /// A live rescale given up before its switch: a join taken back at any moment before
+    /// the joined channels could take a turn leaves the merge delivering exactly what it
+    /// would have with no join (LiveRobin, and first come, first served as a multiset).
+    #[test]
+    fn a_join_taken_back_delivers_what_no_join_delivers(
+        seed in any::<u64>(),
+        channels in 1usize..=3,
+        joining in 1usize..=2,
+        k in 2u64..=4,
+        capacity in 1usize..=6,
+        arrival in any::<u64>(),
+        told in any::<u64>(),
+        taken in any::<u64>(),
+    ) {
+        let w = workload(seed, channels, 2, false);
+        let reference = model(&w.batches);
+        // Both before the first delivery of a heartbeat k - 1 or later: the cycle of k has
+        // not started, so the joined channels cannot have been activated.
+        let before = reference
+            .iter()
+            .position(|e| matches!(e, Ev::Heartbeat { epoch, .. } if *epoch + 1 >= k))
+            .unwrap_or(reference.len() - 1) as u64;
+        let a = told % (before + 1);
+        let b = a + taken % (before + 1 - a);
+        let at = (a as usize, b as usize);
+        let got = consume_join_cancelled(
+            &w, &mut LiveRobin::new(channels), arrival, capacity, (joining, k), at,
+        );
+        prop_assert_eq!(&got, &reference);
+        let mut fcfs = consume_join_cancelled(
+            &w, &mut Fcfs::new(channels), arrival, capacity, (joining, k), at,
+        );
+        let mut plain = consume(&w, &mut Fcfs::new(channels), arrival, capacity);
+        // Which copy of a heartbeat comes first depends on the order served, not on what.
+        let content = |evs: &mut Vec<Ev>| {
+            for e in evs.iter_mut() {
+                if let Ev::Heartbeat { first, .. } = e {
+                    *first = false;
+                }
+            }
+            evs.sort_by_key(|e| format!("{e:?}"));
+        };
+        content(&mut fcfs);
+        content(&mut plain);
+        prop_assert_eq!(fcfs, plain);
     }
 
     #[test]

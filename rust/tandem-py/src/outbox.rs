@@ -154,7 +154,7 @@ impl Outbox {
             connect_timeout: arg_seconds("connect_timeout", connect_timeout)?,
             ..LinkConfig::default()
         };
-        let targets = parse_targets(downstream)?;
+        let targets = parse_targets(downstream, false)?;
         let window = match replay_cycles {
             None => None,
             Some(cycles) => Some(ReplayWindow {
@@ -224,7 +224,8 @@ impl Outbox {
     /// downstream task): from then on rows go to `len(downstream)` channels, routed by
     /// `partitioner` (with `key`, `key_groups`); channel `c` of the present ones goes on
     /// with its seqs and digests to the replicas `downstream[c]` (its present links
-    /// retire after heartbeat `epoch`), the channels after them are new, from seq 0.
+    /// retire after heartbeat `epoch`; an empty list keeps them), the channels after them
+    /// are new, from seq 0.
     /// `downstream` as for the constructor; the remote replicas are dialled first (GIL
     /// released, the outbox not held). Refused once heartbeat `epoch` was sent.
     #[pyo3(signature = (epoch, downstream, partitioner, key = None, key_groups = 128))]
@@ -241,7 +242,7 @@ impl Outbox {
         let partitioner = Partitioner::parse(partitioner, key)
             .and_then(|p| p.with_key_groups(key_groups))
             .py()?;
-        let targets = parse_targets(downstream)?;
+        let targets = parse_targets(downstream, true)?;
         let links = py
             .detach(|| dial_all(&targets, &self.me, None, &self.secret, &self.link_cfg))
             .py()?;
@@ -370,8 +371,9 @@ impl Target {
 }
 
 /// `downstream` as the constructor and [`Outbox::switch_at`] take it: per channel, its
-/// replicas, each a `(host, port)` or an `Inbox` of this process.
-fn parse_targets(downstream: Vec<Vec<Bound<'_, PyAny>>>) -> PyResult<Vec<Vec<Target>>> {
+/// replicas, each a `(host, port)` or an `Inbox` of this process. `keep`: a channel may be
+/// empty (a switch keeps its present links).
+fn parse_targets(downstream: Vec<Vec<Bound<'_, PyAny>>>, keep: bool) -> PyResult<Vec<Vec<Target>>> {
     if downstream.is_empty() {
         return Err(config_err(
             "downstream is empty; give at least one channel of (host, port) replicas".to_owned(),
@@ -379,7 +381,7 @@ fn parse_targets(downstream: Vec<Vec<Bound<'_, PyAny>>>) -> PyResult<Vec<Vec<Tar
     }
     let mut targets = Vec::with_capacity(downstream.len());
     for (c, replicas) in downstream.into_iter().enumerate() {
-        if replicas.is_empty() {
+        if replicas.is_empty() && !keep {
             return Err(config_err(format!(
                 "downstream[{c}] is empty; every channel needs at least one (host, port)"
             )));
@@ -465,6 +467,10 @@ fn dial_all(
     });
     let mut links = Vec::with_capacity(results.len());
     for (c, ch) in results.into_iter().enumerate() {
+        if targets[c].is_empty() {
+            links.push(Vec::new()); // a switch's channel that keeps its links
+            continue;
+        }
         let mut live: Vec<Box<dyn Link>> = Vec::new();
         let mut last_err = None;
         for (r, res) in ch.into_iter().enumerate() {
