@@ -566,6 +566,8 @@ def test_on_spark_a_running_job_takes_savepoints_and_stops_at_one(input_file, tm
 
     running, stopped = str(tmp_path / "running"), str(tmp_path / "stopped")
     handle = keyed_job(input_file).start(engine=SparkEngine(master="local[8,3]"), progress=False)
+    with pytest.raises(td.ConfigError, match="spark engine does not rescale a running job"):
+        handle.rescale("count", 3, timeout=60)  # (the local engine does: test_rescale.py)
     mid = handle.savepoint(running, timeout=120)
     first = handle.stop(timeout=180, savepoint=stopped)
     assert first.lost == 0 and first.duplicates == 0 and first.digests_match

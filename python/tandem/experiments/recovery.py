@@ -37,7 +37,7 @@ import pyarrow as pa
 import tandem as td
 from tandem.experiments import common, paper
 
-EXPERIMENTS = ("restore", "savepoint", "driver", "fault")
+EXPERIMENTS = ("restore", "savepoint", "driver", "rescale", "fault")
 FAULT_CONFIGS = tuple(paper.FAULT_VARIANTS)
 """The configurations the fault experiment runs: r1 (no fault), passive, liverobin, kazoo."""
 
@@ -312,6 +312,127 @@ def savepoint(
     return rows
 
 
+# -- rescale: a keyed task rescaled while the job runs (RunningJob.rescale) ---------------
+
+
+@dataclass
+class RescaleRow:
+    """:func:`rescale_live`: a run whose keyed task goes from ``was`` to ``now`` partitions
+    at about ``at_s`` of source time (the switch at ``switch_s``), beside the same run
+    without a rescale. ``switch_ms``: the longest a worker spent on the switch (the old
+    partitions cut, their states split, the new ones started); ``ask_ms``: from the
+    request to the switch done; ``gap_without_ms``/``gap_with_ms``: the sink's longest gap
+    between two outputs in each run; ``p99_without_ms``/``p99_with_ms``: the worst
+    per-second p99 from a second before the switch to a second after, and ``ratio`` the
+    second over the first; ``lost``/``duplicates``/``digests_match``: of the rescaled run,
+    against the reference, which replays the rescale."""
+
+    rate: int
+    was: int
+    now: int
+    at_s: float
+    switch_s: float
+    heartbeat_ms: float
+    switch_ms: float
+    ask_ms: float
+    gap_without_ms: float | None
+    gap_with_ms: float | None
+    p99_without_ms: float
+    p99_with_ms: float
+    ratio: float
+    lost: int | None
+    duplicates: int | None
+    digests_match: bool
+
+
+def rescale_job(rate: int, name: str = "rescale") -> td.Job:
+    job = td.Job(name, replication=2)
+    events = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=5), parallelism=2)
+    (
+        events.key_by("key")
+        .process(td.CountPerKey(), parallelism=2, name="count")
+        .sink(td.sinks.Collect())
+    )
+    return job
+
+
+def rescale_live(
+    rate: int = 5_000,
+    duration: float = 12.0,
+    at: float = 4.0,
+    now: int = 4,
+    log=None,
+) -> RescaleRow:
+    """A run of :func:`rescale_job` without a rescale, then one rescaled to ``now``
+    partitions at about ``at`` seconds of source time, both to ``duration`` and checked
+    against the reference."""
+    from tandem.engines.common import STARTUP_S
+
+    log = log or sys.stderr
+    print(f"rescale: 2 -> {now} partitions at {rate:,} ev/s ...", file=log, flush=True)
+    without = rescale_job(rate).start(duration=duration, progress=False).wait(duration + 120)
+    handle = rescale_job(rate).start(duration=duration, progress=False)
+    time.sleep(STARTUP_S + at)
+    asked = time.monotonic()
+    record = handle.rescale("count", now, timeout=60)
+    ask_ms = (time.monotonic() - asked) * 1000
+    with_rs = handle.wait(duration + 120)
+    switch = record["switch_s"]
+    base = _worst(without.per_second_p99_ms, switch - 1, switch + 1)
+    worst = _worst(with_rs.per_second_p99_ms, switch - 1, switch + 1)
+    return RescaleRow(
+        rate,
+        record["from"],
+        record["to"],
+        at,
+        round(switch, 2),
+        rescale_job(rate).plan().heartbeat_ms,
+        round(record["switch_ms"], 2),
+        round(ask_ms, 0),
+        without.max_gap_ms,
+        with_rs.max_gap_ms,
+        round(base, 1),
+        round(worst, 1),
+        round(worst / base, 2) if base > 0 else float("nan"),
+        with_rs.lost,
+        with_rs.duplicates,
+        with_rs.digests_match,
+    )
+
+
+def rescale_table(row: RescaleRow) -> list[str]:
+    """The rescale row as the lines of a Markdown section."""
+    cell = paper._cell
+    return _section(
+        "A keyed task rescaled while the job runs",
+        f"{row.rate:,} ev/s, r = 2, Synthetic → keyed count → Collect; "
+        f'`RunningJob.rescale("count", {row.now})` from {row.was} partitions at about '
+        f"{row.at_s:g} s of source time, beside the same run without it. switch: the "
+        "longest a worker spent on it (old partitions cut at the heartbeat, their states "
+        "split by key group, new partitions started); asked → done: the call's wait, most "
+        f"of it the lead to the switch's heartbeat. Heartbeat period {row.heartbeat_ms:g} ms. "
+        "p99: the worst per-second p99 from a second before the switch to a second after.",
+        "| switch at | switch ms | asked → done ms | longest gap without | with "
+        "| p99 without | p99 with | ratio | lost | dup | digests |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        [
+            [
+                f"{row.switch_s:g} s",
+                cell(row.switch_ms, 1),
+                cell(row.ask_ms, 0),
+                cell(row.gap_without_ms, 0),
+                cell(row.gap_with_ms, 0),
+                cell(row.p99_without_ms),
+                cell(row.p99_with_ms),
+                cell(row.ratio, 2, "x"),
+                cell(row.lost),
+                cell(row.duplicates),
+                "match" if row.digests_match else "DIFFER",
+            ]
+        ],
+    )
+
+
 # -- driver: the process running the job SIGKILLed, then --resume ------------------------
 
 
@@ -557,6 +678,8 @@ def estimate_s(settings: Settings, experiments, configs) -> float:
         total += len(settings.sizes) * 3 * (settings.duration_s + paper.OVERHEAD_S + 1)
     if "driver" in experiments:
         total += settings.duration_s + 2 * paper.OVERHEAD_S + 4
+    if "rescale" in experiments:
+        total += 2 * (settings.duration_s + paper.OVERHEAD_S)
     if "fault" in experiments:
         total += sum(paper.estimate_s(c) for c in fault_cases(settings, configs))
     return total
@@ -567,13 +690,20 @@ def failures(
     fault_rows: list[paper.Row],
     savepoint_rows: list[SavepointRow] = (),
     driver_row: DriverRow | None = None,
+    rescale_row: RescaleRow | None = None,
 ) -> list[str]:
-    """What makes the run fail: a restore row that lost or repeated rows, whose digests
+    """What makes the run fail: a rescale row that lost or repeated rows or whose digests
+    differed; a restore row that lost or repeated rows, whose digests
     differed or in which nothing was rebuilt; a savepoint row that lost or repeated rows,
     whose digests differed or whose resumed run did not deliver exactly the rows after
     the cut; a driver row that lost or repeated rows or whose counts did not go on; a
     fault row that failed as :func:`tandem.paper.failures` says. Never timings."""
     out = []
+    if rescale_row is not None:
+        if rescale_row.lost or rescale_row.duplicates:
+            out.append(f"rescale: lost {rescale_row.lost}, duplicates {rescale_row.duplicates}")
+        if not rescale_row.digests_match:
+            out.append("rescale: the replicas' output digests differed")
     if driver_row is not None:
         if driver_row.lost or driver_row.duplicates:
             out.append(f"driver: lost {driver_row.lost}, duplicates {driver_row.duplicates}")
@@ -640,6 +770,7 @@ def markdown(
     meta: dict,
     savepoint_rows: list[SavepointRow] = (),
     driver_row: DriverRow | None = None,
+    rescale_row: RescaleRow | None = None,
 ) -> str:
     """The report: the restore table, the savepoint table, the driver row, then the fault
     experiment's (``tandem bench paper``'s table for it)."""
@@ -650,6 +781,8 @@ def markdown(
         out += ["", *savepoint_table(savepoint_rows)]
     if driver_row is not None:
         out += ["", *driver_table(driver_row)]
+    if rescale_row is not None:
+        out += ["", *rescale_table(rescale_row)]
     if fault_rows:
         out += ["", paper.LEGEND, "Downtime: the longest gap between two outputs."]
         out += ["", *paper.experiment_table(fault_rows, "fault")]
@@ -699,6 +832,11 @@ def recovery(
         driver_row = driver(
             rate=settings.rate, duration=settings.duration_s, kill_at=settings.kill_at_s, log=log
         )
+    rescale_row = None
+    if "rescale" in experiments:
+        rescale_row = rescale_live(
+            rate=settings.rate, duration=settings.duration_s, at=settings.kill_at_s, log=log
+        )
     fault_rows: list[paper.Row] = []
     if "fault" in experiments:
         fault_rows = paper.run_all(fault_cases(settings, configs), kazoo, log)
@@ -713,15 +851,18 @@ def recovery(
         "restore_rows": [asdict(r) for r in restore_rows],
         "savepoint_rows": [asdict(r) for r in savepoint_rows],
         "driver_row": None if driver_row is None else asdict(driver_row),
+        "rescale_row": None if rescale_row is None else asdict(rescale_row),
         "fault_rows": [asdict(r) for r in fault_rows],
-        "failures": failures(restore_rows, fault_rows, savepoint_rows, driver_row),
+        "failures": failures(restore_rows, fault_rows, savepoint_rows, driver_row, rescale_row),
         "figures": [],
     }
     if plot_path and any(r.status == "ok" for r in fault_rows) and paper.can_plot(log):
         os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
         paper.plot_over_time(fault_rows, "fault", str(plot_path))
         doc["figures"].append(str(plot_path))
-    doc["markdown"] = markdown(restore_rows, fault_rows, meta, savepoint_rows, driver_row)
+    doc["markdown"] = markdown(
+        restore_rows, fault_rows, meta, savepoint_rows, driver_row, rescale_row
+    )
     if json_path:
         import json
 
@@ -797,6 +938,10 @@ def main(args: argparse.Namespace) -> int:
         parts.append(f"restore r with {sizes} MiB")
     if "savepoint" in experiments:
         parts.append(f"savepoints of {sizes} MiB")
+    if "driver" in experiments:
+        parts.append("a lost driver resumed")
+    if "rescale" in experiments:
+        parts.append("a live rescale 2 -> 4")
     if "fault" in experiments:
         parts.append(f"the fault experiment in {', '.join(configs)}")
     expected = estimate_s(settings, experiments, configs)
