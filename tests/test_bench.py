@@ -85,7 +85,8 @@ def test_recovery_runs_the_restore_rows_and_the_fault_experiment_in_one_invocati
     tmp_path, capsys
 ):
     """`tandem bench recovery --quick`: restore r with 1 MiB of state, a savepoint of a
-    running job with 1 MiB, the driver SIGKILLed and resumed, then the fault experiment of
+    running job with 1 MiB, the driver SIGKILLed and resumed, a live rescale 2 -> 4, then
+    the fault experiment of
     `tandem bench paper` (passive and LiveRobin here; KaZoo runs in
     tests/test_bench_paper.py), one report, one JSON, one PNG."""
     doc_path, plot = tmp_path / "recovery.json", tmp_path / "fault.png"
@@ -94,8 +95,12 @@ def test_recovery_runs_the_restore_rows_and_the_fault_experiment_in_one_invocati
     printed = capsys.readouterr()
     assert code == 0, printed.out[-4000:] + printed.err[-4000:]
     doc = json.loads(doc_path.read_text())
-    assert doc["experiments"] == ["restore", "savepoint", "driver", "fault"]
+    assert doc["experiments"] == ["restore", "savepoint", "driver", "rescale", "fault"]
     assert doc["failures"] == []
+    live = doc["rescale_row"]
+    assert (live["was"], live["now"]) == (2, 4) and 0 < live["switch_s"] < 6
+    assert live["switch_ms"] > 0 and live["p99_with_ms"] > 0 and live["gap_with_ms"] > 0
+    assert (live["lost"], live["duplicates"], live["digests_match"]) == (0, 0, True)
     lost = doc["driver_row"]
     assert lost["cut_s"] < lost["killed_s"] and 0 < lost["rows_before_cut"] < lost["rows"]
     assert lost["rows_reprocessed"] > 0 and lost["downtime_ms"] > 0
@@ -124,6 +129,7 @@ def test_recovery_runs_the_restore_rows_and_the_fault_experiment_in_one_invocati
     assert "### Restoring r against state size" in md and "| 1 MiB | " in md
     assert "### A savepoint of the running job against state size" in md
     assert "### The driver lost: SIGKILL, then `tandem run --resume`" in md
+    assert "### A keyed task rescaled while the job runs" in md
     assert "| length 3 | passive | kill replica 0 | " in md
     assert "| length 3 | liverobin | kill replica 0 | " in md
     assert doc["figures"] == [str(plot)]

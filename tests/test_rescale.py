@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_savepoints import KEYS, RATE, ROWS, check_continues, expected_counts, keyed_job, pairs
 
 import tandem as td
 from jobs import write_events
+from test_savepoints import KEYS, RATE, ROWS, check_continues, expected_counts, keyed_job, pairs
 
 
 @pytest.fixture(scope="module")
