@@ -957,6 +957,7 @@ def test_result_json_has_exactly_the_documented_fields():
         "output",
         "t0_ns",
         "first_output_unix_ns",
+        "rescales",
     }
     assert data["output"] == {"rows": 3, "columns": ["a"]}
     assert data["faults"][0]["task"] == "m"
