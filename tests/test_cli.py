@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -239,3 +240,28 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "\r" not in proc.stderr and "s/s" not in proc.stderr, proc.stderr
+
+
+def test_a_socket_left_by_a_killed_run_is_not_a_run_even_when_its_pid_is_reused(
+    tmp_path, monkeypatch
+):
+    """A SIGKILLed `tandem run` leaves its control socket; the PID in its name may be a
+    live process's by now (here this one's), which listens nowhere: `tandem savepoint`
+    must not count it as a run."""
+    import socket as sockets
+
+    from tandem import control
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    where = control.folder()
+    where.mkdir(parents=True)
+    stale = where / f"killed.{os.getpid()}.sock"
+    s = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    s.bind(str(stale))  # bound, never listening, then gone: what a killed run leaves
+    s.close()
+    live = control.ControlServer("alive", lambda path, stop: None)
+    try:
+        assert [job for job, _, _ in control.running()] == ["alive"]
+        assert not stale.exists(), "the stale socket is removed"
+    finally:
+        live.close()

@@ -128,9 +128,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _listening(path: Path) -> bool:
+    """Whether a process listens on the socket at ``path``: a run SIGKILLed leaves its
+    socket behind, and its PID may be another process's by now."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True  # there, but busy: not stale
+    finally:
+        probe.close()
+    return True
+
+
 def running() -> list[tuple[str, int, Path]]:
     """``(job, pid, socket)`` of every run of this user listening; stale sockets (their
-    process gone) are removed."""
+    process gone, or its PID reused by a process that does not listen there) are
+    removed."""
     out = []
     where = folder()
     if not where.is_dir():
@@ -139,7 +156,7 @@ def running() -> list[tuple[str, int, Path]]:
         job, _, pid = path.name[: -len(".sock")].rpartition(".")
         if not pid.isdigit():
             continue
-        if not _alive(int(pid)):
+        if not _alive(int(pid)) or not _listening(path):
             with contextlib.suppress(OSError):
                 path.unlink()
             continue
