@@ -136,6 +136,16 @@ def as_values(deliveries: list[tuple]) -> list[tuple]:
     return out
 
 
+def push(lr, c: int, kind: str, seq: int, payload) -> None:
+    """Push one element of a channel (as the generators here write them) to a merge."""
+    if kind == "data":
+        lr.push(c, seq, payload)
+    elif kind == "heartbeat":
+        lr.push_heartbeat(c, seq, payload)
+    else:
+        lr.push_end(c, seq)
+
+
 @settings(max_examples=150, deadline=None)
 @given(raw_channels(), st.integers(0, 2**16))
 def test_reference_step_over_record_batches_matches_the_rust_merge(chans, seed):
@@ -162,12 +172,7 @@ def test_reference_step_over_record_batches_matches_the_rust_merge(chans, seed):
         c = rng.choice([c for c in range(len(chans)) if cursors[c] < len(chans[c])])
         kind, seq, payload = chans[c][cursors[c]]
         cursors[c] += 1
-        if kind == "data":
-            lr.push(c, seq, payload)
-        elif kind == "heartbeat":
-            lr.push_heartbeat(c, seq, payload)
-        else:
-            lr.push_end(c, seq)
+        push(lr, c, kind, seq, payload)
         if rng.random() < 0.3 and got[-1:] != [("end",)]:
             got.extend(lr.drain())
     if got[-1:] != [("end",)]:
@@ -248,12 +253,7 @@ def test_a_join_delivers_what_the_reference_join_delivers(case, seed):
         kind, seq, payload = chans[c][cursors[c]]
         cursors[c] += 1
         pushed += 1
-        if kind == "data":
-            lr.push(c, seq, payload)
-        elif kind == "heartbeat":
-            lr.push_heartbeat(c, seq, payload)
-        else:
-            lr.push_end(c, seq)
+        push(lr, c, kind, seq, payload)
         if rng.random() < 0.3 and got[-1:] != [("end",)]:
             got.extend(lr.drain())
     if got[-1:] != [("end",)]:

@@ -569,12 +569,14 @@ class Coordinator:
             return self.duration
         return self.until_ns / 1e9 if self.final else math.inf
 
-    def _extend(self, now_s: float) -> None:
+    def _extend(self, now_s: float, force: bool = False) -> None:
         """A run with no duration: move the point the sources may reach on, to
         ``STOP_LEAD_S`` ahead of ``now_s`` (a whole number of heartbeats), or make the
         current one final when a stop was requested or the bounded sources end there. A
         stop at a savepoint is made final by the savepoint (:meth:`_start_savepoint`):
-        one heartbeat past the lease, its cuts asked for first."""
+        one heartbeat past the lease, its cuts asked for first. ``force``: move it on now
+        even if it is still far enough ahead (a live rescale, before it holds it there;
+        nothing moves it while it is held)."""
         if self.final or (self._rescaling is not None and self._rescaling.holds):
             return
         hb = self.plan.heartbeat_ns
@@ -582,7 +584,7 @@ class Coordinator:
         if stopping and self.until_ns > 0:
             self._finalize(self.until_ns)
             return
-        if self.until_ns / 1e9 - now_s > STOP_LEAD_S / 2 and self.until_ns > 0:
+        if self.until_ns / 1e9 - now_s > STOP_LEAD_S / 2 and self.until_ns > 0 and not force:
             return
         target = round((max(now_s, 0.0) + STOP_LEAD_S) * 1e9)
         self.until_ns = max(self.until_ns, -(-target // hb) * hb)
@@ -1342,13 +1344,14 @@ class Coordinator:
         t = self.plan.task(ask.task)
         rescale.check(self.plan, t.id, ask.parallelism)
         hb = self.plan.heartbeat_ns
-        self._extend_now(now_s)
+        self._extend(now_s, force=True)  # a full lead before the hold
         epoch = self.until_ns // hb + 1
         new_plan = rescale.after(self.plan, t.id, ask.parallelism, epoch)
-        if self.natural_ns is not None and epoch * hb >= self.natural_ns:
+        end_ns = self.until_ns if self.final else self.natural_ns  # stopping, or bounded
+        if end_ns is not None and epoch * hb >= end_ns:
             raise ConfigError(
-                f"job {self.plan.job!r} ends at {self.natural_ns / 1e9:.2f} s of source time, "
-                "before a live rescale could switch"
+                f"job {self.plan.job!r} ends at {end_ns / 1e9:.2f} s of source time, before a "
+                "live rescale could switch"
             )
         self._rescale_ids += 1
         rs = _Rescale(
@@ -1375,18 +1378,6 @@ class Coordinator:
             epoch,
             epoch * hb / 1e9,
         )
-
-    def _extend_now(self, now_s: float) -> None:
-        """Move the lease on to ``STOP_LEAD_S`` ahead of ``now_s`` at once."""
-        hb = self.plan.heartbeat_ns
-        target = round((max(now_s, 0.0) + STOP_LEAD_S) * 1e9)
-        until = max(self.until_ns, -(-target // hb) * hb)
-        if self.natural_ns is not None:
-            until = min(until, self.natural_ns)
-        if until != self.until_ns:
-            self.until_ns = until
-            for w in self.running:
-                self.host.send(w, self.current[w], Until(self.until_ns, self.final, self.drain))
 
     def _on_rescaled(self, w: int, msg: Rescaled) -> None:
         rs = self._rescaling

@@ -231,18 +231,14 @@ class Rescaling:
             m,
             k,
         )
-        for rep in self.olds:
+        for rep in (*self.olds, *self.built):
             _, q, g = rep.me
-            inst = plan.instantiate(t, q, replica=g, t0_ns=rep.t0_ns)
-            inst.restore(states[q])
-            rep._inst, rep.plan, rep.task = inst, plan, task
+            rep._inst = plan.instantiate(t, q, replica=g, t0_ns=rep.t0_ns)
+            rep._inst.restore(states[q])
+            rep.plan, rep.task = plan, task
         started = []
         for rep in self.built:
-            _, q, g = rep.me
-            inst = plan.instantiate(t, q, replica=g, t0_ns=rep.t0_ns)
-            inst.restore(states[q])
-            rep._inst = inst
-            cut = savepoints._fresh_cut(plan, t, q, k)
+            cut = savepoints._fresh_cut(plan, t, rep.me[1], k)
             rep.inbox.unpark(cut[2])
             rep.take_slot(cut)
             started.append(rep)

@@ -1550,18 +1550,24 @@ mod tests {
         .unwrap()
     }
 
-    #[test]
-    fn joined_channels_are_accepted_from_the_join_and_take_turns_after_their_heartbeat() {
-        let mut ib = inbox(1, OrderingMode::LiveRobin, 64);
-        let addr = ib.local_addr();
-        // Not an upstream yet: refused.
+    /// A peer of upstream `(TASK, partition)` dials `addr` and sends an end, if the inbox
+    /// lets it in (a refused one is counted in `rejected_connections`).
+    fn knock(addr: SocketAddr, partition: u32) {
         let cfg = LinkConfig {
             connect_timeout: Duration::from_secs(5),
             ..LinkConfig::default()
         };
-        if let Ok(mut early) = TcpLink::connect(&addr.to_string(), &identity(1, 0), SECRET, &cfg) {
-            let _ = early.send(&end_at(0));
+        let me = identity(partition, 0);
+        if let Ok(mut l) = TcpLink::connect(&addr.to_string(), &me, SECRET, &cfg) {
+            let _ = l.send(&end_at(0));
         }
+    }
+
+    #[test]
+    fn joined_channels_are_accepted_from_the_join_and_take_turns_after_their_heartbeat() {
+        let mut ib = inbox(1, OrderingMode::LiveRobin, 64);
+        let addr = ib.local_addr();
+        knock(addr, 1); // not an upstream yet: refused
         wait_for(&ib, "the early peer refused", |st| {
             st.rejected_connections == 1
         });
@@ -1613,13 +1619,7 @@ mod tests {
         ib.cancel_join().unwrap();
         assert_eq!(ib.channels(), 1);
         assert!(ib.cancel_join().is_err(), "nothing left to take back");
-        let cfg = LinkConfig {
-            connect_timeout: Duration::from_secs(5),
-            ..LinkConfig::default()
-        };
-        if let Ok(mut l) = TcpLink::connect(&addr.to_string(), &identity(1, 0), SECRET, &cfg) {
-            let _ = l.send(&end_at(0));
-        }
+        knock(addr, 1);
         wait_for(&ib, "the taken-back upstream refused", |st| {
             st.rejected_connections == 1
         });

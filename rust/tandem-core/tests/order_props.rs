@@ -197,50 +197,15 @@ fn consume_joining(
     capacity: usize,
     mut join: Option<(usize, u64, usize)>,
 ) -> Vec<Ev> {
-    let mut rng = Rng::new(seed);
-    let bell = Arc::new(Doorbell::new());
-    let (senders, mut receivers): (Vec<DedupSender<Rows>>, Vec<DedupReceiver<Rows>>) =
-        (0..w.streams.len())
-            .map(|_| channel(capacity, Arc::clone(&bell)))
-            .unzip();
-    let mut pending: Vec<(usize, VecDeque<Item<Rows>>)> = w
-        .streams
-        .iter()
-        .enumerate()
-        .flat_map(|(c, reps)| reps.iter().map(move |s| (c, s.iter().cloned().collect())))
-        .collect();
-    let mut out = Vec::new();
-    for _ in 0..1_000_000 {
-        let live: Vec<usize> = (0..pending.len())
-            .filter(|&i| !pending[i].1.is_empty())
-            .collect();
-        if live.is_empty() || rng.chance(30) {
-            if let Some((count, k, at)) = join {
-                if out.len() == at {
-                    merge.join(count, k).expect("joined before heartbeat k");
-                    join = None;
-                }
+    let all = w.streams.len();
+    consume_with(w, merge, seed, capacity, all, |delivered, merge, _| {
+        if let Some((count, k, at)) = join {
+            if delivered == at {
+                merge.join(count, k).expect("joined before heartbeat k");
+                join = None;
             }
-            if let Some(d) = merge.next(&mut receivers) {
-                let end = d == Delivery::End;
-                record(d, &mut out);
-                if end {
-                    return out;
-                }
-            } else if live.is_empty() {
-                panic!("merge stalled with every arrival delivered; consumed so far: {out:?}");
-            }
-            continue;
         }
-        let (c, queue) = &mut pending[live[rng.below(live.len())]];
-        let item = queue.pop_front().expect("live stream");
-        match senders[*c].offer(item) {
-            Offer::Accepted { .. } | Offer::Duplicate => {}
-            Offer::Full(back) => queue.push_front(back),
-            Offer::Gap { .. } => panic!("a FIFO replica stream can never open a gap"),
-        }
-    }
-    panic!("no End after a million steps; consumed so far: {out:?}");
+    })
 }
 
 /// [`consume`] with `count` channels joined after heartbeat `k` once `at.0` deliveries
@@ -254,39 +219,86 @@ fn consume_join_cancelled(
     (count, k): (usize, u64),
     at: (usize, usize),
 ) -> Vec<Ev> {
+    let old = w.streams.len();
+    let (mut joined, mut cancelled) = (false, false);
+    consume_with(
+        w,
+        merge,
+        seed,
+        capacity,
+        old,
+        |delivered, merge, receivers| {
+            if !joined && delivered >= at.0 {
+                merge.join(count, k).expect("joined before heartbeat k");
+                receivers.grow(count);
+                joined = true;
+            }
+            if joined && !cancelled && delivered >= at.1 {
+                merge
+                    .cancel_join(count)
+                    .expect("taken back before they took a turn");
+                receivers.shrink(old);
+                cancelled = true;
+            }
+        },
+    )
+}
+
+/// The dedup receivers a consumer's merge reads, and how to make more (joined channels).
+struct Receivers {
+    list: Vec<DedupReceiver<Rows>>,
+    capacity: usize,
+    bell: Arc<Doorbell>,
+}
+
+impl Receivers {
+    fn grow(&mut self, count: usize) {
+        let (capacity, bell) = (self.capacity, &self.bell);
+        self.list
+            .extend((0..count).map(|_| channel(capacity, Arc::clone(bell)).1));
+    }
+
+    fn shrink(&mut self, len: usize) {
+        self.list.truncate(len);
+    }
+}
+
+/// Offer every replica stream of `w` in a random interleaving (`seed`) to dedup channels
+/// of `capacity` — `channels` of them at first — and consume with `merge` until the end,
+/// one event per delivery; `before(deliveries so far, merge, receivers)` runs before each
+/// look at the merge.
+fn consume_with(
+    w: &Workload,
+    merge: &mut dyn Merge<Rows>,
+    seed: u64,
+    capacity: usize,
+    channels: usize,
+    mut before: impl FnMut(usize, &mut dyn Merge<Rows>, &mut Receivers),
+) -> Vec<Ev> {
     let mut rng = Rng::new(seed);
     let bell = Arc::new(Doorbell::new());
-    let (senders, mut receivers): (Vec<DedupSender<Rows>>, Vec<DedupReceiver<Rows>>) =
-        (0..w.streams.len())
-            .map(|_| channel(capacity, Arc::clone(&bell)))
-            .unzip();
-    let old = receivers.len();
+    let (senders, list): (Vec<DedupSender<Rows>>, Vec<DedupReceiver<Rows>>) = (0..channels)
+        .map(|_| channel(capacity, Arc::clone(&bell)))
+        .unzip();
+    let mut receivers = Receivers {
+        list,
+        capacity,
+        bell,
+    };
     let mut pending: Vec<(usize, VecDeque<Item<Rows>>)> = w
         .streams
         .iter()
         .enumerate()
         .flat_map(|(c, reps)| reps.iter().map(move |s| (c, s.iter().cloned().collect())))
         .collect();
-    let (mut joined, mut cancelled) = (false, false);
     let mut out = Vec::new();
     for _ in 0..1_000_000 {
         let live: Vec<usize> = (0..pending.len())
             .filter(|&i| !pending[i].1.is_empty())
             .collect();
         if live.is_empty() || rng.chance(30) {
-            if !joined && out.len() >= at.0 {
-                merge.join(count, k).expect("joined before heartbeat k");
-                receivers.extend((0..count).map(|_| channel(capacity, Arc::clone(&bell)).1));
-                joined = true;
-            }
-            if joined && !cancelled && out.len() >= at.1 {
-                merge
-                    .cancel_join(count)
-                    .expect("taken back before they took a turn");
-                receivers.truncate(old);
-                cancelled = true;
-            }
-            if let Some(d) = merge.next(&mut receivers) {
+            before(out.len(), &mut *merge, &mut receivers);
+            if let Some(d) = merge.next(&mut receivers.list) {
                 let end = d == Delivery::End;
                 record(d, &mut out);
                 if end {
