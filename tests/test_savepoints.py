@@ -304,6 +304,70 @@ def test_a_savepoint_while_running_leaves_the_output_alone(input_file, tmp_path)
         assert sorted(counts) == list(range(n - len(counts) + 1, n + 1))
 
 
+def late_requests(monkeypatch) -> list[int]:
+    """Once the returned list holds a number n, the coordinator's first n attempts at a
+    running savepoint pick the first heartbeat it may — as if its requests reached the
+    workers a run late — which every replica has forwarded already once a savepoint was
+    taken. Each attempt's round is appended to the list."""
+    from tandem.engines import coordinator
+
+    original = coordinator.Coordinator._start_savepoint
+    made: list[int] = []
+
+    def start(self, ask, now_s, round_=1):
+        late = made and round_ <= made[0] and not ask.stop and not ask.checkpoint
+        made.append(round_)
+        return original(self, ask, 0.0 if late else now_s, round_)
+
+    monkeypatch.setattr(coordinator.Coordinator, "_start_savepoint", start)
+    return made
+
+
+def test_a_savepoint_asked_too_late_is_asked_again_at_a_later_heartbeat(
+    input_file, tmp_path, monkeypatch, caplog
+):
+    made = late_requests(monkeypatch)
+    handle = keyed_job(input_file).start(progress=False)
+    first = handle.savepoint(str(tmp_path / "first"), timeout=60)
+    made[:] = [1]  # the next one's first round is late: every replica is past it
+    with caplog.at_level("INFO", logger="tandem"):
+        saved = handle.savepoint(str(tmp_path / "retried"), timeout=60)
+    result = handle.wait(timeout=120)
+    assert made == [1, 1, 2]
+    assert "asked again later" in caplog.text
+    assert saved.epoch > first.epoch
+    assert result.lost == 0 and result.duplicates == 0 and result.digests_match
+    assert pairs(result.output.to_pandas()).equals(
+        expected_counts(input_file).reset_index(drop=True)
+    )
+    assert td.Savepoint.read(str(tmp_path / "retried")).epoch == saved.epoch
+    # No staging folder of the given-up attempt is left beside it.
+    assert sorted(os.listdir(tmp_path)) == ["first", "retried"]
+
+
+def test_a_savepoint_late_every_round_fails_and_the_job_runs_on(input_file, tmp_path, monkeypatch):
+    from tandem.engines.coordinator import SAVEPOINT_ROUNDS
+
+    made = late_requests(monkeypatch)
+    job = keyed_job(input_file)
+    handle = job.start(progress=False)
+    # The last round's heartbeat (its lead from 0) is one the replicas have passed too.
+    last_s = 4 ** (SAVEPOINT_ROUNDS - 1) * 0.05 + 0.05
+    for taken in range(50):
+        first = handle.savepoint(str(tmp_path / f"first{taken}"), timeout=60)
+        if first.epoch * job.heartbeat_ms / 1000 >= last_s:
+            break
+        time.sleep(0.2)
+    made[:] = [SAVEPOINT_ROUNDS]
+    with pytest.raises(td.TandemError, match="could not be cut at heartbeat"):
+        handle.savepoint(str(tmp_path / "never"), timeout=60)
+    result = handle.wait(timeout=120)
+    assert made == [SAVEPOINT_ROUNDS, *range(1, SAVEPOINT_ROUNDS + 1)]
+    assert result.events_out == ROWS and result.lost == 0 and result.digests_match
+    assert "never" not in os.listdir(tmp_path)
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]
+
+
 # -- refusals -------------------------------------------------------------------------------
 
 

@@ -114,6 +114,12 @@ heartbeat periods): the request must reach every worker before its replicas forw
 CHECKPOINT_TIMEOUT_S = 10.0
 """A checkpoint not complete this long after it started is abandoned."""
 
+SAVEPOINT_ROUNDS = 3
+"""A running savepoint (or durable checkpoint) whose request reached every live replica of
+a partition only after they had forwarded its heartbeat — a worker late to read it, on a
+loaded machine — is asked again at a later heartbeat this many times in all, its lead four
+times longer each round, before it fails."""
+
 DRAIN_GRACE_S = 5.0
 """Once every sink has finished, how long the other workers may take to finish too: one
 still running then is a straggler (its host's link throttled, say) whose output the sinks
@@ -292,6 +298,8 @@ class _Saving:
     """When the next checkpoint was due (none starts while a savepoint is cut)."""
     tried: set[ReplicaId] = field(default_factory=set)
     """Replicas that could not be cut (a twin is asked instead)."""
+    round: int = 1
+    """Which attempt this is (:data:`SAVEPOINT_ROUNDS`)."""
 
 
 @dataclass
@@ -1552,10 +1560,11 @@ class Coordinator:
             f" ({len(removed)} older removed)" if removed else "",
         )
 
-    def _start_savepoint(self, ask: SavepointAsk, now_s: float) -> None:
+    def _start_savepoint(self, ask: SavepointAsk, now_s: float, round_: int = 1) -> None:
         """Ask one live replica of every task partition, sinks included, for its cut right
         after one heartbeat epoch: the stop point's (``ask.stop``: the run ends there,
-        nothing after it consumed), or one a little ahead of the sources' clock."""
+        nothing after it consumed), or one a little ahead of the sources' clock (further
+        ahead in a later ``round_``: :data:`SAVEPOINT_ROUNDS`)."""
         from tandem import savepoints
 
         if not ask.checkpoint:
@@ -1577,7 +1586,7 @@ class Coordinator:
                 epoch = min(epoch, self.natural_ns // hb)
             finalize = True
         else:
-            lead = max(3 * hb / 1e9, CHECKPOINT_LEAD_S)
+            lead = max(3 * hb / 1e9, CHECKPOINT_LEAD_S) * 4 ** (round_ - 1)
             epoch = int((max(now_s, 0.0) + lead) * 1e9 / hb) + 1
             if epoch * hb > self.end_s() * 1e9:
                 if ask.checkpoint:  # the stream ends first: no checkpoint is needed
@@ -1619,6 +1628,7 @@ class Coordinator:
             self.drain = False
             self._finalize(epoch * hb)
         saving = _Saving(ask, epoch, folder, set(rids), time.monotonic() + CHECKPOINT_TIMEOUT_S)
+        saving.round = round_
         if self.checkpointing:  # no checkpoint meanwhile: one aligned cut a slot
             saving.checkpoint_at, self._checkpoint_at = self._checkpoint_at, math.inf
         self._saving = saving
@@ -1654,10 +1664,14 @@ class Coordinator:
                 if (t, p, r) not in saving.tried and self._alive((t, p, r))
             ]
             if not twins:
-                self._savepoint_failed(
+                why = (
                     f"{self.name(rid)} could not be cut at heartbeat {epoch}: it had passed "
                     "it already, or finished (a straggler dropped by its upstream replicas)"
                 )
+                if saving.ask.stop or saving.round >= SAVEPOINT_ROUNDS:
+                    self._savepoint_failed(why)
+                else:
+                    self._savepoint_again(saving, why)
                 return
             # A twin of it may still be before the heartbeat: ask it instead.
             twin = twins[0]
@@ -1706,6 +1720,20 @@ class Coordinator:
         thread = threading.Thread(target=write, name="tandem-savepoint-writer", daemon=True)
         thread.start()
         self._writing.append(thread)
+
+    def _savepoint_again(self, saving: _Saving, why: str) -> None:
+        """Give the cuts of ``saving`` up and ask for them again at a later heartbeat (the
+        answers still coming for this one are dropped: its epoch is no longer asked)."""
+        self._saving = None
+        if self.checkpointing:
+            self._checkpoint_at = saving.checkpoint_at
+        shutil.rmtree(saving.folder, ignore_errors=True)
+        log.info("savepoint at heartbeat %d asked again later: %s", saving.epoch, why)
+        try:
+            self._start_savepoint(saving.ask, self.now_s(), saving.round + 1)
+        except Exception as exc:
+            if not saving.ask.future.done():
+                saving.ask.future.set_exception(exc)
 
     def _savepoint_failed(self, why: str) -> None:
         from tandem import savepoints
