@@ -100,6 +100,7 @@ def test_recovery_runs_the_restore_rows_and_the_fault_experiment_in_one_invocati
     live = doc["rescale_row"]
     assert (live["was"], live["now"]) == (2, 4) and 0 < live["switch_s"] < 6
     assert live["switch_ms"] > 0 and live["p99_with_ms"] > 0 and live["gap_with_ms"] > 0
+    assert live["settled_with_ms"] > 0 and live["cpu_with_s"] > 0 and live["cpu_without_s"] > 0
     assert (live["lost"], live["duplicates"], live["digests_match"]) == (0, 0, True)
     lost = doc["driver_row"]
     assert lost["cut_s"] < lost["killed_s"] and 0 < lost["rows_before_cut"] < lost["rows"]

@@ -324,8 +324,12 @@ class RescaleRow:
     request to the switch done; ``gap_without_ms``/``gap_with_ms``: the sink's longest gap
     between two outputs in each run; ``p99_without_ms``/``p99_with_ms``: the worst
     per-second p99 from a second before the switch to a second after, and ``ratio`` the
-    second over the first; ``lost``/``duplicates``/``digests_match``: of the rescaled run,
-    against the reference, which replays the rescale."""
+    second over the first; ``settled_without_ms``/``settled_with_ms``/``settled_ratio``:
+    the same from two seconds after the switch to two before the end — what the new
+    partitions cost once running, on this machine's cores, apart from the switch;
+    ``cpu_without_s``/``cpu_with_s``: each run's CPU-seconds;
+    ``lost``/``duplicates``/``digests_match``: of the rescaled run, against the reference,
+    which replays the rescale."""
 
     rate: int
     was: int
@@ -340,6 +344,11 @@ class RescaleRow:
     p99_without_ms: float
     p99_with_ms: float
     ratio: float
+    settled_without_ms: float
+    settled_with_ms: float
+    settled_ratio: float
+    cpu_without_s: float | None
+    cpu_with_s: float | None
     lost: int | None
     duplicates: int | None
     digests_match: bool
@@ -380,6 +389,9 @@ def rescale_live(
     switch = record["switch_s"]
     base = _worst(without.per_second_p99_ms, switch - 1, switch + 1)
     worst = _worst(with_rs.per_second_p99_ms, switch - 1, switch + 1)
+    settled = (switch + 2, max(switch + 2, duration - 2))
+    settled_base = _worst(without.per_second_p99_ms, *settled)
+    settled_worst = _worst(with_rs.per_second_p99_ms, *settled)
     return RescaleRow(
         rate,
         record["from"],
@@ -394,6 +406,11 @@ def rescale_live(
         round(base, 1),
         round(worst, 1),
         round(worst / base, 2) if base > 0 else float("nan"),
+        round(settled_base, 1),
+        round(settled_worst, 1),
+        round(settled_worst / settled_base, 2) if settled_base > 0 else float("nan"),
+        None if without.cpu_s is None else round(without.cpu_s, 1),
+        None if with_rs.cpu_s is None else round(with_rs.cpu_s, 1),
         with_rs.lost,
         with_rs.duplicates,
         with_rs.digests_match,
@@ -411,10 +428,13 @@ def rescale_table(row: RescaleRow) -> list[str]:
         "longest a worker spent on it (old partitions cut at the heartbeat, their states "
         "split by key group, new partitions started); asked → done: the call's wait, most "
         f"of it the lead to the switch's heartbeat. Heartbeat period {row.heartbeat_ms:g} ms. "
-        "p99: the worst per-second p99 from a second before the switch to a second after.",
+        "p99: the worst per-second p99 from a second before the switch to a second after; "
+        "settled: the same from two seconds after it to two before the end, what twice the "
+        "partitions cost on this machine once the switch is over. CPU: each run's "
+        "CPU-seconds, without → with.",
         "| switch at | switch ms | asked → done ms | longest gap without | with "
-        "| p99 without | p99 with | ratio | lost | dup | digests |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| p99 without | p99 with | ratio | settled ratio | CPU s | lost | dup | digests |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         [
             [
                 f"{row.switch_s:g} s",
@@ -425,6 +445,8 @@ def rescale_table(row: RescaleRow) -> list[str]:
                 cell(row.p99_without_ms),
                 cell(row.p99_with_ms),
                 cell(row.ratio, 2, "x"),
+                cell(row.settled_ratio, 2, "x"),
+                f"{cell(row.cpu_without_s, 1)} → {cell(row.cpu_with_s, 1)}",
                 cell(row.lost),
                 cell(row.duplicates),
                 "match" if row.digests_match else "DIFFER",
