@@ -172,6 +172,12 @@ def _check_checkpoint(
             f"Job {name!r}: checkpoint_ms={checkpoint_ms} must be more than the heartbeat "
             f"period (heartbeat_ms={heartbeat_ms}): a checkpoint is cut at a heartbeat"
         )
+    if ordering == "kazoo" and replication == 1:
+        raise ConfigError(
+            f"Job {name!r}: checkpoint_ms at replication=1 rolls a lost worker back to a "
+            "checkpoint, which ordering='kazoo' does not do; use replication >= 2 (durable "
+            "checkpoints with checkpoint_dir=) or ordering 'liverobin' or 'none'"
+        )
     if checkpoint_dir is not None:
         if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
             raise ConfigError(
@@ -183,11 +189,6 @@ def _check_checkpoint(
                 f"Job {name!r}: restore=True rebuilds lost replicas from live twins "
                 "(replication >= 2); at replication=1 checkpoint_ms rolls them back to a "
                 "checkpoint: drop restore=True"
-            )
-        if ordering == "kazoo":
-            raise ConfigError(
-                f"Job {name!r}: checkpoint_dir= does not work with ordering='kazoo' yet (a "
-                "cut does not carry an order log position); use 'liverobin' or 'none'"
             )
         return
     if replication != 1:
@@ -203,11 +204,6 @@ def _check_checkpoint(
             f"Job {name!r}: restore=True rebuilds lost replicas from live twins "
             "(replication >= 2); checkpoint_ms rolls them back to a checkpoint "
             "(replication=1): choose one"
-        )
-    if ordering == "kazoo":
-        raise ConfigError(
-            f"Job {name!r}: checkpoint_ms does not work with ordering='kazoo' (a cut does not "
-            "carry an order log position); use 'liverobin' or 'none'"
         )
 
 

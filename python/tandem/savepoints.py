@@ -353,6 +353,19 @@ def settle(plan: Plan, cuts: dict[ReplicaId, Resume]) -> dict[ReplicaId, Resume]
     return out
 
 
+def _without_orders(resume: Resume) -> Resume:
+    """A cut with no KaZoo orders in it: neither the orders its replica had followed but
+    not consumed yet (beyond the cut: an aligned cut is right after heartbeat ``K`` on
+    every channel) nor its place in the run's order log. Every replica of a resumed
+    partition starts from this one cut, and the resumed run has an order log of its own,
+    whose first leader orders on from the cut's positions."""
+    inbox = resume.cut[2] if len(resume.cut) > 2 else None
+    if inbox is None or (not inbox[4] and inbox[5] is None):
+        return resume
+    cut = (resume.cut[0], resume.cut[1], (*inbox[:4], (), None), *resume.cut[3:])
+    return dataclasses.replace(resume, cut=cut)
+
+
 def staging(path: str | os.PathLike) -> str:
     """A new directory for the cuts of the savepoint to be written at ``path``: on a local
     disk the hidden sibling it is written in and renamed from (:func:`write`), so that the
@@ -386,7 +399,7 @@ def write(
     where = os.fspath(path)
     filesystem, root = _open(path)
     _refuse_existing(filesystem, root, where)
-    cuts = settle(plan, cuts)
+    cuts = settle(plan, {rid: _without_orders(resume) for rid, resume in cuts.items()})
     local = type(filesystem).__name__ == "LocalFileSystem"
     if local:
         parent, name = posixpath.split(root.rstrip("/"))
@@ -512,11 +525,6 @@ def check_compatible(sp: Savepoint, plan: Plan) -> None:
             f"{where!r} was cut with heartbeat_ms={sp.heartbeat_ms:g} (its positions are "
             "heartbeat epochs)"
         )
-    if plan.ordering == "kazoo":
-        raise ConfigError(
-            f"job {plan.job!r}: ordering='kazoo' cannot resume from a savepoint (its cut is "
-            "a place in the order log)"
-        )
     keyed = [t.name for t in plan.tasks if _keyed(t)]
     if keyed and sp.max_parallelism != plan.max_parallelism:
         raise ConfigError(
@@ -635,6 +643,7 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
         parts = rescale(plan, saved, parts, states, sp.path)
         scratch = _to_scratch(filesystem, root, parts, changed)
     cuts: dict[ReplicaId, Resume] = {}
+    ordered = set(plan.ordered_partitions())
     for (t, p), taken in parts.items():
         task = plan.tasks[t]
         if task.kind == "sink" and task.sink.restartable and sp.runs:
@@ -642,11 +651,22 @@ def resume(path: str | os.PathLike, plan: Plan) -> Plan:
             # writers fenced, their last commit found, for the resumed sink to skip.
             state = task.sink.resumed(p, sp.runs)
             taken = Resume(taken.cut, state, savepoint=True)
+        if (t, p) in ordered:
+            taken = _new_order_log(taken)
         for r in range(task.replication):
             cuts[(t, p, r)] = taken
     return dataclasses.replace(
         plan, resumed=Resumed(sp.path, sp.epoch, cuts, sp.runs, scratch=scratch)
     )
+
+
+def _new_order_log(resume: Resume) -> Resume:
+    """A KaZoo partition's cut at the start of the resumed run's order log: no leader's
+    epoch followed yet, nothing read, its channels ordered through where the cut stands
+    (the log's first leader orders on from there)."""
+    positions, *merge, _ = resume.cut[2]
+    inbox = (positions, *merge, (None, 0, tuple(positions), 0))
+    return dataclasses.replace(resume, cut=(*resume.cut[:2], inbox, *resume.cut[3:]))
 
 
 def _to_scratch(

@@ -1569,8 +1569,6 @@ class Coordinator:
 
         if not ask.checkpoint:
             savepoints.check_target(ask.path)
-        if self.plan.ordering == "kazoo":
-            raise savepoints.failed("a KaZoo job's cut is a place in its order log")
         hb = self.plan.heartbeat_ns
         finalize = False
         if ask.stop and self.final:  # the sources end there anyway (bounded, or stopped)
@@ -1602,6 +1600,9 @@ class Coordinator:
             savepoints.check_target(ask.path)
         rids = []
         in_parts = {t.id for t in savepoints.part_sinks(self.plan)}
+        # Every replica of a KaZoo partition is asked: the one that leads holds its orders
+        # at the heartbeat (tandem._core.Inbox.align_at) for all of them to be cut there.
+        ordered = set(self.plan.ordered_partitions()) if self.zoo is not None else set()
         for task in self.plan.tasks:
             # A durable checkpoint closes the part of every replica of a sink in parts.
             rolls = ask.checkpoint and task.id in in_parts
@@ -1613,7 +1614,7 @@ class Coordinator:
                     raise savepoints.failed(
                         f"{task.describe()} partition {p} has no live replica to cut"
                     )
-                rids += live if rolls else live[:1]
+                rids += live if rolls or (task.id, p) in ordered else live[:1]
         folder = savepoints.staging(ask.path)  # where the workers write the states
         by_worker: dict[int, list[ReplicaId]] = {}
         for rid in rids:
@@ -1654,7 +1655,7 @@ class Coordinator:
             saving.tried.add(rid)
             t, p, _ = rid
             asked = [o for o in (*saving.waiting, *saving.cuts) if o[:2] == (t, p)]
-            if asked:  # a twin of it was asked too (a sink in parts): its cut will do
+            if asked:  # a twin was asked too (a sink in parts, KaZoo): its cut will do
                 if not saving.waiting:
                     self._savepoint_cut(saving)
                 return
@@ -1688,7 +1689,8 @@ class Coordinator:
         """Every cut of the savepoint is in: a thread writes it while the job goes on (and,
         a durable checkpoint, publishes the parts of the sinks in parts)."""
         self._saving = None
-        # One cut per partition (every replica of a sink in parts was cut): the lowest.
+        # One cut per partition (every replica of a sink in parts or of a KaZoo partition
+        # was cut): the lowest.
         lowest = {rid[:2]: rid for rid in sorted(saving.cuts, reverse=True)}
         cuts = {rid: saving.cuts[rid] for rid in lowest.values()}
         if self.checkpointing:

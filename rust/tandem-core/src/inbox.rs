@@ -321,6 +321,14 @@ struct Chan {
     upstream: (u32, u32),
     sender: DedupSender<RecordBatch>,
     counters: ChannelCounters,
+    /// KaZoo, an aligned cut asked for ([`Inbox::align_at`]): its heartbeat epoch (0:
+    /// none), and, once that heartbeat arrived, the sequence number right after it — how
+    /// far this replica's leader may order the channel until every channel is ordered
+    /// through the heartbeat ([`Arrivals::orderable`]).
+    barrier: AtomicU64,
+    hold: AtomicU64,
+    /// The highest heartbeat epoch offered on the channel.
+    heartbeat: AtomicU64,
 }
 
 impl Chan {
@@ -332,7 +340,16 @@ impl Chan {
                 wire_channel: AtomicU64::new(u64::MAX),
                 ..Default::default()
             },
+            barrier: AtomicU64::new(0),
+            hold: AtomicU64::new(u64::MAX),
+            heartbeat: AtomicU64::new(0),
         })
+    }
+
+    /// Hold the leader's orders of this channel at heartbeat `epoch` (0: let them go).
+    fn hold_at(&self, epoch: u64) {
+        self.hold.store(u64::MAX, Ordering::SeqCst);
+        self.barrier.store(epoch, Ordering::SeqCst);
     }
 }
 
@@ -742,14 +759,29 @@ impl Inbox {
         }
     }
 
-    /// An aligned cut at heartbeat `epoch` is asked for: see [`Merge::align_at`].
+    /// An aligned cut at heartbeat `epoch` is asked for: see [`Merge::align_at`]. A
+    /// positional (KaZoo) merge follows its leader's orders, so its leader, if this
+    /// replica leads, orders no channel past its heartbeat `epoch` until every channel is
+    /// ordered through it ([`crate::orderfeed::OrderFeed::next_order`]); the cut is then
+    /// taken where every channel stands right after that heartbeat, at every replica
+    /// following the log.
     pub fn align_at(&mut self, epoch: u64) {
         self.merge.align_at(epoch);
+        if self.orders.is_some() {
+            for c in self.shared.chans.read().iter() {
+                c.hold_at(epoch);
+            }
+        }
     }
 
     /// The aligned cut is taken or given up: see [`Merge::release`].
     pub fn release(&mut self) {
         self.merge.release();
+        if self.orders.is_some() {
+            for c in self.shared.chans.read().iter() {
+                c.hold_at(0);
+            }
+        }
     }
 
     /// Where this inbox stands now, if its merge can be cut here (see [`InboxCut`]): call
@@ -968,6 +1000,47 @@ impl Arrivals {
             .iter()
             .map(|c| c.sender.next_seq())
             .collect()
+    }
+
+    /// [`Arrivals::arrived`] as far as the leader may order it, given `ordered` (what the
+    /// log covers): while an aligned cut is asked for ([`Inbox::align_at`]) and some
+    /// channel is not yet ordered through its heartbeat, no channel beyond its own
+    /// heartbeat. A channel's hold is stored before its heartbeat is offered, and read
+    /// here after what arrived, so an arrival past the heartbeat is never seen without it.
+    ///
+    /// A channel is through once ordered past its hold; with no hold, once it ended, or
+    /// passed the heartbeat before the cut was asked for (it cannot be held there: the
+    /// cut will not be aligned, and is asked for again later). So the holds always end,
+    /// even for a replica never cut.
+    pub(crate) fn orderable(&self, ordered: &[u64]) -> Vec<u64> {
+        let chans = self.0.chans.read();
+        let mut arrived: Vec<u64> = chans.iter().map(|c| c.sender.next_seq()).collect();
+        let barrier = chans
+            .iter()
+            .map(|c| c.barrier.load(Ordering::SeqCst))
+            .max()
+            .unwrap_or(0);
+        if barrier == 0 {
+            return arrived;
+        }
+        let holds: Vec<u64> = chans
+            .iter()
+            .map(|c| c.hold.load(Ordering::SeqCst))
+            .collect();
+        let through = chans.iter().zip(&holds).zip(ordered).all(|((c, &h), &o)| {
+            if h == u64::MAX {
+                c.counters.ended.load(Ordering::SeqCst)
+                    || c.heartbeat.load(Ordering::SeqCst) >= barrier
+            } else {
+                o >= h
+            }
+        });
+        if !through {
+            for (a, h) in arrived.iter_mut().zip(holds) {
+                *a = (*a).min(h);
+            }
+        }
+        arrived
     }
 }
 
@@ -1427,6 +1500,14 @@ fn offer(chan: &Chan, item: Item<RecordBatch>) -> Option<Item<RecordBatch>> {
         Item::Data { payload, .. } => payload.rows() as u64,
         Item::Heartbeat { .. } | Item::End { .. } => 0,
     };
+    if let Item::Heartbeat { seq, epoch } = &item {
+        // An aligned cut's heartbeat (KaZoo): the leader holds the channel right after it.
+        chan.heartbeat.fetch_max(*epoch, Ordering::SeqCst);
+        let barrier = chan.barrier.load(Ordering::SeqCst);
+        if barrier != 0 && barrier == *epoch {
+            chan.hold.store(seq.saturating_add(1), Ordering::SeqCst);
+        }
+    }
     let end = matches!(item, Item::End { .. });
     let offered = chan.sender.offer(item);
     if end && matches!(offered, Offer::Accepted { .. } | Offer::Duplicate) {

@@ -229,6 +229,11 @@ pub struct Positional<P> {
     gate: HeartbeatGate,
     ended: Ended,
     waiting: Option<usize>,
+    /// Per channel, the epoch of the last heartbeat delivered and the position right
+    /// after it: whether the channel stands right after a given heartbeat.
+    heartbeat: Vec<(u64, u64)>,
+    /// An aligned cut asked for at this epoch ([`Merge::align_at`]).
+    barrier: Option<u64>,
 }
 
 impl<P: Chunk> Positional<P> {
@@ -240,7 +245,22 @@ impl<P: Chunk> Positional<P> {
             gate: HeartbeatGate::default(),
             ended: Ended::new(channels),
             waiting: None,
+            heartbeat: vec![(0, 0); channels],
+            barrier: None,
         }
+    }
+
+    /// Whether every channel stands right after its heartbeat `epoch` (or ended before
+    /// it): an aligned cut there.
+    fn aligned_at(&self, epoch: u64) -> bool {
+        (0..self.position.len()).all(|c| {
+            let (last, after) = self.heartbeat[c];
+            if self.ended.is_ended(c) {
+                last < epoch
+            } else {
+                last == epoch && self.position[c] == after
+            }
+        })
     }
 
     /// Append the order "consume `channel` until its next sequence number is `up_to_seq`".
@@ -321,6 +341,7 @@ impl<P: Chunk + Send> Merge<P> for Positional<P> {
                 }
                 Item::Heartbeat { seq, epoch } => {
                     self.position[c] = seq.saturating_add(1);
+                    self.heartbeat[c] = (epoch, self.position[c]);
                     let first = self.gate.see(epoch);
                     return Some(Delivery::Heartbeat {
                         channel: c,
@@ -344,12 +365,31 @@ impl<P: Chunk + Send> Merge<P> for Positional<P> {
         Positional::push_order(self, channel, up_to_seq)
     }
 
+    /// The orders are the leader's: aligned, its replica's leader holds every channel at
+    /// the heartbeat ([`crate::inbox::Inbox::align_at`]); here the cut is only checked
+    /// ([`Merge::cut`]), never made by holding input, which would part this replica's
+    /// order from its twins'.
+    fn align_at(&mut self, epoch: u64) {
+        self.barrier = Some(epoch);
+    }
+
+    fn release(&mut self) {
+        self.barrier = None;
+    }
+
     /// Anywhere no batch is held in part (an order's bound fell inside it): the positions,
     /// the heartbeat gate and the orders followed but not yet consumed are then all there
     /// is. Orders are positional, so a replica resumed here and fed the same orders from
-    /// the log consumes exactly what its twin consumes after the cut.
+    /// the log consumes exactly what its twin consumes after the cut. Aligned at a
+    /// heartbeat ([`Merge::align_at`]), only where every channel stands right after it —
+    /// not where the log ordered some channel past it first (its leader was not this
+    /// replica, or it led only from a later point): a savepoint's cut must not hold input
+    /// its producers' cuts at that heartbeat have not emitted yet.
     fn cut(&self) -> Option<MergeCut> {
         if self.remainder.iter().any(Option::is_some) {
+            return None;
+        }
+        if self.barrier.is_some_and(|k| !self.aligned_at(k)) {
             return None;
         }
         Some(MergeCut {
@@ -378,6 +418,7 @@ impl<P: Chunk + Send> Merge<P> for Positional<P> {
         self.gate = HeartbeatGate::resumed(cut.gen);
         self.ended = Ended::resumed(&cut.ended);
         self.orders = cut.orders.iter().copied().collect();
+        self.heartbeat = vec![(0, 0); positions.len()];
         Ok(())
     }
 }
@@ -589,6 +630,80 @@ mod tests {
             m.next(&mut inp),
             Some(Delivery::Data { channel: 1, .. })
         ));
+    }
+
+    #[test]
+    fn a_positional_cut_aligned_at_a_heartbeat_is_taken_only_where_every_channel_stands_after_it() {
+        let hb = |seq, epoch| Item::Heartbeat { seq, epoch };
+        let streams = || {
+            inputs(vec![
+                vec![data(0, 3), hb(3, 1), data(4, 2), hb(6, 2), data(7, 1)],
+                vec![
+                    data(0, 1),
+                    hb(1, 1),
+                    data(2, 4),
+                    hb(6, 2),
+                    Item::End { seq: 7 },
+                ],
+            ])
+        };
+        let drain = |m: &mut Positional<Rows>, inp: &mut Vec<VecDeque<Item<Rows>>>| {
+            while m.next(inp).is_some_and(|d| d != Delivery::End) {}
+        };
+        // Ordered as a leader holding every channel at heartbeat 2 does: each through its
+        // heartbeat 2, and no further until both are.
+        let mut inp = streams();
+        let mut m = Positional::new(2);
+        Merge::<Rows>::align_at(&mut m, 2);
+        for (c, s) in [(0, 4), (1, 2), (0, 7), (1, 7)] {
+            m.push_order(c, s).unwrap();
+        }
+        drain(&mut m, &mut inp);
+        let cut = Merge::<Rows>::cut(&m).expect("aligned at heartbeat 2");
+        assert!(cut.orders.is_empty(), "{cut:?}");
+        assert_eq!((m.position(0), m.position(1)), (Some(7), Some(7)));
+        // Ordered past it on channel 0 first (a leader that was not asked to hold): the
+        // cut at heartbeat 2 would hold a row its producer's cut there has not emitted.
+        let mut inp = streams();
+        let mut m = Positional::new(2);
+        Merge::<Rows>::align_at(&mut m, 2);
+        for (c, s) in [(0, 8), (1, 7)] {
+            m.push_order(c, s).unwrap();
+        }
+        drain(&mut m, &mut inp);
+        assert_eq!(
+            Merge::<Rows>::cut(&m),
+            None,
+            "channel 0 is one row past heartbeat 2"
+        );
+        Merge::<Rows>::release(&mut m);
+        assert!(
+            Merge::<Rows>::cut(&m).is_some(),
+            "unaligned, a rebuild may cut it"
+        );
+        // A channel that ended before the heartbeat does not keep the cut from being taken;
+        // one that ended after it does.
+        for (end_after, aligned) in [(false, true), (true, false)] {
+            let mut inp = inputs(vec![
+                vec![data(0, 1), hb(1, 1), hb(2, 2)],
+                if end_after {
+                    vec![hb(0, 1), hb(1, 2), Item::End { seq: 2 }]
+                } else {
+                    vec![hb(0, 1), Item::End { seq: 1 }]
+                },
+            ]);
+            let mut m = Positional::new(2);
+            Merge::<Rows>::align_at(&mut m, 2);
+            for (c, s) in [(1, 3), (0, 3)] {
+                m.push_order(c, s).unwrap();
+            }
+            drain(&mut m, &mut inp);
+            assert_eq!(
+                Merge::<Rows>::cut(&m).is_some(),
+                aligned,
+                "ended after: {end_after}"
+            );
+        }
     }
 
     #[test]

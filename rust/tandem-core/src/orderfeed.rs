@@ -126,7 +126,7 @@ impl OrderFeed {
             let log = self.log.lock();
             (log.ordered().to_vec(), log.stats())
         };
-        leader.next(&self.arrived(), &ordered, stats, now)
+        leader.next(&self.arrivals.orderable(&ordered), &ordered, stats, now)
     }
 
     /// Per channel, the first sequence number not yet accepted: everything before it has
@@ -388,6 +388,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use crate::inbox::InboxConfig;
+    use crate::item::Delivery;
     use crate::merge::OrderingMode;
     use crate::test_support::*;
 
@@ -580,6 +581,92 @@ mod tests {
         let fence = publisher.next(Duration::from_secs(5));
         assert_eq!(version(&fence[0].1), (4, 1));
         up.join().unwrap();
+    }
+
+    #[test]
+    fn a_leader_asked_for_an_aligned_cut_orders_no_channel_past_its_heartbeat_until_all_are() {
+        let plan = Plan {
+            total: 2000,
+            emit_rows: 50,
+            hb_every: 200,
+            batch_rows: 50,
+            crash_after: None,
+        };
+        let mut x = inbox(2, OrderingMode::Positional, 64);
+        let fx = x.order_feed().unwrap();
+        x.align_at(3);
+        // Heartbeat 3 of either channel: seq 602 (600 rows and heartbeats 1 and 2 first).
+        let after_hb3 = 603;
+        let stop = Arc::new(AtomicBool::new(false));
+        let leader = {
+            let (fx, stop) = (fx.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut leader = fx.lead(1, 0, 1000, Duration::from_secs(5));
+                while !stop.load(Ordering::SeqCst) {
+                    if let Some(order) = fx.next_order(&mut leader, Duration::from_millis(20)) {
+                        fx.offer_frame(&order).unwrap();
+                    }
+                }
+            })
+        };
+        // Channel 0 arrives whole while channel 1 has not started: unheld, the leader
+        // would order all of it at once.
+        let mut threads = vec![upstream(x.local_addr(), 0, 0, plan)];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while fx.arrived()[0] < 2011 {
+            assert!(Instant::now() < deadline, "channel 0 did not arrive");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(
+            fx.ordered(),
+            vec![after_hb3, 0],
+            "held right after heartbeat 3"
+        );
+        threads.push(upstream(x.local_addr(), 1, 0, plan));
+        let mut got = Vec::new();
+        let mut cut = None;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            assert!(Instant::now() < deadline, "no End; got {}", got.len());
+            match x.next(Duration::from_millis(200)).unwrap() {
+                None => {}
+                Some(Delivery::End) => break,
+                Some(d) => {
+                    flatten(d, &mut got);
+                    let hb3 = got.iter().filter(|e| matches!(e, Ev::Hb(_, 3, _))).count();
+                    if hb3 == 2 && cut.is_none() {
+                        cut = Some(x.cut());
+                    }
+                }
+            }
+        }
+        stop.store(true, Ordering::SeqCst);
+        leader.join().unwrap();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let cut = cut
+            .expect("both heartbeats 3 delivered")
+            .expect("an aligned cut");
+        assert_eq!(cut.positions, vec![after_hb3, after_hb3]);
+        let second_hb3 = got
+            .iter()
+            .rposition(|e| matches!(e, Ev::Hb(_, 3, _)))
+            .unwrap();
+        assert!(
+            !got[..second_hb3].iter().any(|e| match e {
+                Ev::Row(c, v) => *v - base(*c as u32) >= 600,
+                Ev::Hb(_, epoch, _) => *epoch > 3,
+                Ev::End => false,
+            }),
+            "nothing past heartbeat 3 before both channels delivered it"
+        );
+        // Once both were ordered through heartbeat 3 the leader went on by itself.
+        for c in 0..2 {
+            let want: Vec<i64> = (0..plan.total).map(|i| base(c as u32) + i).collect();
+            assert_eq!(rows_of(&got, c), want, "channel {c}: complete and in order");
+        }
     }
 
     #[test]
