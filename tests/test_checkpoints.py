@@ -119,6 +119,29 @@ def test_a_job_killed_at_once_resumes_from_its_newest_checkpoint(input_file, tmp
     check_continues(input_file, second.output, newest)
 
 
+def test_a_kazoo_job_that_lost_its_leader_then_its_driver_resumes_exact(
+    input_file, tmp_path, zookeeper, kafka
+):
+    """Under KaZoo the leader of each ordered partition holds its orders at a
+    checkpoint's heartbeat (every replica is asked, so whichever leads): here the worker
+    leading count[0] is killed at 1 s — its follower leads on, and is asked at the next
+    checkpoint — then the whole job after its checkpoints passed 2.5 s. Resumed from the
+    newest, on a new order log: exact from the cut on."""
+    from tandem.ordering.kazoo import KazooConfig
+
+    config = KazooConfig(zk_hosts=kafka.zk_hosts, kafka_bootstrap=kafka.kafka_bootstrap)
+    directory = tmp_path / "checkpoints"
+    job = keyed_job(input_file, directory, ordering="kazoo", kazoo=config)
+    handle = job.start(progress=False, faults=[td.Kill("count", 0, "leader", at=1.0)])
+    kill_after_checkpoints(handle, directory, 2500)
+    newest = td.Savepoint.read(str(complete(directory)[-1]))
+    second = keyed_job(input_file, directory, ordering="kazoo", kazoo=config).run(
+        progress=False, resume=True, timeout=120
+    )
+    assert second.digests_match, second.determinism_errors
+    check_continues(input_file, second.output, newest)
+
+
 def test_at_r1_a_lost_worker_rolls_back_and_a_lost_job_resumes(input_file, tmp_path):
     """At replication 1 the passive checkpoints roll a lost worker back within the run
     while the durable ones are written beside them; the job killed at once then resumes
