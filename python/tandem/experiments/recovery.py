@@ -10,7 +10,8 @@ engine.
   keyed task with 1, 10 and 100 MiB per partition, a savepoint written a third of the way
   in (:func:`savepoint`); per size the time to write it, the per-second p99 of the
   seconds around the cut against a run without a savepoint (same size, same run of the
-  command), and the resumed run's time to its first output.
+  command), and the resumed run's time to its first output — under LiveRobin, and under
+  KaZoo when ``--configs`` names it (its leaders hold their orders at the cut).
 * ``fault`` — the paper's fault experiment as ``tandem bench paper`` runs it (its cases,
   runner and figure, :mod:`tandem.experiments.paper`): MiB1 of length 3, one replica of
   ``map2[0]`` SIGKILLed at half time, in ``passive`` (ours: one replica, checkpoints,
@@ -26,6 +27,7 @@ was rebuilt fails the run (:func:`failures`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -230,10 +232,21 @@ class SavepointRow:
     lost: int | None
     duplicates: int | None
     digests_match: bool
+    ordering: str = "liverobin"
+    """The job's ordering: under ``kazoo`` the leaders hold their orders at the cut's
+    heartbeat until every input is ordered through it."""
 
 
-def savepoint_job(state_mb: float, rate: int) -> td.Job:
-    job = td.Job("savepoint", replication=2)
+def savepoint_orderings(configs) -> tuple[str, ...]:
+    """The orderings the savepoint experiment runs under: those of ``configs`` that order
+    a replicated job (LiveRobin when none does)."""
+    return tuple(c for c in ("liverobin", "kazoo") if c in configs) or ("liverobin",)
+
+
+def savepoint_job(
+    state_mb: float, rate: int, ordering: str = "liverobin", kazoo: td.KazooConfig | None = None
+) -> td.Job:
+    job = td.Job("savepoint", replication=2, ordering=ordering, kazoo=kazoo)
     events = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=5), parallelism=2)
     (
         events.key_by("key")
@@ -254,10 +267,12 @@ def savepoint(
     duration: float = 12.0,
     at: float = 4.0,
     log=None,
+    orderings=("liverobin",),
+    kazoo: td.KazooConfig | None = None,
 ) -> list[SavepointRow]:
-    """Per state size: a run without a savepoint, a run with one asked for at ``at``
-    seconds of source time (the job going on to ``duration``), and that savepoint resumed
-    to ``duration``; every run of the first two is checked against the reference."""
+    """Per ordering and state size: a run without a savepoint, a run with one asked for at
+    ``at`` seconds of source time (the job going on to ``duration``), and that savepoint
+    resumed to ``duration``; every run of the first two is checked against the reference."""
     import tempfile
 
     from tandem import savepoints
@@ -265,12 +280,17 @@ def savepoint(
 
     log = log or sys.stderr
     rows = []
-    for mb in sizes:
-        print(f"savepoint: {mb:g} MiB of state per partition ...", file=log, flush=True)
-        without = savepoint_job(mb, rate).run(duration=duration, progress=False)
+    for ordering, mb in itertools.product(orderings, sizes):
+        print(f"savepoint: {mb:g} MiB of state per partition, {ordering} ...", file=log, flush=True)
+        zoo = kazoo if ordering == "kazoo" else None
+
+        def job(ordering=ordering, mb=mb, zoo=zoo) -> td.Job:
+            return savepoint_job(mb, rate, ordering, zoo)
+
+        without = job().run(duration=duration, progress=False)
         with tempfile.TemporaryDirectory(prefix="tandem-bench-savepoint-") as folder:
             path = os.path.join(folder, "sp")
-            handle = savepoint_job(mb, rate).start(duration=duration, progress=False)
+            handle = job().start(duration=duration, progress=False)
             time.sleep(STARTUP_S + at)  # about ``at`` of source time: a guess, the cut says
             asked = time.monotonic()
             sp = handle.savepoint(path, timeout=120)
@@ -278,11 +298,9 @@ def savepoint(
             with_sp = handle.result()
             written = sum(p.get("bytes", 0) for p in sp.partitions) / 2**20
             t = time.monotonic()
-            savepoints.resume(path, savepoint_job(mb, rate).plan())
+            savepoints.resume(path, job().plan())
             load_ms = (time.monotonic() - t) * 1000
-            resumed = savepoint_job(mb, rate).run(
-                duration=duration, from_savepoint=path, progress=False
-            )
+            resumed = job().run(duration=duration, from_savepoint=path, progress=False)
         cut = sp.source_time_s
         emitted = sum(p["rows"] for parts in sp.sources.values() for p in parts)
         lo, hi = cut - write_ms / 1000, cut + 1
@@ -307,6 +325,7 @@ def savepoint(
                 with_sp.lost,
                 with_sp.duplicates,
                 with_sp.digests_match and resumed.digests_match,
+                ordering,
             )
         )
     return rows
@@ -641,11 +660,13 @@ def savepoint_table(rows: list[SavepointRow]) -> list[str]:
         "p99: the worst per-second p99 from the request to a second after the cut, "
         "without and with the savepoint; resume: loading the savepoint (read, checked, the "
         "plan built) and the resumed run's first output from its engine's start.",
-        "| state per partition | written | write ms | p99 without | p99 with | ratio "
-        "| resume load ms | first output ms | resumed rows exact | lost | dup | digests |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
+        "| ordering | state per partition | written | write ms | p99 without | p99 with "
+        "| ratio | resume load ms | first output ms | resumed rows exact | lost | dup "
+        "| digests |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
         [
             [
+                r.ordering,
                 f"{r.state_mb:g} MiB",
                 f"{r.state_mb_written:.1f} MiB",
                 cell(r.write_ms, 0),
@@ -697,7 +718,8 @@ def estimate_s(settings: Settings, experiments, configs) -> float:
     if "restore" in experiments:
         total += len(settings.sizes) * (settings.duration_s + paper.OVERHEAD_S + 2)
     if "savepoint" in experiments:
-        total += len(settings.sizes) * 3 * (settings.duration_s + paper.OVERHEAD_S + 1)
+        runs = len(settings.sizes) * len(savepoint_orderings(configs)) * 3
+        total += runs * (settings.duration_s + paper.OVERHEAD_S + 1)
     if "driver" in experiments:
         total += settings.duration_s + 2 * paper.OVERHEAD_S + 4
     if "rescale" in experiments:
@@ -848,6 +870,8 @@ def recovery(
             duration=settings.duration_s,
             at=settings.kill_at_s,
             log=log,
+            orderings=savepoint_orderings(configs),
+            kazoo=kazoo,
         )
     driver_row = None
     if "driver" in experiments:
@@ -907,7 +931,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MIB,...",
         help="restore, savepoint: MiB of state per partition, comma-separated (default 1,10,100)",
     )
-    common.add_names(p, "--configs", FAULT_CONFIGS)
+    common.add_names(
+        p, "--configs", FAULT_CONFIGS, "all; savepoint runs under liverobin and kazoo of them"
+    )
     common.add_rate(p, None, "every run's rate (default 5000)")
     common.add_seconds(
         p,
@@ -959,7 +985,8 @@ def main(args: argparse.Namespace) -> int:
     if "restore" in experiments:
         parts.append(f"restore r with {sizes} MiB")
     if "savepoint" in experiments:
-        parts.append(f"savepoints of {sizes} MiB")
+        under = " and ".join(savepoint_orderings(configs))
+        parts.append(f"savepoints of {sizes} MiB under {under}")
     if "driver" in experiments:
         parts.append("a lost driver resumed")
     if "rescale" in experiments:
@@ -969,7 +996,7 @@ def main(args: argparse.Namespace) -> int:
     expected = estimate_s(settings, experiments, configs)
     about = f"{expected / 60:.0f} min" if expected >= 90 else f"{expected:.0f} s"
     common.headline(f"bench recovery: {'; '.join(parts)}; about {about}")
-    needed = "fault" in experiments and "kazoo" in configs
+    needed = ("fault" in experiments or "savepoint" in experiments) and "kazoo" in configs
     with common.kazoo_services(needed, args.session_timeout) as kazoo:
         doc = recovery(
             settings,
