@@ -340,6 +340,10 @@ class OrderFeed:
         """Per input channel, the furthest position the followed orders reach."""
     def stats(self) -> dict[str, Any]:
         """``{"followed", "stale", "replayed", "entries", "epoch", "version"}``."""
+    def hold_at(self, epoch: int) -> None:
+        """Should this replica lead, hold its orders right after heartbeat ``epoch`` on
+        every input channel until every channel is ordered through it: a twin following
+        the log is cut there for a savepoint while this replica orders on."""
     def generation(self) -> int:
         """A token for ``wait``: read it, look at ``arrived()``, then wait with it."""
     def wait(self, generation: int, timeout: float) -> bool:

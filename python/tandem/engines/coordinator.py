@@ -1601,8 +1601,10 @@ class Coordinator:
         rids = []
         in_parts = {t.id for t in savepoints.part_sinks(self.plan)}
         # Every replica of a KaZoo partition is asked: the one that leads holds its orders
-        # at the heartbeat (tandem._core.Inbox.align_at) for all of them to be cut there.
+        # at the heartbeat for all of them to be cut there, and is not cut itself where a
+        # twin is (its pause would pause the partition's orders).
         ordered = set(self.plan.ordered_partitions()) if self.zoo is not None else set()
+        holds: set[ReplicaId] = set()
         for task in self.plan.tasks:
             # A durable checkpoint closes the part of every replica of a sink in parts.
             rolls = ask.checkpoint and task.id in in_parts
@@ -1615,6 +1617,8 @@ class Coordinator:
                         f"{task.describe()} partition {p} has no live replica to cut"
                     )
                 rids += live if rolls or (task.id, p) in ordered else live[:1]
+                if (task.id, p) in ordered and len(live) > 1:
+                    holds.update(live)
         folder = savepoints.staging(ask.path)  # where the workers write the states
         by_worker: dict[int, list[ReplicaId]] = {}
         for rid in rids:
@@ -1623,7 +1627,13 @@ class Coordinator:
             self.host.send(
                 w,
                 self.current[w],
-                SavepointRequest(epoch, folder, tuple(asked), roll=ask.checkpoint),
+                SavepointRequest(
+                    epoch,
+                    folder,
+                    tuple(asked),
+                    roll=ask.checkpoint,
+                    leaders_hold=tuple(r for r in asked if r in holds),
+                ),
             )
         if finalize:
             self.drain = False

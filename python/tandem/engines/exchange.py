@@ -336,7 +336,7 @@ def _requests(
             savepoints[msg.epoch] = msg.folder
             for old in sorted(savepoints)[:-4]:  # answered long ago
                 del savepoints[old]
-            worker.request_savepoint(msg.epoch, msg.replicas, msg.roll)
+            worker.request_savepoint(msg.epoch, msg.replicas, msg.roll, msg.leaders_hold)
         elif isinstance(msg, TakeOver):
             worker.take_over(msg.rid)
         elif isinstance(msg, RescalePrepare):

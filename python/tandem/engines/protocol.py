@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 from tandem.exceptions import ProtocolError
 
-VERSION = 2
+VERSION = 3
 """The version of this protocol; a coordinator and a worker of different versions refuse
 each other (a cluster whose executors run another tandem than the driver)."""
 
@@ -202,12 +202,17 @@ class SavepointRequest(Message):
     """Cut ``replicas`` (those of them this worker hosts; sinks too) right after heartbeat
     ``epoch`` for a savepoint (:mod:`tandem.savepoints`) and write each state into
     ``folder``. ``roll``: a durable checkpoint's — a sink that commits at checkpoints
-    (:attr:`tandem.sinks.Sink.commits_at_checkpoints`) closes its part there too."""
+    (:attr:`tandem.sinks.Sink.commits_at_checkpoints`) closes its part there too.
+    ``leaders_hold``: KaZoo replicas of ``replicas`` that, leading their partition when
+    asked, only hold their orders at ``epoch`` and are not cut (answered with no cut): a
+    twin, asked too, is cut there while the leader orders on — a leader paused by its
+    own cut would pause its partition's orders."""
 
     epoch: int
     folder: str
     replicas: tuple[ReplicaId, ...]
     roll: bool = False
+    leaders_hold: tuple[ReplicaId, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -284,15 +284,24 @@ class SlotCuts:
             self.checkpoints[rep.slot] = epoch  # replaces one not taken yet
             self.core.request_cut_at(rep.slot, epoch)
 
-    def ask_savepoint(self, replicas: list, epoch: int, roll: bool = False) -> None:
+    def ask_savepoint(
+        self, replicas: list, epoch: int, roll: bool = False, leaders_hold=frozenset()
+    ) -> None:
         """Have the core cut every replica of ``replicas`` — sinks too: their input
         positions are where a resumed sink starts — right after it forwards heartbeat
         ``epoch``, for :attr:`on_savepoint`; ``roll`` (a durable checkpoint): a sink that
-        commits at checkpoints closes its part at that cut. The coordinator never asks
-        for a savepoint's cuts and a checkpoint's at once (the core keeps one aligned cut
-        per slot)."""
+        commits at checkpoints closes its part at that cut. One in ``leaders_hold`` that
+        leads its KaZoo partition now is not cut: it holds its orders at ``epoch`` for
+        its twins' cuts (``tandem._core.OrderFeed.hold_at``) and answers with none. The
+        coordinator never asks for a savepoint's cuts and a checkpoint's at once (the core
+        keeps one aligned cut per slot)."""
         for rep in replicas:
             if rep.slot is None or rep.done:
+                self.on_savepoint(rep.me, epoch, None)
+                continue
+            orderer = rep.orderer
+            if rep.me in leaders_hold and orderer is not None and orderer.leading() is not None:
+                orderer.feed.hold_at(epoch)
                 self.on_savepoint(rep.me, epoch, None)
                 continue
             self.savepoints[rep.slot] = epoch

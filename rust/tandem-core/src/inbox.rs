@@ -768,9 +768,7 @@ impl Inbox {
     pub fn align_at(&mut self, epoch: u64) {
         self.merge.align_at(epoch);
         if self.orders.is_some() {
-            for c in self.shared.chans.read().iter() {
-                c.hold_at(epoch);
-            }
+            Arrivals(Arc::clone(&self.shared)).hold_at(epoch);
         }
     }
 
@@ -778,9 +776,7 @@ impl Inbox {
     pub fn release(&mut self) {
         self.merge.release();
         if self.orders.is_some() {
-            for c in self.shared.chans.read().iter() {
-                c.hold_at(0);
-            }
+            Arrivals(Arc::clone(&self.shared)).hold_at(0);
         }
     }
 
@@ -1012,6 +1008,14 @@ impl Arrivals {
     /// passed the heartbeat before the cut was asked for (it cannot be held there: the
     /// cut will not be aligned, and is asked for again later). So the holds always end,
     /// even for a replica never cut.
+    /// Have this replica's leader hold every channel right after its heartbeat `epoch`
+    /// (0: let them go) — see [`Arrivals::orderable`].
+    pub(crate) fn hold_at(&self, epoch: u64) {
+        for c in self.0.chans.read().iter() {
+            c.hold_at(epoch);
+        }
+    }
+
     pub(crate) fn orderable(&self, ordered: &[u64]) -> Vec<u64> {
         let chans = self.0.chans.read();
         let mut arrived: Vec<u64> = chans.iter().map(|c| c.sender.next_seq()).collect();

@@ -96,6 +96,15 @@ impl OrderFeed {
         verdict
     }
 
+    /// Hold this replica's orders, should it lead, right after heartbeat `epoch` on every
+    /// channel until every channel is ordered through it, as [`Inbox::align_at`] does,
+    /// without asking the replica itself for a cut: a twin following the log is cut there
+    /// while the leader orders on (the holds end by themselves, see
+    /// [`crate::inbox::Arrivals::orderable`]).
+    pub fn hold_at(&self, epoch: u64) {
+        self.arrivals.hold_at(epoch);
+    }
+
     /// The leader of `epoch` (see [`Leader`]), continuing from what the log covers now:
     /// call once the log has been read to its end.
     pub fn lead(&self, epoch: u64, partition: u32, batch: usize, resend_after: Duration) -> Leader {

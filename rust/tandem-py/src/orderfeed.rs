@@ -61,6 +61,13 @@ impl OrderFeed {
         stats_dict(py, py.detach(|| self.inner.stats()))
     }
 
+    /// Should this replica lead, hold its orders right after heartbeat `epoch` on every
+    /// input channel until every channel is ordered through it: a twin following the
+    /// log is cut there for a savepoint while this replica orders on.
+    fn hold_at(&self, epoch: u64) {
+        self.inner.hold_at(epoch);
+    }
+
     /// A token for `wait`: read it, look at `arrived()`, then wait with it.
     fn generation(&self) -> u64 {
         self.inner.generation()
