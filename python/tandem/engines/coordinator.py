@@ -1603,7 +1603,7 @@ class Coordinator:
         # Every replica of a KaZoo partition is asked: the one that leads holds its orders
         # at the heartbeat for all of them to be cut there, and is not cut itself where a
         # twin is (its pause would pause the partition's orders).
-        ordered = set(self.plan.ordered_partitions()) if self.zoo is not None else set()
+        ordered = set(self.plan.ordered_partitions())
         holds: set[ReplicaId] = set()
         for task in self.plan.tasks:
             # A durable checkpoint closes the part of every replica of a sink in parts.

@@ -390,6 +390,13 @@ impl Shared {
         Some((i, Arc::clone(c)))
     }
 
+    /// Hold every channel at heartbeat `epoch` (0: let them go): [`Chan::hold_at`].
+    fn hold_at(&self, epoch: u64) {
+        for c in self.chans.read().iter() {
+            c.hold_at(epoch);
+        }
+    }
+
     fn upstreams(&self) -> Vec<(u32, u32)> {
         self.chans.read().iter().map(|c| c.upstream).collect()
     }
@@ -768,7 +775,7 @@ impl Inbox {
     pub fn align_at(&mut self, epoch: u64) {
         self.merge.align_at(epoch);
         if self.orders.is_some() {
-            Arrivals(Arc::clone(&self.shared)).hold_at(epoch);
+            self.shared.hold_at(epoch);
         }
     }
 
@@ -776,7 +783,7 @@ impl Inbox {
     pub fn release(&mut self) {
         self.merge.release();
         if self.orders.is_some() {
-            Arrivals(Arc::clone(&self.shared)).hold_at(0);
+            self.shared.hold_at(0);
         }
     }
 
@@ -1011,9 +1018,7 @@ impl Arrivals {
     /// Have this replica's leader hold every channel right after its heartbeat `epoch`
     /// (0: let them go) — see [`Arrivals::orderable`].
     pub(crate) fn hold_at(&self, epoch: u64) {
-        for c in self.0.chans.read().iter() {
-            c.hold_at(epoch);
-        }
+        self.0.hold_at(epoch);
     }
 
     pub(crate) fn orderable(&self, ordered: &[u64]) -> Vec<u64> {

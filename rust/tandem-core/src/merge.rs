@@ -647,30 +647,25 @@ mod tests {
                 ],
             ])
         };
-        let drain = |m: &mut Positional<Rows>, inp: &mut Vec<VecDeque<Item<Rows>>>| {
-            while m.next(inp).is_some_and(|d| d != Delivery::End) {}
+        // A merge aligned at heartbeat 2, having followed `orders` over `inp`.
+        let followed = |mut inp: Vec<VecDeque<Item<Rows>>>, orders: &[(usize, u64)]| {
+            let mut m = Positional::new(2);
+            Merge::<Rows>::align_at(&mut m, 2);
+            for &(c, s) in orders {
+                m.push_order(c, s).unwrap();
+            }
+            while m.next(&mut inp).is_some_and(|d| d != Delivery::End) {}
+            m
         };
         // Ordered as a leader holding every channel at heartbeat 2 does: each through its
         // heartbeat 2, and no further until both are.
-        let mut inp = streams();
-        let mut m = Positional::new(2);
-        Merge::<Rows>::align_at(&mut m, 2);
-        for (c, s) in [(0, 4), (1, 2), (0, 7), (1, 7)] {
-            m.push_order(c, s).unwrap();
-        }
-        drain(&mut m, &mut inp);
+        let m = followed(streams(), &[(0, 4), (1, 2), (0, 7), (1, 7)]);
         let cut = Merge::<Rows>::cut(&m).expect("aligned at heartbeat 2");
         assert!(cut.orders.is_empty(), "{cut:?}");
         assert_eq!((m.position(0), m.position(1)), (Some(7), Some(7)));
         // Ordered past it on channel 0 first (a leader that was not asked to hold): the
         // cut at heartbeat 2 would hold a row its producer's cut there has not emitted.
-        let mut inp = streams();
-        let mut m = Positional::new(2);
-        Merge::<Rows>::align_at(&mut m, 2);
-        for (c, s) in [(0, 8), (1, 7)] {
-            m.push_order(c, s).unwrap();
-        }
-        drain(&mut m, &mut inp);
+        let mut m = followed(streams(), &[(0, 8), (1, 7)]);
         assert_eq!(
             Merge::<Rows>::cut(&m),
             None,
@@ -684,7 +679,7 @@ mod tests {
         // A channel that ended before the heartbeat does not keep the cut from being taken;
         // one that ended after it does.
         for (end_after, aligned) in [(false, true), (true, false)] {
-            let mut inp = inputs(vec![
+            let inp = inputs(vec![
                 vec![data(0, 1), hb(1, 1), hb(2, 2)],
                 if end_after {
                     vec![hb(0, 1), hb(1, 2), Item::End { seq: 2 }]
@@ -692,12 +687,7 @@ mod tests {
                     vec![hb(0, 1), Item::End { seq: 1 }]
                 },
             ]);
-            let mut m = Positional::new(2);
-            Merge::<Rows>::align_at(&mut m, 2);
-            for (c, s) in [(1, 3), (0, 3)] {
-                m.push_order(c, s).unwrap();
-            }
-            drain(&mut m, &mut inp);
+            let m = followed(inp, &[(1, 3), (0, 3)]);
             assert_eq!(
                 Merge::<Rows>::cut(&m).is_some(),
                 aligned,
