@@ -295,9 +295,17 @@ def test_a_frozen_leader_is_replaced_and_fenced_off_when_it_wakes(
         zombie.join()
     reading = assert_masked(res, order_readings)
     terms = res.leaders["count[1]"]
-    frozen = res.faults[0]["victim"]
-    assert terms[0]["replica"] == frozen
-    assert any(t["replica"] != frozen for t in terms), f"nobody took over: {terms}"
+    frozen, paused_s = res.faults[0]["victim"], res.faults[0]["injected_at"]
+    # The frozen replica led when the pause came (on a loaded machine a 1 s session may
+    # also have changed hands before it: the term that counts is the one it paused in),
+    # and a twin leads after it, with a higher epoch.
+    held = [t for t in terms if t["replica"] == frozen and t["from_s"] <= paused_s]
+    assert held, f"replica {frozen} did not lead when paused at {paused_s} s: {terms}"
+    deposed = held[-1]
+    assert any(
+        t["replica"] != frozen and t["epoch"] > deposed["epoch"] and t["from_s"] > paused_s
+        for t in terms
+    ), f"nobody took over: {terms}"
     assert res.lost_replicas == [], "a paused replica is not lost"
 
     assert injected.get("order") and injected["error"] is None, injected
@@ -306,8 +314,9 @@ def test_a_frozen_leader_is_replaced_and_fenced_off_when_it_wakes(
     stale = [k for k, verdict in enumerate(log.verdicts) if verdict == "stale"]
     assert reading.at((count, 1), injected["offset"]) in stale
     for k in stale:
-        # The frozen leader's epoch, after an order of its successor's higher epoch.
-        assert orders[k].epoch == terms[0]["epoch"], (k, orders[k], terms)
+        # A deposed leader's epoch (the frozen one's, or of a term before it), after an
+        # order of a successor's higher epoch.
+        assert orders[k].epoch <= deposed["epoch"], (k, orders[k], terms)
         assert max(o.epoch for o in orders[:k]) > orders[k].epoch, (k, orders[: k + 1])
     # Ignored by both replicas, the woken one included (it follows the log too).
     offsets = reading.offsets[(count, 1)]

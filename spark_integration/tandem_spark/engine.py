@@ -83,10 +83,13 @@ OUTPUT = pa.schema([pa.field(SLOT, pa.int64())])
 the registry."""
 
 END_GRACE_S = 1.0
-END_WAIT_S = 3.0
-"""How long a cancelled Spark job may take to end before the run returns without it."""
 """How long the Spark job may go on once the coordinator has every report (a task of a
 worker cut off from the driver: Spark waits for it until it declares the executor lost)."""
+END_WAIT_S = 3.0
+"""How long a cancelled Spark job may take to end before the run returns without it."""
+WARM_EVERY_S = 40.0
+"""How often the spare executors' Python worker is warmed again (Spark ends a Python
+worker idle for a minute)."""
 
 KILL_UNITS = ("worker", "executor")
 
@@ -285,6 +288,7 @@ class SparkEngine:
             )
             try:
                 coordinator.start()
+                rebuilds.warm(plan, zoo, registry.executors())
                 if timeout is None:
                     timeout = 60.0 if coordinator.duration is None else duration + 60.0
                 coordinator.watch(timeout)
@@ -335,7 +339,6 @@ class SparkEngine:
         and could put twins on one executor; delay scheduling (``spark.locality.wait``)
         holds a task for its executor instead. The registry still checks where each task really ran
         (:meth:`tandem_spark.registry.Registry._assign`)."""
-        from pyspark.sql import DataFrame
         from pyspark.sql import functions as F
 
         n = len(placement)
@@ -359,21 +362,7 @@ class SparkEngine:
                     for w, rids in enumerate(placement)
                 ]
             )
-            jvm = self.spark.sparkContext._jvm
-            utils = jvm.org.apache.spark.api.python.PythonUtils
-            rows = jvm.java.util.ArrayList()
-            for w, (executor, host) in located:
-                where = jvm.java.util.ArrayList()
-                where.add(f"executor_{host}_{executor}")  # Spark's TaskLocation syntax
-                rows.add(jvm.scala.Tuple2(str(w), utils.toSeq(where)))
-            strings = jvm.scala.reflect.ClassTag.apply(
-                jvm.java.lang.Class.forName("java.lang.String")
-            )
-            rdd = self.spark.sparkContext._jsc.sc().makeRDD(utils.toSeq(rows), strings)
-            ds = self.spark._jsparkSession.createDataset(
-                rdd, jvm.org.apache.spark.sql.Encoders.STRING()
-            )
-            df = DataFrame(ds.toDF(), self.spark).select(F.col("value").cast("long").alias("id"))
+            df = _located(self.spark, located)
         df = df.withColumnRenamed("id", SLOT)
         rows = [
             F.array(
@@ -495,6 +484,42 @@ class _Rebuilds:
             sc.removeJobTag(self.tag)
             sc.setJobDescription(None)
 
+    def warm(self, plan: Plan, zoo, busy: set[str]) -> None:
+        """Keep a Python worker with everything a rebuilt worker imports (tandem, Arrow,
+        the plan's modules; kazoo and Kafka's client under KaZoo) ready on every executor
+        running no worker (``busy``: those that do), so that a rebuild placed there starts
+        in about a second rather than after a Python start and its imports — 5 to 17 s on a
+        loaded two-core cluster. Spark reuses an idle Python worker for the executor's next
+        task and ends it after a minute idle, so the tiny job runs again every
+        ``WARM_EVERY_S`` while the run lasts."""
+        spares = [e for e in _executors(self.spark) if e[0] not in busy]
+        if not spares or LOCAL_MASTER.match(self.spark.sparkContext.master):
+            return
+        df = _located(self.spark, list(enumerate(spares))).mapInArrow(
+            _warm_main(plan, zoo is not None), _spark_schema(OUTPUT)
+        )
+
+        def run() -> None:
+            sc = self.spark.sparkContext
+            sc.addJobTag(self.tag)  # cancelled with the run
+            sc.setJobDescription(f"tandem: Python workers warm on {len(spares)} spare executors")
+            try:
+                while not self._closed.is_set():
+                    df.toArrow()
+                    log.debug("kept a Python worker warm on executors %s", [e for e, _ in spares])
+                    if self._closed.wait(WARM_EVERY_S):
+                        return
+            except Exception as exc:  # a warm worker only saves time: a rebuild starts cold
+                if not self._closed.is_set():
+                    log.info("spare executors not kept warm: %s", exc)
+            finally:
+                sc.removeJobTag(self.tag)
+                sc.setJobDescription(None)
+
+        t = threading.Thread(target=run, name="tandem-warm-spares", daemon=True)
+        t.start()
+        self._threads.append(t)
+
     def close(self, cancel: bool) -> None:
         """Start no more jobs and wait for those running (``cancel``: cancel them first)."""
         self._closed.set()
@@ -502,6 +527,25 @@ class _Rebuilds:
             self.spark.sparkContext.cancelJobsWithTag(self.tag)
         for t in self._threads:
             t.join()
+
+
+def _located(spark, located: list[tuple[int, tuple[str, str]]]):
+    """A DataFrame of one ``id`` column, row ``i`` alone in Spark partition ``i`` and
+    preferring its executor: ``located`` = [(id, (executor, host)), ...]."""
+    from pyspark.sql import DataFrame
+    from pyspark.sql import functions as F
+
+    jvm = spark.sparkContext._jvm
+    utils = jvm.org.apache.spark.api.python.PythonUtils
+    rows = jvm.java.util.ArrayList()
+    for w, (executor, host) in located:
+        where = jvm.java.util.ArrayList()
+        where.add(f"executor_{host}_{executor}")  # Spark's TaskLocation syntax
+        rows.add(jvm.scala.Tuple2(str(w), utils.toSeq(where)))
+    strings = jvm.scala.reflect.ClassTag.apply(jvm.java.lang.Class.forName("java.lang.String"))
+    rdd = spark.sparkContext._jsc.sc().makeRDD(utils.toSeq(rows), strings)
+    ds = spark._jsparkSession.createDataset(rdd, jvm.org.apache.spark.sql.Encoders.STRING())
+    return DataFrame(ds.toDF(), spark).select(F.col("value").cast("long").alias("id"))
 
 
 def _free_first(spark, avoid: set[str]) -> list[tuple[str, str]]:
@@ -584,6 +628,25 @@ def _worker_main(plan, secret, registry_address, host, zoo, log_level):
         yield from ()
 
     return worker_main
+
+
+def _warm_main(plan, kazoo_clients: bool):
+    """The ``mapInArrow`` function of :meth:`_Rebuilds.warm`: it returns no rows; what it
+    is for is what unpickling it and running it import in the executor's Python worker
+    (the plan's modules, this module and the worker's, pulled in by reference)."""
+
+    def warm(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import tandem.engines.worker  # noqa: F401
+
+        if kazoo_clients:
+            import confluent_kafka  # noqa: F401
+            import kazoo.client  # noqa: F401
+        for _ in batches:
+            pass
+        assert plan is not None and serve is not None and reg.register is not None
+        yield from ()
+
+    return warm
 
 
 def _own_address() -> str:

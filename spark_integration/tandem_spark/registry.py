@@ -339,6 +339,11 @@ class Registry:
         finally:
             conn.close()
 
+    def executors(self) -> set[str]:
+        """The Spark executors running a worker's latest task now (their ids)."""
+        with self._lock:
+            return {a.executor_id for a in self._latest.values() if a.executor_id is not None}
+
     def _forward(self, conn: Connection, w: int, inc: int) -> None:
         """Hand every message of that incarnation to the coordinator, up to ``Done``; a
         connection that drops first is the incarnation exiting."""
