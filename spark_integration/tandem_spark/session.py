@@ -73,6 +73,10 @@ def local_session(workers, master: str | None = None, spare_slots: int = 2, **co
         "spark.pyspark.python": sys.executable,
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
+        # Spark's cleaner removes a finished job's broadcasts from every executor, waiting
+        # for each (spark.rpc.askTimeout, 120 s) when blocking; one on a host cut off from
+        # the driver — a fault tandem masks — then holds spark.stop(), which joins it.
+        "spark.cleaner.referenceTracking.blocking": "false",
         **conf,
     }
     for key, value in settings.items():
