@@ -522,3 +522,43 @@ def test_a_rebuilds_cut_forks_only_for_a_state_that_may_be_large(tmp_path):
     assert taken.writer is not None  # a forked child writes it
     done = taken.written(inline_below=1)
     assert done.state_file is not None and done.load() == inst.snapshot()
+
+
+def test_a_savepoints_large_state_is_hashed_by_its_forked_child_and_moved_into_place(tmp_path):
+    """A savepoint's cut of a state that may be large is written as a rebuild's is, by a
+    forked child (``SlotCuts.take``), which also hashes it: the writer thread then only
+    moves the file to its name in the savepoint, its SHA-256 the child's, nothing left
+    beside it."""
+    import hashlib
+
+    from tandem import _core
+    from tandem.experiments import recovery
+    from tandem.operators import empty_batch
+    from tandem.runtime import INLINE_CUT_BYTES, Replica, fork_cuts
+
+    plan = recovery.recovery_job(2 * INLINE_CUT_BYTES / 2**20, 1000).plan()
+    task = next(t for t in plan.tasks if t.name == "state")
+    source = next(t for t in plan.tasks if t.name != "state" and t.kind == "source")
+    rep = Replica(plan, task.id, 0, 0, b"s" * 32, _core.Worker())
+    rep._inst = plan.instantiate(task.id, 0)
+    rep._inst.batch(empty_batch(source.schema), 0)
+    cut = (7, [7], None, [])
+    assert rep.forks(cut)
+
+    taken = fork_cuts([(rep, cut, str(tmp_path))], digest=True)[0]
+    assert taken.writer is not None
+    done = taken.written()
+    state = rep._inst.snapshot()
+    assert done.sha256 == hashlib.sha256(state).hexdigest()
+    final = done.checkpointed(str(tmp_path / "1-0-0.state"), digest=True)
+    assert final.sha256 == done.sha256 and final.keep_file
+    assert final.load() == state
+    assert os.listdir(tmp_path) == ["1-0-0.state"]  # no temporary file, no digest file
+
+    # A child that fails leaves nothing behind, and the cut is not taken.
+    def fails() -> bytes:
+        raise RuntimeError("snapshot failed")
+
+    rep._inst.snapshot = fails
+    assert fork_cuts([(rep, cut, str(tmp_path))], digest=True)[0].written() is None
+    assert os.listdir(tmp_path) == ["1-0-0.state"]

@@ -252,7 +252,11 @@ def serve(
             # At the lowest priority: a large state's write and hash take a core only when
             # the replicas leave one (their twins serve the output meanwhile).
             thread_nice(CHILD_NICE)  # (Linux keeps a niceness per thread)
-            written = write_cut(folder, rid, taken, "the savepoint's cut", digest=True)
+            # A large state's forked child first (SlotCuts.take): its file is moved.
+            cut = taken.written() if taken is not None else None
+            if taken is not None and cut is None:
+                log.warning("the savepoint's cut of %s: its state's writer failed", rid)
+            written = write_cut(folder, rid, cut, "the savepoint's cut", digest=True)
             send(Savepointed(epoch, rid, written))
 
         thread = threading.Thread(target=run, name="tandem-savepoint", daemon=True)
@@ -336,7 +340,9 @@ def _requests(
             savepoints[msg.epoch] = msg.folder
             for old in sorted(savepoints)[:-4]:  # answered long ago
                 del savepoints[old]
-            worker.request_savepoint(msg.epoch, msg.replicas, msg.roll, msg.leaders_hold)
+            worker.request_savepoint(
+                msg.epoch, msg.replicas, msg.roll, msg.leaders_hold, msg.folder
+            )
         elif isinstance(msg, TakeOver):
             worker.take_over(msg.rid)
         elif isinstance(msg, RescalePrepare):

@@ -233,20 +233,28 @@ class SavepointRow:
     duplicates: int | None
     digests_match: bool
     ordering: str = "liverobin"
-    """The job's ordering: under ``kazoo`` the leaders hold their orders at the cut's
-    heartbeat until every input is ordered through it."""
+    """The configuration (:func:`savepoint_orderings`): ``liverobin`` or ``kazoo`` at r = 2
+    (under ``kazoo`` the leaders hold their orders at the cut's heartbeat until every
+    input is ordered through it), or ``r1``, a single replica, whose cut no twin masks."""
 
 
 def savepoint_orderings(configs) -> tuple[str, ...]:
-    """The orderings the savepoint experiment runs under: those of ``configs`` that order
-    a replicated job (LiveRobin when none does)."""
-    return tuple(c for c in ("liverobin", "kazoo") if c in configs) or ("liverobin",)
+    """The configurations the savepoint experiment runs under: those of ``configs`` that
+    order a replicated job, and ``r1`` (LiveRobin when none is named)."""
+    return tuple(c for c in ("r1", "liverobin", "kazoo") if c in configs) or ("liverobin",)
 
 
 def savepoint_job(
     state_mb: float, rate: int, ordering: str = "liverobin", kazoo: td.KazooConfig | None = None
 ) -> td.Job:
-    job = td.Job("savepoint", replication=2, ordering=ordering, kazoo=kazoo)
+    """The savepoint experiment's job; ``ordering`` ``r1``: one replica of each task."""
+    r1 = ordering == "r1"
+    job = td.Job(
+        "savepoint",
+        replication=1 if r1 else 2,
+        ordering="liverobin" if r1 else ordering,
+        kazoo=kazoo,
+    )
     events = job.source(td.sources.Synthetic(rate=rate, keys=1_000, seed=5), parallelism=2)
     (
         events.key_by("key")
@@ -655,12 +663,13 @@ def savepoint_table(rows: list[SavepointRow]) -> list[str]:
     cell = paper._cell
     return _section(
         "A savepoint of the running job against state size",
-        f"{r0.rate:,} ev/s, r = 2, a keyed task of 2 partitions; a savepoint asked for at "
+        f"{r0.rate:,} ev/s, r = 2 (r = 1 in the r1 rows), a keyed task of 2 partitions; a "
+        "savepoint asked for at "
         f"about {r0.at_s:g} s of source time while the job runs, beside a run without one. "
         "p99: the worst per-second p99 from the request to a second after the cut, "
         "without and with the savepoint; resume: loading the savepoint (read, checked, the "
         "plan built) and the resumed run's first output from its engine's start.",
-        "| ordering | state per partition | written | write ms | p99 without | p99 with "
+        "| configuration | state per partition | written | write ms | p99 without | p99 with "
         "| ratio | resume load ms | first output ms | resumed rows exact | lost | dup "
         "| digests |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
@@ -932,7 +941,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="restore, savepoint: MiB of state per partition, comma-separated (default 1,10,100)",
     )
     common.add_names(
-        p, "--configs", FAULT_CONFIGS, "all; savepoint runs under liverobin and kazoo of them"
+        p,
+        "--configs",
+        FAULT_CONFIGS,
+        "all; savepoint runs under r1, liverobin and kazoo of them",
     )
     common.add_rate(p, None, "every run's rate (default 5000)")
     common.add_seconds(

@@ -32,6 +32,9 @@ HOLD_CUTS_S = 0.02
 CHILD_NICE = 19
 #: The pieces a state is hashed and written in (:meth:`Resume.checkpointed`).
 WRITE_CHUNK = 1 << 20
+#: Beside a state file a forked child wrote and hashed (``fork_cuts(digest=True)``), the
+#: file holding its SHA-256 in hex until :meth:`Resume.written` reads it.
+SHA256_SUFFIX = ".sha256"
 
 #: A rebuild's cut of a state known to be at most this large (``Operator.state_size``)
 #: is snapshotted in place rather than in a forked child: the fork of a worker costs it
@@ -120,12 +123,19 @@ class Resume:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             return None
+        sha256 = None
+        with contextlib.suppress(FileNotFoundError):  # fork_cuts(digest=True)
+            with open(path + SHA256_SUFFIX) as f:
+                sha256 = f.read().strip()
+            os.unlink(path + SHA256_SUFFIX)
         if os.path.getsize(path) < inline_below:
             with open(path, "rb") as f:
                 state = f.read()
             os.unlink(path)
             return Resume(self.cut, state, forked_with=self.forked_with)
-        return Resume(self.cut, b"", path, self.keep_file, forked_with=self.forked_with)
+        return Resume(
+            self.cut, b"", path, self.keep_file, forked_with=self.forked_with, sha256=sha256
+        )
 
     @property
     def epoch(self) -> int:
@@ -154,7 +164,14 @@ class Resume:
 
     def checkpointed(self, path: str, digest: bool = False) -> Resume:
         """This cut with its state written to ``path``, a checkpoint's file, which stays;
-        ``digest``: its SHA-256 computed as it is written (:attr:`sha256`)."""
+        ``digest``: its SHA-256 computed as it is written (:attr:`sha256`). A state a
+        forked child wrote to a local file (:func:`fork_cuts`, waited for with
+        :meth:`written`) is moved there, its SHA-256 the child's."""
+        if self.state_file is not None and self.filesystem is None:
+            if digest and self.sha256 is None:
+                raise ValueError(f"{self.state_file}: a state file with no SHA-256 to move")
+            os.replace(self.state_file, path)
+            return Resume(self.cut, b"", path, keep_file=True, sha256=self.sha256)
         return self._to_file(path, keep=True, digest=digest)
 
     def _to_file(self, path: str, keep: bool, digest: bool = False) -> Resume:
@@ -195,12 +212,14 @@ class Resume:
             return f.read()
 
 
-def fork_cuts(cuts: list[tuple[Any, tuple, str]]) -> list[Resume]:
+def fork_cuts(cuts: list[tuple[Any, tuple, str]], digest: bool = False) -> list[Resume]:
     """The cuts ``(replica, cut, folder)`` — each :class:`~tandem.runtime.Replica` stopped
     at its cut — with their operators' states snapshotted and written, each to a new file
     in its folder, by one forked child (:meth:`Replica.forks`): one fork of the worker,
     whatever the number of states. The child runs only ``snapshot()`` and the writes, at
-    the lowest priority, so what other threads held at the fork does not matter."""
+    the lowest priority, so what other threads held at the fork does not matter.
+    ``digest`` (a savepoint's states): the child also hashes each state as it writes it and
+    leaves the SHA-256 beside the file, which :meth:`Resume.written` takes into the cut."""
     paths = []
     for _, _, folder in cuts:
         fd, path = tempfile.mkstemp(dir=folder, suffix=".state")
@@ -219,7 +238,10 @@ def fork_cuts(cuts: list[tuple[Any, tuple, str]]) -> list[Resume]:
             with contextlib.suppress(OSError):
                 os.nice(CHILD_NICE)
             for (rep, cut, _), path in zip(cuts, paths, strict=True):
-                Resume(cut, rep._inst.snapshot())._to_file(path, keep=False)
+                written = Resume(cut, rep._inst.snapshot())._to_file(path, False, digest)
+                if digest:
+                    with open(path + SHA256_SUFFIX, "w") as f:
+                        f.write(written.sha256)
             code = 0
         finally:
             os._exit(code)
@@ -262,6 +284,9 @@ class SlotCuts:
         replica cut for the savepoint at heartbeat ``epoch`` (:meth:`ask_savepoint`)."""
         self.savepoints: dict[int, int] = {}  # slot -> the savepoint epoch asked of it
         self.rolls: set[int] = set()  # slots whose savepoint cut closes a sink's part
+        self.savepoint_folders: dict[int, str] = {}
+        """Savepoint epoch -> the folder its states are written to, where a large one's
+        forked child writes it (:meth:`take`); the last few asked."""
 
     def ask(self, rid: tuple[int, int, int], rep: Any, token) -> None:
         """Have the core cut replica ``rid`` (hosted as ``rep``, None if it is not) at its
@@ -285,7 +310,12 @@ class SlotCuts:
             self.core.request_cut_at(rep.slot, epoch)
 
     def ask_savepoint(
-        self, replicas: list, epoch: int, roll: bool = False, leaders_hold=frozenset()
+        self,
+        replicas: list,
+        epoch: int,
+        roll: bool = False,
+        leaders_hold=frozenset(),
+        folder: str | None = None,
     ) -> None:
         """Have the core cut every replica of ``replicas`` — sinks too: their input
         positions are where a resumed sink starts — right after it forwards heartbeat
@@ -294,7 +324,13 @@ class SlotCuts:
         leads its KaZoo partition now is not cut: it holds its orders at ``epoch`` for
         its twins' cuts (``tandem._core.OrderFeed.hold_at``) and answers with none. The
         coordinator never asks for a savepoint's cuts and a checkpoint's at once (the core
-        keeps one aligned cut per slot)."""
+        keeps one aligned cut per slot). ``folder``: where the savepoint's states go; an
+        operator's state that is not known to be small is snapshotted and written there by
+        a forked child, as a rebuild's (:meth:`Replica.forks`)."""
+        if folder is not None:
+            self.savepoint_folders[epoch] = folder
+            for old in sorted(self.savepoint_folders)[:-4]:  # taken long ago
+                del self.savepoint_folders[old]
         for rep in replicas:
             if rep.slot is None or rep.done:
                 self.on_savepoint(rep.me, epoch, None)
@@ -332,8 +368,14 @@ class SlotCuts:
             del self.savepoints[item.slot]
             roll = item.slot in self.rolls
             self.rolls.discard(item.slot)
-            try:  # in place; the state is written off the worker thread
-                taken = rep.cut(item.cut)
+            folder = self.savepoint_folders.get(item.at)
+            try:
+                if folder is not None and rep.task.kind != "sink" and rep.forks(item.cut):
+                    # A large state: snapshotted and written (hashed) by a forked child
+                    # while this replica goes on; the writer thread waits for it.
+                    taken = fork_cuts([(rep, item.cut, folder)], digest=True)[0]
+                else:  # in place; the state is written off the worker thread
+                    taken = rep.cut(item.cut)
                 if roll and taken is not None:
                     rep.roll(item.at)  # the rows through the cut: a part of their own
             except Exception:

@@ -195,13 +195,18 @@ class Worker:
         self.control.append(("checkpoint", None, epoch))
         self.core.wake()
 
-    def request_savepoint(self, epoch: int, rids, roll: bool = False, leaders_hold=()) -> None:
+    def request_savepoint(
+        self, epoch: int, rids, roll: bool = False, leaders_hold=(), folder: str | None = None
+    ) -> None:
         """Cut the hosted replicas among ``rids`` (sinks too) right after each forwards
         heartbeat ``epoch`` and hand each to :attr:`on_savepoint`; ``roll``: a sink that
         commits at checkpoints closes its part there (:meth:`Replica.roll`);
         ``leaders_hold``: those that, leading a KaZoo partition, only hold their orders
-        there (:meth:`SlotCuts.ask_savepoint`)."""
-        self.control.append(("savepoint", tuple(rids), epoch, roll, frozenset(leaders_hold)))
+        there; ``folder``: where the states go, a large one written there by a forked
+        child (:meth:`SlotCuts.ask_savepoint`)."""
+        self.control.append(
+            ("savepoint", tuple(rids), epoch, roll, frozenset(leaders_hold), folder)
+        )
         self.core.wake()
 
     def link(self, up: ReplicaId, down: ReplicaId, address: tuple[str, int], epoch: int) -> None:
@@ -279,7 +284,7 @@ class Worker:
             if req[0] == "savepoint":
                 asked = set(req[1])
                 self.cuts.ask_savepoint(
-                    [r for r in self.replicas if r.me in asked], req[2], req[3], req[4]
+                    [r for r in self.replicas if r.me in asked], req[2], req[3], req[4], req[5]
                 )
                 continue
             if req[0].startswith("rescale_"):
