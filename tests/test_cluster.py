@@ -11,9 +11,11 @@ import itertools
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -183,15 +185,27 @@ def test_a_slow_link_limits_throughput_both_ways(cluster):
 
 def test_without_root_the_script_fails_saying_so(tmp_path):
     env = {**os.environ, "TANDEM_CLUSTER_DIR": str(tmp_path / "state")}
-    # As root (CI), drop to nobody for this one command.
+    script = SCRIPT
+    # As root (CI), drop to nobody for this one command, which runs a world-readable copy
+    # of the script: the checkout may be in a directory that only root may enter.
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if os.geteuid() == 0:
+        readable = Path(tempfile.mkdtemp(prefix="tandem-cluster-script-"))
+        readable.chmod(0o755)
+        script = readable / "scripts" / SCRIPT.name
+        script.parent.mkdir(mode=0o755)
+        shutil.copy(SCRIPT, script)
+        script.chmod(0o644)
     done = subprocess.run(
-        [*(nobody if os.geteuid() == 0 else []), "bash", str(SCRIPT), "up", "1"],
+        [*(nobody if os.geteuid() == 0 else []), "bash", str(script), "up", "1"],
         env=env,
+        cwd="/",
         capture_output=True,
         text=True,
         timeout=60,
     )
+    if script != SCRIPT:
+        shutil.rmtree(script.parent.parent)
     assert done.returncode == 1
     assert "needs root" in done.stderr and "sudo" in done.stderr, done.stderr
     assert not (tmp_path / "state").exists()  # it started nothing, recorded nothing

@@ -135,9 +135,9 @@ class Operator:
 
     def state_size(self) -> int | None:
         """About how many bytes :meth:`snapshot` would return now, if that is cheap to
-        tell (no copy, no walk over a large state); None when it is not. A replica
-        rebuilt from this one's cut gets a state known to be small snapshotted in place,
-        and any other snapshotted in a forked child (a fork costs the worker a few ms
+        tell (no copy, no walk over a large state); None when it is not. A cut of this
+        replica for a rebuilt twin or a savepoint snapshots a state known to be small in
+        place, and any other in a forked child (a fork costs the worker a few ms
         whatever the state's size, a copy of a large state much more). The default: 0
         for an operator whose :meth:`snapshot` is this class's (it has no state), else
         None."""
