@@ -545,20 +545,21 @@ def test_a_savepoints_large_state_is_hashed_by_its_forked_child_and_moved_into_p
     cut = (7, [7], None, [])
     assert rep.forks(cut)
 
-    taken = fork_cuts([(rep, cut, str(tmp_path))], digest=True)[0]
+    folder = tmp_path / "savepoint"  # not made yet on this host: fork_cuts makes it
+    taken = fork_cuts([(rep, cut, str(folder))], digest=True)[0]
     assert taken.writer is not None
     done = taken.written()
     state = rep._inst.snapshot()
     assert done.sha256 == hashlib.sha256(state).hexdigest()
-    final = done.checkpointed(str(tmp_path / "1-0-0.state"), digest=True)
+    final = done.checkpointed(str(folder / "1-0-0.state"), digest=True)
     assert final.sha256 == done.sha256 and final.keep_file
     assert final.load() == state
-    assert os.listdir(tmp_path) == ["1-0-0.state"]  # no temporary file, no digest file
+    assert os.listdir(folder) == ["1-0-0.state"]  # no temporary file, no digest file
 
     # A child that fails leaves nothing behind, and the cut is not taken.
     def fails() -> bytes:
         raise RuntimeError("snapshot failed")
 
     rep._inst.snapshot = fails
-    assert fork_cuts([(rep, cut, str(tmp_path))], digest=True)[0].written() is None
-    assert os.listdir(tmp_path) == ["1-0-0.state"]
+    assert fork_cuts([(rep, cut, str(folder))], digest=True)[0].written() is None
+    assert os.listdir(folder) == ["1-0-0.state"]

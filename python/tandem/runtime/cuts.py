@@ -222,6 +222,8 @@ def fork_cuts(cuts: list[tuple[Any, tuple, str]], digest: bool = False) -> list[
     leaves the SHA-256 beside the file, which :meth:`Resume.written` takes into the cut."""
     paths = []
     for _, _, folder in cuts:
+        # A savepoint's folder may not be on this host yet (as the writer thread's makedirs).
+        os.makedirs(folder, exist_ok=True)
         fd, path = tempfile.mkstemp(dir=folder, suffix=".state")
         os.close(fd)
         paths.append(path)
