@@ -241,12 +241,12 @@ def serve(
 
     worker.on_checkpoint = send_checkpoint
 
-    savepoints: dict[int, str] = {}  # savepoint epoch -> the folder its states go to
-    saving: list[threading.Thread] = []  # their writers: done before Done is sent
+    saving: list[threading.Thread] = []  # savepoint writers: done before Done is sent
 
     def send_savepoint(rid, epoch, taken) -> None:
-        # As a checkpoint's: written off the worker thread, into the coordinator's folder.
-        folder = savepoints.get(epoch)
+        # As a checkpoint's: written off the worker thread, into the coordinator's folder
+        # (on the worker thread, which keeps the folders of the savepoints asked of it).
+        folder = worker.cuts.savepoint_folders.get(epoch)
 
         def run() -> None:
             # At the lowest priority: a large state's write and hash take a core only when
@@ -275,7 +275,7 @@ def serve(
     worker.on_failed = lambda failed: send(Failed(failed))
     threading.Thread(
         target=_requests,
-        args=(conn, worker, folders, checkpoints, savepoints),
+        args=(conn, worker, folders, checkpoints),
         name="tandem-requests",
         daemon=True,
     ).start()
@@ -311,11 +311,11 @@ def _requests(
     worker: Worker,
     folders: dict[Any, str],
     checkpoints: dict[int, str] | None = None,
-    savepoints: dict[int, str] | None = None,
 ) -> None:
     """Hand the coordinator's requests during the run to the worker thread (a cut's
     ``folders`` entry: where to write its state if it is large; a checkpoint's
-    ``checkpoints`` and a savepoint's ``savepoints`` entry: where its states go)."""
+    ``checkpoints`` entry: where its states go; a savepoint's folder goes with its
+    request, kept by :meth:`tandem.runtime.cuts.SlotCuts.ask_savepoint`)."""
     while True:
         try:
             msg = conn.recv()
@@ -336,10 +336,7 @@ def _requests(
             for old in sorted(checkpoints)[:-4]:  # answered long ago
                 del checkpoints[old]
             worker.request_checkpoint(msg.epoch)
-        elif isinstance(msg, SavepointRequest) and savepoints is not None:
-            savepoints[msg.epoch] = msg.folder
-            for old in sorted(savepoints)[:-4]:  # answered long ago
-                del savepoints[old]
+        elif isinstance(msg, SavepointRequest):
             worker.request_savepoint(
                 msg.epoch, msg.replicas, msg.roll, msg.leaders_hold, msg.folder
             )
