@@ -1,7 +1,7 @@
 """PySpark data in and out: a DataFrame replayed as a source, a stream written through
 Spark's writers, on a real local Spark (pyspark from PyPI, Java 17).
 
-One session for the module: ``local[6,3]``, the 4 workers of a job with one worker per
+One session for the module: ``local[6,8]``, the 4 workers of a job with one worker per
 replica group (two groups) and one per replica of the sink, plus spares. Shuffles cut 4 partitions
 and adaptive execution does not merge them, so a sorted DataFrame is written as several
 part files and a source partition spans more than one.

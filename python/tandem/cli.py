@@ -128,7 +128,7 @@ def _add_run_flags(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument(
         "--master",
         metavar="URL",
-        help="Spark master for --engine spark (default: local[N,3], N = workers + spares)",
+        help="Spark master for --engine spark (default: local[N,8], N = workers + spares)",
     )
     p.add_argument(
         "--duration",

@@ -826,6 +826,18 @@ def lost_replicas(result) -> set[tuple[str, int, int]]:
     return {(x["task"], x["partition"], x["replica"]) for x in result.lost_replicas}
 
 
+def starved_sink_copies(result, sinks=("sink",)) -> set[tuple[str, int, int]]:
+    """``(task, partition, replica)`` of the copies of the tasks named ``sinks`` lost
+    as starved: a sink copy that one upstream replica dropped as a straggler (a moment
+    behind on a busy machine) has only the other left, and starves when that one is lost.
+    Sink copies are not rebuilt; the twin copy carries the output on."""
+    return {
+        (x["task"], x["partition"], x["replica"])
+        for x in result.lost_replicas
+        if x["task"] in sinks and x["cause"] == "starved"
+    }
+
+
 class CountRows(Sink):
     """A sink that keeps a row count only: what a run's sinks hold is then the runtime's
     own bookkeeping (latency record, report), nothing of the rows."""

@@ -142,7 +142,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p, "--measure", 30.0, "measured after the warm-up; the kills at half of it (default 30)"
     )
     p.add_argument(
-        "--master", metavar="URL", help="Spark master (default: local[N,3], N = workers + spares)"
+        "--master", metavar="URL", help="Spark master (default: local[N,8], N = workers + spares)"
     )
     common.add_json(p)
 

@@ -409,10 +409,13 @@ class _SparkJob:
         self.thread.start()
 
     def failure(self, job: str) -> TandemError | None:
-        """Why the Spark job failed, if it did."""
+        """Why the Spark job failed, if it did: Spark's reason (a task that failed too
+        often, and its last failure), not the Py4J call's stack; the whole of it at
+        debug level."""
         if self.error is None:
             return None
-        return TandemError(f"the Spark job of {job!r} failed: {self.error}")
+        log.debug("the Spark job of %r failed: %s", job, self.error)
+        return TandemError(f"the Spark job of {job!r} failed: {spark_reason(self.error)}")
 
     def end(self, cancel: bool) -> None:
         """Wait for the job to end (``cancel``: cancel it first); cancel it anyway if a
@@ -435,6 +438,32 @@ class _SparkJob:
                     "cut off from the driver); the run's result does not wait for it",
                     END_WAIT_S,
                 )
+
+
+SPARK_REASONS = ("Job aborted due to stage failure:", "cancelled", "SparkException:")
+"""What starts the line of a failed Spark job's error that says why, most telling first."""
+
+
+def spark_reason(error: BaseException, most: int = 12) -> str:
+    """What of a failed Spark job's ``error`` says why: the line that does — for a job
+    aborted, which task failed how often and its last failure, found deep in the Java
+    stack — and the lines after it up to the next stack frame (a Python worker's
+    traceback), ``most`` at most; the first line of the error when no line says why."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for reason in SPARK_REASONS:
+        for i, line in enumerate(lines):
+            at = line.find(reason)
+            if at < 0 or line.startswith("at "):
+                continue
+            if reason == "SparkException:" and "awaitResult" in line:
+                continue  # the Py4J call's wrapper, not the reason
+            said = [line[at:] if reason.startswith("Job") else line]
+            for more in lines[i + 1 : i + most]:
+                if more.startswith(("at ", "Caused by:", "Driver stacktrace:")):
+                    break
+                said.append(more)
+            return "\n".join(said)
+    return lines[0] if lines else type(error).__name__
 
 
 class _Rebuilds:

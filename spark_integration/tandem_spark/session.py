@@ -36,6 +36,13 @@ log = logging.getLogger("tandem")
 LOCAL_MASTER = re.compile(r"^local(\[(?P<n>\d+|\*)(,(?P<f>\d+))?\])?$")
 LOCAL_CLUSTER_MASTER = re.compile(r"^local-cluster\[(?P<w>\d+),\s*(?P<c>\d+),\s*(?P<m>\d+)\]$")
 
+TASK_FAILURES = 8
+"""``F`` of :func:`local_session`'s ``local[N,F]``: Spark fails the whole job once one task
+has failed ``F`` times. A worker's task fails once for each loss of the worker, and once
+more for each of its rebuilds given up and tried again from later cuts (up to
+``tandem.engines.exchange.REJOIN_ATTEMPTS`` per loss): at 3 two losses of one worker, or
+one on a busy machine, could use them up and end a run whose twins were masking it."""
+
 EXECUTOR_WAIT_S = 60.0
 """How long the check waits for a new cluster's executors to register their cores."""
 
@@ -51,8 +58,9 @@ def local_session(workers, master: str | None = None, spare_slots: int = 2, **co
 
     ``workers``: how many (an int), or the job (a ``td.Job`` or its ``Plan``) whose
     workers (:meth:`tandem.plan.Plan.placement`) the session must host. Without ``master``
-    it is ``local[N,3]`` with ``N = workers + spare_slots`` task slots (threads of one JVM;
-    a failed task is retried up to twice while the others keep running). ``master`` may
+    it is ``local[N,F]`` with ``N = workers + spare_slots`` task slots (threads of one JVM)
+    and ``F =`` :data:`TASK_FAILURES` (a failed task is retried while the others keep
+    running, until it has failed ``F`` times). ``master`` may
     also be ``local-cluster[W,C,MB]`` (W executor JVMs of C cores each) or a cluster URL.
     ``conf`` entries are passed to the builder (``spark.`` prefix and all); the Spark UI
     is off unless ``conf`` turns it on. Spark's warning for each lost task attempt (with
@@ -60,7 +68,7 @@ def local_session(workers, master: str | None = None, spare_slots: int = 2, **co
     tandem's to report, and does (:func:`quiet_lost_tasks`).
     """
     workers = worker_count(workers)
-    master = master or f"local[{workers + spare_slots},3]"
+    master = master or f"local[{workers + spare_slots},{TASK_FAILURES}]"
     # Workers start the interpreter named by PYSPARK_PYTHON (or `python3` from PATH).
     os.environ["PYSPARK_PYTHON"] = sys.executable
     if is_local(master):  # every JVM of the session listens on loopback only
@@ -155,7 +163,10 @@ def check_cluster(spark, workers: int, spare_slots: int) -> None:
         slots = task_slots(spark)
     if slots < needed:
         if LOCAL_MASTER.match(master):
-            fix = f"use master local[{needed},3] (or tandem_spark.local_session({workers}))"
+            fix = (
+                f"use master local[{needed},{TASK_FAILURES}] "
+                f"(or tandem_spark.local_session({workers}))"
+            )
         elif LOCAL_CLUSTER_MASTER.match(master):
             fix = f"use master local-cluster[W,C,MB] with W x C >= {needed}"
         else:
@@ -169,8 +180,8 @@ def check_cluster(spark, workers: int, spare_slots: int) -> None:
     if m and int(m["f"] or 1) < 2:
         raise ConfigError(
             f"master {master!r} fails the whole job at the first task failure, so a killed "
-            f"worker would stop the run; use local[{m['n'] or needed},3] (the second number "
-            "is how many times a task may fail)"
+            f"worker would stop the run; use local[{m['n'] or needed},{TASK_FAILURES}] (the "
+            "second number is how many times a task may fail)"
         )
     if is_local(master):
         python = shutil.which(sc.pythonExec) or sc.pythonExec
