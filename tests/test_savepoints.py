@@ -49,6 +49,8 @@ def keyed_job(
     counter: td.Operator | None = None,
     sink: td.sinks.Sink | None = None,
     sink_parallelism: int = 1,
+    evict_after_ms: float | None = 1000,
+    workers: int | None = None,
 ) -> td.Job:
     """source (Parquet, 2 partitions) -> enrich (tag = 10 * key + plus) -> count per key ->
     ``sink`` (default Collect), at ``replication``."""
@@ -57,7 +59,13 @@ def keyed_job(
         tag = pc.add(pc.multiply(batch.column("key"), 10), plus)
         return batch.append_column("tag", tag)
 
-    job = td.Job(name, replication=replication, max_parallelism=max_parallelism)
+    job = td.Job(
+        name,
+        replication=replication,
+        max_parallelism=max_parallelism,
+        evict_after_ms=evict_after_ms,
+        workers=workers,
+    )
     source = td.sources.Parquet(input_file, rate=RATE)
     stream = job.source(source, parallelism=source_parallelism, name="source")
     if with_map:
@@ -122,6 +130,59 @@ def test_stop_with_a_savepoint_then_resume_with_new_code(input_file, stopped):
     common = last.index.intersection(first_after.index)
     assert len(common) > 0
     assert (first_after[common] == last[common] + 1).all()
+
+
+def test_a_stop_is_cut_at_the_twin_of_a_replica_frozen_through_it(input_file, tmp_path, caplog):
+    """A stop cannot be asked again at a later heartbeat (the sources end at its own), so
+    every live replica is asked for its cut there: count[0] replica 0, frozen from before
+    the stop point until after it, gives none (both replicas of enrich[1], in other
+    workers, drop it as a straggler, so it ends starved), and its twin's cut makes the
+    savepoint. Nothing lost or repeated, and the resumed run goes on
+    exactly. Asking one replica a partition, the stop failed whenever that one was the
+    straggler: under load, in a burst at the start."""
+    path = str(tmp_path / "stop")
+    pause = td.Pause("count", partition=0, replica=0, at=0.2, for_s=3.0)
+    job = keyed_job(input_file, evict_after_ms=300, workers=2)
+    handle = job.start(faults=[pause], progress=False)
+    with caplog.at_level("INFO", logger="tandem"):
+        first = handle.stop(timeout=120, savepoint=path)
+    assert "savepoint written" in caplog.text
+    saved = td.Savepoint.read(path)
+    emitted = sum(p["rows"] for p in saved.sources["source"])
+    assert 0 < emitted < ROWS
+    assert first.events_out == first.output.num_rows == emitted
+    assert first.lost == 0 and first.duplicates == 0
+    # The frozen replica, starved, was not cut: its twin was.
+    cut = {(e["task"], e["partition"]): e["replica"] for e in saved.partitions}
+    assert cut[("count", 0)] == 1, saved.partitions
+    second = keyed_job(input_file, plus=1).run(from_savepoint=path, progress=False, timeout=120)
+    assert second.digests_match
+    check_continues(input_file, first.output.to_pandas(), second.output.to_pandas())
+
+
+def test_a_stop_is_cut_at_the_twins_of_a_worker_killed_before_it(input_file, tmp_path, caplog):
+    """Worker 0 (source[0], enrich[0], count[0], each replica 0) killed after the stop's
+    cuts were asked of it and before its stop point: its replicas are lost before their
+    cuts, and their twins' cuts, asked too, make the savepoint (a savepoint used to fail
+    on any replica lost before its cut)."""
+    path = str(tmp_path / "stop")
+    job = keyed_job(input_file, workers=2)
+    handle = job.start(faults=[td.KillWorker(0, at=0.6)], progress=False)
+    with caplog.at_level("INFO", logger="tandem"):
+        first = handle.stop(timeout=120, savepoint=path)
+    saved = td.Savepoint.read(path)
+    assert "savepoint written" in caplog.text
+    assert saved.epoch * saved.heartbeat_ms / 1000 > 0.6  # cut after the kill
+    lost = {(r["task"], r["partition"], r["replica"]) for r in first.lost_replicas}
+    assert ("count", 0, 0) in lost, first.lost_replicas
+    cut = {(e["task"], e["partition"]): e["replica"] for e in saved.partitions}
+    assert cut[("source", 0)] == cut[("enrich", 0)] == cut[("count", 0)] == 1
+    emitted = sum(p["rows"] for p in saved.sources["source"])
+    assert first.events_out == first.output.num_rows == emitted
+    assert first.lost == 0 and first.duplicates == 0
+    second = keyed_job(input_file, plus=1).run(from_savepoint=path, progress=False, timeout=120)
+    assert second.digests_match
+    check_continues(input_file, first.output.to_pandas(), second.output.to_pandas())
 
 
 def check_continues(input_file: str, before: pd.DataFrame, after: pd.DataFrame) -> None:

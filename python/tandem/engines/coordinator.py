@@ -1492,9 +1492,13 @@ class Coordinator:
         saving = self._saving
         if saving is not None:
             lost = sorted(saving.waiting & self.down)
+            for rid in lost:  # as one that could not be cut: a twin's cut may do
+                self._not_cut(saving, rid, f"{self.name(rid)} was lost before its cut")
+                if self._saving is not saving:  # given up, or asked again later
+                    return
             if lost:
-                self._savepoint_failed(f"{self.name(lost[0])} was lost before its cut")
-            elif time.monotonic() > saving.deadline:
+                return
+            if time.monotonic() > saving.deadline:
                 waiting = ", ".join(self.name(r) for r in sorted(saving.waiting))
                 self._savepoint_failed(
                     f"not cut within {CHECKPOINT_TIMEOUT_S:g} s (no cut came from {waiting})"
@@ -1602,7 +1606,10 @@ class Coordinator:
         in_parts = {t.id for t in savepoints.part_sinks(self.plan)}
         # Every replica of a KaZoo partition is asked: the one that leads holds its orders
         # at the heartbeat for all of them to be cut there, and is not cut itself where a
-        # twin is (its pause would pause the partition's orders).
+        # twin is (its pause would pause the partition's orders). So is every replica at a
+        # stop, which cannot be asked again later: the sources end at its heartbeat, and a
+        # replica dropped as a straggler on the way there (a burst, a busy machine) ends
+        # before it, as its twin's worker may too before a second request could reach it.
         ordered = set(self.plan.ordered_partitions())
         holds: set[ReplicaId] = set()
         for task in self.plan.tasks:
@@ -1616,7 +1623,8 @@ class Coordinator:
                     raise savepoints.failed(
                         f"{task.describe()} partition {p} has no live replica to cut"
                     )
-                rids += live if rolls or (task.id, p) in ordered else live[:1]
+                every = rolls or ask.stop or (task.id, p) in ordered
+                rids += live if every else live[:1]
                 if (task.id, p) in ordered and len(live) > 1:
                     holds.update(live)
         folder = savepoints.staging(ask.path)  # where the workers write the states
@@ -1661,39 +1669,46 @@ class Coordinator:
                 shutil.rmtree(os.path.dirname(taken.state_file), ignore_errors=True)
             return
         if taken is None:
-            saving.waiting.discard(rid)
-            saving.tried.add(rid)
-            t, p, _ = rid
-            asked = [o for o in (*saving.waiting, *saving.cuts) if o[:2] == (t, p)]
-            if asked:  # a twin was asked too (a sink in parts, KaZoo): its cut will do
-                if not saving.waiting:
-                    self._savepoint_cut(saving)
-                return
-            twins = [
-                (t, p, r)
-                for r in range(self.plan.tasks[t].replication)
-                if (t, p, r) not in saving.tried and self._alive((t, p, r))
-            ]
-            if not twins:
-                why = (
-                    f"{self.name(rid)} could not be cut at heartbeat {epoch}: it had passed "
-                    "it already, or finished (a straggler dropped by its upstream replicas)"
-                )
-                if saving.ask.stop or saving.round >= SAVEPOINT_ROUNDS:
-                    self._savepoint_failed(why)
-                else:
-                    self._savepoint_again(saving, why)
-                return
-            # A twin of it may still be before the heartbeat: ask it instead.
-            twin = twins[0]
-            w = self.worker_of[twin]
-            saving.waiting.add(twin)
-            self.host.send(w, self.current[w], SavepointRequest(epoch, saving.folder, (twin,)))
+            self._not_cut(
+                saving,
+                rid,
+                f"{self.name(rid)} could not be cut at heartbeat {epoch}: it had passed it "
+                "already, or finished (a straggler dropped by its upstream replicas)",
+            )
             return
         saving.cuts[rid] = taken
         saving.waiting.discard(rid)
         if not saving.waiting:
             self._savepoint_cut(saving)
+
+    def _not_cut(self, saving: _Saving, rid: ReplicaId, why: str) -> None:
+        """``rid``, asked for its cut in ``saving``, gives none (``why``): a twin's cut
+        will do — one asked too, or one asked now — or, with none left, the savepoint is
+        asked again at a later heartbeat or fails (a stop's, or the last round)."""
+        saving.waiting.discard(rid)
+        saving.tried.add(rid)
+        t, p, _ = rid
+        asked = [o for o in (*saving.waiting, *saving.cuts) if o[:2] == (t, p)]
+        if asked:  # a twin was asked too (a stop, a sink in parts, KaZoo): its cut will do
+            if not saving.waiting:
+                self._savepoint_cut(saving)
+            return
+        twins = [
+            (t, p, r)
+            for r in range(self.plan.tasks[t].replication)
+            if (t, p, r) not in saving.tried and self._alive((t, p, r))
+        ]
+        if not twins:
+            if saving.ask.stop or saving.round >= SAVEPOINT_ROUNDS:
+                self._savepoint_failed(why)
+            else:
+                self._savepoint_again(saving, why)
+            return
+        # A twin of it may still be before the heartbeat: ask it instead.
+        twin = twins[0]
+        w = self.worker_of[twin]
+        saving.waiting.add(twin)
+        self.host.send(w, self.current[w], SavepointRequest(saving.epoch, saving.folder, (twin,)))
 
     def _savepoint_cut(self, saving: _Saving) -> None:
         """Every cut of the savepoint is in: a thread writes it while the job goes on (and,
