@@ -405,6 +405,10 @@ impl Link for TcpLink {
         self.shared.state.lock().peer_closed
     }
 
+    fn gone(&self) -> bool {
+        self.shared.state.lock().failure.is_some() || self.socket.closed_by_peer()
+    }
+
     /// One write of every frame: the writer thread takes it while the sender goes on, and
     /// it counts as one queued frame, so a long replay neither blocks the sender nor makes
     /// the new replica look like a straggler by the frame count.
@@ -726,6 +730,35 @@ mod tests {
         let lag = l.backed_up_for(later).unwrap();
         assert!(lag > REPLAY_GRACE, "unread for the whole grace: {lag:?}");
         l.abort();
+    }
+
+    /// Wait up to 5 s for `gone` to hold.
+    fn seen_within_5_s(what: &str, gone: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !gone() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_link_knows_its_peer_is_gone_once_it_closed_before_any_send_fails() {
+        // A link to an inbox (the Unix socket a loopback address gets), its inbox closed.
+        let mut ib = inbox(1, OrderingMode::LiveRobin, 4);
+        let l = link(ib.local_addr(), &identity(0, 0));
+        assert!(!l.gone(), "a live inbox is not gone");
+        ib.close();
+        seen_within_5_s("a closed inbox never seen gone", || l.gone());
+        // A TCP stream whose peer closed its end, nothing sent either way.
+        let tcp = TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = Stream::connect(tcp.local_addr().unwrap(), Duration::from_secs(5)).unwrap();
+        assert_eq!(stream.kind(), "TCP");
+        let (served, _) = tcp.accept().unwrap();
+        assert!(!stream.closed_by_peer(), "a peer that is there is not gone");
+        drop(served);
+        seen_within_5_s("a closed TCP peer never seen gone", || {
+            stream.closed_by_peer()
+        });
     }
 
     #[test]

@@ -203,6 +203,14 @@ pub trait Link: Send {
         false
     }
 
+    /// Whether the peer is known to be gone — its link failed, or it closed or reset its
+    /// end — before a send finds out: a replica killed a moment ago still shows an empty
+    /// queue, and must not count as one that keeps up ([`Eviction`]). Checked only when a
+    /// twin lags, so it may cost a system call. The default is [`Link::peer_closed`].
+    fn gone(&self) -> bool {
+        self.peer_closed()
+    }
+
     /// Send what a channel's [`ReplayWindow`] holds to a replica that joined late, before
     /// anything else; every frame has its bytes if the link [`Link::wants_bytes`]. It must
     /// not block the sender for long: a link with a writer thread hands it the whole
@@ -1150,6 +1158,16 @@ fn evict_stragglers(
         .collect();
     let lagging = lag.iter().filter(|d| d.is_some()).count();
     if lagging == 0 || lagging == links.len() {
+        return;
+    }
+    // Only a replica that is still there keeps up: one killed a moment ago shows an empty
+    // queue until the next send finds it gone, and the straggler dropped for it would
+    // leave the partition with no replica (a rebuilt one catching up, its twin then lost).
+    if !links
+        .iter()
+        .zip(&lag)
+        .any(|(l, d)| d.is_none() && !l.gone())
+    {
         return;
     }
     let mut lag = lag.into_iter();
@@ -2123,6 +2141,19 @@ mod tests {
             assert_eq!((*fast.sent.lock(), *slow.sent.lock()), (1, 0));
             assert_eq!((ob.live_links(0), ob.backlog()), (1, 0));
         }
+        // Nor one whose only twin keeping up is gone (killed a moment ago: its queue is
+        // empty until a send finds it dead); the gone one is dropped by that send.
+        let (gone, slow) = (SlowLink::default(), SlowLink::default());
+        let links: Vec<Box<dyn Link>> = vec![Box::new(slow.clone()), Box::new(gone.clone())];
+        let mut ob =
+            Outbox::new(Partitioner::Forward, vec![links], OutboxConfig::default()).unwrap();
+        ob.evicting(Some(ev));
+        *slow.backlog.lock() = (9, Duration::from_secs(2));
+        *gone.closed.lock() = true;
+        ob.emit(&batch(0..3)).unwrap();
+        assert!(!*slow.aborted.lock(), "the last replica there was dropped");
+        assert_eq!(ob.live_links(0), 1);
+        assert_eq!(*slow.sent.lock(), 1);
         // A channel's only replica is never dropped, however slow.
         let only = SlowLink::default();
         *only.backlog.lock() = (100, Duration::from_secs(60));

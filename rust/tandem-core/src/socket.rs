@@ -67,6 +67,29 @@ impl Stream {
         both!(self, s => s.set_nonblocking(on))
     }
 
+    /// Whether the peer has closed or reset the connection, as far as this end can tell
+    /// without blocking or taking anything: a peek at the next byte finds the end of the
+    /// stream or an error. A peer that went silent with no close (its host cut off) is
+    /// not seen; bytes waiting to be read (none come after the handshake) mean it was
+    /// there when it sent them.
+    pub fn closed_by_peer(&self) -> bool {
+        let mut byte = 0u8;
+        // SAFETY: a one-byte buffer we own, on a descriptor this stream keeps open.
+        let n = unsafe {
+            libc::recv(
+                self.as_raw_fd(),
+                (&mut byte as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            0 => true,
+            n if n > 0 => false,
+            _ => peer_gone(io::Error::last_os_error().kind()),
+        }
+    }
+
     /// "TCP" or "Unix socket".
     pub fn kind(&self) -> &'static str {
         match self {
