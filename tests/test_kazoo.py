@@ -553,6 +553,42 @@ def test_a_graceful_stop_hands_leadership_over_at_once(zookeeper, kafka):
         assert handover < 1.0, f"handover took {handover:.3f} s"
 
 
+def test_an_abandoned_leader_hands_its_partition_over_while_its_worker_runs_on(zookeeper, kafka):
+    """A replica whose every downstream replica is gone (finished on its twins' copies, or
+    a sink copy lost) stops, abandoned — but its worker runs on for the other replicas it
+    hosts, with its ZooKeeper session alive. A KaZoo leader among them resigns as it
+    retires: its followers, which still feed live sinks, would otherwise wait for its
+    orders while the session lives (a run that never ended)."""
+    from types import SimpleNamespace
+
+    from tandem.runtime.replica import ReplicaReport
+    from tandem.runtime.worker import Worker
+
+    with two_contenders(kafka, "kz-abandoned") as (_, _, _, leader, twin):
+        retired = []
+        worker = SimpleNamespace(
+            core=SimpleNamespace(retire=retired.append),
+            cuts=SimpleNamespace(retire=retired.append),
+            on_starved=None,
+        )
+        rep = SimpleNamespace(
+            report=ReplicaReport(
+                task=2, partition=0, replica=0, kind="operator", abandoned="no channel left"
+            ),
+            orderer=leader,
+            slot=0,
+        )
+        stopped = time.monotonic()
+        Worker._retire(worker, rep)
+        while not twin.led and time.monotonic() < stopped + 10:
+            time.sleep(0.001)
+        assert twin.led, "the twin never took over"
+        assert leader.session.zk.connected, "the worker's session lives on"
+        # Not after the 5 s session timeout: at once.
+        assert time.monotonic() - stopped < 2.0
+        assert retired == [0, rep]
+
+
 def test_a_dead_leaders_partitions_are_led_at_once_not_after_its_session_timeout(
     zookeeper, kafka, order_readings, monkeypatch
 ):

@@ -285,6 +285,53 @@ def test_next_times_out_with_none_and_delivery_fields():
         out.emit(rows(0, 1))
 
 
+def test_a_channel_whose_downstream_finished_goes_quiet_and_the_others_are_served_on(caplog):
+    """Partition 1 of the downstream task finished (on this replica's twin's copies): its
+    inbox closed. The replicas of partition 0 may have no feed but this one (its twin
+    dropped them as a straggler): this replica goes on serving them, rather than stop
+    with their input half sent. Once no channel is left, it is abandoned."""
+    from tandem import logs as tlogs
+
+    caplog.set_level(logging.INFO, logger="tandem")
+    inboxes = [_core.Inbox(JOB, SECRET, [(0, 0)]) for _ in range(2)]
+    out = _core.Outbox(
+        JOB,
+        SECRET,
+        (0, 0, 0),
+        [[("127.0.0.1", ib.port)] for ib in inboxes],
+        partitioner="broadcast",
+        name="sender",
+    )
+    inboxes[1].close()
+
+    def quiet() -> bool:
+        assert tlogs.flush()
+        return any("output channel 1 has no live" in r.getMessage() for r in caplog.records)
+
+    sent, deadline = 0, time.monotonic() + 10
+    while not quiet():  # until the closed connection is found
+        assert time.monotonic() < deadline, "the closed inbox was never noticed"
+        out.emit(rows(sent, 64))
+        sent += 64
+        time.sleep(0.005)
+    out.heartbeat(1)
+    out.end()
+    got = []
+    while (d := inboxes[0].next(timeout=10)).kind != "end":
+        if d.kind == "data":
+            got += d.batch.column("v").to_pylist()
+    assert got == list(range(sent))
+    out.close()
+    # No channel left: abandoned.
+    again = _core.Outbox(JOB, SECRET, (0, 0, 1), [[("127.0.0.1", inboxes[0].port)]])
+    inboxes[0].close()
+    with pytest.raises(tandem.ChannelClosed, match="no output channel has a live downstream"):
+        for n in range(10_000):
+            again.emit(rows(n, 64))
+            time.sleep(0.001)
+    again.close()
+
+
 def test_an_input_whose_every_upstream_replica_is_gone_before_its_end_is_starved():
     """Both replicas of the upstream partition gone mid-stream (aborted: no end marker):
     the inbox says the input is starved — the rest will never come — rather than a quiet

@@ -241,7 +241,7 @@ def test_a_local_link_fails_like_a_closed_connection():
         _core.Outbox(JOB, SECRET, (3, 0, 0), [[inbox]])
     out = _core.Outbox(JOB, SECRET, (0, 0, 0), [[inbox]])
     inbox.close()  # the downstream replica finished
-    with pytest.raises(_core.ChannelClosed, match="no live downstream replica"):
+    with pytest.raises(_core.ChannelClosed, match="no output channel has a live downstream"):
         out.emit(rows(2))
     out.close()
 

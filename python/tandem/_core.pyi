@@ -411,8 +411,8 @@ class Outbox:
     that emit the same batches send identical frames), to every replica of the channel's
     downstream partition. Each channel keeps a cycle digest of the data it sent since its
     last heartbeat; the heartbeat carries it, so receivers can compare replicas. A replica
-    whose connection fails is dropped (logged); only a channel with no live replica raises
-    ``tandem.ChannelClosed``.
+    whose connection fails is dropped (logged); a channel with no live replica left sends
+    nothing (logged), and once no channel has one, sending raises ``tandem.ChannelClosed``.
 
     ``partitioner``: ``"forward"`` (exactly one channel: the downstream partition with this
     partition's index), ``"hash"`` (needs ``key``: an int, string or binary column; a key's

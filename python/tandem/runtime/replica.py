@@ -491,9 +491,9 @@ class Replica:
         if isinstance(exc, _core.InputStarved):
             self.report.starved = str(exc)
         elif isinstance(exc, _core.ChannelClosed):
-            # No live downstream replica is left on some output channel. Downstream only
-            # closes once it has received everything (from a faster twin of this replica);
-            # had they all crashed instead, the engine fails the job for that reason.
+            # No live downstream replica is left on any output channel: they finished on
+            # the copies of a faster twin of this replica (or crashed, which the engine
+            # handles). Nothing this replica does reaches anyone any more.
             self.report.abandoned = str(exc)
         elif isinstance(exc, DeterminismError):
             self.report.error, self.report.diverged = self._divergence(exc), True

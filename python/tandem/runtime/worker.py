@@ -604,6 +604,11 @@ class Worker:
                 rep.orderer.stop()
             if self.on_starved is not None:
                 self.on_starved(rep.me, rep.report.starved)
+        elif rep.report.abandoned is not None and rep.orderer is not None:
+            # Its output reaches no one, but its twins may still be on their way: a KaZoo
+            # leader resigns now, or its followers would wait for its orders while its
+            # worker runs on (its session alive) for the other replicas it hosts.
+            rep.orderer.stop()
         self.core.retire(rep.slot)
         self.cuts.retire(rep)
 

@@ -76,15 +76,20 @@ pub struct TcpLink {
     /// Since when the writer's queue has not been empty, as last seen
     /// ([`Link::backed_up_for`]).
     backed_up: std::cell::Cell<Option<Instant>>,
-    /// The replay handed to the writer ([`Link::replay`]) and when: while it is still being
-    /// written, for up to [`REPLAY_GRACE`], the link is catching up, not lagging.
-    replaying: std::cell::Cell<Option<(Arc<[u8]>, Instant)>>,
+    /// When a replay was handed to the writer ([`Link::replay`]), while the link has not
+    /// drained since: for up to [`REPLAY_GRACE`], the peer is catching up, not lagging, and
+    /// the queue is not bounded (the sender never waits for it).
+    catching_up: std::cell::Cell<Option<Instant>>,
 }
 
-/// How long a replica rebuilt from a twin may take to read its replay before its link
-/// counts as lagging like any other: one that never reads (wedged while it starts) must
-/// not hold its upstream replicas, and so its twins, back for good; evicted, it is
-/// rebuilt again.
+/// How long a replica rebuilt from a twin may take to catch up with its replay — read it,
+/// and then what queued behind it while it worked through it — before its link counts as
+/// lagging like any other. A rebuilt replica starts behind by its replay, and at its lower
+/// priority on a busy machine it falls further behind before it gains: taken for a
+/// straggler then, it would be rebuilt again, only to start behind again. One that never
+/// catches up (wedged while it starts) must not hold its upstream replicas, and so its
+/// twins, back for good; evicted, it is rebuilt again. Meanwhile its queue holds at most
+/// this long of the channel's frames, as a replay window does.
 pub const REPLAY_GRACE: Duration = Duration::from_secs(10);
 
 /// A [`TcpLink`] holds small frames back until the outbox pushes, up to this many bytes;
@@ -198,7 +203,7 @@ impl TcpLink {
             pending: Vec::new(),
             deferred: false,
             backed_up: std::cell::Cell::new(None),
-            replaying: std::cell::Cell::new(None),
+            catching_up: std::cell::Cell::new(None),
         })
     }
 
@@ -233,7 +238,14 @@ impl TcpLink {
                 }
             }
         } else {
-            while st.queue.len() >= self.capacity && st.failure.is_none() {
+            // A rebuilt replica catching up has no bound: it is not to hold the sender (and
+            // so its twins) back while it catches up.
+            let bound = if self.is_catching_up(Instant::now()) {
+                usize::MAX
+            } else {
+                self.capacity
+            };
+            while st.queue.len() >= bound && st.failure.is_none() {
                 shared.space.wait(&mut st);
             }
             if st.failure.is_some() {
@@ -245,6 +257,14 @@ impl TcpLink {
         shared.queued.store(st.queue.len(), Ordering::Relaxed);
         shared.work.notify_one();
         Ok(())
+    }
+
+    /// Whether the peer, handed a replay, has not drained the link since and is within its
+    /// [`REPLAY_GRACE`].
+    fn is_catching_up(&self, now: Instant) -> bool {
+        self.catching_up
+            .get()
+            .is_some_and(|handed| now.saturating_duration_since(handed) < REPLAY_GRACE)
     }
 
     /// Write as much of `bytes` as the socket takes now, without blocking; how much it took.
@@ -409,9 +429,10 @@ impl Link for TcpLink {
         self.shared.state.lock().failure.is_some() || self.socket.closed_by_peer()
     }
 
-    /// One write of every frame: the writer thread takes it while the sender goes on, and
-    /// it counts as one queued frame, so a long replay neither blocks the sender nor makes
-    /// the new replica look like a straggler by the frame count.
+    /// One write of every frame: the writer thread takes it while the sender goes on. The
+    /// link is then catching up until it first drains (for up to [`REPLAY_GRACE`]): what
+    /// queues behind the replay neither blocks the sender nor makes the new replica look
+    /// like a straggler by the frame count.
     fn replay(&mut self, frames: &[OutFrame]) -> Result<()> {
         let mut all = Vec::with_capacity(
             frames
@@ -431,11 +452,10 @@ impl Link for TcpLink {
             return Ok(());
         }
         self.push()?;
-        let all: Arc<[u8]> = all.into();
-        self.write(Arc::clone(&all))?;
+        self.write(all.into())?;
         if self.shared.queued.load(Ordering::Relaxed) > 0 {
             // The writer thread has the rest of it.
-            self.replaying.set(Some((all, Instant::now())));
+            self.catching_up.set(Some(Instant::now()));
         }
         Ok(())
     }
@@ -443,30 +463,27 @@ impl Link for TcpLink {
     fn backed_up_for(&self, now: Instant) -> Option<Duration> {
         if self.shared.queued.load(Ordering::Relaxed) == 0 {
             self.backed_up.set(None);
+            self.catching_up.set(None); // caught up
             return Some(Duration::ZERO);
         }
-        if let Some((replay, handed)) = self.replaying.take() {
-            let st = self.shared.state.lock();
-            if st
-                .queue
-                .front()
-                .is_some_and(|(f, _)| Arc::ptr_eq(f, &replay))
-            {
-                drop(st);
-                if now.saturating_duration_since(handed) < REPLAY_GRACE {
-                    // A replica catching up on its replay is not a straggler (yet).
-                    self.replaying.set(Some((replay, handed)));
-                    self.backed_up.set(None);
-                    return Some(Duration::ZERO);
-                }
-                // Not read for the whole grace: backed up since it was handed over.
-                self.backed_up.set(Some(handed));
-                return Some(now.saturating_duration_since(handed));
+        if let Some(handed) = self.catching_up.get() {
+            if self.is_catching_up(now) {
+                // A replica catching up on its replay is not a straggler (yet).
+                self.backed_up.set(None);
+                return Some(Duration::ZERO);
             }
+            // Not caught up in the whole grace: backed up since it was handed its replay.
+            self.catching_up.set(None);
+            self.backed_up.set(Some(handed));
+            return Some(now.saturating_duration_since(handed));
         }
         let since = self.backed_up.get().unwrap_or(now);
         self.backed_up.set(Some(since));
         Some(now.saturating_duration_since(since))
+    }
+
+    fn catching_up(&self) -> bool {
+        self.catching_up.get().is_some()
     }
 }
 
@@ -729,6 +746,48 @@ mod tests {
         let later = now + REPLAY_GRACE + Duration::from_secs(1);
         let lag = l.backed_up_for(later).unwrap();
         assert!(lag > REPLAY_GRACE, "unread for the whole grace: {lag:?}");
+        l.abort();
+    }
+
+    #[test]
+    fn a_replica_catching_up_on_its_replay_neither_blocks_the_sender_nor_lags_by_frames() {
+        // A rebuilt replica that reads slowly: the frames sent behind its replay pile up
+        // past the queue's bound, and the sender never waits for it.
+        let ib = inbox(1, OrderingMode::LiveRobin, 1);
+        let mut l = link(ib.local_addr(), &identity(0, 0));
+        let beat = |s: u64| OutFrame {
+            item: Item::Heartbeat {
+                seq: s,
+                epoch: s + 1,
+            },
+            digest: None,
+            bytes: Some(wire::encode_heartbeat(0, s, s + 1).into()),
+        };
+        let frames: Vec<OutFrame> = (0..1_000_000u64).map(beat).collect();
+        l.replay(&frames).unwrap();
+        let behind = 4 * LinkConfig::default().queue_frames;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sender = std::thread::spawn(move || {
+            for s in 0..behind as u64 {
+                l.send(&beat(1_000_000 + s)).unwrap();
+            }
+            tx.send(()).unwrap();
+            l
+        });
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("the sender waited for a replica catching up");
+        let mut l = sender.join().unwrap();
+        assert!(l.backlog() > LinkConfig::default().queue_frames);
+        let now = Instant::now();
+        assert_eq!(l.backed_up_for(now), Some(Duration::ZERO));
+        assert!(
+            l.catching_up(),
+            "behind by the frame count, yet catching up"
+        );
+        // Not caught up in the whole grace: lagging since its replay, like any link.
+        let lag = l.backed_up_for(now + REPLAY_GRACE).unwrap();
+        assert!(lag >= REPLAY_GRACE, "{lag:?}");
+        assert!(!l.catching_up());
         l.abort();
     }
 

@@ -211,6 +211,14 @@ pub trait Link: Send {
         self.peer_closed()
     }
 
+    /// Whether the peer is a replica rebuilt from a twin that has not yet caught up with
+    /// its replay ([`Link::replay`]): what queues meanwhile says it is catching up, not that
+    /// it is slow, so it is no straggler by the frame count ([`Eviction`]). As of the last
+    /// [`Link::backed_up_for`]. The default (a link that replays nothing) is false.
+    fn catching_up(&self) -> bool {
+        false
+    }
+
     /// Send what a channel's [`ReplayWindow`] holds to a replica that joined late, before
     /// anything else; every frame has its bytes if the link [`Link::wants_bytes`]. It must
     /// not block the sender for long: a link with a writer thread hands it the whole
@@ -225,7 +233,8 @@ pub trait Link: Send {
 /// through it, the twins it also feeds. A link lags once `frames` frames wait for its peer
 /// or frames have waited for `after`; it is dropped only while another link of the channel
 /// does not lag (a channel whose every replica is slow is back-pressure, and waits). To the
-/// dropped replica this looks like a crash of this one.
+/// dropped replica this looks like a crash of this one. A replica rebuilt from a twin lags
+/// by the clock only until it has caught up with its replay ([`Link::catching_up`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Eviction {
     pub frames: usize,
@@ -336,6 +345,8 @@ struct Channel {
     digest: CycleDigest,
     /// What a replica that joins late is sent first (None: nothing is kept).
     replay: Option<Replay>,
+    /// The channel lost its every link and that was logged (a link added revives it).
+    bare: bool,
 }
 
 /// A change of the channel set armed for heartbeat `epoch` ([`Outbox::switch_at`]).
@@ -424,6 +435,7 @@ impl Outbox {
                 next_seq: 0,
                 digest: CycleDigest::new(),
                 replay: None,
+                bare: false,
             })
             .collect();
         Ok(Outbox {
@@ -542,6 +554,7 @@ impl Outbox {
                 if !new.is_empty() {
                     self.retiring.append(&mut ch.links);
                     ch.links = new;
+                    ch.bare = false;
                 }
             } else {
                 self.channels.push(Channel {
@@ -552,6 +565,7 @@ impl Outbox {
                         after: epoch,
                         ..Replay::default()
                     }),
+                    bare: false,
                 });
                 self.seqs.push(0);
             }
@@ -573,11 +587,12 @@ impl Outbox {
         self.eviction = eviction;
     }
 
-    /// Let a channel lose its every link without failing (`on`): what it emits meanwhile
-    /// goes only to its replay window ([`Outbox::keep_replay`]), and a downstream replica
-    /// rebuilt from a checkpoint gets it through [`Outbox::add_link`]. For a job without
-    /// twins (replication 1) that rolls lost replicas back instead; off by default, where a
-    /// channel with no live link left fails the next send with [`Error::Closed`].
+    /// Let every channel lose its every link without failing (`on`): what it emits
+    /// meanwhile goes only to its replay window ([`Outbox::keep_replay`]), and a downstream
+    /// replica rebuilt from a checkpoint gets it through [`Outbox::add_link`]. For a job
+    /// without twins (replication 1) that rolls lost replicas back instead; off by
+    /// default, where the next call that sends fails with [`Error::Closed`] once no channel
+    /// has a live link left (one channel without links is only logged).
     pub fn hold_orphans(&mut self, on: bool) {
         self.orphans = on;
     }
@@ -666,6 +681,7 @@ impl Outbox {
         link.defer(self.deferred);
         link.replay(&frames)?;
         ch.links.push(link);
+        ch.bare = false;
         Ok(())
     }
 
@@ -744,17 +760,14 @@ impl Outbox {
                     digest: None,
                     bytes: frame.bytes,
                 };
-                if let Err(e) = send_all(
+                send_all(
                     self.me.as_ref(),
                     self.eviction,
-                    self.orphans,
                     c,
                     &mut ch.links,
                     &out,
                     &mut self.evicted,
-                ) {
-                    first_err.get_or_insert(e);
-                }
+                );
                 if let Some(r) = ch.replay.as_mut() {
                     let size = out
                         .bytes
@@ -766,7 +779,7 @@ impl Outbox {
             self.seqs[c] = ch.next_seq;
         }
         self.push_unless_deferred();
-        first_err.map_or(Ok(()), Err)
+        first_err.map_or_else(|| self.served(), Err)
     }
 
     /// Send one heartbeat of cycle `epoch` on every channel (each takes one seq), carrying
@@ -815,7 +828,7 @@ impl Outbox {
     }
 
     /// Write out what the links hold back ([`Link::push`]). A link that fails is dropped,
-    /// as on `send`; a channel left with no live link fails the next call that sends on it.
+    /// as on `send`; once no channel has a live link left, the next call that sends fails.
     pub fn push(&mut self) {
         for (c, ch) in self.channels.iter_mut().enumerate() {
             if let Some(ev) = self.eviction {
@@ -941,7 +954,6 @@ impl Outbox {
     /// channel, each taking one seq: heartbeat `epoch` carrying the digest, or (None) the
     /// end marker, whose digest is recorded under epoch `u64::MAX`.
     fn control(&mut self, heartbeat: Option<u64>) -> Result<()> {
-        let mut first_err = None;
         let cycle = heartbeat.unwrap_or(u64::MAX);
         for (c, ch) in self.channels.iter_mut().enumerate() {
             let digest = ch.digest.close(cycle);
@@ -967,29 +979,66 @@ impl Outbox {
             };
             ch.next_seq += 1;
             self.seqs[c] = ch.next_seq;
-            if let Err(e) = send_all(
+            send_all(
                 self.me.as_ref(),
                 self.eviction,
-                self.orphans,
                 c,
                 &mut ch.links,
                 &out,
                 &mut self.evicted,
-            ) {
-                first_err.get_or_insert(e);
-            }
+            );
             if let (Some(r), Some(window)) = (ch.replay.as_mut(), self.window.as_ref()) {
                 r.push(&out, CONTROL_FRAME_BYTES);
                 r.trim(window);
             }
         }
         self.push_unless_deferred();
-        first_err.map_or(Ok(()), Err)
+        self.served()
     }
 
     fn push_unless_deferred(&mut self) {
         if !self.deferred {
             self.push();
+        }
+    }
+
+    /// Whether this replica's output still reaches anyone: an error once no channel has a
+    /// live link left (unless it [`Outbox::hold_orphans`]) — every downstream replica
+    /// finished on its twins' copies, or is gone. A channel that lost its every link while
+    /// others have some is only logged: its downstream replicas finished (or were lost,
+    /// which is the engine's to handle), and the replicas downstream on the other channels
+    /// may have no other feed than this one (their upstream twin dropped them as a
+    /// straggler): they are served on.
+    fn served(&mut self) -> Result<()> {
+        if self.orphans {
+            return Ok(());
+        }
+        let served = self.channels.iter().any(|ch| !ch.links.is_empty());
+        for (c, ch) in self.channels.iter_mut().enumerate() {
+            if !ch.links.is_empty() || ch.bare {
+                continue;
+            }
+            ch.bare = true;
+            if served {
+                log_replica!(
+                    Level::Info,
+                    OUTBOX,
+                    self.me.as_ref(),
+                    "{}: output channel {c} has no live downstream replica left (they \
+                     finished on its twins' copies, or are gone); its other channels are \
+                     served on",
+                    who(self.me.as_ref())
+                );
+            }
+        }
+        if served {
+            Ok(())
+        } else {
+            Err(Error::Closed(
+                "no output channel has a live downstream replica left (every link failed): \
+                 its output cannot be delivered"
+                    .to_owned(),
+            ))
         }
     }
 }
@@ -1081,33 +1130,24 @@ fn frames(
     Ok(out)
 }
 
-/// Send `frame` to every link of channel `c`; a link that fails is dropped (logged). Only
-/// a channel left with no live link is an error: nobody can receive its output.
+/// Send `frame` to every link of channel `c`; a link that fails is dropped (logged). A
+/// channel with no live link sends nothing ([`Outbox::served`] says whether that is an
+/// error).
 fn send_all(
     me: Option<&ReplicaTag>,
     eviction: Option<Eviction>,
-    orphans: bool,
     c: usize,
     links: &mut Vec<Box<dyn Link>>,
     frame: &OutFrame,
     evicted: &mut Vec<(usize, String)>,
-) -> Result<()> {
+) {
     if links.is_empty() {
-        return if orphans {
-            Ok(())
-        } else {
-            Err(closed_channel(c))
-        };
+        return;
     }
     if let Some(ev) = eviction {
         evict_stragglers(me, &ev, c, links, evicted);
     }
     retain_live(me, c, links, |link| link.send(frame));
-    if links.is_empty() && !orphans {
-        Err(closed_channel(c))
-    } else {
-        Ok(())
-    }
 }
 
 /// Apply `op` to every link of channel `c`, dropping (and logging) each one it fails on:
@@ -1153,7 +1193,7 @@ fn evict_stragglers(
         .iter()
         .map(|l| {
             l.backed_up_for(now)
-                .filter(|&d| d >= ev.after || l.backlog() >= ev.frames)
+                .filter(|&d| d >= ev.after || (l.backlog() >= ev.frames && !l.catching_up()))
         })
         .collect();
     let lagging = lag.iter().filter(|d| d.is_some()).count();
@@ -1205,13 +1245,6 @@ fn failure_level(link: &dyn Link) -> Level {
 /// How a log line names the sending replica.
 fn who(me: Option<&ReplicaTag>) -> &str {
     me.map_or("outbox", |m| m.name.as_str())
-}
-
-fn closed_channel(c: usize) -> Error {
-    Error::Closed(format!(
-        "output channel {c} has no live downstream replica left (every link failed); its output \
-         cannot be delivered"
-    ))
 }
 
 /// The channel key group `group` of `key_groups` goes to among `channels`: groups are
@@ -2170,23 +2203,30 @@ mod tests {
     }
 
     #[test]
-    fn a_channel_with_every_link_dead_is_closed_but_others_still_receive() {
+    fn a_channel_with_every_link_dead_goes_quiet_while_others_are_served_on() {
+        // Channel 1's downstream replicas finished on this replica's twin's copies (or are
+        // gone): channel 0's may have no other feed than this replica, which goes on.
         let links = mem(2, 2);
         let mut ob = outbox(Partitioner::Broadcast, &links, 1);
         *links[1][0].fail.lock() = true;
         *links[1][1].fail.lock() = true;
-        let err = ob.emit(&batch(0..1)).unwrap_err();
+        ob.emit(&batch(0..1)).unwrap();
+        assert_eq!(ob.live_links(1), 0);
+        ob.heartbeat(1).unwrap();
+        ob.emit(&batch(1..2)).unwrap();
+        for link in &links[0] {
+            let kinds: Vec<char> = link.summary().iter().map(|f| f.0).collect();
+            assert_eq!(kinds, ['D', 'H', 'D'], "channel 0 is served on");
+        }
+        // No channel left: nothing this replica sends reaches anyone.
+        *links[0][0].fail.lock() = true;
+        *links[0][1].fail.lock() = true;
+        let err = ob.emit(&batch(2..3)).unwrap_err();
         assert!(
-            matches!(&err, Error::Closed(m) if m.contains("channel 1")),
+            matches!(&err, Error::Closed(m) if m.contains("no output channel")),
             "{err}"
         );
-        assert_eq!(
-            links[0][0].frames.lock().len(),
-            1,
-            "channel 0 still got its frame"
-        );
-        assert!(matches!(ob.heartbeat(1), Err(Error::Closed(_))));
-        assert_eq!(links[0][1].summary()[1], ('H', 1, 1, vec![]));
+        assert!(matches!(ob.heartbeat(2), Err(Error::Closed(_))));
     }
 
     #[test]
