@@ -234,7 +234,8 @@ pub trait Link: Send {
 /// or frames have waited for `after`; it is dropped only while another link of the channel
 /// does not lag (a channel whose every replica is slow is back-pressure, and waits). To the
 /// dropped replica this looks like a crash of this one. A replica rebuilt from a twin lags
-/// by the clock only until it has caught up with its replay ([`Link::catching_up`]).
+/// by neither rule until it has caught up with its replay or its grace ran out
+/// ([`Link::catching_up`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Eviction {
     pub frames: usize,
@@ -1141,9 +1142,6 @@ fn send_all(
     frame: &OutFrame,
     evicted: &mut Vec<(usize, String)>,
 ) {
-    if links.is_empty() {
-        return;
-    }
     if let Some(ev) = eviction {
         evict_stragglers(me, &ev, c, links, evicted);
     }
