@@ -648,9 +648,9 @@ def test_kazoo_a_leader_host_cut_off_is_replaced_and_its_late_orders_fenced(clus
     assert f"count[0]/{old}" in gone, result["lost_replicas"]
     operators = {r for r in on_victim if not r.startswith("sink")}
     assert operators <= gone <= on_victim and restored == operators, result["lost_replicas"]
-    # The old leader's term went with its report (its worker was fenced): a twin's follows
-    # it, with a higher epoch, about a session timeout after the cut (the session's
-    # expiry, then the election).
+    # The old leader's report went with its fenced worker (its term is known from what
+    # it announced as it won): a twin's term follows it, with a higher epoch, about a
+    # session timeout after the cut (the session's expiry, then the election).
     terms = result["leaders"]["count[0]"]
     after = [t for t in terms if t["from_s"] > result["faulted_s"]]
     assert after and after[0]["replica"] != old and after[0]["epoch"] > 1, terms

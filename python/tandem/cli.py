@@ -535,7 +535,9 @@ def print_summary(r: tandem.Result) -> None:
         print(f"  {k:<{width}}  {v}")
     for name, terms in r.leaders.items():
         led = ", ".join(
-            f"r{t['replica']} (epoch {t['epoch']}, from {t['from_s']:.2f} s)" for t in terms
+            f"r{t['replica']} (epoch {t['epoch']}, from {t['from_s']:.2f} s"
+            + (", lost while leading)" if t["until_s"] is None else ")")
+            for t in terms
         )
         print(f"  leaders of {name}: {led}")
     for e in r.determinism_errors:

@@ -72,7 +72,9 @@ class Result:
     digests differed (each is also logged as a DeterminismError; ``digests_match`` is then
     false); ``rss_mb``, the peak resident memory of each replica process (engines that measure
     it). ``leaders``, for KaZoo-ordered partitions (by ``"task[partition]"``): who led, in epoch
-    order — ``{"replica", "epoch", "from_s", "until_s"}``, seconds from the run's start;
+    order — ``{"replica", "epoch", "from_s", "until_s"}``, seconds from the run's start
+    (``until_s`` None: the replica was lost while leading — its term ended before the next
+    epoch's ``from_s``);
     ``kazoo_sessions`` (not in JSON), one per worker that hosts KaZoo-ordered replicas: its
     ZooKeeper session's ``name``, how often it was ``suspended`` or ``expired``, and the
     deposed leaders' orders its replicas ``fenced`` off (one record each: ``task`` id,

@@ -184,6 +184,7 @@ def assemble_result(
     rss_mb: dict[str, float] | None = None,
     kazoo: KazooRun | None = None,
     drained: bool = True,
+    leads: Iterable[tuple[ReplicaId, int, int]] = (),
 ) -> Result:
     """The :class:`Result` of a run of ``plan`` for ``duration`` seconds from ``t0_ns``
     (``drained``: its operators emitted their final output at the end — not when it
@@ -234,7 +235,7 @@ def assemble_result(
         warmup,
     )
     _digests(res, plan, reports)
-    _leaders(res, plan, reports)
+    _leaders(res, plan, reports, leads)
     if check:
         _check(res, plan, duration, reports, chosen, kazoo, drained)
     else:  # not measured: say so rather than report a reassuring zero
@@ -336,24 +337,43 @@ def _digests(res: Result, plan: Plan, reports: Mapping[ReplicaId, ReplicaReport]
         log.error("DeterminismError: %s", m)
 
 
-def _leaders(res: Result, plan: Plan, reports: Mapping[ReplicaId, ReplicaReport]) -> None:
-    """Who led each KaZoo partition, in epoch order (a replica that died while leading is
-    known from its successor's higher epoch only)."""
+def _leaders(
+    res: Result,
+    plan: Plan,
+    reports: Mapping[ReplicaId, ReplicaReport],
+    leads: Iterable[tuple[ReplicaId, int, int]] = (),
+) -> None:
+    """Who led each KaZoo partition, in epoch order: each term from the report of the
+    replica that led it, and a term whose replica was lost while leading (it reports
+    nothing) from what its worker announced as it won the election (``leads``:
+    :class:`~tandem.engines.protocol.Leads`), with ``until_s`` None — it ended with its
+    replica, before the next epoch's ``from_s``."""
     terms: dict[str, list[dict]] = {}
     sessions: dict[str, dict] = {}
-    for (t, p, r), rep in sorted(reports.items()):
+    reported: set[tuple[ReplicaId, int]] = set()
+
+    def term(rid: ReplicaId, epoch: int, since_ns: int, until_ns: int | None) -> None:
+        t, p, r = rid
+        terms.setdefault(f"{plan.tasks[t].name}[{p}]", []).append(
+            {
+                "replica": r,
+                "epoch": epoch,
+                "from_s": round((since_ns - res.t0_ns) / 1e9, 3),
+                "until_s": None if until_ns is None else round((until_ns - res.t0_ns) / 1e9, 3),
+            }
+        )
+
+    for rid, rep in sorted(reports.items()):
         session = (rep.ordering_stats or {}).get("session")
         if session is not None:
             sessions[session["name"]] = session
-        for term in (rep.ordering_stats or {}).get("led", []):
-            terms.setdefault(f"{plan.tasks[t].name}[{p}]", []).append(
-                {
-                    "replica": r,
-                    "epoch": term["epoch"],
-                    "from_s": round((term["since_ns"] - res.t0_ns) / 1e9, 3),
-                    "until_s": round((term["until_ns"] - res.t0_ns) / 1e9, 3),
-                }
-            )
+        for led in (rep.ordering_stats or {}).get("led", []):
+            reported.add((rid, led["epoch"]))
+            term(rid, led["epoch"], led["since_ns"], led["until_ns"])
+    for rid, epoch, since_ns in sorted(set(leads)):
+        if (rid, epoch) not in reported:
+            reported.add((rid, epoch))
+            term(rid, epoch, since_ns, None)
     res.leaders = {k: sorted(v, key=lambda x: x["epoch"]) for k, v in sorted(terms.items())}
     res.kazoo_sessions = [sessions[name] for name in sorted(sessions)]
 

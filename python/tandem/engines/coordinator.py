@@ -69,6 +69,7 @@ from tandem.engines.protocol import (
     Evicted,
     Failed,
     Go,
+    Leads,
     Link,
     Linked,
     Message,
@@ -90,7 +91,7 @@ from tandem.engines.protocol import (
     Waiting,
     expect,
 )
-from tandem.exceptions import ConfigError, TandemError
+from tandem.exceptions import ConfigError, ServiceUnavailable, TandemError
 from tandem.faults import Chaos, KillHeartbeats, KillWorker, Pause, ReplicaFault
 from tandem.heartbeat import Generators
 from tandem.ordering import kazoo
@@ -137,6 +138,11 @@ switch done before it says which workers did not."""
 
 DEFER_STEP_S = 0.05
 """How often a kill waiting for a rebuild (:class:`_Deferred`) looks again."""
+
+ELECTION_WAIT_S = 10.0
+"""A fault naming a KaZoo role (``replica="leader"``) while no live replica holds it (an
+election under way) looks again for up to one session timeout and this long, then is
+dropped with a warning."""
 
 STUCK_REPORT_S = 2.0
 """A run that timed out: how long its running workers have to send the snapshot its error
@@ -450,6 +456,9 @@ class Coordinator:
             for p in range(t.parallelism)
         }
         self.handovers: list[dict] = []
+        self.leads: list[tuple[ReplicaId, int, int]] = []
+        """KaZoo: every term a replica announced (:class:`Leads`): ``(rid, epoch,
+        since_ns)``; those of replicas lost while leading are known from here only."""
         self.evictions: dict[tuple[ReplicaId, int], set[ReplicaId]] = {}
         self._sinks_done_at: float | None = None
         """(replica, its worker's incarnation) -> the upstream replicas that dropped it."""
@@ -764,6 +773,9 @@ class Coordinator:
         said = getattr(event, "message", None)
         if isinstance(said, Alive | Done) and said.cpu_s is not None:
             self.cpu_s[(w, inc)] = said.cpu_s  # a fenced one's too: its work was done
+        if isinstance(said, Leads):  # a fenced one's too: it did lead
+            self.leads.append((said.rid, said.epoch, said.since_ns))
+            return
         rj = self.rejoins.get(w)
         if rj is not None and rj.incarnation == inc and rj.state != "linking":
             if isinstance(event, Exited):
@@ -2061,12 +2073,34 @@ class Coordinator:
         w = self.worker_of[rid]
         return rid not in self.down and w in self.running
 
-    def _resolve(self, task: int, partition: int, role: str) -> int:
-        """The replica index holding ``role`` in a KaZoo partition right now."""
+    def _resolve(self, task: int, partition: int, role: str) -> int | None:
+        """The replica index holding ``role`` in a KaZoo partition right now; None while
+        its election is under way or ZooKeeper does not answer (the fault looks again:
+        this never waits on the coordinator's thread)."""
         alive = [
             r for r in range(self.plan.tasks[task].replication) if self._alive((task, partition, r))
         ]
-        return kazoo.resolve_role(self.zoo, task, partition, role, alive)
+        try:
+            if self.releaser is not None:
+                leader = self.releaser.leader(task, partition)
+            else:
+                leader = kazoo.current_leader(self.zoo, task, partition, timeout=1.0)
+        except ServiceUnavailable as exc:
+            log.info("fault on task %d partition %d: %s; looking again", task, partition, exc)
+            return None
+        where = f"{self.plan.tasks[task].describe()} partition {partition}"
+        return kazoo.resolve_role(role, leader, alive, where)
+
+    def _last_live(self, task: int, partition: int) -> bool:
+        """Whether partition ``(task, partition)`` is down to one live replica while its
+        other replicas are being rebuilt (no kill may take that one)."""
+        rids = [(task, partition, r) for r in range(self.plan.tasks[task].replication)]
+        live = [rid for rid in rids if rid not in self.down]
+        return (
+            len(rids) > 1
+            and len(live) == 1
+            and all(self.worker_of[rid] in self.rejoins for rid in rids if rid in self.down)
+        )
 
     def _chaos_step(self, now_s: float) -> None:
         """Kill a random worker of replicated tasks once the chaos schedule says so and
@@ -2141,10 +2175,30 @@ class Coordinator:
             task = self.plan.task(fault.task)
             replica = fault.replica
             if isinstance(replica, str):
+                if not isinstance(fault, Pause) and self._last_live(task.id, fault.partition):
+                    # Whichever replica holds the role, it is the partition's last: wait
+                    # for the rebuild (below) without asking ZooKeeper every step.
+                    self._defer(fault, now_s, due, deferred, f"{task.name}[{fault.partition}]")
+                    return
                 try:
                     replica = self._resolve(task.id, fault.partition, replica)
                 except TandemError as exc:
                     log.warning("fault %r: %s", fault, exc)
+                    return
+                if replica is None:  # an election under way: look again in a moment
+                    timeout = self.zoo.config.session_timeout_s + ELECTION_WAIT_S
+                    if now_s < due + timeout:
+                        pending.append(_Deferred(fault, now_s + DEFER_STEP_S, due))
+                        pending.sort(key=lambda f: f.at)
+                    else:
+                        log.warning(
+                            "fault %r: %s partition %d had no live %s for %.0f s",
+                            fault,
+                            task.describe(),
+                            fault.partition,
+                            fault.replica,
+                            timeout,
+                        )
                     return
             rid = (task.id, fault.partition, replica)
             w = self.worker_of[rid]
@@ -2152,14 +2206,7 @@ class Coordinator:
             # The twins are still being rebuilt: this kill would take the last live replica
             # of a partition. It comes once they are back (restore_ms varies with the
             # machine's load; the job is not to fail because a rebuild was slow).
-            if not deferred:
-                log.info(
-                    "fault: %s waits for the rebuild of its twins (at %.2f s)",
-                    self.worker_name(w),
-                    now_s,
-                )
-            pending.append(_Deferred(fault, now_s + DEFER_STEP_S, due))
-            pending.sort(key=lambda f: f.at)
+            self._defer(fault, now_s, due, deferred, self.worker_name(w))
             return
         record = {
             **fault.to_dict(),
@@ -2191,6 +2238,13 @@ class Coordinator:
             "fault: SIGKILL %s (hosting %s) at %.2f s", self.worker_name(w), self.name(rid), now_s
         )
         self._kill_worker(w, now_s, "killed")
+
+    def _defer(self, fault, now_s: float, due: float, deferred: bool, what: str) -> None:
+        """Look at kill ``fault`` again in a moment: its victim's twins are being rebuilt."""
+        if not deferred:
+            log.info("fault: %s waits for the rebuild of its twins (at %.2f s)", what, now_s)
+        self.pending.append(_Deferred(fault, now_s + DEFER_STEP_S, due))
+        self.pending.sort(key=lambda f: f.at)
 
     def _twins_rebuilding(self, w: int) -> bool:
         """Whether worker ``w`` hosts the last live replica of a partition whose other
@@ -2272,6 +2326,7 @@ class Coordinator:
             rss_mb=getattr(self.host, "rss_mb", {}),
             kazoo=self.zoo,
             drained=self.drain,
+            leads=self.leads,
         )
         result.restored_replicas = list(self.restored)
         result.workers_cpu_s = sum(self.cpu_s.values()) if self.cpu_s else None

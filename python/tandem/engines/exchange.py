@@ -39,6 +39,7 @@ from tandem.engines.protocol import (
     Failed,
     Freeze,
     Go,
+    Leads,
     Link,
     Linked,
     Message,
@@ -150,8 +151,27 @@ def serve(
         if isinstance(msg, Exit):
             return None
         resume = msg.cuts
+    sending = threading.Lock()
+    running = threading.Event()  # set once the run started (Go): sends go out from then
+    held: list[Message] = []  # what the worker announced before that
+
+    def send(message: Message) -> None:
+        with sending, contextlib.suppress(OSError):
+            conn.send(message)
+
+    def announce(message: Message) -> None:
+        with sending:
+            if not running.is_set():
+                held.append(message)
+                return
+        send(message)
+
     try:
         worker = Worker(plan, rids, secret, kazoo=kazoo, resume=resume)
+        if worker.kazoo is not None:
+            # Its replicas contend from bind() on: a term won before the run starts is
+            # announced as it starts.
+            worker.kazoo.on_lead = lambda rid, epoch, since: announce(Leads(rid, epoch, since))
         if resume is not None:
             # Load the operators' state before the upstream replicas start replaying to
             # them (they are linked once this worker is ready).
@@ -172,11 +192,12 @@ def serve(
     go = expect(recv("start signal"), Go, Exit, what="before the run")
     if isinstance(go, Exit):
         return None
-    sending = threading.Lock()
-
-    def send(message: Message) -> None:
-        with sending, contextlib.suppress(OSError):
-            conn.send(message)
+    with sending:
+        running.set()
+        for message in held:
+            with contextlib.suppress(OSError):
+                conn.send(message)
+        held.clear()
 
     folders: dict[Any, str] = {}  # cut token -> where the coordinator wants large states
 

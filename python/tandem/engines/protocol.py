@@ -26,7 +26,8 @@ The exchange, in order:
   :class:`Crash` and :class:`Freeze` (where the worker cannot be signalled); worker →
   coordinator: :class:`CutTaken`, :class:`Linked`, :class:`Started`, :class:`Evicted`,
   :class:`Starved`, :class:`Failed`, :class:`Metrics`, :class:`Checkpointed`,
-  :class:`Savepointed`, :class:`Rescaled` (each step of a live rescale), :class:`Alive`
+  :class:`Savepointed`, :class:`Rescaled` (each step of a live rescale), :class:`Leads`
+  (a KaZoo replica won its partition's election), :class:`Alive`
   (a keepalive);
 - last, worker → coordinator: :class:`Done`.
 
@@ -44,7 +45,7 @@ from typing import Any, TypeVar
 
 from tandem.exceptions import ProtocolError
 
-VERSION = 3
+VERSION = 4
 """The version of this protocol; a coordinator and a worker of different versions refuse
 each other (a cluster whose executors run another tandem than the driver)."""
 
@@ -359,6 +360,18 @@ class Rescaled(Message):
     id: int
     what: str
     details: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Leads(Message):
+    """KaZoo: replica ``rid`` leads its partition with ``epoch`` since ``since_ns`` (wall
+    clock), sent the moment it won the election. A replica's own report names the terms
+    it led too, but a replica lost while leading reports nothing: this is how its term is
+    known."""
+
+    rid: ReplicaId
+    epoch: int
+    since_ns: int
 
 
 @dataclass(frozen=True, slots=True)

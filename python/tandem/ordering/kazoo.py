@@ -279,9 +279,16 @@ def read_orders(run: KazooRun, channels: dict[tuple[int, int], int], timeout: fl
     return {(t, p): follow[run.slot(t, p)].drain() for t, p in run.partitions}
 
 
-def current_leader(run: KazooRun, task: int, partition: int, timeout: float = 5.0) -> int | None:
-    """The replica index currently leading ``(task, partition)``, or None if none does.
+def current_leader(
+    run: KazooRun, task: int, partition: int, timeout: float = 5.0, zk: Any = None
+) -> int | None:
+    """The replica index currently leading ``(task, partition)``, or None if none does —
+    asked on ``zk`` (a started client), or on a client of its own.
     Raises ``ServiceUnavailable`` if ZooKeeper does not answer within ``timeout``."""
+    if zk is not None:
+        # zk.retry rides out a connection loss (a loaded machine, a restarting server).
+        contenders = zk.retry(zk.Lock(run.zk_path(task, partition)).contenders)
+        return int(contenders[0].split(":")[2]) if contenders else None
     from kazoo.client import KazooClient
     from kazoo.handlers.threading import KazooTimeoutError
 
@@ -298,12 +305,10 @@ def current_leader(run: KazooRun, task: int, partition: int, timeout: float = 5.
             f"ZooKeeper at {run.config.zk_hosts} did not answer within {timeout:.0f} s"
         ) from exc
     try:
-        # zk.retry rides out a connection loss (a loaded machine, a restarting server).
-        contenders = zk.retry(zk.Lock(run.zk_path(task, partition)).contenders)
+        return current_leader(run, task, partition, zk=zk)
     finally:
         zk.stop()
         zk.close()
-    return int(contenders[0].split(":")[2]) if contenders else None
 
 
 class Releaser:
@@ -372,6 +377,23 @@ class Releaser:
         self.released += done
         return done
 
+    def leader(self, task: int, partition: int, timeout: float = 1.0) -> int | None:
+        """The replica leading ``(task, partition)`` now (None: none does), asked on this
+        releaser's client, already connected: a ZooKeeper round trip, no session set-up.
+        Raises ``ServiceUnavailable`` if no answer comes within ``timeout``."""
+        from concurrent.futures import TimeoutError as NoAnswer
+
+        future = self._pool.submit(
+            lambda: current_leader(self.run, task, partition, zk=self._connect())
+        )
+        try:
+            return future.result(timeout)
+        except NoAnswer as exc:
+            raise ServiceUnavailable(
+                f"ZooKeeper at {self.run.config.zk_hosts} did not name the leader of task "
+                f"{task} partition {partition} within {timeout:g} s"
+            ) from exc
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         if self._zk is not None:
@@ -380,23 +402,17 @@ class Releaser:
                 self._zk.close()
 
 
-def resolve_role(run: KazooRun, task: int, partition: int, role: str, alive: list[int]) -> int:
+def resolve_role(role: str, leader: int | None, alive: list[int], where: str) -> int | None:
     """The replica index holding ``role`` (``"leader"`` or ``"follower"``) of an ordered
-    partition right now, among the ``alive`` replicas — waiting up to one session timeout
-    and a bit if an election is under way (what a fault naming a role resolves to).
-    Raises ``TandemError`` if no live replica holds it."""
-    deadline = time.monotonic() + run.config.session_timeout_s + 10.0
-    leader = None
-    while True:
-        with contextlib.suppress(ServiceUnavailable):  # a busy or restarting server
-            leader = current_leader(run, task, partition)
-        if leader in alive or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    where = f"task {task} partition {partition}"
+    partition (``where``, for the error) whose election node ``leader`` leads now, among
+    the ``alive`` replicas (what a fault naming a role resolves to). None while an election
+    is under way (the leading node is no live replica's: a dead leader's node not deleted
+    yet, or none); ``TandemError`` if no live replica can hold the role."""
+    if not alive:
+        raise TandemError(f"{where} has no live replica")
+    if leader not in alive:
+        return None
     if role == "leader":
-        if leader not in alive:
-            raise TandemError(f"{where} has no live leader to kill")
         return leader
     followers = [r for r in alive if r != leader]
     if not followers:
@@ -445,6 +461,10 @@ class KazooSession:
             pace=run.config.pace_ms / 1000,
         )
         self.router = _core.OrderRouter(self.publisher)
+        self.on_lead = None
+        """Called as ``on_lead((task, partition, replica), epoch, since_ns)`` the moment a
+        replica of this worker wins its partition's election (on its election thread):
+        the engine records the term, which a replica lost while leading cannot report."""
         self.start_offset = 0
         """Where the follower starts reading the order log. A worker rebuilt from twins
         sets it (before :meth:`start`) to the earliest place its replicas' cuts stood at:
@@ -852,8 +872,12 @@ class Orderer:
             self._lost.clear()  # a session lost while contending is not this one
             self._leading = True
             self._sound.set()
-            self.led.append({"epoch": epoch, "since_ns": time.time_ns()})
+            since_ns = time.time_ns()
+            self.led.append({"epoch": epoch, "since_ns": since_ns})
             log.info("%s leads with epoch %d", self.ident, epoch)
+            on_lead = self.session.on_lead
+            if on_lead is not None:
+                on_lead((self.task, self.partition, self.replica), epoch, since_ns)
             try:
                 if self._read_to_end():
                     self._lead(epoch)
