@@ -372,7 +372,6 @@ def _leaders(
             term(rid, led["epoch"], led["since_ns"], led["until_ns"])
     for rid, epoch, since_ns in sorted(set(leads)):
         if (rid, epoch) not in reported:
-            reported.add((rid, epoch))
             term(rid, epoch, since_ns, None)
     res.leaders = {k: sorted(v, key=lambda x: x["epoch"]) for k, v in sorted(terms.items())}
     res.kazoo_sessions = [sessions[name] for name in sorted(sessions)]

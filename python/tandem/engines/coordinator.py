@@ -2178,7 +2178,9 @@ class Coordinator:
                 if not isinstance(fault, Pause) and self._last_live(task.id, fault.partition):
                     # Whichever replica holds the role, it is the partition's last: wait
                     # for the rebuild (below) without asking ZooKeeper every step.
-                    self._defer(fault, now_s, due, deferred, f"{task.name}[{fault.partition}]")
+                    self._wait_for_rebuild(
+                        fault, now_s, due, deferred, f"{task.name}[{fault.partition}]"
+                    )
                     return
                 try:
                     replica = self._resolve(task.id, fault.partition, replica)
@@ -2188,8 +2190,7 @@ class Coordinator:
                 if replica is None:  # an election under way: look again in a moment
                     timeout = self.zoo.config.session_timeout_s + ELECTION_WAIT_S
                     if now_s < due + timeout:
-                        pending.append(_Deferred(fault, now_s + DEFER_STEP_S, due))
-                        pending.sort(key=lambda f: f.at)
+                        self._defer(fault, now_s, due)
                     else:
                         log.warning(
                             "fault %r: %s partition %d had no live %s for %.0f s",
@@ -2206,7 +2207,7 @@ class Coordinator:
             # The twins are still being rebuilt: this kill would take the last live replica
             # of a partition. It comes once they are back (restore_ms varies with the
             # machine's load; the job is not to fail because a rebuild was slow).
-            self._defer(fault, now_s, due, deferred, self.worker_name(w))
+            self._wait_for_rebuild(fault, now_s, due, deferred, self.worker_name(w))
             return
         record = {
             **fault.to_dict(),
@@ -2239,25 +2240,22 @@ class Coordinator:
         )
         self._kill_worker(w, now_s, "killed")
 
-    def _defer(self, fault, now_s: float, due: float, deferred: bool, what: str) -> None:
-        """Look at kill ``fault`` again in a moment: its victim's twins are being rebuilt."""
-        if not deferred:
-            log.info("fault: %s waits for the rebuild of its twins (at %.2f s)", what, now_s)
+    def _defer(self, fault, now_s: float, due: float) -> None:
+        """Look at ``fault`` (due at ``due``) again in a moment."""
         self.pending.append(_Deferred(fault, now_s + DEFER_STEP_S, due))
         self.pending.sort(key=lambda f: f.at)
+
+    def _wait_for_rebuild(self, fault, now_s: float, due: float, deferred: bool, what: str) -> None:
+        """Kill ``fault`` would take ``what``'s last live replica: look again in a moment,
+        saying so the first time."""
+        if not deferred:
+            log.info("fault: %s waits for the rebuild of its twins (at %.2f s)", what, now_s)
+        self._defer(fault, now_s, due)
 
     def _twins_rebuilding(self, w: int) -> bool:
         """Whether worker ``w`` hosts the last live replica of a partition whose other
         replicas are being rebuilt."""
-        for t, p, r in self.placement[w]:
-            twins = [(t, p, o) for o in range(self.plan.tasks[t].replication) if o != r]
-            if (
-                (t, p, r) not in self.down
-                and twins
-                and all(o in self.down and self.worker_of[o] in self.rejoins for o in twins)
-            ):
-                return True
-        return False
+        return any(rid not in self.down and self._last_live(*rid[:2]) for rid in self.placement[w])
 
     # -- the end --------------------------------------------------------------------------
 

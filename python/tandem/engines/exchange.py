@@ -152,8 +152,7 @@ def serve(
             return None
         resume = msg.cuts
     sending = threading.Lock()
-    running = threading.Event()  # set once the run started (Go): sends go out from then
-    held: list[Message] = []  # what the worker announced before that
+    held: list[Message] | None = []  # what the worker announced before the run (Go)
 
     def send(message: Message) -> None:
         with sending, contextlib.suppress(OSError):
@@ -161,7 +160,7 @@ def serve(
 
     def announce(message: Message) -> None:
         with sending:
-            if not running.is_set():
+            if held is not None:
                 held.append(message)
                 return
         send(message)
@@ -193,11 +192,10 @@ def serve(
     if isinstance(go, Exit):
         return None
     with sending:
-        running.set()
         for message in held:
             with contextlib.suppress(OSError):
                 conn.send(message)
-        held.clear()
+        held = None
 
     folders: dict[Any, str] = {}  # cut token -> where the coordinator wants large states
 

@@ -875,10 +875,10 @@ class Orderer:
             since_ns = time.time_ns()
             self.led.append({"epoch": epoch, "since_ns": since_ns})
             log.info("%s leads with epoch %d", self.ident, epoch)
-            on_lead = self.session.on_lead
-            if on_lead is not None:
-                on_lead((self.task, self.partition, self.replica), epoch, since_ns)
             try:
+                on_lead = self.session.on_lead
+                if on_lead is not None:
+                    on_lead((self.task, self.partition, self.replica), epoch, since_ns)
                 if self._read_to_end():
                     self._lead(epoch)
             finally:
